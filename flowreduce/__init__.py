@@ -1,0 +1,30 @@
+"""flowreduce: all-reduce as Dask task graphs.
+
+>>> summed = flowreduce.allreduce(client, parts, op="sum", algorithm="butterfly")  # doctest: +SKIP
+
+The planners (:mod:`flowreduce.algorithms`) are pure Python; the builder
+(:mod:`flowreduce.build`) imports dask only; :mod:`flowreduce.schedule` is
+the one module that talks to distributed, imported lazily here so that
+``import flowreduce`` works without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowreduce._plan import CostCard, Plan
+from flowreduce.algorithms import ALGORITHMS, plan
+from flowreduce.cost import CostModel, choose
+from flowreduce.ops import resolve_op
+
+__all__ = ["ALGORITHMS", "CostCard", "CostModel", "Plan", "allreduce", "choose", "plan", "resolve_op"]
+__version__ = "0.1.0"
+
+
+def allreduce(client, inputs, **kwargs: Any):
+    from flowreduce.schedule import allreduce as _allreduce
+
+    return _allreduce(client, inputs, **kwargs)
+
+
+allreduce.__doc__ = "All-reduce numpy arrays held by futures; see flowreduce.schedule.allreduce."

@@ -1,0 +1,60 @@
+"""The functions tasks run on workers. numpy only; the builder decides the
+slicing statically and passes it in, so these stay small and dumb.
+
+A node's value is a tuple of 1-D arrays ("pieces") whose layout the builder
+knows; ``picks`` say which element slices of which pieces form one input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flowreduce.ops import Op
+
+
+def split(x, start: int, stop: int) -> tuple[np.ndarray]:
+    """A zero-copy view of the rank's flattened input."""
+    return (np.asarray(x).reshape(-1)[start:stop],)
+
+
+def _pick(value, picks) -> np.ndarray:
+    parts = [value[i][a:b] for i, a, b in picks]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def reduce(op: Op, ranks: int, finish: bool, shape, inputs, picks, owned):
+    """Combine inputs over one range; accumulate into a received buffer that
+    no other task on this worker reads (``owned``), else into a fresh one."""
+    arrays = [_pick(v, p) for v, p in zip(inputs, picks)]
+    acc_i = next((i for i, o in enumerate(owned) if o and arrays[i].flags.writeable), None)
+    if len(arrays) == 1:
+        acc = arrays[0] if acc_i is not None else arrays[0].copy()
+    elif acc_i is not None and op.in_place:
+        acc = arrays[acc_i]
+        for i, a in enumerate(arrays):
+            if i != acc_i:
+                acc = op.combine(acc, a, out=acc)
+    else:
+        acc = op.combine(arrays[0], arrays[1])
+        own = op.in_place and isinstance(acc, np.ndarray)
+        for a in arrays[2:]:
+            acc = op.combine(acc, a, out=acc if own else None)
+    acc = np.asarray(acc)
+    if finish:
+        acc = op.finish(acc, ranks, owned=True)
+    out = (acc,)
+    return out if shape is None else output((out,), shape)
+
+
+def gather(shape, inputs, picks):
+    """Inputs side by side, without copying (a tuple of pieces)."""
+    out = tuple(v[i][a:b] for v, p in zip(inputs, picks) for i, a, b in p)
+    return out if shape is None else output((out,), shape)
+
+
+def output(chunks, shape) -> np.ndarray:
+    """The rank's result in the input's shape: one copy at most."""
+    pieces = [a for c in chunks for a in c]
+    if len(pieces) == 1:
+        return pieces[0].reshape(shape)
+    return np.concatenate(pieces).reshape(shape)

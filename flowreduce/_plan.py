@@ -1,0 +1,270 @@
+"""The plan: a pure description of an all-reduce, with no Dask in it.
+
+A plan cuts every rank's vector (or each chunk of it) into ``segments`` equal
+pieces and lists *nodes*: one node is one task on one rank, holding the values
+of a contiguous segment range ``[lo, hi)``.
+
+* ``view``   -- the rank's own input over ``[lo, hi)`` (a zero-copy slice).
+* ``reduce`` -- the elementwise reduction of its inputs over ``[lo, hi)``;
+  every input covers at least that range.
+* ``gather`` -- its inputs side by side; their ranges tile ``[lo, hi)``.
+
+An edge whose input sits on another rank is a *transfer*. Chunks repeat the
+same plan independently, so they pipeline. The builder lowers nodes to tasks;
+the planners in :mod:`flowreduce.algorithms` only decide who sends which
+segment range to whom at each step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+VIEW, REDUCE, GATHER = "view", "reduce", "gather"
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    kind: str
+    rank: int
+    lo: int
+    hi: int
+    inputs: tuple[int, ...]
+    step: int
+    phase: str
+
+    @property
+    def width(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message: node ``src`` (on rank ``source``) is fetched by ``dest``."""
+
+    src: int
+    source: int
+    dest: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class CostCard:
+    """What a plan costs, counted from its nodes (per call, all chunks)."""
+
+    steps: int  # dependent task levels, the latency term
+    tasks: int
+    messages: int
+    bytes_on_wire: float
+    max_rank_bytes: float  # the busiest rank's bytes sent + received
+    reduce_bytes: float  # bytes combined by the busiest rank
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Plan:
+    algorithm: str
+    ranks: int
+    segments: int
+    nodes: tuple[Node, ...]
+    finals: tuple[int, ...]
+    chunks: int = 1
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return (
+            f"Plan({self.algorithm!r}, ranks={self.ranks}, chunks={self.chunks}"
+            f"{opts}, steps={self.depth}, tasks={self.cost().tasks})"
+        )
+
+    # -- structure ----------------------------------------------------------
+    def consumers(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.id)
+        return out
+
+    def transfers(self) -> list[Transfer]:
+        """Messages of one chunk: one per (node, remote rank that reads it)."""
+        seen = set()
+        out = []
+        for n in self.nodes:
+            for i in n.inputs:
+                src = self.nodes[i]
+                if src.rank != n.rank and (i, n.rank) not in seen:
+                    seen.add((i, n.rank))
+                    out.append(Transfer(i, src.rank, n.rank, src.lo, src.hi))
+        return out
+
+    def output_is_separate(self, rank: int) -> bool:
+        """Whether rank's output needs its own task (the final is read remotely
+        or the vector is chunked), rather than being the final node itself."""
+        if self.chunks > 1:
+            return True
+        fid = self.finals[rank]
+        return any(self.nodes[c].rank != rank for c in self.consumers()[fid])
+
+    @property
+    def levels(self) -> list[int]:
+        lv = [0] * len(self.nodes)
+        for n in self.nodes:  # nodes are topologically ordered
+            lv[n.id] = 1 + max((lv[i] for i in n.inputs), default=0)
+        return lv
+
+    @property
+    def depth(self) -> int:
+        lv = self.levels
+        return max(
+            lv[f] + self.output_is_separate(r) for r, f in enumerate(self.finals)
+        )
+
+    def cost(self, nbytes: float = 0.0) -> CostCard:
+        """Counts for a vector of ``nbytes`` bytes per rank (all chunks)."""
+        seg = nbytes / self.segments / self.chunks if self.segments else 0.0
+        msgs = self.transfers()
+        per_rank = Counter()
+        for t in msgs:
+            b = (t.hi - t.lo) * seg
+            per_rank[t.source] += b
+            per_rank[t.dest] += b
+        reduced = Counter()
+        for n in self.nodes:
+            if n.kind == REDUCE:
+                reduced[n.rank] += max(len(n.inputs) - 1, 0) * n.width * seg
+        outputs = sum(self.output_is_separate(r) for r in range(self.ranks))
+        c = self.chunks
+        return CostCard(
+            steps=self.depth,
+            tasks=c * len(self.nodes) + outputs,
+            messages=c * len(msgs),
+            bytes_on_wire=c * sum((t.hi - t.lo) * seg for t in msgs),
+            max_rank_bytes=c * max(per_rank.values(), default=0.0),
+            reduce_bytes=c * max(reduced.values(), default=0.0),
+        )
+
+    # -- checking -----------------------------------------------------------
+    def check(self) -> None:
+        """Raise ValueError unless every rank ends with every segment reduced
+        over all ranks exactly once. Pure bookkeeping: no data moves."""
+        contrib: list[dict[int, Counter]] = []
+        for n in self.nodes:
+            if not 0 <= n.lo < n.hi <= self.segments:
+                raise ValueError(f"node {n.id} has an empty or bad range {n.lo, n.hi}")
+            per_seg: dict[int, Counter] = {}
+            if n.kind == VIEW:
+                for s in range(n.lo, n.hi):
+                    per_seg[s] = Counter({n.rank: 1})
+            elif n.kind == REDUCE:
+                for s in range(n.lo, n.hi):
+                    total: Counter = Counter()
+                    for i in n.inputs:
+                        if s not in contrib[i]:
+                            raise ValueError(f"node {n.id} reads segment {s} from node {i}, which lacks it")
+                        total += contrib[i][s]
+                    per_seg[s] = total
+            elif n.kind == GATHER:
+                for s in range(n.lo, n.hi):
+                    having = [i for i in n.inputs if s in contrib[i]]
+                    if len(having) != 1:
+                        raise ValueError(f"gather node {n.id}: segment {s} comes from {len(having)} inputs")
+                    per_seg[s] = contrib[having[0]][s]
+            else:
+                raise ValueError(f"unknown node kind {n.kind!r}")
+            contrib.append(per_seg)
+        everyone = Counter(range(self.ranks))
+        for r, f in enumerate(self.finals):
+            node = self.nodes[f]
+            if node.rank != r or (node.lo, node.hi) != (0, self.segments):
+                raise ValueError(f"rank {r}'s final node {f} is not its full vector")
+            for s in range(self.segments):
+                if contrib[f][s] != everyone:
+                    raise ValueError(
+                        f"rank {r} ends with segment {s} reduced over {dict(contrib[f][s])}"
+                    )
+
+
+class Draft:
+    """Collects nodes in topological order while a planner runs."""
+
+    def __init__(self, algorithm: str, ranks: int, segments: int, **options: Any):
+        self.algorithm = algorithm
+        self.ranks = ranks
+        self.segments = segments
+        self.options = options
+        self.nodes: list[Node] = []
+
+    def _add(self, kind, rank, lo, hi, inputs, step, phase) -> int:
+        n = Node(len(self.nodes), kind, rank, lo, hi, tuple(inputs), step, phase)
+        self.nodes.append(n)
+        return n.id
+
+    def view(self, rank: int, lo: int = 0, hi: int | None = None) -> int:
+        return self._add(VIEW, rank, lo, self.segments if hi is None else hi, (), 0, "split")
+
+    def reduce(self, rank, lo, hi, inputs, step, phase="reduce") -> int:
+        return self._add(REDUCE, rank, lo, hi, inputs, step, phase)
+
+    def gather(self, rank, lo, hi, inputs, step, phase="all-gather") -> int:
+        return self._add(GATHER, rank, lo, hi, inputs, step, phase)
+
+    def range_of(self, node: int) -> tuple[int, int]:
+        n = self.nodes[node]
+        return n.lo, n.hi
+
+    def finish(self, finals) -> Plan:
+        return Plan(
+            self.algorithm, self.ranks, self.segments, tuple(self.nodes),
+            tuple(finals), options=dict(self.options),
+        )
+
+
+def split_range(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+    """Cut ``[lo, hi)`` into ``parts`` equal contiguous ranges (must divide)."""
+    width = (hi - lo) // parts
+    return [(lo + j * width, lo + (j + 1) * width) for j in range(parts)]
+
+
+def mixed_radix(p: int, radix: int) -> tuple[int, list[int]]:
+    """The largest ``core <= p`` that factors into stages of at most ``radix``
+    ranks, and those stage sizes (largest first). Ranks beyond ``core`` are
+    folded into partners (MPICH's trick for non-powers of two)."""
+    if radix < 2:
+        raise ValueError(f"radix must be at least 2, got {radix}")
+    for core in range(p, 0, -1):
+        n, factors = core, []
+        while n > 1:
+            f = next((d for d in range(min(radix, n), 1, -1) if n % d == 0), None)
+            if f is None:
+                break
+            factors.append(f)
+            n //= f
+        if n == 1:
+            return core, factors
+    raise AssertionError("unreachable: core=1 always factors")
+
+
+def digits(q: int, factors: list[int]) -> list[int]:
+    out = []
+    for f in factors:
+        out.append(q % f)
+        q //= f
+    return out
+
+
+def with_digit(q: int, factors: list[int], stage: int, value: int) -> int:
+    d = digits(q, factors)
+    d[stage] = value
+    return sum(v * math.prod(factors[:i]) for i, v in enumerate(d))
+
+
+def folded(p: int, core: int) -> dict[int, list[int]]:
+    """Extra ranks ``core..p-1`` ride along with partner ``extra - core``."""
+    return {q: [e for e in range(core, p) if e - core == q] for q in range(core)}

@@ -1,0 +1,49 @@
+"""The registry of all-reduce algorithms: one module each, one ``plan``.
+
+Every planner takes the number of ranks and its own keyword options and
+returns a :class:`~flowreduce._plan.Plan`. Nothing here imports Dask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from flowreduce._plan import Plan
+from flowreduce.algorithms import butterfly, recursive_doubling, reduce_broadcast, ring, tree
+
+_PLANNERS: dict[str, Callable[..., Plan]] = {
+    m.NAME: m.plan for m in (reduce_broadcast, tree, recursive_doubling, butterfly, ring)
+}
+
+#: Registered algorithm names, plus ``"auto"`` (chosen by the cost model).
+ALGORITHMS: tuple[str, ...] = (*_PLANNERS, "auto")
+
+
+def plan(algorithm: str, ranks: int, chunks: int = 1, **options: Any) -> Plan:
+    """The pure plan of ``algorithm`` over ``ranks`` ranks and ``chunks``
+    independent chunks, with its cost card (``plan(...).cost(nbytes)``).
+
+    Raises
+    ------
+    ValueError
+        Unknown algorithm (the message lists the valid names), fewer than
+        one rank or chunk, or an option the algorithm does not take.
+    """
+    if algorithm == "auto":
+        raise ValueError("plan() needs a concrete algorithm; use flowreduce.choose() for 'auto'")
+    try:
+        planner = _PLANNERS[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}"
+        ) from None
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"an all-reduce needs at least one rank, got {ranks!r}")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    try:
+        p = planner(ranks, **options)
+    except TypeError as e:
+        raise ValueError(f"bad option for algorithm {algorithm!r}: {e}") from None
+    return replace(p, chunks=chunks)

@@ -1,0 +1,45 @@
+"""Key names, made in one place.
+
+``("flowreduce-<algorithm>-<phase>-<token>", step, rank, chunk, node)``: no
+digits in the name part, so the dashboard and the task stream group keys by
+algorithm and phase (``dask.utils.key_split`` drops the hex token).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def name(algorithm: str, phase: str, token: str) -> str:
+    return f"flowreduce-{algorithm}-{phase}-{token}"
+
+
+def node_key(algorithm: str, phase: str, token: str, step: int, rank: int, chunk: int, node: int):
+    return (name(algorithm, phase, token), step, rank, chunk, node)
+
+
+def output_key(algorithm: str, token: str, rank: int):
+    return (name(algorithm, "output", token), rank)
+
+
+def parse(key) -> dict | None:
+    """The parts of a flowreduce key, or None for anybody else's key."""
+    if not (isinstance(key, tuple) and isinstance(key[0], str) and key[0].startswith("flowreduce-")):
+        return None
+    head, _, token = key[0].rpartition("-")
+    rest = head[len("flowreduce-"):]
+    for phase in ("reduce-scatter", "all-gather", "split", "reduce", "broadcast", "exchange", "output"):
+        if rest.endswith("-" + phase):
+            algorithm = rest[: -len(phase) - 1]
+            break
+    else:
+        return None
+    if phase == "output":
+        return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1]}
+    step, rank, chunk, node = key[1:]
+    return {"algorithm": algorithm, "phase": phase, "token": token,
+            "step": step, "rank": rank, "chunk": chunk, "node": node}

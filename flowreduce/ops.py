@@ -1,0 +1,79 @@
+"""Reduction operators: names, numpy ufuncs or callables, resolved once.
+
+Every operator is assumed associative and commutative: algorithms combine
+contributions in different orders, so a non-associative callable gives
+rank-dependent results (and floating-point sums may differ in the last
+bits between algorithms, as in MPI).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+_NAMED = {
+    "sum": np.add,
+    "prod": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+    "mean": np.add,  # summed, then divided by the rank count
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """A resolved operator. ``combine(a, b, out)`` writes into ``out`` when it
+    is given and the operator supports it (ufuncs), otherwise returns new."""
+
+    name: str
+    func: Callable[..., Any]
+    mean: bool = False
+
+    @property
+    def in_place(self) -> bool:
+        return isinstance(self.func, np.ufunc)
+
+    def combine(self, a, b, out=None):
+        if out is not None and self.in_place:
+            return self.func(a, b, out=out)
+        return self.func(a, b)
+
+    def finish(self, x: np.ndarray, ranks: int, owned: bool) -> np.ndarray:
+        """Apply what remains once all ranks are combined (mean's division)."""
+        if not self.mean:
+            return x
+        if owned and np.issubdtype(x.dtype, np.inexact):
+            return np.divide(x, ranks, out=x)
+        return np.true_divide(x, ranks)
+
+
+def valid_ops() -> list[str]:
+    return [*_NAMED, "<any binary numpy ufunc or its name>", "<callable(a, b)>"]
+
+
+def resolve_op(op: Any) -> Op:
+    """Turn ``"sum"``, ``np.maximum``, ``"logaddexp"`` or a callable into an Op.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name or a ufunc that does not take two inputs.
+    """
+    if isinstance(op, Op):
+        return op
+    if isinstance(op, str):
+        if op in _NAMED:
+            return Op(op, _NAMED[op], mean=op == "mean")
+        ufunc = getattr(np, op, None)
+        if isinstance(ufunc, np.ufunc) and ufunc.nin == 2 and ufunc.nout == 1:
+            return Op(op, ufunc)
+        raise ValueError(f"unknown op {op!r}; valid: {', '.join(valid_ops())}")
+    if isinstance(op, np.ufunc):
+        if op.nin != 2 or op.nout != 1:
+            raise ValueError(f"op {op.__name__} is not a binary ufunc (it takes {op.nin} inputs)")
+        return Op(op.__name__, op)
+    if callable(op):
+        return Op(getattr(op, "__name__", "callable"), op)
+    raise ValueError(f"op must be a name, a numpy ufunc or a callable, got {op!r}; valid: {', '.join(valid_ops())}")

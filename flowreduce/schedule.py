@@ -1,0 +1,193 @@
+"""Run a plan on a dask.distributed cluster: the only module that imports
+distributed. It finds where each rank's input lives, checks the inputs
+agree, lowers the plan with every task pinned to its rank's worker, and
+submits the graph. Nothing but the graph passes through the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+from typing import Any, Sequence
+
+import dask
+import numpy as np
+from distributed import Client, Future, wait
+
+from flowreduce._plan import Plan
+from flowreduce.algorithms import ALGORITHMS, plan as make_plan
+from flowreduce.build import build_graph
+from flowreduce.cost import DEFAULT_MODEL, CostModel, chunk_choices, choose
+from flowreduce.ops import resolve_op
+
+logger = logging.getLogger("flowreduce")
+
+
+class AllreduceResult(list):
+    """The output futures, one per rank, plus what ran: ``.plan`` (with its
+    ``algorithm``, ``chunks`` and ``options``), ``.nbytes`` per rank and the
+    model's ``.predicted`` seconds. Behaves as ``list[Future]``."""
+
+    plan: Plan
+    nbytes: int
+    predicted: float
+    token: str
+
+    @property
+    def algorithm(self) -> str:
+        return self.plan.algorithm
+
+
+def allreduce(
+    client: Client,
+    inputs: Sequence[Future],
+    *,
+    op: Any = "sum",
+    algorithm: str = "auto",
+    chunks: int | None = None,
+    chunk_bytes: int | None = None,
+    model: CostModel | None = None,
+    **options: Any,
+) -> AllreduceResult:
+    """All-reduce numpy arrays held by futures, one future per rank.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    inputs : list of Future
+        Rank i's array. Arrays of any shape, reduced elementwise; all ranks
+        must agree on shape and dtype. Ranks may share a worker.
+    op : str, numpy ufunc or callable
+        ``"sum"`` (default), ``"prod"``, ``"min"``, ``"max"``, ``"mean"``,
+        the name of any binary numpy ufunc, a ufunc, or ``f(a, b) -> array``.
+        Assumed associative and commutative.
+    algorithm : str
+        One of :data:`flowreduce.ALGORITHMS`; ``"auto"`` asks the cost model
+        (the pick is logged at INFO and kept in ``result.plan``).
+    chunks, chunk_bytes : int, optional
+        Split each vector into this many independent pipelines, or into
+        pieces of about this many bytes. Default: chosen by the cost model.
+    **options
+        Algorithm options: ``radix`` (butterfly, recursive-doubling),
+        ``fan_in`` (tree), ``root`` (reduce-broadcast).
+
+    Returns
+    -------
+    AllreduceResult
+        ``result[i]`` is a Future held on the worker that holds ``inputs[i]``.
+        The call waits until the inputs are in memory (their workers decide
+        the placement), then returns without waiting for the reduction.
+
+    Raises
+    ------
+    ValueError
+        No inputs, unknown algorithm or op, ranks disagreeing on shape or
+        dtype (the message names the ranks), bad chunk settings.
+    TypeError
+        An input that is not a future or not a numpy array.
+    RuntimeError
+        An input future that failed, was cancelled or whose data was lost.
+    """
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("allreduce needs one input future per rank; got an empty list")
+    for r, f in enumerate(inputs):
+        if not isinstance(f, Future):
+            raise TypeError(f"input of rank {r} is a {type(f).__name__}, not a distributed.Future; "
+                            "scatter or submit it first")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+    op_ = resolve_op(op)
+    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if chunk_bytes is not None and chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
+
+    workers = _locate(client, inputs)
+    shape, dtype = _check_inputs(client, inputs, workers)
+    size = math.prod(shape)
+    nbytes = size * dtype.itemsize
+    p = len(inputs)
+    if chunks is None and chunk_bytes is not None:
+        chunks = max(1, math.ceil(nbytes / chunk_bytes))
+    model = model or DEFAULT_MODEL
+    if algorithm == "auto":
+        if options:
+            raise ValueError(f"options {sorted(options)} need a named algorithm, not 'auto'")
+        plan = choose(p, nbytes, model=model, chunks=chunks)
+    else:
+        plan = make_plan(algorithm, p, chunks=chunks or _default_chunks(nbytes), **options)
+    graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_)
+    with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
+        futures = client.get(graph.tasks, graph.outputs, sync=False)
+    result = AllreduceResult(futures)
+    result.plan = plan
+    result.nbytes = nbytes
+    result.predicted = model.predict(plan, nbytes)
+    result.token = graph.token
+    logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
+    return result
+
+
+def _default_chunks(nbytes: float) -> int:
+    """For a named algorithm without chunk settings: ~8 MiB chunks, at most 16."""
+    return max(1, min(16, int(nbytes // (8 << 20))))
+
+
+def _locate(client: Client, inputs: list[Future]) -> list[str]:
+    """The worker holding each rank's input, once all are in memory."""
+    wait(inputs)
+    for r, f in enumerate(inputs):
+        if f.status == "error":
+            raise RuntimeError(f"input of rank {r} failed: {f.exception()!r}") from f.exception()
+        if f.status != "finished":
+            raise RuntimeError(f"input of rank {r} is {f.status} (key {f.key!r}); nothing to reduce")
+    who_has = client.who_has(inputs)
+    workers = []
+    for r, f in enumerate(inputs):
+        holders = sorted(who_has.get(f.key, ()))
+        if not holders:
+            raise RuntimeError(f"input of rank {r} (key {f.key!r}) is held by no worker: its data was lost")
+        workers.append(holders[0])
+    return workers
+
+
+def _describe(keys, dask_worker=None):
+    out = {}
+    for k in keys:
+        if k in dask_worker.data:
+            x = dask_worker.data[k]
+            if isinstance(x, np.ndarray):
+                out[k] = ("ndarray", x.shape, x.dtype.str)
+            else:
+                out[k] = (type(x).__name__, None, None)
+    return out
+
+
+def _check_inputs(client: Client, inputs: list[Future], workers: list[str]):
+    """Shape and dtype shared by all ranks, read where the data lives."""
+    by_worker: dict[str, list] = {}
+    for f, w in zip(inputs, workers):
+        by_worker.setdefault(w, []).append(f.key)
+    found: dict = {}
+    for w, ks in by_worker.items():
+        found.update(client.run(_describe, ks, workers=[w])[w])
+    metas = [found.get(f.key) for f in inputs]
+    bad = [r for r, m in enumerate(metas) if m is None or m[0] != "ndarray"]
+    if bad:
+        kinds = {r: (metas[r][0] if metas[r] else "missing") for r in bad}
+        raise TypeError(f"inputs must be numpy arrays; ranks {bad} hold {kinds}")
+    groups: dict[tuple, list[int]] = {}
+    for r, (_, shape, dt) in enumerate(metas):
+        groups.setdefault((tuple(shape), dt), []).append(r)
+    if len(groups) > 1:
+        shapes = {tuple(s) for s, _ in groups}
+        what = "shapes" if len(shapes) > 1 else "dtypes"
+        detail = "; ".join(f"ranks {rs}: shape {s}, dtype {np.dtype(d)}" for (s, d), rs in groups.items())
+        raise ValueError(f"ranks disagree on {what}: {detail}")
+    (shape, dt), = groups
+    dtype = np.dtype(dt)
+    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+        raise TypeError(f"inputs must have a numeric dtype, got {dtype}")
+    return shape, dtype

@@ -1,0 +1,164 @@
+"""End-to-end test of Dask on a real SLURM cluster via dask-jobqueue.
+
+Needs a running SLURM (``bash tests/infra/slurm/up.sh`` as root starts a
+single-machine one). Every test here skips, with the reason, when SLURM is not
+running or ``dask_jobqueue`` is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+IDLE_WAIT_SECONDS = 5.0
+
+
+def slurm_skip_reason(wait: float = IDLE_WAIT_SECONDS) -> str | None:
+    """Return why SLURM is unusable here, or None when it has an idle node.
+
+    Polls ``sinfo -h -o %T`` for up to ``wait`` seconds for a node in state
+    ``idle`` (or ``mixed``, which still has free CPUs).
+    """
+    if shutil.which("sinfo") is None:
+        return "SLURM not installed: no `sinfo` on PATH (run tests/infra/slurm/up.sh as root)"
+    deadline = time.monotonic() + wait
+    last = ""
+    while True:
+        try:
+            proc = subprocess.run(
+                ["sinfo", "-h", "-o", "%T"],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=max(1.0, wait),
+            )
+        except subprocess.TimeoutExpired:
+            last = "`sinfo -h -o %T` timed out (slurmctld unreachable?)"
+        else:
+            if proc.returncode != 0:
+                last = f"`sinfo -h -o %T` failed (rc={proc.returncode}): {proc.stderr.strip()[:200]}"
+            else:
+                states = proc.stdout.split()
+                if any(s in ("idle", "mixed") for s in states):
+                    return None
+                last = f"no idle SLURM node (states: {', '.join(states) or 'none'})"
+        if time.monotonic() >= deadline:
+            return f"SLURM not running: {last} (run tests/infra/slurm/up.sh as root)"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    reason = slurm_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def dask_jobqueue(slurm):
+    return pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+
+
+def _jobs(name: str) -> list[tuple[str, str]]:
+    """(job id, state) of queued jobs with this job name, via `squeue -h`."""
+    out = subprocess.run(
+        ["squeue", "-h", "-n", name, "-o", "%i %T"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    return [tuple(line.split()) for line in out.splitlines() if line.strip()]
+
+
+def test_slurm_cluster_runs_tasks_on_two_jobs(dask_jobqueue, tmp_path):
+    from distributed import Client
+
+    # A name unique to this run, so that other jobs on the same SLURM do not
+    # disturb the squeue checks.
+    job_name = f"flowreduce-test-{uuid.uuid4().hex[:8]}"
+    cluster = dask_jobqueue.SLURMCluster(
+        cores=1,
+        processes=1,
+        memory="1GB",
+        walltime="00:05:00",
+        interface="lo",
+        python=sys.executable,
+        job_name=job_name,
+        log_directory=str(tmp_path / "slurm-logs"),
+        local_directory=str(tmp_path / "worker-space"),
+        job_script_prologue=[f"export PYTHONPATH={REPO_ROOT}"],
+        scheduler_options={"dashboard_address": ":0"},
+    )
+    closed = False
+    try:
+        script = cluster.job_script()
+        assert f"#SBATCH -J {job_name}" in script
+        assert sys.executable in script
+
+        client = Client(cluster)
+        try:
+            cluster.scale(jobs=2)
+            client.wait_for_workers(2, timeout=60)
+
+            workers = sorted(client.scheduler_info()["workers"])
+            assert len(workers) == 2, workers
+
+            # one task pinned on each worker
+            futures = {
+                w: client.submit(sum, [1, 2, 3], workers=[w], allow_other_workers=False, pure=False)
+                for w in workers
+            }
+            assert {w: f.result(timeout=30) for w, f in futures.items()} == {w: 6 for w in workers}
+            for w, f in futures.items():
+                assert client.who_has(f)[f.key] == (w,)
+
+            # workers run this interpreter, with the prologue's PYTHONPATH, inside SLURM jobs.
+            # (A local function: cloudpickle ships it by value, as the workers
+            # cannot import this test module.)
+            def worker_env() -> dict:
+                import os
+                import sys
+
+                return {
+                    "python": sys.executable,
+                    "pythonpath": os.environ.get("PYTHONPATH", ""),
+                    "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                }
+
+            envs = client.run(worker_env)
+            assert sorted(envs) == workers
+            job_ids = set()
+            for env in envs.values():
+                assert env["python"] == sys.executable, env
+                assert str(REPO_ROOT) in env["pythonpath"].split(os.pathsep), env
+                assert env["slurm_job_id"], env
+                job_ids.add(env["slurm_job_id"])
+            assert len(job_ids) == 2, envs
+
+            jobs = _jobs(job_name)
+            assert len(jobs) == 2, jobs
+            assert all(state == "RUNNING" for _, state in jobs), jobs
+            assert {job_id for job_id, _ in jobs} == job_ids
+        finally:
+            client.close()
+        cluster.close()
+        closed = True
+
+        deadline = time.monotonic() + 60
+        while (jobs := _jobs(job_name)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert jobs == [], f"jobs left in squeue after cluster.close(): {jobs}"
+    finally:
+        if not closed:
+            cluster.close()
+            subprocess.run(["scancel", "-n", job_name], check=False, capture_output=True, timeout=30)
