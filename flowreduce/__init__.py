@@ -17,7 +17,7 @@ from flowreduce.algorithms import ALGORITHMS, plan
 from flowreduce.cost import CostModel, choose
 from flowreduce.ops import resolve_op
 
-__all__ = ["ALGORITHMS", "CostCard", "CostModel", "Plan", "allreduce", "choose", "plan", "resolve_op"]
+__all__ = ["ALGORITHMS", "CostCard", "CostModel", "Plan", "allreduce", "choose", "describe", "plan", "resolve_op"]
 __version__ = "0.1.0"
 
 
@@ -27,4 +27,11 @@ def allreduce(client, inputs, **kwargs: Any):
     return _allreduce(client, inputs, **kwargs)
 
 
+def describe(futures):
+    from flowreduce.schedule import describe as _describe
+
+    return _describe(futures)
+
+
 allreduce.__doc__ = "All-reduce numpy arrays held by futures; see flowreduce.schedule.allreduce."
+describe.__doc__ = "What the allreduce call that made these futures ran; see flowreduce.schedule.describe."

@@ -42,16 +42,20 @@ def build_graph(
     shape: tuple[int, ...],
     op: Op,
     token: str | None = None,
+    in_place: bool = True,
 ) -> Graph:
     """Lower ``plan`` for rank inputs ``inputs`` (futures or TaskRefs) held on
-    ``workers`` (one address per rank), vectors of ``size`` elements."""
+    ``workers`` (one address per rank), vectors of ``size`` elements.
+
+    ``in_place=False`` never reduces into received buffers: for transports
+    that hand objects over without copying (distributed's ``inproc://``)."""
     if len(inputs) != plan.ranks or len(workers) != plan.ranks:
         raise ValueError(f"plan is for {plan.ranks} ranks, got {len(inputs)} inputs and {len(workers)} workers")
     token = token or keys.new_token()
     nodes, S = plan.nodes, plan.segments
     consumers = plan.consumers()
     worker_of = [workers[n.rank] for n in nodes]
-    owned = _owned_inputs(plan, worker_of, consumers)
+    owned = _owned_inputs(plan, worker_of, consumers, in_place)
     count = _contributions(plan)
 
     layout: list[list[tuple[int, int]]] = []
@@ -129,7 +133,7 @@ def _contributions(plan: Plan) -> list[int]:
     return count
 
 
-def _owned_inputs(plan: Plan, worker_of: list[str], consumers) -> dict[int, tuple[bool, ...]]:
+def _owned_inputs(plan: Plan, worker_of: list[str], consumers, in_place: bool) -> dict[int, tuple[bool, ...]]:
     """For each reduce node, which inputs it may overwrite.
 
     A value that crossed workers arrives as a fresh, private copy. It may be
@@ -144,7 +148,7 @@ def _owned_inputs(plan: Plan, worker_of: list[str], consumers) -> dict[int, tupl
             continue
         flags = []
         for i in n.inputs:
-            if worker_of[i] == worker_of[n.id]:
+            if not in_place or worker_of[i] == worker_of[n.id]:
                 flags.append(False)
                 continue
             readers = [nodes[c] for c in consumers[i] if worker_of[c] == worker_of[n.id]]

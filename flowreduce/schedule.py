@@ -8,35 +8,57 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import dask
 import numpy as np
 from distributed import Client, Future, wait
 
+from flowreduce._guard import ensure_guard
 from flowreduce._plan import Plan
 from flowreduce.algorithms import ALGORITHMS, plan as make_plan
 from flowreduce.build import build_graph
-from flowreduce.cost import DEFAULT_MODEL, CostModel, chunk_choices, choose
+from flowreduce.cost import DEFAULT_MODEL, CostModel, choose
 from flowreduce.ops import resolve_op
 
 logger = logging.getLogger("flowreduce")
 
 
-class AllreduceResult(list):
-    """The output futures, one per rank, plus what ran: ``.plan`` (with its
-    ``algorithm``, ``chunks`` and ``options``), ``.nbytes`` per rank and the
-    model's ``.predicted`` seconds. Behaves as ``list[Future]``."""
+@dataclass(frozen=True)
+class CallInfo:
+    """What one ``allreduce`` call ran: its plan, bytes per rank, the cost
+    model's predicted seconds, its key token and each rank's worker."""
 
     plan: Plan
     nbytes: int
     predicted: float
     token: str
+    workers: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
 
     @property
     def algorithm(self) -> str:
         return self.plan.algorithm
+
+
+# Recent calls by token, so describe() can answer from the futures alone.
+# Bounded: a training loop makes one call per step.
+_CALLS: OrderedDict[str, CallInfo] = OrderedDict()
+_MAX_CALLS = 1024
+
+
+def describe(futures: Sequence[Future]) -> CallInfo:
+    """The :class:`CallInfo` of the ``allreduce`` call that made ``futures``
+    (for example, which algorithm ``"auto"`` picked)."""
+    from flowreduce.keys import parse
+
+    info = parse(futures[0].key) if futures else None
+    if info is None or info["token"] not in _CALLS:
+        raise KeyError("these futures do not come from a recent flowreduce.allreduce call")
+    return _CALLS[info["token"]]
 
 
 def allreduce(
@@ -49,7 +71,7 @@ def allreduce(
     chunk_bytes: int | None = None,
     model: CostModel | None = None,
     **options: Any,
-) -> AllreduceResult:
+) -> list[Future]:
     """All-reduce numpy arrays held by futures, one future per rank.
 
     Parameters
@@ -74,8 +96,9 @@ def allreduce(
 
     Returns
     -------
-    AllreduceResult
+    list of Future
         ``result[i]`` is a Future held on the worker that holds ``inputs[i]``.
+        :func:`describe` on it tells what ran (plan, predicted time).
         The call waits until the inputs are in memory (their workers decide
         the placement), then returns without waiting for the reduction.
 
@@ -104,8 +127,11 @@ def allreduce(
     if chunk_bytes is not None and chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
 
-    workers = _locate(client, inputs)
-    shape, dtype = _check_inputs(client, inputs, workers)
+    located = _locate(client, inputs)
+    workers = [w for w, _ in located]
+    shape, dtype = _check_inputs([m for _, m in located])
+    if op_.mean and dtype == np.bool_:
+        raise TypeError("op='mean' of boolean arrays is ambiguous; cast them to a number type first")
     size = math.prod(shape)
     nbytes = size * dtype.itemsize
     p = len(inputs)
@@ -118,16 +144,18 @@ def allreduce(
         plan = choose(p, nbytes, model=model, chunks=chunks)
     else:
         plan = make_plan(algorithm, p, chunks=chunks or _default_chunks(nbytes), **options)
-    graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_)
+    # inproc:// (in-process clusters) passes objects by reference: no private copies to reduce into
+    in_place = not any(w.startswith("inproc://") for w in workers)
+    graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place)
+    ensure_guard(client)
     with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
         futures = client.get(graph.tasks, graph.outputs, sync=False)
-    result = AllreduceResult(futures)
-    result.plan = plan
-    result.nbytes = nbytes
-    result.predicted = model.predict(plan, nbytes)
-    result.token = graph.token
+    _CALLS[graph.token] = CallInfo(plan, nbytes, model.predict(plan, nbytes), graph.token,
+                                   tuple(workers), tuple(shape), dtype.str)
+    while len(_CALLS) > _MAX_CALLS:
+        _CALLS.popitem(last=False)
     logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
-    return result
+    return futures
 
 
 def _default_chunks(nbytes: float) -> int:
@@ -135,22 +163,34 @@ def _default_chunks(nbytes: float) -> int:
     return max(1, min(16, int(nbytes // (8 << 20))))
 
 
-def _locate(client: Client, inputs: list[Future]) -> list[str]:
-    """The worker holding each rank's input, once all are in memory."""
+def _locate(client: Client, inputs: list[Future]) -> list[tuple[str, tuple | None]]:
+    """For each rank, the worker holding its input and what it holds there
+    (type, shape, dtype), once all inputs are in memory: one broadcast."""
     wait(inputs)
     for r, f in enumerate(inputs):
         if f.status == "error":
             raise RuntimeError(f"input of rank {r} failed: {f.exception()!r}") from f.exception()
         if f.status != "finished":
             raise RuntimeError(f"input of rank {r} is {f.status} (key {f.key!r}); nothing to reduce")
-    who_has = client.who_has(inputs)
-    workers = []
+    keys = list(dict.fromkeys(f.key for f in inputs))
+    holders: dict = {}
+    meta: dict = {}
+    for worker, held in sorted(client.run(_describe, keys).items()):
+        for k, m in held.items():
+            holders.setdefault(k, []).append(worker)
+            meta.setdefault(k, m)
     for r, f in enumerate(inputs):
-        holders = sorted(who_has.get(f.key, ()))
-        if not holders:
+        if f.key not in holders:
             raise RuntimeError(f"input of rank {r} (key {f.key!r}) is held by no worker: its data was lost")
-        workers.append(holders[0])
-    return workers
+    # A replicated input (fetched earlier by some other task) may sit on
+    # several workers: spread ranks over them, sole holders first.
+    load: dict[str, int] = {}
+    chosen: dict[int, str] = {}
+    for r in sorted(range(len(inputs)), key=lambda r: len(holders[inputs[r].key])):
+        w = min(holders[inputs[r].key], key=lambda w: load.get(w, 0))
+        chosen[r] = w
+        load[w] = load.get(w, 0) + 1
+    return [(chosen[r], meta[f.key]) for r, f in enumerate(inputs)]
 
 
 def _describe(keys, dask_worker=None):
@@ -165,15 +205,8 @@ def _describe(keys, dask_worker=None):
     return out
 
 
-def _check_inputs(client: Client, inputs: list[Future], workers: list[str]):
-    """Shape and dtype shared by all ranks, read where the data lives."""
-    by_worker: dict[str, list] = {}
-    for f, w in zip(inputs, workers):
-        by_worker.setdefault(w, []).append(f.key)
-    found: dict = {}
-    for w, ks in by_worker.items():
-        found.update(client.run(_describe, ks, workers=[w])[w])
-    metas = [found.get(f.key) for f in inputs]
+def _check_inputs(metas: list[tuple]):
+    """Shape and dtype shared by all ranks, or an error naming the ranks."""
     bad = [r for r, m in enumerate(metas) if m is None or m[0] != "ndarray"]
     if bad:
         kinds = {r: (metas[r][0] if metas[r] else "missing") for r in bad}
@@ -189,5 +222,5 @@ def _check_inputs(client: Client, inputs: list[Future], workers: list[str]):
     (shape, dt), = groups
     dtype = np.dtype(dt)
     if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
-        raise TypeError(f"inputs must have a numeric dtype, got {dtype}")
+        raise TypeError(f"inputs must have a numeric or boolean dtype, got {dtype}")
     return shape, dtype

@@ -1,0 +1,227 @@
+"""Hierarchical all-reduce (BlueConnect): reduce-scatter inside each host,
+all-reduce each shard across hosts, all-gather inside each host.
+
+::
+
+    host A: a0 a1 a2        host B: b0 b1            (groups [[0,1,2],[3,4]])
+
+    1 reduce-scatter   a0:[0,1/3) a1:[1/3,2/3) a2:[2/3,1)   b0:[0,1/2) b1:[1/2,1)
+      within a host    (inner: butterfly or ring; host-local links only)
+
+    2 all-reduce of    [0,1/3)    a0 <-> b0      shards do not align across
+      each shard range [1/3,1/2)  a1 <-> b0      uneven hosts: each range
+      across hosts     [1/2,2/3)  a1 <-> b1      between two shard bounds is
+                       [2/3,1)    a2 <-> b1      all-reduced among its owners
+                       (outer algorithm; the only traffic between hosts)
+
+    3 all-gather       every rank ends with the whole vector (inner, reversed)
+      within a host
+
+The vector is cut into ``segments`` = lcm of the shard counts times what the
+outer algorithm needs, so every host's shards are unions of segments.
+``levels`` nests this: reduce-scatter inside hosts, then inside racks among
+the shard owners, ..., the outer algorithm among the owners at the top.
+
+Cost (REFERENCES §2, level i has p_i members per group, n_i = n/∏_{j<i} p_j
+bytes enter it, level 1 = host):
+
+    inner level i:  butterfly 2·log_k p_i·α_i, ring 2(p_i-1)·α_i
+                    + 2(p_i-1)/p_i·n_i·β_i + (p_i-1)/p_i·n_i·γ_i
+    outer (m groups, n/∏ p_j bytes per owner): the flat algorithm's card
+
+Between hosts every rank sends (and receives) 2(m-1)/m·n/g with a
+bandwidth-optimal outer algorithm (ring, butterfly with m a power of the
+radix): a 1/g share of the flat algorithm's bytes, 2(m-1)·n over all links
+together (also with uneven hosts, and for reduce-broadcast, all at the
+root). A folded butterfly member (host size not a power of the radix)
+owns no shard, so its host's owners carry n/core each. Tasks: the inner
+algorithm's per host, plus the outer's per shard range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flowreduce._plan import VIEW, Draft, Plan
+from flowreduce.algorithms._collectives import (
+    ALLREDUCE_ALGORITHMS,
+    SCATTER_ALGORITHMS,
+    Shards,
+    Source,
+    Tiles,
+    all_gather,
+    all_reduce,
+    divisor,
+    lcm,
+    reduce_scatter,
+    shard_count,
+    view_source,
+)
+
+NAME = "hierarchical"
+
+Grouping = list[list[int]]
+
+
+def plan(
+    ranks: int,
+    *,
+    groups: Sequence[Sequence[int]] | None = None,
+    group_size: int | None = None,
+    levels: Sequence[Sequence[Sequence[int]]] | None = None,
+    inner: str = "butterfly",
+    outer: str = "butterfly",
+    radix: int = 2,
+) -> Plan:
+    """The hierarchical plan over ``ranks`` ranks.
+
+    Parameters
+    ----------
+    groups : list of lists of int, optional
+        A partition of the ranks into hosts, sizes may differ. Default: one
+        group per rank (the flat ``outer`` algorithm).
+    group_size : int, optional
+        Consecutive blocks of this many ranks (the last may be smaller).
+    levels : list of groupings, optional
+        Nested partitions, innermost (host) first; each coarser grouping is
+        a union of finer groups (e.g. hosts, then racks).
+    inner : {"butterfly", "ring"}
+        Reduce-scatter / all-gather inside a group at every level.
+    outer : {"butterfly", "ring", "recursive-doubling", "reduce-broadcast"}
+        All-reduce among the shard owners across the top-level groups.
+    radix : int
+        Radix of butterfly stages and of recursive doubling.
+
+    Raises
+    ------
+    ValueError
+        More than one of ``groups``/``group_size``/``levels``, groupings that
+        are not partitions of the ranks or not nested, unknown algorithms.
+    """
+    given = [name for name, v in (("groups", groups), ("group_size", group_size), ("levels", levels))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"pass one of groups, group_size, levels; got {' and '.join(given)}")
+    if inner not in SCATTER_ALGORITHMS:
+        raise ValueError(f"inner must be one of {', '.join(SCATTER_ALGORITHMS)}; got {inner!r}")
+    if outer not in ALLREDUCE_ALGORITHMS:
+        raise ValueError(f"outer must be one of {', '.join(ALLREDUCE_ALGORITHMS)}; got {outer!r}")
+    if radix < 2:
+        raise ValueError(f"radix must be at least 2, got {radix}")
+    if group_size is not None:
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+        groups = [list(range(i, min(i + group_size, ranks))) for i in range(0, ranks, group_size)]
+    if levels is None:
+        levels = [groups if groups is not None else [[r] for r in range(ranks)]]
+    nested = normalize_levels(ranks, levels)
+
+    everyone = list(range(ranks))
+    segments = required_segments(everyone, nested, inner=inner, outer=outer, radix=radix)
+    options: dict = {"inner": inner, "outer": outer, "radix": radix}
+    if len(nested) == 1:
+        options = {"groups": [list(g) for g in nested[0]], **options}
+    else:
+        options = {"levels": [[list(g) for g in lv] for lv in nested], **options}
+    d = Draft(NAME, ranks, segments, **options)
+    tiles, step = allreduce_levels(d, everyone, 0, segments, view_source(d), nested,
+                                   inner=inner, outer=outer, radix=radix)
+    finals = []
+    for r in everyone:
+        t = tiles[r]
+        node = d.nodes[t[0]]
+        if len(t) == 1 and node.kind != VIEW and (node.lo, node.hi) == (0, segments):
+            finals.append(t[0])
+        elif len(t) == 1:  # one rank alone: a fresh copy, never the input itself
+            finals.append(d.reduce(r, 0, segments, t, step + 1, "reduce"))
+        else:  # the rank's pieces side by side (zero-copy, local)
+            finals.append(d.gather(r, 0, segments, t, step + 1, "all-gather"))
+    return d.finish(finals)
+
+
+def normalize_levels(ranks: int, levels: Sequence[Sequence[Sequence[int]]]) -> list[Grouping]:
+    """Check that every level partitions ``0..ranks-1`` and nests in the next."""
+    out: list[Grouping] = []
+    for i, level in enumerate(levels):
+        grouping = [list(g) for g in level]
+        where = f"levels[{i}]" if len(levels) > 1 else "groups"
+        if any(len(g) == 0 for g in grouping):
+            raise ValueError(f"{where} has an empty group: {grouping}")
+        flat = [r for g in grouping for r in g]
+        bad = [r for r in flat if not isinstance(r, int) or not 0 <= r < ranks]
+        if bad:
+            raise ValueError(f"{where} names ranks outside 0..{ranks - 1}: {bad}")
+        dup = sorted({r for r in flat if flat.count(r) > 1})
+        if dup:
+            raise ValueError(f"{where} lists ranks {dup} in more than one group (or twice)")
+        missing = sorted(set(range(ranks)) - set(flat))
+        if missing:
+            raise ValueError(f"{where} must partition ranks 0..{ranks - 1}; missing {missing}")
+        if out:
+            coarse = {r: j for j, g in enumerate(grouping) for r in g}
+            for g in out[-1]:
+                if len({coarse[r] for r in g}) > 1:
+                    raise ValueError(f"{where} splits group {g} of the level below; "
+                                     "each coarser group must be a union of finer ones")
+        out.append(grouping)
+    return out
+
+
+def _restrict(grouping: Grouping, members: Sequence[int]) -> Grouping:
+    keep = set(members)
+    return [g for g in ([r for r in grp if r in keep] for grp in grouping) if g]
+
+
+def required_segments(members: Sequence[int], levels: Sequence[Grouping], *, inner: str, outer: str,
+                      radix: int) -> int:
+    """The segment count every range of the decomposition divides evenly:
+    lcm of the groups' shard counts at each level, times the outer divisor."""
+    if not levels:
+        return divisor(outer, len(members), radix)
+    groups = _restrict(levels[0], members)
+    shards = lcm([shard_count(inner, len(g), radix) for g in groups])
+    # one owner per group of every segment; their next-level grouping has the
+    # same shape whichever segment, so any member stands in for its group
+    owners = [g[0] for g in groups]
+    return shards * required_segments(owners, levels[1:], inner=inner, outer=outer, radix=radix)
+
+
+def allreduce_levels(
+    d: Draft, members: Sequence[int], lo: int, hi: int, source: Source, levels: Sequence[Grouping], *,
+    inner: str = "butterfly", outer: str = "butterfly", radix: int = 2, step: int = 0,
+) -> tuple[Tiles, int]:
+    """Hierarchical all-reduce of ``[lo, hi)`` among ``members`` on a Draft:
+    reduce-scatter within each group of ``levels[0]``, all-reduce each
+    shard-range intersection among its owners (recursively, with the next
+    levels), then all-gather within each group. Returns every member's tiles
+    of ``[lo, hi)`` and the last step used."""
+    if not levels:
+        return all_reduce(d, members, lo, hi, source, algorithm=outer, radix=radix, step=step)
+    groups = _restrict(levels[0], members)
+    scattered: list[Shards] = [
+        reduce_scatter(d, g, lo, hi, source, algorithm=inner, radix=radix, step=step) for g in groups
+    ]
+    group_of = {r: s for s in scattered for r in s.owned}
+
+    def owned(rank: int, a: int, b: int) -> list[int]:
+        return group_of[rank].source(rank, a, b)
+
+    cuts = sorted(set().union(*(s.bounds() for s in scattered)))
+    held: Tiles = {r: [] for r in group_of}
+    across = max(s.step for s in scattered)
+    end = across
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        owners = [s.owner_of(a, b) for s in scattered]
+        result, last = allreduce_levels(d, owners, a, b, owned, levels[1:],
+                                        inner=inner, outer=outer, radix=radix, step=across)
+        end = max(end, last)
+        for o in owners:
+            held[o].extend(result[o])
+    out: Tiles = {}
+    final = end
+    for g, s in zip(groups, scattered, strict=True):
+        tiles, last = all_gather(d, g, lo, hi, {o: held[o] for o in s.owned},
+                                 algorithm=inner, radix=radix, step=end)
+        out.update(tiles)
+        final = max(final, last)
+    return out, final

@@ -1,0 +1,265 @@
+"""``flowreduce bench``: an nccl-tests style sweep on a Dask cluster.
+
+Each size gets fresh inputs on the workers (rank r holds ``(i mod 7) + r``,
+so every result has a closed form and is checked where it lives, without
+moving data to the client). Every repetition times each algorithm and the
+hand-written baseline (``client.submit`` of a sum over all inputs, then
+``client.replicate`` to every worker) back to back, in a rotating order, so
+machine noise hits all of them alike. Rows report median/min/max seconds,
+algbw = bytes/time, busbw = algbw·2(p-1)/p, correctness and the speed-up
+over the baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+BASELINE = "baseline"
+
+
+@dataclass
+class Row:
+    size: int
+    nbytes: int
+    dtype: str
+    ranks: int
+    algorithm: str
+    chunks: int | str
+    plan: str
+    times: list[float] = field(default_factory=list)
+    correct: bool = True
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    def stats(self, baseline: Row | None) -> dict:
+        med = self.median
+        algbw = self.nbytes / med if med else 0.0
+        return {
+            **asdict(self), "median": med, "min": min(self.times), "max": max(self.times),
+            "algbw": algbw, "busbw": algbw * 2 * (self.ranks - 1) / self.ranks if self.ranks > 1 else 0.0,
+            "speedup": (baseline.median / med) if baseline and med else None,
+        }
+
+
+def parse_sizes(text: str) -> list[int]:
+    return [int(float(s)) for s in text.split(",") if s.strip()]
+
+
+def sweep_sizes(lo: float, hi: float, factor: float) -> list[int]:
+    out, n = [], lo
+    while n <= hi * (1 + 1e-9):
+        out.append(int(round(n)))
+        n *= factor
+    return out
+
+
+def make_input(n: int, rank: int, dtype: str) -> np.ndarray:
+    return ((np.arange(n) % 7) + rank).astype(dtype)
+
+
+def check(result, n: int, ranks: int, dtype: str, op: str) -> bool:
+    base = np.arange(n) % 7
+    if op == "sum":
+        expected = (ranks * base + ranks * (ranks - 1) // 2).astype(dtype)
+    elif op == "max":
+        expected = (base + ranks - 1).astype(dtype)
+    elif op == "min":
+        expected = base.astype(dtype)
+    elif op == "mean":
+        expected = base + (ranks - 1) / 2
+    else:
+        return True  # no closed form: not checked
+    return result.shape == (n,) and bool(np.allclose(result, expected) if op == "mean" else np.array_equal(result, expected))
+
+
+def _sum_all(*xs):
+    out = xs[0].copy()
+    for x in xs[1:]:
+        out += x
+    return out
+
+
+def run_baseline(client, inputs, workers):
+    from distributed import wait
+
+    total = client.submit(_sum_all, *inputs, pure=False)
+
+    wait([total])
+    client.replicate([total], n=len(workers))
+    return [total]
+
+
+def bench(
+    client,
+    sizes: list[int],
+    algorithms: list[str],
+    *,
+    chunks: list[int | None] = (None,),
+    dtype: str = "float64",
+    op: str = "sum",
+    ranks: int | None = None,
+    repeat: int = 5,
+    warmup: int = 1,
+    baseline: bool = True,
+    progress: bool = True,
+    on_row=None,
+) -> list[dict]:
+    """Run the sweep and return one dict per (size, algorithm, chunks)."""
+    from distributed import wait
+
+    import flowreduce
+
+    workers = sorted(client.scheduler_info()["workers"])
+    ranks = ranks or len(workers)
+    configs = [(a, c) for a in algorithms for c in chunks]
+    total = len(sizes) * (warmup + repeat) * (len(configs) + baseline)
+    rows_out = []
+    with ExitStack() as stack:
+        bar = None
+        if progress:
+            from rich.progress import Progress
+
+            bar = stack.enter_context(Progress(transient=True))
+            task = bar.add_task("bench", total=total)
+        for n in sizes:
+            inputs = [client.submit(make_input, n, r, dtype, workers=[workers[r % len(workers)]], pure=False)
+                      for r in range(ranks)]
+            wait(inputs)
+            rows: dict[tuple, Row] = {}
+            nbytes = n * np.dtype(dtype).itemsize
+            order = ([(BASELINE, None)] if baseline else []) + configs
+            for it in range(warmup + repeat):
+                shift = it % len(order)
+                for alg, c in order[shift:] + order[:shift]:
+                    t0 = time.perf_counter()
+                    if alg == BASELINE:
+                        outs, plan = run_baseline(client, inputs, workers), "submit(sum) + replicate"
+                    else:
+                        kw = {"chunks": c} if c else {}
+                        outs = flowreduce.allreduce(client, inputs, algorithm=alg, op=op, **kw)
+                        plan = repr(flowreduce.describe(outs).plan)
+                    wait(outs)
+                    elapsed = time.perf_counter() - t0
+                    ok = all(client.gather(
+                        [client.submit(check, o, n, ranks, dtype, op, pure=False,
+                                       workers=list(client.who_has([o])[o.key])[:1]) for o in outs]))
+                    del outs
+                    key = (alg, c)
+                    row = rows.setdefault(key, Row(n, nbytes, dtype, ranks, alg, c or "auto", plan))
+                    row.plan = plan
+                    if it >= warmup:
+                        row.times.append(elapsed)
+                    row.correct &= ok
+                    if bar:
+                        bar.advance(task)
+            del inputs
+            base = rows.get((BASELINE, None))
+            for row in rows.values():
+                d = row.stats(base)
+                rows_out.append(d)
+                if on_row:
+                    on_row(d)
+    return rows_out
+
+
+HEADER = (f"{'size':>12} {'bytes':>12} {'algorithm':>20} {'chunks':>6} {'median ms':>10} {'min ms':>9} "
+          f"{'max ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10} {'vs base':>8} {'ok':>3}  plan")
+
+
+def format_row(d: dict) -> str:
+    sp = f"{d['speedup']:.2f}x" if d["speedup"] else "-"
+    return (f"{d['size']:>12} {d['nbytes']:>12} {d['algorithm']:>20} {str(d['chunks']):>6} "
+            f"{d['median']*1e3:>10.2f} {d['min']*1e3:>9.2f} {d['max']*1e3:>9.2f} "
+            f"{d['algbw']/1e9:>10.3f} {d['busbw']/1e9:>10.3f} {sp:>8} {'yes' if d['correct'] else 'NO':>3}  {d['plan']}")
+
+
+def add_arguments(p) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--scheduler", help="address of a running scheduler (default: start a LocalCluster)")
+    where.add_argument("--scheduler-file", help="scheduler file of a running cluster (dask-mpi style)")
+    p.add_argument("--workers", type=int, default=4, help="workers of the embedded LocalCluster (default 4)")
+    p.add_argument("--ranks", type=int, help="ranks (default: one per worker)")
+    p.add_argument("--sizes", help="comma-separated element counts, e.g. 1e3,1e5,1e7")
+    p.add_argument("--min", type=float, default=1e3, help="smallest size when --sizes is not given")
+    p.add_argument("--max", type=float, default=1e7, help="largest size when --sizes is not given")
+    p.add_argument("--factor", type=float, default=10, help="size step when --sizes is not given")
+    p.add_argument("--algorithms", default="all", help="comma-separated names, or 'all' (default)")
+    p.add_argument("--chunks", default="auto", help="comma-separated chunk counts, or 'auto' (default)")
+    p.add_argument("--dtype", default="float64")
+    p.add_argument("--op", default="sum")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-baseline", action="store_true", help="skip the hand-written baseline")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", help="write every row with its raw timings to this file")
+
+
+def run(args) -> int:
+    from distributed import Client, LocalCluster
+
+    import flowreduce
+
+    sizes = parse_sizes(args.sizes) if args.sizes else sweep_sizes(args.min, args.max, args.factor)
+    algorithms = list(flowreduce.ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
+    for a in algorithms:
+        if a not in flowreduce.ALGORITHMS:
+            raise SystemExit(f"unknown algorithm {a!r}; valid: {', '.join(flowreduce.ALGORITHMS)}")
+    chunks = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]
+    with ExitStack() as stack:
+        if args.scheduler or args.scheduler_file:
+            client = stack.enter_context(Client(args.scheduler, scheduler_file=args.scheduler_file))
+        else:
+            cluster = stack.enter_context(LocalCluster(
+                n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None))
+            client = stack.enter_context(Client(cluster))
+        nworkers = len(client.scheduler_info()["workers"])
+        ranks = args.ranks or nworkers
+        print(f"# flowreduce {flowreduce.__version__} bench: {ranks} ranks on {nworkers} workers, dtype {args.dtype}, "
+              f"op {args.op}, {args.repeat} timed runs after {args.warmup} warm-up, interleaved with the baseline")
+        print(HEADER, flush=True)
+        rows = bench(client, sizes, algorithms, chunks=chunks, dtype=args.dtype, op=args.op, ranks=ranks,
+                     repeat=args.repeat, warmup=args.warmup, baseline=not args.no_baseline,
+                     progress=not args.no_progress, on_row=lambda d: print(format_row(d), flush=True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    bad = [r for r in rows if not r["correct"]]
+    if bad:
+        print(f"# {len(bad)} rows gave WRONG results")
+        return 1
+    best_lines(rows)
+    return 0
+
+
+def best_lines(rows: list[dict]) -> None:
+    """One line per size: the fastest algorithm, auto, and the baseline."""
+    for n in sorted({r["size"] for r in rows}):
+        rs = [r for r in rows if r["size"] == n and r["algorithm"] not in (BASELINE, "auto")]
+        base = next((r for r in rows if r["size"] == n and r["algorithm"] == BASELINE), None)
+        auto = next((r for r in rows if r["size"] == n and r["algorithm"] == "auto"), None)
+        if not rs:
+            continue
+        best = min(rs, key=lambda r: r["median"])
+        msg = f"# size {n}: best {best['algorithm']} {best['median']*1e3:.2f} ms"
+        if base:
+            msg += f", {base['median'] / best['median']:.2f}x the baseline ({base['median']*1e3:.2f} ms)"
+        if auto:
+            msg += f"; auto {auto['median']*1e3:.2f} ms = {auto['median'] / best['median']:.2f}x best"
+        print(msg)
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    sys.exit(run(ap.parse_args()))

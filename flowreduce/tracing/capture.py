@@ -1,0 +1,509 @@
+"""Capture: record what a cluster did while a block of code ran.
+
+>>> with flowreduce.trace(client) as tr:                      # doctest: +SKIP
+...     out = flowreduce.allreduce(client, parts)
+...     client.gather(out)          # wait inside the block
+>>> tr.events[:3], tr.calls                                    # doctest: +SKIP
+
+Everything comes from dask's own records, read in one scheduler call and one
+broadcast to the workers per *flush* (at exit, and every ``flush_every``
+noted calls so that dask's bounded buffers do not overflow):
+
+* the scheduler's task stream (``TaskStreamPlugin``), read from a cursor
+  (``get_task_stream_index``), so only tasks finished inside the block come
+  back: their ``startstops`` give compute, transfer, disk-read/-write;
+* each worker's ``transfer_incoming_log`` / ``transfer_outgoing_log`` (one
+  entry per batched message, with its keys and bytes), read past a
+  watermark;
+* each worker's cumulative fine-grained metrics (``digests_total``) for
+  ``get-data``/``gather-dep`` serialise, compress, deserialise, decompress:
+  dask does not time these per message, so the difference between two
+  flushes is apportioned to that worker's messages by bytes
+  (``Event.estimated``);
+* the scheduler's transition log (``story``) for when each rank's input
+  reached memory (the ``wait-for-input`` phase);
+* each worker's ``scheduler_delay`` and heartbeat latency, to align clocks
+  (:mod:`flowreduce.tracing.clocks`).
+
+Bounded memory: at most ``max_events`` events are kept (the newest);
+``sample_every=k`` keeps only every k-th all-reduce call (and drops the
+events of the others); ``max_calls=N`` keeps only the last N calls. Dask
+itself keeps the last ``distributed.scheduler.dashboard.tasks.task-stream-length``
+task records and ``distributed.admin.low-level-log-length`` transfers per
+worker: if a flush finds records were lost, ``Trace.lost`` counts them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from typing import Any, Iterator, Sequence
+
+from flowreduce import keys as keymod
+from flowreduce.tracing import registry
+from flowreduce.tracing.clocks import WorkerClock, choose_mode
+from flowreduce.tracing.events import KEY_PHASE, Event
+from flowreduce.tracing.registry import Call
+
+DIGESTS = {
+    "serialise": (("get-data", "serialize", "seconds"), ("get-data", "compress", "seconds")),
+    "deserialise": (("gather-dep", "deserialize", "seconds"), ("gather-dep", "decompress", "seconds")),
+}
+
+
+# -- what runs on the scheduler and the workers ---------------------------------
+def _scheduler_snapshot(cursor: int | None, input_keys: list, dask_scheduler: Any = None) -> dict:
+    from distributed.metrics import time
+
+    s = dask_scheduler
+    index = s.get_task_stream_index()
+    records = s.get_task_stream(start_index=cursor) if cursor is not None else []
+    ready = {}
+    for k in input_keys:
+        times = [t.timestamp for t in s.story(k) if t.finish == "memory"]
+        if times:
+            ready[k] = max(times)
+    return {
+        "index": index,
+        "time": time(),
+        "records": records,
+        "ready": ready,
+        "host": s.address,
+        "workers": {w: ws.host for w, ws in s.workers.items()},
+    }
+
+
+def _worker_snapshot(marks: dict, dask_worker: Any = None) -> dict:
+    from distributed.metrics import time
+
+    w = dask_worker
+    in_mark, out_mark = marks.get(w.address, (None, None))
+    incoming = [dict(e) for e in w.transfer_incoming_log if in_mark is not None and e["stop"] > in_mark]
+    outgoing = [dict(e) for e in w.transfer_outgoing_log if out_mark is not None and e["stop"] > out_mark]
+    return {
+        "time": time(),
+        "shift": w.scheduler_delay,
+        "latency": w.latency,
+        "digests": {k: w.digests_total.get(k, 0.0) for ks in DIGESTS.values() for k in ks},
+        "incoming": incoming,
+        "outgoing": outgoing,
+        "in_full": len(w.transfer_incoming_log) == w.transfer_incoming_log.maxlen,
+        "out_full": len(w.transfer_outgoing_log) == w.transfer_outgoing_log.maxlen,
+        "last_in": w.transfer_incoming_log[-1]["stop"] if w.transfer_incoming_log else float("-inf"),
+        "last_out": w.transfer_outgoing_log[-1]["stop"] if w.transfer_outgoing_log else float("-inf"),
+    }
+
+
+def _host(addr: str | None) -> str:
+    if not addr:
+        return ""
+    from distributed.comm import get_address_host
+
+    try:
+        return get_address_host(addr)
+    except Exception:
+        return addr
+
+
+# -- the trace ------------------------------------------------------------------
+class Trace:
+    """Events recorded while a ``with flowreduce.trace(client)`` block ran.
+
+    Attributes
+    ----------
+    events : list of Event
+        Sorted by start time (a copy; see :meth:`iter_events`).
+    calls : dict
+        ``token -> Call`` of the traced all-reduce calls, in call order.
+    clocks : dict
+        ``worker -> WorkerClock``: how each worker's times were aligned.
+    origin, end : float
+        Scheduler time when the trace started and stopped (epoch seconds).
+    input_ready : dict
+        ``token -> [aligned time each rank's input reached memory]``.
+    lost : dict
+        Records dask dropped before a flush could read them.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        align: str = "auto",
+        max_events: int = 200_000,
+        max_calls: int | None = None,
+        sample_every: int = 1,
+        flush_every: int = 8,
+    ) -> None:
+        if sample_every < 1:
+            raise ValueError(f"sample_every must be >= 1, got {sample_every}")
+        if max_calls is not None and max_calls < 1:
+            raise ValueError(f"max_calls must be >= 1 or None, got {max_calls}")
+        choose_mode(align, True)  # validates
+        self.client = client
+        self.align = align
+        self.max_calls = max_calls
+        self.sample_every = sample_every
+        self.flush_every = flush_every
+        self._events: deque[Event] = deque(maxlen=max_events)
+        self.calls: dict[str, Call] = {}
+        self.clocks: dict[str, WorkerClock] = {}
+        self.input_ready: dict[str, list[float | None]] = {}
+        self.lost = {"task_records": 0, "transfer_log": 0, "events_over_max": 0}
+        self.origin: float = 0.0
+        self.end: float | None = None
+        self._order: list[str] = []  # tokens by first sight
+        self._skipped: set[str] = set()
+        self._pending: dict[str, Call] = {}  # calls whose input readiness is unresolved
+        self._cursor: int | None = None
+        self._marks: dict[str, tuple[float, float]] = {}
+        self._digests: dict[str, dict] = {}
+        self._added_since_flush = 0
+        self._scheduler_host = ""
+        self._worker_host: dict[str, str] = {}
+        self._worker_rank: dict[str, int] = {}
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self) -> Trace:
+        snap = self.client.run_on_scheduler(_scheduler_snapshot, None, [])
+        self._cursor = snap["index"]
+        self.origin = snap["time"]
+        self._scheduler_host = _host(snap["host"])
+        self._worker_host = dict(snap["workers"])
+        marks = {w: (float("inf"), float("inf")) for w in self._worker_host}
+        for w, ws in self.client.run(_worker_snapshot, marks).items():
+            self._marks[w] = (ws["last_in"], ws["last_out"])
+            self._digests[w] = ws["digests"]
+            self._clock(w, ws)
+        registry.activate(self)
+        return self
+
+    def stop(self) -> Trace:
+        """Collect what is left and stop listening (``__exit__`` calls it)."""
+        registry.deactivate(self)
+        self.flush()
+        return self
+
+    def __enter__(self) -> Trace:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- calls ------------------------------------------------------------------
+    def add(self, futures: Sequence[Any], inputs: Sequence[Any] = ()) -> None:
+        """Tell the trace about an all-reduce call (its output futures and,
+        for the wait-for-input phase, its input futures)."""
+        call = registry.describe_call(futures, inputs)
+        old = self.calls.get(call.token)
+        if old is not None and (old.input_keys or not call.input_keys):
+            return
+        if call.token in self._skipped:
+            return
+        self._see(call.token, call)
+        self._added_since_flush += 1
+        if self.flush_every and self._added_since_flush >= self.flush_every:
+            self.flush()
+
+    def _see(self, token: str, call: Call | None) -> bool:
+        """Register a token; False if sampling drops it."""
+        if token in self._skipped:
+            return False
+        if token not in self.calls and token not in self._order:
+            n = len(self._order) + len(self._skipped)
+            if n % self.sample_every:
+                self._skipped.add(token)
+                return False
+            self._order.append(token)
+        if call is not None:
+            self.calls[token] = call
+            if call.input_keys:
+                self._pending[token] = call
+            for r, w in enumerate(call.workers):
+                self._worker_rank.setdefault(w, r)
+        if self.max_calls is not None and len(self._order) > self.max_calls:
+            self._forget(self._order[: len(self._order) - self.max_calls])
+        return True
+
+    def _forget(self, tokens: list[str]) -> None:
+        gone = set(tokens)
+        self._order = [t for t in self._order if t not in gone]
+        self._skipped |= gone
+        for t in gone:
+            self.calls.pop(t, None)
+            self._pending.pop(t, None)
+            self.input_ready.pop(t, None)
+        kept = [e for e in self._events if e.token not in gone]
+        self._events.clear()
+        self._events.extend(kept)
+
+    # -- reading dask's records -----------------------------------------------------
+    def _clock(self, w: str, ws: dict) -> WorkerClock:
+        clock = self.clocks.get(w)
+        if clock is None:
+            host = self._worker_host.get(w) or _host(w)
+            same = host == self._scheduler_host
+            clock = WorkerClock(w, host, same, mode=choose_mode(self.align, same))
+            self.clocks[w] = clock
+        clock.latency = max(clock.latency, ws["latency"])
+        clock.add_sample(ws["time"] + ws["shift"], ws["shift"])
+        for e in ws["outgoing"]:
+            clock.add_sample(e["start"], (e["start"] + e["stop"]) / 2 - e["middle"])
+        return clock
+
+    def flush(self) -> None:
+        """Read what dask recorded since the last flush into events."""
+        self._added_since_flush = 0
+        pending_keys = [k for c in self._pending.values() for k in c.input_keys]
+        snap = self.client.run_on_scheduler(_scheduler_snapshot, self._cursor, pending_keys)
+        if self._cursor is not None:
+            self.lost["task_records"] += max(0, snap["index"] - self._cursor - len(snap["records"]))
+        self._cursor = snap["index"]
+        self.end = snap["time"]
+        self._worker_host.update(snap["workers"])
+        workers = self.client.run(_worker_snapshot, self._marks)
+        for w, ws in workers.items():
+            self._clock(w, ws)
+        new: list[Event] = []
+        fallback = self._task_events(snap["records"], new)
+        self._transfer_events(workers, fallback, new)
+        self._wait_events(snap["ready"], new)
+        before = len(self._events)
+        new.sort(key=lambda e: (e.start, e.stop))
+        self.lost["events_over_max"] += max(0, before + len(new) - (self._events.maxlen or 0)) \
+            if self._events.maxlen else 0
+        self._events.extend(new)
+
+    def _phase_of(self, info: dict) -> tuple[str, int | None]:
+        """Trace phase and plan node of a flowreduce task."""
+        call = self.calls.get(info["token"])
+        if info["phase"] != "output":
+            return KEY_PHASE[info["phase"]], info["node"]
+        if call is None:
+            return "copy", None
+        plan, r = call.plan, info["rank"]
+        if plan.output_is_separate(r):
+            return "copy", None
+        final = plan.nodes[plan.finals[r]]
+        return ("reduce" if final.kind == "reduce" else "copy"), final.id
+
+    def _task_events(self, records: list[dict], out: list[Event]) -> list[dict]:
+        fallback = []
+        for msg in records:
+            key, w = msg["key"], msg["worker"]
+            clock = self.clocks.get(w) or self._clock(w, {"time": 0, "shift": 0, "latency": 0, "outgoing": []})
+            info = keymod.parse(key)
+            base: dict[str, Any] = {"worker": w, "host": clock.host, "key": repr(key),
+                                    "nbytes": int(msg.get("nbytes") or 0)}
+            if info is not None:
+                if not self._see(info["token"], self.calls.get(info["token"]) or registry.lookup(info["token"])):
+                    continue
+                phase, node = self._phase_of(info)
+                call = self.calls.get(info["token"])
+                step = info.get("step")
+                chunk = info.get("chunk")
+                if info["phase"] == "output" and call is not None and node is not None:
+                    step, chunk = call.plan.nodes[node].step, 0
+                base.update(rank=info["rank"], algorithm=info["algorithm"], token=info["token"],
+                            step=step, chunk=chunk, node=node)
+            else:
+                phase = "user-compute"
+                base["rank"] = self._worker_rank.get(w)
+            for ss in msg["startstops"]:
+                action = ss["action"]
+                if action == "transfer":
+                    fallback.append({**ss, "worker": w, "cause": key})
+                    continue
+                shifted = action not in ("disk-read", "disk-write")
+                start, stop = clock.align(ss["start"], shifted), clock.align(ss["stop"], shifted)
+                ph = {"compute": phase, "disk-write": "serialise", "disk-read": "deserialise",
+                      "deserialize": "deserialise"}.get(action, "other")
+                out.append(Event(ph, start, max(start, stop), detail=action, **base))
+        return fallback
+
+    def _transfer_events(self, workers: dict[str, dict], fallback: list[dict], out: list[Event]) -> None:
+        est: dict[str, dict[str, float]] = {}
+        for w, ws in workers.items():
+            prev = self._digests.get(w, {})
+            est[w] = {ph: sum(ws["digests"].get(k, 0.0) - prev.get(k, 0.0) for k in ks)
+                      for ph, ks in DIGESTS.items()}
+            self._digests[w] = ws["digests"]
+            in_mark, out_mark = self._marks.get(w, (float("-inf"), float("-inf")))
+            if ws["in_full"] and ws["incoming"] and len(ws["incoming"]) == len(set(map(id, ws["incoming"]))) \
+                    and in_mark > float("-inf") and ws["incoming"][0]["stop"] > in_mark and len(ws["incoming"]) >= 1:
+                pass
+            self._marks[w] = (ws["last_in"], ws["last_out"])
+        seen = set()
+        sent_bytes = {w: sum(e["total"] for e in ws["outgoing"]) for w, ws in workers.items()}
+        recv_bytes = {w: sum(e["total"] for e in ws["incoming"]) for w, ws in workers.items()}
+        outgoing = {(w, e["who"], frozenset(map(repr, e["keys"]))): e
+                    for w, ws in workers.items() for e in ws["outgoing"]}
+        for dest, ws in workers.items():
+            dclock = self.clocks[dest]
+            for e in ws["incoming"]:
+                src = e["who"]
+                seen.add((dest, round(e["start"], 6)))
+                ks = list(e["keys"])
+                infos = [keymod.parse(k) for k in ks]
+                tokens = {i["token"] for i in infos if i}
+                if tokens and not any(self._see(t, self.calls.get(t) or registry.lookup(t)) for t in tokens):
+                    continue
+                first = next((i for i in infos if i), None)
+                meta: dict[str, Any] = {}
+                if first is not None:
+                    meta = {"algorithm": first["algorithm"], "token": first["token"],
+                            "step": first.get("step"), "chunk": first.get("chunk"), "node": first.get("node")}
+                common = dict(keys=tuple(map(repr, ks)), key_bytes=tuple(int(e["keys"][k] or 0) for k in ks),
+                              nbytes=int(e["total"]), source=src, dest=dest, key=repr(ks[0]) if ks else "",
+                              rank=self._worker_rank.get(dest), **meta)
+                start, stop = dclock.align(e["start"]), dclock.align(e["stop"])
+                out.append(Event("transfer", start, stop, dest, dclock.host, detail="transfer_incoming_log",
+                                 **common))
+                d = est.get(dest, {}).get("deserialise", 0.0)
+                if d > 0 and recv_bytes[dest]:
+                    dur = min(d * e["total"] / recv_bytes[dest], stop - start)
+                    out.append(Event("deserialise", stop - dur, stop, dest, dclock.host, estimated=True,
+                                     detail="metric:gather-dep.deserialize", **common))
+                sent = outgoing.get((src, dest, frozenset(common["keys"])))
+                s = est.get(src, {}).get("serialise", 0.0)
+                if sent is not None and s > 0 and sent_bytes.get(src):
+                    sclock = self.clocks[src]
+                    s0, s1 = sclock.align(sent["start"]), sclock.align(sent["stop"])
+                    dur = min(s * sent["total"] / sent_bytes[src], s1 - s0)
+                    out.append(Event("serialise", s0, s0 + dur, src, sclock.host, estimated=True,
+                                     detail="metric:get-data.serialize",
+                                     **{**common, "rank": self._worker_rank.get(src)}))
+        for ss in fallback:  # transfers the logs no longer held
+            w = ss["worker"]
+            if (w, round(ss["start"], 6)) in seen:
+                continue
+            self.lost["transfer_log"] += 1
+            clock = self.clocks[w]
+            info = keymod.parse(ss["cause"]) or {}
+            out.append(Event("transfer", clock.align(ss["start"]), clock.align(ss["stop"]), w, clock.host,
+                             rank=self._worker_rank.get(w), source=ss.get("source") or "", dest=w,
+                             key=repr(ss["cause"]), token=info.get("token", ""),
+                             algorithm=info.get("algorithm", ""), detail="task-stream transfer (no log entry)"))
+
+    def _wait_events(self, ready_sched: dict, out: list[Event]) -> None:
+        computed = {e.key: e.stop for e in (*self._events, *out) if e.phase == "user-compute"}
+        for token, call in list(self._pending.items()):
+            times: list[float | None] = []
+            for k in call.input_keys:
+                t = computed.get(repr(k), ready_sched.get(k))
+                times.append(None if t is None else max(t, self.origin))
+            self.input_ready[token] = times
+            del self._pending[token]
+            known = [t for t in times if t is not None]
+            if not known:
+                continue
+            t0 = min(known)
+            for r, t in enumerate(times):
+                if t is None or t <= t0:
+                    continue
+                w = call.workers[r] if r < len(call.workers) else ""
+                out.append(Event("wait-for-input", t0, t, w, self.clocks[w].host if w in self.clocks else "",
+                                 rank=r, algorithm=call.algorithm, token=token, key=repr(call.input_keys[r]),
+                                 detail="first input ready -> this rank's input ready"))
+
+    # -- views ------------------------------------------------------------------
+    @property
+    def events(self) -> list[Event]:
+        return sorted(self._events, key=lambda e: (e.start, e.stop))
+
+    def iter_events(self, token: str | None = None) -> Iterator[Event]:
+        for e in self._events:
+            if token is None or e.token == token:
+                yield e
+
+    @property
+    def last_call(self) -> Call | None:
+        return self.calls[self._order[-1]] if self._order and self._order[-1] in self.calls else None
+
+    def ranks_of(self, token: str) -> dict[str, int]:
+        """worker -> the lowest rank it holds in call ``token``."""
+        call = self.calls.get(token)
+        out: dict[str, int] = {}
+        if call is not None:
+            for r, w in enumerate(call.workers):
+                out.setdefault(w, r)
+        for e in self.iter_events(token):
+            if e.rank is not None and e.phase in ("split", "reduce", "copy"):
+                out[e.worker] = min(out.get(e.worker, e.rank), e.rank)
+        return out
+
+    def metadata(self) -> dict[str, Any]:
+        """What a reader needs besides the events: the calls, the sizes and
+        how clocks were aligned (and how well)."""
+        import dask
+        import distributed
+
+        calls = []
+        for t in self._order:
+            c = self.calls.get(t)
+            if c is None:
+                continue
+            card = c.plan.cost(c.nbytes)
+            calls.append({"token": t, "algorithm": c.algorithm, "ranks": c.plan.ranks,
+                          "chunks": c.plan.chunks, "segments": c.plan.segments,
+                          "options": dict(c.plan.options), "nbytes_per_rank": c.nbytes,
+                          "predicted_s": c.predicted, "tasks": card.tasks, "messages": card.messages,
+                          "bytes_on_wire": card.bytes_on_wire, "workers": list(c.workers)})
+        unc = max((c.uncertainty for c in self.clocks.values()), default=0.0)
+        return {
+            "origin": self.origin,
+            "end": self.end,
+            "timeline": "scheduler clock (epoch seconds); exported times are relative to origin",
+            "calls": calls,
+            "clock_alignment": {
+                "policy": self.align,
+                "max_uncertainty_s": unc,
+                "workers": {w: c.describe() for w, c in sorted(self.clocks.items())},
+                "how": "see flowreduce.tracing.clocks: dask shifts worker times by scheduler_delay "
+                       "(heartbeat estimate); on the scheduler's host that shift is undone",
+            },
+            "lost": dict(self.lost),
+            "sample_every": self.sample_every,
+            "max_calls": self.max_calls,
+            "versions": {"dask": dask.__version__, "distributed": distributed.__version__},
+        }
+
+
+def trace(client: Any, **options: Any) -> Trace:
+    """Record a timeline of everything the cluster does inside a ``with`` block.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    align : {"auto", "host", "dask"}
+        Clock alignment policy (:mod:`flowreduce.tracing.clocks`).
+    max_events : int
+        Keep at most this many events (the newest). Default 200,000.
+    max_calls : int, optional
+        Keep only the last N all-reduce calls' events.
+    sample_every : int
+        Keep every k-th all-reduce call only (default 1: all).
+    flush_every : int
+        Read dask's buffers after this many noted calls (default 8; 0: only
+        at exit).
+
+    Returns
+    -------
+    Trace
+        Use as a context manager; wait for the results inside the block.
+
+    Examples
+    --------
+    >>> with flowreduce.trace(client) as tr:                  # doctest: +SKIP
+    ...     out = flowreduce.allreduce(client, parts, algorithm="butterfly")
+    ...     tr.add(out, parts)   # not needed once schedule.py notes calls
+    ...     client.gather(out)
+    >>> flowreduce.tracing.to_chrome(tr, "trace.json")        # doctest: +SKIP
+    """
+    return Trace(client, **options)
+
+
+def _warn_lost(tr: Trace) -> None:  # pragma: no cover - only on overflow
+    if any(tr.lost.values()):
+        warnings.warn(f"trace lost records: {tr.lost}; flush more often or raise dask's buffer lengths",
+                      stacklevel=3)

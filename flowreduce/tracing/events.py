@@ -1,0 +1,162 @@
+"""Trace events: one typed record per interval of time, with a fixed phase
+vocabulary (after Horovod's timeline). Pure Python, no Dask.
+
+Phases
+------
+``wait-for-input``
+    Rank ``r`` waiting for its own input: from the moment the first rank's
+    input was ready to the moment rank ``r``'s was. Long bars are stragglers.
+``split``
+    The rank cutting its input into segment views (zero-copy slices).
+``serialise``
+    The sender pickling the data of one message (``get-data`` ``serialize``
+    metric, apportioned to the message by bytes, see ``estimated``), or a
+    spill to disk (``detail="disk-write"``).
+``transfer``
+    One fetch as the *receiver* saw it, from request to data in hand (the
+    worker's ``transfer_incoming_log``; one event per batched message, which
+    may carry several keys). Contains the serialise and deserialise time.
+``deserialise``
+    The receiver unpickling one message (``gather-dep`` ``deserialize``
+    metric, apportioned by bytes), or an unspill (``detail="disk-read"``).
+``reduce``
+    A reduction task (reduce-scatter, reduce, exchange phases of the plan).
+``copy``
+    A gather task (all-gather, broadcast: zero-copy unless it assembles the
+    output, so usually near-zero long) or the output task (the copy or
+    concatenation into the rank's result).
+``user-compute``
+    Any task that is not part of a flowreduce graph.
+``other``
+    Anything else dask reported (unknown startstop actions).
+
+Times are seconds on the aligned timeline (the scheduler's clock, see
+:mod:`flowreduce.tracing.clocks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+PHASES: tuple[str, ...] = (
+    "wait-for-input",
+    "split",
+    "serialise",
+    "transfer",
+    "deserialise",
+    "reduce",
+    "copy",
+    "user-compute",
+    "other",
+)
+
+#: Phases that keep a worker's thread busy computing.
+COMPUTE_PHASES: frozenset[str] = frozenset({"split", "reduce", "copy", "user-compute"})
+#: Phases that are communication.
+COMM_PHASES: frozenset[str] = frozenset({"serialise", "transfer", "deserialise"})
+
+#: flowreduce key phase -> trace phase (``output`` and the all-gather /
+#: broadcast gathers are ``copy``; the capture refines merged outputs).
+KEY_PHASE: dict[str, str] = {
+    "split": "split",
+    "reduce-scatter": "reduce",
+    "reduce": "reduce",
+    "exchange": "reduce",
+    "all-gather": "copy",
+    "broadcast": "copy",
+    "output": "copy",
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval of time on one worker.
+
+    Parameters
+    ----------
+    phase : str
+        One of :data:`PHASES`.
+    start, stop : float
+        Seconds on the aligned timeline (scheduler clock, epoch seconds).
+    worker, host : str
+        Where it happened (for a transfer: the receiving worker).
+    rank : int or None
+        The flowreduce rank it belongs to (for a transfer: the receiver's),
+        None for work on a worker that holds no rank.
+    algorithm, token : str
+        The all-reduce call, empty for non-flowreduce work.
+    step, chunk, node : int or None
+        From the task key (plan step, chunk index, plan node id).
+    key : str
+        ``repr`` of the task key (``ast.literal_eval`` gives it back); for a
+        transfer, the first key of the message.
+    nbytes : int
+        Bytes of the task's result, or of the message.
+    source, dest : str
+        Sending and receiving worker of a transfer (empty otherwise).
+    keys, key_bytes : tuple
+        Every key of a batched message and its bytes (transfers and the
+        serialise/deserialise of one message).
+    estimated : bool
+        The duration is apportioned from a cumulative dask metric rather
+        than timed per event (serialise / deserialise).
+    detail : str
+        Dask's own name for what happened (``compute``, ``transfer``,
+        ``disk-write``, ``metric:get-data.serialize``, ...).
+    """
+
+    phase: str
+    start: float
+    stop: float
+    worker: str
+    host: str = ""
+    rank: int | None = None
+    algorithm: str = ""
+    step: int | None = None
+    chunk: int | None = None
+    key: str = ""
+    nbytes: int = 0
+    source: str = ""
+    dest: str = ""
+    token: str = ""
+    node: int | None = None
+    keys: tuple[str, ...] = ()
+    key_bytes: tuple[int, ...] = ()
+    estimated: bool = False
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"unknown phase {self.phase!r}; valid: {', '.join(PHASES)}")
+        if self.stop < self.start:
+            raise ValueError(f"event {self.key or self.phase!r} stops before it starts ({self.start} > {self.stop})")
+
+    @property
+    def duration(self) -> float:
+        return self.stop - self.start
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+EVENT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Event))
+
+
+def pack_lanes(events: list[Event]) -> list[int]:
+    """Greedy interval colouring: a lane index per event such that events of
+    one lane never overlap (events sorted by start go to the first free lane)."""
+    order = sorted(range(len(events)), key=lambda i: (events[i].start, events[i].stop))
+    ends: list[float] = []
+    lane = [0] * len(events)
+    for i in order:
+        e = events[i]
+        for j, end in enumerate(ends):
+            if end <= e.start:
+                ends[j] = e.stop
+                lane[i] = j
+                break
+        else:
+            ends.append(e.stop)
+            lane[i] = len(ends) - 1
+    return lane
