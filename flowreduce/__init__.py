@@ -16,8 +16,9 @@ from flowreduce._plan import CostCard, Plan
 from flowreduce.algorithms import ALGORITHMS, plan
 from flowreduce.cost import CostModel, choose
 from flowreduce.ops import resolve_op
+from flowreduce.tracing import trace
 
-__all__ = ["ALGORITHMS", "CostCard", "CostModel", "Plan", "allreduce", "choose", "describe", "plan", "resolve_op"]
+__all__ = ["ALGORITHMS", "CostCard", "CostModel", "Plan", "allreduce", "choose", "describe", "plan", "resolve_op", "trace"]
 __version__ = "0.1.0"
 
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 VIEW, REDUCE, GATHER = "view", "reduce", "gather"
 

@@ -8,8 +8,9 @@ slicing is decided here, statically, from the element boundaries of every
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 from dask.task_spec import List, Task, TaskRef
 

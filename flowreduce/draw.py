@@ -31,23 +31,28 @@ import argparse
 import html
 import sys
 from collections import defaultdict
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from flowreduce import keys
-from flowreduce._plan import Plan
-from flowreduce.algorithms import ALGORITHMS, plan as make_plan
+from flowreduce._plan import VIEW, Plan
+from flowreduce.algorithms import ALGORITHMS
+from flowreduce.algorithms import plan as make_plan
 
 if TYPE_CHECKING:  # graphviz is optional; imported lazily by _graphviz()
     import graphviz
 
-__all__ = ["CANONICAL", "Drawing", "draw_plan", "draw_tasks", "main", "regenerate"]
+__all__ = ["CANONICAL", "Drawing", "draw_plan", "draw_tasks", "main", "regenerate", "segment_label"]
 
 #: The command that rebuilds ``graphs/``; quoted by the staleness test.
 REGENERATE_COMMAND = "python -m flowreduce.draw --regenerate graphs"
 
 FORMATS = ("svg", "png", "pdf", "dot")
+#: What ``graphs/`` holds of every drawing: DOT (checked for staleness) and SVG (to look at).
+GALLERY_FORMATS = ("dot", "svg")
 
 #: Fill colour per phase (reductions warm, data movement cool).
 PHASE_COLOURS: dict[str, str] = {
@@ -134,11 +139,10 @@ def plan_graph(plan: Plan) -> graphviz.Digraph:
     """The plan as a graphviz ``Digraph`` (nothing is rendered or written)."""
     gv = _graphviz()
     nodes, S = plan.nodes, plan.segments
-    steps = sorted({n.step for n in nodes})
     transfers = plan.transfers()
     card = plan.cost()
     subtitle = (
-        f"{S} segments per chunk · {card.steps} steps · {len(nodes)} tasks and "
+        f"{S} segment{'s' if S > 1 else ''} per chunk · {card.steps} steps · {len(nodes)} tasks and "
         f"{len(transfers)} messages per chunk"
         + (f" (each of the {plan.chunks} chunks repeats this plan)" if plan.chunks > 1 else "")
     )
@@ -150,7 +154,7 @@ def plan_graph(plan: Plan) -> graphviz.Digraph:
     g = gv.Digraph(
         name=f"flowreduce-{plan.algorithm}",
         graph_attr={
-            "rankdir": "LR", "newrank": "true", "nodesep": "0.06", "ranksep": "0.45",
+            "rankdir": "LR", "newrank": "true", "nodesep": "0.06", "ranksep": "0.8",
             "fontname": _FONT, "labelloc": "t", "tooltip": repr(plan),
             "label": _legend(_ordered_phases(n.phase for n in nodes), _describe(plan), subtitle, notes),
         },
@@ -161,53 +165,59 @@ def plan_graph(plan: Plan) -> graphviz.Digraph:
         edge_attr={"fontname": _FONT, "fontsize": "8", "arrowsize": "0.5"},
     )
 
-    # lanes: one cluster per rank, its nodes stacked in (step, segment) order
-    cells: dict[tuple[int, int], list] = defaultdict(list)
-    for n in nodes:
-        cells[n.rank, n.step].append(n)
+    # a node's column is its step, except that a split (a zero-copy slice,
+    # free to take at any time) sits just before its first reader
+    consumers = plan.consumers()
+    column = {
+        n.id: (max(0, min(nodes[c].step for c in consumers[n.id]) - 1)
+               if n.kind == VIEW and consumers[n.id] else n.step)
+        for n in nodes
+    }
+    columns = sorted(set(column.values()))
+
+    # lanes: one cluster per rank
     for rank in range(plan.ranks):
         with g.subgraph(name=f"cluster_rank{rank}") as lane:
             lane.attr(label="", style="filled", color="#d0d0d0",
                       fillcolor="#f3f3f3" if rank % 2 else "#ffffff")
             lane.node(f"lane{rank}", f"rank {rank}", shape="plaintext", style="", fontsize="11")
-            for step in steps:
-                cell = sorted(cells.get((rank, step), ()), key=lambda n: (n.lo, n.id))
-                for n in cell:
+            lane.node(f"lane{rank}end", "", shape="point", style="invis", width="0")
+            for n in nodes:
+                if n.rank == rank:
                     lane.node(
                         f"n{n.id}", f"{n.phase}\\n{segment_label(n.lo, n.hi, S)}",
-                        fillcolor=PHASE_COLOURS.get(n.phase, _OTHER_PHASE), **{"class": "plan-node"},
+                        fillcolor=PHASE_COLOURS.get(n.phase, _OTHER_PHASE), group=f"rank{rank}",
                         tooltip=f"node {n.id}: {n.kind} on rank {n.rank}, step {n.step}, segments [{n.lo}, {n.hi})",
+                        **{"class": "plan-node"},
                     )
     with g.subgraph(name="cluster_steps") as head:
         head.attr(label="", style="invis")
         head.node("corner", "", shape="plaintext", style="")
-        for step in steps:
-            head.node(f"step{step}", f"step {step}", shape="plaintext", style="", fontsize="11")
+        head.node("end", "", shape="point", style="invis", width="0")
+        for c in columns:
+            head.node(f"step{c}", f"step {c}", shape="plaintext", style="", fontsize="11")
 
-    # columns: one per step, the lane labels and the header in front
-    with g.subgraph() as col:
-        col.attr(rank="same")
-        col.node("corner")
-        for rank in range(plan.ranks):
-            col.node(f"lane{rank}")
-    for step in steps:
+    # columns: the lane labels, then one per step, each with its header
+    stacks = [["corner", *(f"lane{r}" for r in range(plan.ranks))]]
+    for c in columns:
+        here = sorted((n for n in nodes if column[n.id] == c), key=lambda n: (n.rank, n.lo, n.id))
+        stacks.append([f"step{c}", *(f"n{n.id}" for n in here)])
+    stacks.append(["end", *(f"lane{r}end" for r in range(plan.ranks))])
+    for stack in stacks:
         with g.subgraph() as col:
             col.attr(rank="same")
-            col.node(f"step{step}")
-            for n in nodes:
-                if n.step != step:
-                    continue
-                col.node(f"n{n.id}")
-    _order_lanes(g, ["corner", *(f"lane{r}" for r in range(plan.ranks))])
+            for name in stack:
+                col.node(name)
+    _order_lanes(g, stacks[0])
     for rank in range(plan.ranks):
-        first = min((n for n in nodes if n.rank == rank), key=lambda n: (n.step, n.lo, n.id))
+        first = min((n for n in nodes if n.rank == rank), key=lambda n: (column[n.id], n.lo, n.id))
         g.edge(f"lane{rank}", f"n{first.id}", style="invis")
-    g.edge("corner", f"step{steps[0]}", style="invis")
-    for a, b in zip(steps, steps[1:]):
-        g.edge(f"step{a}", f"step{b}", style="invis")
+    for a, b in pairwise(stacks):
+        g.edge(a[0], b[0], style="invis")
 
-    # edges: local dependencies, then one arrow per message
-    consumers = plan.consumers()
+    # edges: local dependencies, then one arrow per message. Messages do not
+    # constrain the layout, so crossing minimisation cannot reorder the lanes
+    # (a ring's wrap-around would otherwise fold them 15, 0, 14, 1, ...).
     for n in nodes:
         for i in n.inputs:
             if nodes[i].rank == n.rank:
@@ -215,11 +225,11 @@ def plan_graph(plan: Plan) -> graphviz.Digraph:
     for t in transfers:
         readers = [c for c in consumers[t.src] if nodes[c].rank == t.dest]
         tip = f"rank {t.source} -> rank {t.dest}: node {t.src}, segments [{t.lo}, {t.hi})"
-        g.edge(f"n{t.src}", f"n{readers[0]}", xlabel=segment_label(t.lo, t.hi, S), color=TRANSFER_COLOUR,
-               tooltip=tip, **{"class": "transfer"})
+        g.edge(f"n{t.src}", f"n{readers[0]}", headlabel=segment_label(t.lo, t.hi, S), labelfontsize="7", labeldistance="2.5", color=TRANSFER_COLOUR,
+               tooltip=tip, constraint="false", **{"class": "transfer"})
         for c in readers[1:]:
             g.edge(f"n{t.src}", f"n{c}", color=TRANSFER_COLOUR, style="dotted", tooltip=tip,
-                   **{"class": "reuse"})
+                   constraint="false", **{"class": "reuse"})
     return g
 
 
@@ -344,7 +354,7 @@ def draw_tasks(
         phase, label, rank = _task_label(key)
         phases.append(phase)
         lanes[rank].append(i)
-        attrs[i] = {"label": label, "fillcolor": PHASE_COLOURS.get(phase, _OTHER_PHASE),
+        attrs[i] = {"label": label, "shape": "box", "fillcolor": PHASE_COLOURS.get(phase, _OTHER_PHASE),
                     "tooltip": str(key), "class": phase}
     subtitle = (f"{len(tasks)} Dask tasks on {plan.ranks} workers "
                 f"(keys as built by flowreduce.build.build_graph; inputs not drawn)")
@@ -436,10 +446,11 @@ CANONICAL: tuple[Drawing, ...] = (
 )
 
 
-def regenerate(directory: str | Path, formats: Sequence[str] = ("dot", "svg"),
+def regenerate(directory: str | Path, formats: Sequence[str] = GALLERY_FORMATS,
                drawings: Sequence[Drawing] = CANONICAL) -> list[Path]:
     """Write every drawing in ``drawings`` to ``directory`` in each of
-    ``formats``, plus a ``README.md`` listing them. Returns the paths written."""
+    ``formats``, plus a ``README.md`` listing them. Returns the paths written.
+    ``formats=("dot",)`` needs no Graphviz programs (the staleness test)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
@@ -448,12 +459,12 @@ def regenerate(directory: str | Path, formats: Sequence[str] = ("dot", "svg"),
         for fmt in formats:
             written.append(write(g, directory / f"{d.stem}.{fmt}", fmt))
     readme = directory / "README.md"
-    readme.write_text(gallery_readme(drawings, formats))
+    readme.write_text(gallery_readme(drawings))
     written.append(readme)
     return written
 
 
-def gallery_readme(drawings: Sequence[Drawing] = CANONICAL, formats: Sequence[str] = ("dot", "svg")) -> str:
+def gallery_readme(drawings: Sequence[Drawing] = CANONICAL, formats: Sequence[str] = GALLERY_FORMATS) -> str:
     """The text of ``graphs/README.md``: a table of the drawings."""
     lines = [
         "# Drawings of the all-reduce plans",

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import dask
 import numpy as np
@@ -18,10 +19,12 @@ from distributed import Client, Future, wait
 
 from flowreduce._guard import ensure_guard
 from flowreduce._plan import Plan
-from flowreduce.algorithms import ALGORITHMS, plan as make_plan
+from flowreduce.algorithms import ALGORITHMS
+from flowreduce.algorithms import plan as make_plan
 from flowreduce.build import build_graph
 from flowreduce.cost import DEFAULT_MODEL, CostModel, choose
 from flowreduce.ops import resolve_op
+from flowreduce.tracing import registry as _trace_registry
 
 logger = logging.getLogger("flowreduce")
 
@@ -154,6 +157,7 @@ def allreduce(
                                    tuple(workers), tuple(shape), dtype.str)
     while len(_CALLS) > _MAX_CALLS:
         _CALLS.popitem(last=False)
+    _trace_registry.note(futures, inputs)
     logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
     return futures
 

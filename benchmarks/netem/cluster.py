@@ -214,7 +214,7 @@ class EmulatedCluster:
         self._teardown_lock = threading.Lock()
 
     # ------------------------------------------------------------------ enter
-    def __enter__(self) -> "EmulatedCluster":
+    def __enter__(self) -> EmulatedCluster:
         ok, reason = netns_usable()
         if not ok:
             raise ClusterStartError(f"cannot build emulated cluster: {reason}")

@@ -22,7 +22,7 @@ import argparse
 import json
 import os
 import statistics
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

@@ -33,12 +33,12 @@ import socket
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import _common as C
+sys.dont_write_bytecode = True  # keep __pycache__ out of the repo
+import _common as C  # noqa: E402
 
 
 def free_port() -> int:

@@ -20,7 +20,8 @@ tens of microseconds over Open MPI's shared-memory transport on an idle
 machine, more when ranks outnumber cores (4 ranks on 2 cores here), so time is
 nearly flat from 1e3 to ~1e5. Large vectors are bandwidth bound: time grows
 about linearly with bytes (1e7 -> 1e8 about 10x) and busbw levels off at a
-fraction of memory bandwidth, typically a few GB/s on one node.
+fraction of memory bandwidth (about 1-2 GB/s busbw on this shared 2-core
+machine; more on an idle multi-core node).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-import _common as C
+sys.dont_write_bytecode = True  # keep __pycache__ out of the repo
+import _common as C  # noqa: E402
 
 
 def bench_size(comm: MPI.Comm, n: int, dtype: str, repeat: int, warmup: int) -> tuple[list[float], bool]:

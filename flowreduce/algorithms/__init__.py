@@ -6,14 +6,15 @@ returns a :class:`~flowreduce._plan.Plan`. Nothing here imports Dask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from flowreduce._plan import Plan
-from flowreduce.algorithms import butterfly, recursive_doubling, reduce_broadcast, ring, tree
+from flowreduce.algorithms import butterfly, hierarchical, recursive_doubling, reduce_broadcast, ring, tree
 
 _PLANNERS: dict[str, Callable[..., Plan]] = {
-    m.NAME: m.plan for m in (reduce_broadcast, tree, recursive_doubling, butterfly, ring)
+    m.NAME: m.plan for m in (reduce_broadcast, tree, recursive_doubling, butterfly, ring, hierarchical)
 }
 
 #: Registered algorithm names, plus ``"auto"`` (chosen by the cost model).

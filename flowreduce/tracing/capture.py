@@ -36,8 +36,9 @@ worker: if a flush finds records were lost, ``Trace.lost`` counts them.
 from __future__ import annotations
 
 import warnings
-from collections import deque
-from typing import Any, Iterator, Sequence
+from collections import defaultdict, deque
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from flowreduce import keys as keymod
 from flowreduce.tracing import registry
@@ -78,6 +79,13 @@ def _worker_snapshot(marks: dict, dask_worker: Any = None) -> dict:
 
     w = dask_worker
     in_mark, out_mark = marks.get(w.address, (None, None))
+    received = []  # raw arrival times of fetches, to know the shift of each
+    if in_mark is not None:
+        for entry in reversed(w.state.log):
+            if entry[-1] < in_mark - 10.0:
+                break
+            if entry[0] == "receive-dep":
+                received.append((entry[1], [repr(k) for k in entry[2]], entry[-1]))
     incoming = [dict(e) for e in w.transfer_incoming_log if in_mark is not None and e["stop"] > in_mark]
     outgoing = [dict(e) for e in w.transfer_outgoing_log if out_mark is not None and e["stop"] > out_mark]
     return {
@@ -86,12 +94,21 @@ def _worker_snapshot(marks: dict, dask_worker: Any = None) -> dict:
         "latency": w.latency,
         "digests": {k: w.digests_total.get(k, 0.0) for ks in DIGESTS.values() for k in ks},
         "incoming": incoming,
+        "received": received,
         "outgoing": outgoing,
-        "in_full": len(w.transfer_incoming_log) == w.transfer_incoming_log.maxlen,
-        "out_full": len(w.transfer_outgoing_log) == w.transfer_outgoing_log.maxlen,
         "last_in": w.transfer_incoming_log[-1]["stop"] if w.transfer_incoming_log else float("-inf"),
         "last_out": w.transfer_outgoing_log[-1]["stop"] if w.transfer_outgoing_log else float("-inf"),
     }
+
+
+def _raw_time(stimulus_id: str, prefix: str) -> float | None:
+    """The raw worker time dask put in a stimulus id, if it did."""
+    if stimulus_id.startswith(prefix):
+        try:
+            return float(stimulus_id[len(prefix):])
+        except ValueError:
+            return None
+    return None
 
 
 def _host(addr: str | None) -> str:
@@ -182,6 +199,7 @@ class Trace:
         """Collect what is left and stop listening (``__exit__`` calls it)."""
         registry.deactivate(self)
         self.flush()
+        _warn_lost(self)
         return self
 
     def __enter__(self) -> Trace:
@@ -239,17 +257,20 @@ class Trace:
 
     # -- reading dask's records -----------------------------------------------------
     def _clock(self, w: str, ws: dict) -> WorkerClock:
-        clock = self.clocks.get(w)
-        if clock is None:
-            host = self._worker_host.get(w) or _host(w)
-            same = host == self._scheduler_host
-            clock = WorkerClock(w, host, same, mode=choose_mode(self.align, same))
-            self.clocks[w] = clock
+        clock = self._clock_for(w)
         clock.latency = max(clock.latency, ws["latency"])
         clock.add_sample(ws["time"] + ws["shift"], ws["shift"])
         for e in ws["outgoing"]:
-            clock.add_sample(e["start"], (e["start"] + e["stop"]) / 2 - e["middle"])
+            clock.add_sample(e["stop"], (e["start"] + e["stop"]) / 2 - e["middle"])
         return clock
+
+    def _clock_for(self, w: str) -> WorkerClock:
+        """The clock of a worker that may have left (no samples: no shift)."""
+        if w not in self.clocks:
+            host = self._worker_host.get(w) or _host(w)
+            same = host == self._scheduler_host
+            self.clocks[w] = WorkerClock(w, host, same, mode=choose_mode(self.align, same))
+        return self.clocks[w]
 
     def flush(self) -> None:
         """Read what dask recorded since the last flush into events."""
@@ -268,10 +289,9 @@ class Trace:
         fallback = self._task_events(snap["records"], new)
         self._transfer_events(workers, fallback, new)
         self._wait_events(snap["ready"], new)
-        before = len(self._events)
         new.sort(key=lambda e: (e.start, e.stop))
-        self.lost["events_over_max"] += max(0, before + len(new) - (self._events.maxlen or 0)) \
-            if self._events.maxlen else 0
+        if self._events.maxlen is not None:
+            self.lost["events_over_max"] += max(0, len(self._events) + len(new) - self._events.maxlen)
         self._events.extend(new)
 
     def _phase_of(self, info: dict) -> tuple[str, int | None]:
@@ -289,9 +309,13 @@ class Trace:
 
     def _task_events(self, records: list[dict], out: list[Event]) -> list[dict]:
         fallback = []
+        for msg in records:  # first learn which worker holds which rank
+            info = keymod.parse(msg["key"])
+            if info is not None and info["phase"] == "split":
+                self._worker_rank.setdefault(msg["worker"], info["rank"])
         for msg in records:
             key, w = msg["key"], msg["worker"]
-            clock = self.clocks.get(w) or self._clock(w, {"time": 0, "shift": 0, "latency": 0, "outgoing": []})
+            clock = self._clock_for(w)
             info = keymod.parse(key)
             base: dict[str, Any] = {"worker": w, "host": clock.host, "key": repr(key),
                                     "nbytes": int(msg.get("nbytes") or 0)}
@@ -309,16 +333,21 @@ class Trace:
             else:
                 phase = "user-compute"
                 base["rank"] = self._worker_rank.get(w)
+            raw_stop = _raw_time(msg.get("stimulus_id", ""), "task-finished-")
             for ss in msg["startstops"]:
                 action = ss["action"]
                 if action == "transfer":
                     fallback.append({**ss, "worker": w, "cause": key})
                     continue
                 shifted = action not in ("disk-read", "disk-write")
-                start, stop = clock.align(ss["start"], shifted), clock.align(ss["stop"], shifted)
+                exact = None
+                if action == "compute" and raw_stop is not None:
+                    exact = ss["stop"] - raw_stop
+                    clock.add_sample(ss["stop"], exact)
+                start, stop = clock.align_interval(ss["start"], ss["stop"], shifted, exact)
                 ph = {"compute": phase, "disk-write": "serialise", "disk-read": "deserialise",
                       "deserialize": "deserialise"}.get(action, "other")
-                out.append(Event(ph, start, max(start, stop), detail=action, **base))
+                out.append(Event(ph, start, stop, detail=action, **base))
         return fallback
 
     def _transfer_events(self, workers: dict[str, dict], fallback: list[dict], out: list[Event]) -> None:
@@ -328,10 +357,6 @@ class Trace:
             est[w] = {ph: sum(ws["digests"].get(k, 0.0) - prev.get(k, 0.0) for k in ks)
                       for ph, ks in DIGESTS.items()}
             self._digests[w] = ws["digests"]
-            in_mark, out_mark = self._marks.get(w, (float("-inf"), float("-inf")))
-            if ws["in_full"] and ws["incoming"] and len(ws["incoming"]) == len(set(map(id, ws["incoming"]))) \
-                    and in_mark > float("-inf") and ws["incoming"][0]["stop"] > in_mark and len(ws["incoming"]) >= 1:
-                pass
             self._marks[w] = (ws["last_in"], ws["last_out"])
         seen = set()
         sent_bytes = {w: sum(e["total"] for e in ws["outgoing"]) for w, ws in workers.items()}
@@ -340,6 +365,9 @@ class Trace:
                     for w, ws in workers.items() for e in ws["outgoing"]}
         for dest, ws in workers.items():
             dclock = self.clocks[dest]
+            arrived: dict[tuple, list[float]] = defaultdict(list)
+            for who, ks, t in ws.get("received", ()):
+                arrived[(who, frozenset(ks))].append(t)
             for e in ws["incoming"]:
                 src = e["who"]
                 seen.add((dest, round(e["start"], 6)))
@@ -356,7 +384,12 @@ class Trace:
                 common = dict(keys=tuple(map(repr, ks)), key_bytes=tuple(int(e["keys"][k] or 0) for k in ks),
                               nbytes=int(e["total"]), source=src, dest=dest, key=repr(ks[0]) if ks else "",
                               rank=self._worker_rank.get(dest), **meta)
-                start, stop = dclock.align(e["start"]), dclock.align(e["stop"])
+                raws = arrived.get((src, frozenset(common["keys"])), [])
+                exact = None
+                if raws:
+                    raw = min(raws, key=lambda t: abs(e["stop"] - t))
+                    exact = e["stop"] - raw
+                start, stop = dclock.align_interval(e["start"], e["stop"], True, exact)
                 out.append(Event("transfer", start, stop, dest, dclock.host, detail="transfer_incoming_log",
                                  **common))
                 d = est.get(dest, {}).get("deserialise", 0.0)
@@ -368,7 +401,8 @@ class Trace:
                 s = est.get(src, {}).get("serialise", 0.0)
                 if sent is not None and s > 0 and sent_bytes.get(src):
                     sclock = self.clocks[src]
-                    s0, s1 = sclock.align(sent["start"]), sclock.align(sent["stop"])
+                    s0, s1 = sclock.align_interval(sent["start"], sent["stop"], True,
+                                                   (sent["start"] + sent["stop"]) / 2 - sent["middle"])
                     dur = min(s * sent["total"] / sent_bytes[src], s1 - s0)
                     out.append(Event("serialise", s0, s0 + dur, src, sclock.host, estimated=True,
                                      detail="metric:get-data.serialize",
@@ -380,7 +414,7 @@ class Trace:
             self.lost["transfer_log"] += 1
             clock = self.clocks[w]
             info = keymod.parse(ss["cause"]) or {}
-            out.append(Event("transfer", clock.align(ss["start"]), clock.align(ss["stop"]), w, clock.host,
+            out.append(Event("transfer", *clock.align_interval(ss["start"], ss["stop"]), w, clock.host,
                              rank=self._worker_rank.get(w), source=ss.get("source") or "", dest=w,
                              key=repr(ss["cause"]), token=info.get("token", ""),
                              algorithm=info.get("algorithm", ""), detail="task-stream transfer (no log entry)"))
@@ -398,10 +432,11 @@ class Trace:
             if not known:
                 continue
             t0 = min(known)
+            by_rank = {r: w for w, r in {**self._worker_rank, **self.ranks_of(token)}.items()}
             for r, t in enumerate(times):
                 if t is None or t <= t0:
                     continue
-                w = call.workers[r] if r < len(call.workers) else ""
+                w = call.workers[r] if r < len(call.workers) else by_rank.get(r, "")
                 out.append(Event("wait-for-input", t0, t, w, self.clocks[w].host if w in self.clocks else "",
                                  rank=r, algorithm=call.algorithm, token=token, key=repr(call.input_keys[r]),
                                  detail="first input ready -> this rank's input ready"))

@@ -16,10 +16,22 @@ Two policies, chosen per worker by ``align``:
     Keep dask's shift; the uncertainty is RTT/2 (the worker's measured
     latency / 2) plus the spread of the estimates seen during the trace.
 
-Samples of the shift in force: a snapshot at trace start and end, plus one
-per outgoing transfer (its log has the shifted ``start``/``stop`` and the
-unshifted ``middle``, so the shift applied then is exactly known). Each
-timestamp is corrected with the sample nearest in time.
+The estimate moves at every heartbeat (on a loaded 2-core host we saw it
+swing by 0.2 s within one second), so one value per worker is not enough.
+Where a raw (unshifted) worker timestamp sits next to a shifted one, the
+shift dask applied to *that record* is known:
+
+* a task's ``stimulus_id`` is ``task-finished-<raw time>``, taken as the
+  thread hands the result back, next to the shifted compute ``stop``;
+* a fetch's ``receive-dep`` entry in the worker's state log has the raw
+  time the data arrived, next to the incoming log's shifted ``stop``;
+* the outgoing log keeps the raw ``middle`` beside shifted ``start``/``stop``.
+
+In ``"host"`` mode such records are aligned with their own shift (exact up
+to the hop from the thread to the event loop, well under a millisecond
+when idle). Other records use the sample nearest their end, and the
+worker's uncertainty is then half the spread of the samples. In ``"dask"``
+mode the shifted times are kept as dask recorded them.
 """
 
 from __future__ import annotations
@@ -41,6 +53,8 @@ class WorkerClock:
     latency: float = 0.0  # worker's heartbeat round trip (s)
     samples: list[tuple[float, float]] = field(default_factory=list)  # (time, shift) sorted
     mode: str = "dask"
+    exact: int = 0  # intervals aligned with their own recorded shift
+    sampled: int = 0  # intervals aligned with the nearest sample
 
     def add_sample(self, t: float, shift: float) -> None:
         bisect.insort(self.samples, (t, shift))
@@ -62,7 +76,7 @@ class WorkerClock:
     def uncertainty(self) -> float:
         """Half-width (s) of the interval the true aligned time lies in."""
         if self.mode == "host":
-            return self.spread
+            return self.spread if self.sampled else 0.0
         return self.latency / 2 + self.spread
 
     def align(self, t: float, shifted: bool = True) -> float:
@@ -72,6 +86,24 @@ class WorkerClock:
         if self.mode == "host":
             return t - self.shift_at(t) if shifted else t
         return t if shifted else t + self.shift_at(t)
+
+    def align_interval(self, start: float, stop: float, shifted: bool = True,
+                       exact: float | None = None) -> tuple[float, float]:
+        """Both ends with the one shift dask applied when it recorded the
+        interval, so an interval never turns negative. ``exact``: that shift
+        when known for this very record (from a raw worker timestamp);
+        otherwise the sample nearest the interval's end is used."""
+        if exact is not None:
+            self.exact += 1
+            shift = exact
+        else:
+            self.sampled += shifted
+            shift = self.shift_at(stop)
+        if self.mode == "host":
+            a, b = (start - shift, stop - shift) if shifted else (start, stop)
+        else:
+            a, b = (start, stop) if shifted else (start + shift, stop + shift)
+        return a, max(a, b)
 
     def describe(self) -> dict[str, Any]:
         shifts = [s for _, s in self.samples]
@@ -83,6 +115,8 @@ class WorkerClock:
             "dask_shift_max_s": max(shifts, default=0.0),
             "shift_samples": len(shifts),
             "heartbeat_rtt_s": self.latency,
+            "events_with_own_shift": self.exact,
+            "events_with_sampled_shift": self.sampled,
             "uncertainty_s": self.uncertainty,
         }
 

@@ -13,8 +13,9 @@ kept once.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 _ACTIVE: weakref.WeakSet = weakref.WeakSet()
 

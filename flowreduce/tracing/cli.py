@@ -1,0 +1,126 @@
+"""``flowreduce trace``: run one all-reduce on random inputs and write its
+trace (``trace.json`` for Perfetto, ``trace.csv``), pictures
+(``timeline.png``, ``timeline.svg``) and summary (``summary.txt``,
+``summary.json``) to a directory.
+
+Example::
+
+    flowreduce trace --algorithm butterfly --ranks 4 --size 1e7 -o out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--algorithm", default="butterfly", help="algorithm name (default: butterfly)")
+    parser.add_argument("--ranks", type=int, default=4, help="number of ranks = workers (default: 4)")
+    parser.add_argument("--size", type=float, default=1e6, help="elements per rank (default: 1e6)")
+    parser.add_argument("--chunks", type=int, default=None, help="chunks (default: flowreduce's choice)")
+    parser.add_argument("--dtype", default="float64")
+    parser.add_argument("--scheduler", default=None, help="address of a running scheduler "
+                        "(default: start a LocalCluster with one single-threaded worker per rank)")
+    parser.add_argument("--warmup", type=int, default=1, help="untraced calls first (default: 1)")
+    parser.add_argument("--straggler", default=None, metavar="RANK:SECONDS",
+                        help="make RANK's input arrive SECONDS late (to see a straggler)")
+    parser.add_argument("--align", default="auto", choices=("auto", "host", "dask"), help="clock alignment")
+    parser.add_argument("-o", "--output", required=True, help="directory to write into")
+
+
+def _make_input(n: int, dtype: str, seed: int, delay: float = 0.0):
+    import numpy as np
+
+    if delay:
+        time.sleep(delay)
+    return np.random.default_rng(seed).random(n).astype(dtype, copy=False)
+
+
+def _inputs(client: Any, workers: list[str], n: int, dtype: str, delays: dict[int, float], salt: int):
+    return [client.submit(_make_input, n, dtype, 1000 * salt + r, delays.get(r, 0.0), workers=[w],
+                          allow_other_workers=False, pure=False)
+            for r, w in enumerate(workers)]
+
+
+def run_traced(client: Any, args: argparse.Namespace) -> tuple[Any, Any]:
+    """Warm up, then trace one all-reduce; returns ``(trace, output futures)``."""
+    import flowreduce
+    from flowreduce.tracing.capture import trace
+
+    workers = sorted(client.scheduler_info()["workers"])
+    if len(workers) < args.ranks:
+        raise SystemExit(f"need {args.ranks} workers, the cluster has {len(workers)}")
+    workers = workers[: args.ranks]
+    n = int(args.size)
+    delays: dict[int, float] = {}
+    if args.straggler:
+        r, _, s = args.straggler.partition(":")
+        delays[int(r)] = float(s or 0.5)
+    kw: dict[str, Any] = {"algorithm": args.algorithm}
+    if args.chunks:
+        kw["chunks"] = args.chunks
+    for i in range(args.warmup):
+        xs = _inputs(client, workers, n, args.dtype, {}, i + 1)
+        client.gather(flowreduce.allreduce(client, xs, **kw))
+        del xs
+    with trace(client, align=args.align) as tr:
+        xs = _inputs(client, workers, n, args.dtype, delays, 0)
+        out = flowreduce.allreduce(client, xs, **kw)
+        tr.add(out, xs)
+        client.gather(out)
+    return tr, out
+
+
+def write_all(tr: Any, out_dir: str, title: str = "") -> dict[str, str]:
+    """Write every export of ``tr`` into ``out_dir``; returns name -> path."""
+    from flowreduce.tracing.export import to_chrome, to_csv
+    from flowreduce.tracing.summary import summarize
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {
+        "trace.json": to_chrome(tr, os.path.join(out_dir, "trace.json")),
+        "trace.csv": to_csv(tr, os.path.join(out_dir, "trace.csv")),
+    }
+    s = summarize(tr)
+    with open(os.path.join(out_dir, "summary.txt"), "w") as f:
+        f.write(str(s))
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(s.to_dict(), f, indent=1, default=str)
+    paths["summary.txt"] = os.path.join(out_dir, "summary.txt")
+    paths["summary.json"] = os.path.join(out_dir, "summary.json")
+    try:
+        from flowreduce.tracing.plot import plot_timeline
+
+        png, svg = os.path.join(out_dir, "timeline.png"), os.path.join(out_dir, "timeline.svg")
+        plot_timeline(tr, [png, svg], token=s.token, title=title or None)
+        paths["timeline.png"], paths["timeline.svg"] = png, svg
+    except ImportError as e:
+        print(f"no pictures: {e}")
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    from distributed import Client, LocalCluster
+
+    cluster = None
+    if args.scheduler:
+        client = Client(args.scheduler)
+    else:
+        cluster = LocalCluster(n_workers=args.ranks, threads_per_worker=1, dashboard_address=":0")
+        client = Client(cluster)
+    try:
+        tr, _ = run_traced(client, args)
+        title = f"{args.algorithm}, {args.ranks} ranks, {args.size:g} x {args.dtype}"
+        paths = write_all(tr, args.output, title)
+        with open(paths["summary.txt"]) as f:
+            print(f.read())
+        print("wrote", ", ".join(paths.values()))
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    return 0

@@ -1,0 +1,50 @@
+"""Shared fixtures: one in-process cluster for the big conformance matrix,
+one multi-process LocalCluster for what needs real transfers, both started
+for real once per session, and a check that no flowreduce key survives."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from distributed import Client, LocalCluster
+
+
+def flowreduce_keys(client) -> list:
+    return client.run_on_scheduler(
+        lambda dask_scheduler: [k for k in dask_scheduler.tasks if "flowreduce-" in str(k)]
+    )
+
+
+def assert_clean(client, timeout: float = 10.0) -> None:
+    """Poll (bounded) until the scheduler holds no flowreduce key."""
+    deadline = time.monotonic() + timeout
+    left = flowreduce_keys(client)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = flowreduce_keys(client)
+    assert not left, f"{len(left)} flowreduce keys leaked, e.g. {left[:3]}"
+
+
+@pytest.fixture(scope="session")
+def inproc_client():
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            yield client
+
+
+@pytest.fixture(scope="session")
+def proc_client():
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            yield client
+
+
+def workers_of(client) -> list[str]:
+    return sorted(client.scheduler_info()["workers"])
+
+
+def scatter_ranks(client, arrays, workers=None):
+    """Rank r's array on worker r mod W (so ranks share workers when p > W)."""
+    ws = workers or workers_of(client)
+    return [client.scatter(a, workers=[ws[r % len(ws)]], hash=False) for r, a in enumerate(arrays)]

@@ -1,0 +1,123 @@
+"""Bad input: a clear exception naming the ranks, and a clean cluster."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import assert_clean, scatter_ranks
+from distributed import Client, LocalCluster, wait
+
+import flowreduce
+
+
+def test_mismatched_shapes_name_the_ranks(inproc_client):
+    parts = scatter_ranks(inproc_client, [np.ones(4), np.ones(4), np.ones(5)])
+    with pytest.raises(ValueError, match=r"ranks disagree on shapes: ranks \[0, 1\]: shape \(4,\).*ranks \[2\]: shape \(5,\)"):
+        flowreduce.allreduce(inproc_client, parts)
+    assert_clean(inproc_client)
+
+
+def test_mismatched_dtypes_name_the_ranks(inproc_client):
+    parts = scatter_ranks(inproc_client, [np.ones(4), np.ones(4, dtype=np.float32)])
+    with pytest.raises(ValueError, match=r"ranks disagree on dtypes: .*ranks \[1\]: shape \(4,\), dtype float32"):
+        flowreduce.allreduce(inproc_client, parts)
+
+
+def test_empty_input_list(inproc_client):
+    with pytest.raises(ValueError, match="one input future per rank; got an empty list"):
+        flowreduce.allreduce(inproc_client, [])
+
+
+def test_non_future_input(inproc_client):
+    parts = scatter_ranks(inproc_client, [np.ones(3)])
+    with pytest.raises(TypeError, match="input of rank 1 is a ndarray, not a distributed.Future"):
+        flowreduce.allreduce(inproc_client, [parts[0], np.ones(3)])
+
+
+def test_non_array_values_name_the_ranks(inproc_client):
+    parts = [inproc_client.scatter(np.ones(3)), inproc_client.submit(list, (1, 2, 3)),
+             inproc_client.submit(str, "abc")]
+    with pytest.raises(TypeError, match=r"ranks \[1, 2\] hold \{1: 'list', 2: 'str'\}"):
+        flowreduce.allreduce(inproc_client, parts)
+
+
+def test_non_numeric_dtype(inproc_client):
+    parts = scatter_ranks(inproc_client, [np.array(["a", "b"])] * 2)
+    with pytest.raises(TypeError, match="numeric or boolean dtype"):
+        flowreduce.allreduce(inproc_client, parts)
+
+
+def test_unknown_algorithm_lists_valid(inproc_client):
+    parts = scatter_ranks(inproc_client, [np.ones(3)] * 2)
+    with pytest.raises(ValueError, match="unknown algorithm 'bfly'; valid: .*butterfly.*auto"):
+        flowreduce.allreduce(inproc_client, parts, algorithm="bfly")
+
+
+def test_unknown_op_lists_valid(inproc_client):
+    parts = scatter_ranks(inproc_client, [np.ones(3)] * 2)
+    with pytest.raises(ValueError, match="unknown op 'average'; valid: sum, prod, min, max, mean"):
+        flowreduce.allreduce(inproc_client, parts, op="average")
+    with pytest.raises(ValueError, match="not a binary ufunc"):
+        flowreduce.allreduce(inproc_client, parts, op=np.sqrt)
+
+
+def test_mean_of_booleans_refused(inproc_client):
+    parts = scatter_ranks(inproc_client, [np.ones(3, dtype=bool)] * 2)
+    with pytest.raises(TypeError, match="mean' of boolean"):
+        flowreduce.allreduce(inproc_client, parts, op="mean")
+
+
+@pytest.mark.parametrize("kw,match", [({"chunks": 0}, "chunks must be a positive integer"),
+                                      ({"chunk_bytes": -5}, "chunk_bytes must be positive"),
+                                      ({"algorithm": "auto", "radix": 4}, "need a named algorithm")])
+def test_bad_settings(inproc_client, kw, match):
+    parts = scatter_ranks(inproc_client, [np.ones(3)] * 2)
+    with pytest.raises(ValueError, match=match):
+        flowreduce.allreduce(inproc_client, parts, **kw)
+
+
+def _boom(x):
+    raise ZeroDivisionError("rank input failed")
+
+
+def test_errored_input_names_the_rank(inproc_client):
+    good = scatter_ranks(inproc_client, [np.ones(3)] * 2)
+    bad = inproc_client.submit(_boom, 1, pure=False)
+    with pytest.raises(RuntimeError, match="input of rank 2 failed: ZeroDivisionError"):
+        flowreduce.allreduce(inproc_client, [*good, bad])
+    assert_clean(inproc_client)
+
+
+def test_cancelled_input(inproc_client):
+    good = scatter_ranks(inproc_client, [np.ones(3)] * 2)
+    gone = inproc_client.submit(np.ones, 3, pure=False)
+    gone.cancel()
+    with pytest.raises(Exception, match="cancel"):
+        flowreduce.allreduce(inproc_client, [*good, gone])
+
+
+def _die():
+    os._exit(1)
+
+
+def test_worker_death_mid_call_is_a_clear_error():
+    """A worker dying under a running all-reduce fails it with
+    WorkerLostError naming that worker; nothing waits forever, nothing leaks."""
+    from flowreduce._guard import WorkerLostError
+
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        ws = sorted(client.scheduler_info()["workers"])
+        parts = [client.submit(np.random.rand, 4 * 10**6, workers=[w], pure=False) for w in ws]
+        wait(parts)
+        futures = flowreduce.allreduce(client, parts, algorithm="ring", chunks=16)
+        try:
+            client.run(_die, workers=[ws[2]])
+        except Exception:
+            pass  # the worker died under the call: that is the point
+        with pytest.raises(WorkerLostError, match="left the cluster"):
+            client.gather(futures, errors="raise")
+        del futures, parts
+        assert_clean(client)

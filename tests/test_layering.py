@@ -1,0 +1,34 @@
+"""Layering: planners import without dask or distributed, the builder
+without distributed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
+
+
+@pytest.mark.parametrize(
+    "blocked,imports",
+    [
+        (["distributed", "dask"], "import flowreduce, flowreduce.algorithms, flowreduce.cost, flowreduce._plan; "
+                                  "flowreduce.plan('butterfly', 6).check(); flowreduce.choose(6, 1e6)"),
+        (["distributed"], "import flowreduce.build"),
+    ],
+    ids=["planners-without-dask", "builder-without-distributed"],
+)
+def test_imports_without(blocked, imports):
+    code = BLOCK.format(mods=blocked) + imports + "\nprint('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_blocking_really_blocks():
+    """The harness above would pass vacuously if blocking did nothing."""
+    code = BLOCK.format(mods=["distributed"]) + "import flowreduce.schedule"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0 and "distributed" in out.stderr

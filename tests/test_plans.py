@@ -1,0 +1,105 @@
+"""The planners, pure: every rank ends with every segment reduced over all
+ranks exactly once, and the cost cards say what the docstrings promise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flowreduce
+from flowreduce.algorithms import plan
+
+DENSE = [a for a in flowreduce.ALGORITHMS if a != "auto"]
+OPTIONS = {
+    "reduce-broadcast": [{}, {"root": 2}],
+    "tree": [{"fan_in": 1}, {"fan_in": 2}, {"fan_in": 3}, {"fan_in": 16}],
+    "recursive-doubling": [{"radix": 2}, {"radix": 3}, {"radix": 4}, {"radix": 17}],
+    "butterfly": [{"radix": 2}, {"radix": 3}, {"radix": 4}, {"radix": 8}, {"radix": 17}],
+    "ring": [{}],
+    "hierarchical": [{}, {"group_size": 2}, {"group_size": 3, "inner": "ring"},
+                     {"group_size": 4, "outer": "ring", "radix": 3}],
+}
+CASES = [(a, p, o) for a in DENSE for p in range(1, 17) for o in OPTIONS[a]
+         if not (a == "reduce-broadcast" and o.get("root", 0) >= p)]
+
+
+@pytest.mark.parametrize("algorithm,ranks,options", CASES,
+                         ids=[f"{a}-p{p}-{o}" for a, p, o in CASES])
+def test_every_rank_gets_every_segment_once(algorithm, ranks, options):
+    plan(algorithm, ranks, **options).check()
+
+
+@given(
+    algorithm=st.sampled_from(DENSE),
+    ranks=st.integers(1, 40),
+    knob=st.integers(1, 9),
+    chunks=st.integers(1, 5),
+)
+@settings(max_examples=150, deadline=None)
+def test_plans_are_complete_property(algorithm, ranks, knob, chunks):
+    opts = {"tree": {"fan_in": knob}, "butterfly": {"radix": knob + 1},
+            "recursive-doubling": {"radix": knob + 1}}.get(algorithm, {})
+    p = plan(algorithm, ranks, chunks=chunks, **opts)
+    p.check()
+    card = p.cost(1000.0)
+    assert card.tasks >= chunks * ranks  # at least one view per rank and chunk
+    assert card.messages == chunks * len(p.transfers())
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring"])
+def test_bandwidth_optimal_algorithms_move_the_lower_bound(algorithm, p):
+    n = 1 << 20
+    card = plan(algorithm, p).cost(n)
+    # each rank sends and receives 2(p-1)/p·n: the all-reduce lower bound
+    assert card.max_rank_bytes == pytest.approx(2 * 2 * (p - 1) / p * n)
+    assert card.bytes_on_wire == pytest.approx(p * 2 * (p - 1) / p * n)
+    assert card.reduce_bytes == pytest.approx((p - 1) / p * n)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+def test_butterfly_steps_and_tasks(p):
+    lg = int(math.log2(p))
+    card = plan("butterfly", p).cost(1.0)
+    assert card.steps == 2 * lg + 1  # split + lg p halving + lg p doubling (output merged)
+    radix4 = plan("butterfly", p, radix=4).cost(1.0)
+    assert radix4.steps <= card.steps and radix4.tasks <= card.tasks
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_reduce_broadcast_loads_the_root(p):
+    n = 1000.0
+    card = plan("reduce-broadcast", p).cost(n)
+    assert card.max_rank_bytes == pytest.approx(2 * (p - 1) * n)  # (p-1)·n in and out of the root
+    assert card.steps == 3
+
+
+def test_direct_exchange_is_two_levels():
+    assert plan("recursive-doubling", 8, radix=8).cost(1.0).steps == 2
+
+
+def test_chunks_multiply_tasks_not_bytes():
+    one, four = plan("ring", 5).cost(1e6), plan("ring", 5, chunks=4).cost(1e6)
+    assert four.bytes_on_wire == pytest.approx(one.bytes_on_wire)
+    assert four.tasks == 4 * (one.tasks) + 5  # + one output task per rank
+
+
+def test_unknown_algorithm_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown algorithm 'bogus'; valid: reduce-broadcast, tree"):
+        plan("bogus", 4)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5])
+def test_bad_rank_count(bad):
+    with pytest.raises(ValueError, match="at least one rank"):
+        plan("ring", bad)
+
+
+def test_bad_option_is_named():
+    with pytest.raises(ValueError, match="bad option for algorithm 'ring'"):
+        plan("ring", 4, radix=2)
+    with pytest.raises(ValueError, match="radix must be at least 2"):
+        plan("butterfly", 4, radix=1)

@@ -1,0 +1,96 @@
+"""Where things run and what is left: pinning checked in the task stream,
+user keys never transferred, unique keys per call, nothing leaked."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from conftest import assert_clean, scatter_ranks, workers_of
+from distributed import get_task_stream, wait
+
+import flowreduce
+from flowreduce.keys import parse
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring", "tree", "recursive-doubling", "reduce-broadcast"])
+def test_every_task_runs_where_its_plan_says(proc_client, algorithm):
+    ws = workers_of(proc_client)
+    arrays = [np.full(5000, r, dtype=np.int64) for r in range(6)]  # 6 ranks on 4 workers
+    parts = scatter_ranks(proc_client, arrays)
+    with get_task_stream(proc_client) as ts:
+        futures = flowreduce.allreduce(proc_client, parts, algorithm=algorithm, chunks=2)
+        wait(futures)
+    token = parse(futures[0].key)["token"]
+    ran = [(parse(d["key"]), d["worker"]) for d in ts.data]
+    mine = [(k, w) for k, w in ran if k and k["token"] == token]
+    info = flowreduce.describe(futures)
+    assert len(mine) == info.plan.cost().tasks  # every task of the graph ran exactly once
+    for k, w in mine:
+        assert w == ws[k["rank"] % len(ws)], f"{k} ran on {w}"
+    who = proc_client.who_has(futures)
+    for r, f in enumerate(futures):
+        assert list(who[f.key]) == [ws[r % len(ws)]], f"result of rank {r} is on {who[f.key]}"
+
+
+def _fetched_keys(dask_worker):
+    return [str(k) for entry in dask_worker.transfer_incoming_log for k in entry["keys"]]
+
+
+def test_user_keys_never_cross_workers(proc_client):
+    proc_client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+    arrays = [np.arange(20_000) * r for r in range(4)]
+    parts = scatter_ranks(proc_client, arrays)
+    futures = flowreduce.allreduce(proc_client, parts, algorithm="butterfly", chunks=3)
+    wait(futures)
+    fetched = {k for keys in proc_client.run(_fetched_keys).values() for k in keys}
+    assert fetched, "the all-reduce moved nothing between workers?"
+    user = {str(f.key) for f in parts} | {str(f.key) for f in futures}
+    assert not fetched & user, f"user keys were transferred: {fetched & user}"
+    assert all("flowreduce-" in k for k in fetched)
+
+
+def test_concurrent_calls_do_not_share_keys(proc_client):
+    a = scatter_ranks(proc_client, [np.arange(1000) + r for r in range(4)])
+    b = scatter_ranks(proc_client, [np.arange(1000) * r for r in range(4)])
+    fa = flowreduce.allreduce(proc_client, a, algorithm="ring")
+    fb = flowreduce.allreduce(proc_client, b, algorithm="ring")
+    assert not {f.key for f in fa} & {f.key for f in fb}
+    ra, rb = proc_client.gather(fa), proc_client.gather(fb)
+    for x in ra:
+        np.testing.assert_array_equal(x, sum(np.arange(1000) + r for r in range(4)))
+    for x in rb:
+        np.testing.assert_array_equal(x, sum(np.arange(1000) * r for r in range(4)))
+
+
+def test_nothing_left_after_results_dropped(proc_client):
+    parts = scatter_ranks(proc_client, [np.ones(30_000) for _ in range(5)])
+    futures = flowreduce.allreduce(proc_client, parts, algorithm="butterfly", chunks=4)
+    wait(futures)
+    del futures
+    assert_clean(proc_client)
+
+
+def test_graph_carries_no_data():
+    """The graph sent through the client holds references, not arrays."""
+    from dask.task_spec import TaskRef
+
+    from flowreduce.build import build_graph
+    from flowreduce.ops import resolve_op
+
+    p = flowreduce.plan("butterfly", 8, chunks=4)
+    g = build_graph(p, [TaskRef(("in", r)) for r in range(8)], [f"w{r}" for r in range(8)],
+                    size=10**7, shape=(10**7,), op=resolve_op("sum"))
+    assert len(pickle.dumps(g.tasks)) < 200_000  # an 80 MB vector per rank
+    assert set(g.placement) == set(g.tasks)
+
+
+def test_auto_says_what_it_picked(proc_client, caplog):
+    parts = scatter_ranks(proc_client, [np.ones(100) for _ in range(4)])
+    with caplog.at_level("INFO", logger="flowreduce"):
+        futures = flowreduce.allreduce(proc_client, parts)
+    info = flowreduce.describe(futures)
+    assert info.algorithm in flowreduce.ALGORITHMS and info.algorithm != "auto"
+    assert "auto chose" in caplog.text and info.algorithm in caplog.text
+    assert info.predicted > 0
