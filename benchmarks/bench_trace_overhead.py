@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     kw = {"algorithm": a.algorithm, **({"chunks": a.chunks} if a.chunks else {})}
     with LocalCluster(n_workers=a.ranks, threads_per_worker=1, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = sorted(client.nthreads())
 
         plain, traced, own, events = [], [], [], []
 

@@ -12,9 +12,11 @@ import numpy as np
 from flowreduce.ops import Op
 
 
-def split(x, start: int, stop: int) -> tuple[np.ndarray]:
-    """A zero-copy view of the rank's flattened input."""
-    return (np.asarray(x).reshape(-1)[start:stop],)
+def split(x, start: int, stop: int, dtype=None) -> tuple[np.ndarray]:
+    """A zero-copy view of the rank's flattened input (a cast copy when the
+    op accumulates in a wider dtype)."""
+    view = np.asarray(x).reshape(-1)[start:stop]
+    return (view if dtype is None else view.astype(dtype),)
 
 
 def _pick(value, picks) -> np.ndarray:

@@ -44,12 +44,15 @@ def build_graph(
     op: Op,
     token: str | None = None,
     in_place: bool = True,
+    accumulate: Any = None,
 ) -> Graph:
     """Lower ``plan`` for rank inputs ``inputs`` (futures or TaskRefs) held on
     ``workers`` (one address per rank), vectors of ``size`` elements.
 
     ``in_place=False`` never reduces into received buffers: for transports
-    that hand objects over without copying (distributed's ``inproc://``)."""
+    that hand objects over without copying (distributed's ``inproc://``).
+    ``accumulate`` is a dtype to cast inputs to before combining (see
+    :meth:`flowreduce.ops.Op.accumulator`)."""
     if len(inputs) != plan.ranks or len(workers) != plan.ranks:
         raise ValueError(f"plan is for {plan.ranks} ranks, got {len(inputs)} inputs and {len(workers)} workers")
     token = token or keys.new_token()
@@ -99,7 +102,7 @@ def build_graph(
             shape_arg = shape if final_rank is not None else None
             deps = List(*(TaskRef(key_of[i]) for i in n.inputs))
             if n.kind == VIEW:
-                task = Task(key, _kernels.split, inputs[n.rank], elem(n.lo), elem(n.hi))
+                task = Task(key, _kernels.split, inputs[n.rank], elem(n.lo), elem(n.hi), accumulate)
             elif n.kind == REDUCE:
                 task = Task(
                     key, _kernels.reduce, op, plan.ranks, count[n.id] == plan.ranks, shape_arg, deps,

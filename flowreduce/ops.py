@@ -32,6 +32,10 @@ class Op:
     func: Callable[..., Any]
     mean: bool = False
 
+    def __dask_tokenize__(self):
+        # keys never derive from tokens here; skip pickling the function
+        return ("flowreduce.Op", self.name, id(self.func), self.mean)
+
     @property
     def in_place(self) -> bool:
         return isinstance(self.func, np.ufunc)
@@ -40,6 +44,14 @@ class Op:
         if out is not None and self.in_place:
             return self.func(a, b, out=out)
         return self.func(a, b)
+
+    def accumulator(self, dtype: np.dtype) -> np.dtype | None:
+        """The dtype to combine in, if not the input's: integer means sum in
+        64-bit integers (exact, like ``np.mean``'s result) before dividing."""
+        dtype = np.dtype(dtype)
+        if self.mean and dtype.kind in "iu" and dtype.itemsize < 8:
+            return np.dtype(np.int64 if dtype.kind == "i" else np.uint64)
+        return None
 
     def finish(self, x: np.ndarray, ranks: int, owned: bool) -> np.ndarray:
         """Apply what remains once all ranks are combined (mean's division)."""

@@ -149,7 +149,8 @@ def allreduce(
         plan = make_plan(algorithm, p, chunks=chunks or _default_chunks(nbytes), **options)
     # inproc:// (in-process clusters) passes objects by reference: no private copies to reduce into
     in_place = not any(w.startswith("inproc://") for w in workers)
-    graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place)
+    graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place,
+                        accumulate=op_.accumulator(dtype))
     ensure_guard(client)
     with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
         futures = client.get(graph.tasks, graph.outputs, sync=False)

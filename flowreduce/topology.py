@@ -176,6 +176,10 @@ def _labelled(groups: Sequence[Sequence[str]] | Mapping[Hashable, Sequence[str]]
     return out
 
 
+def _workers_info(dask_scheduler=None) -> dict:
+    return dask_scheduler.identity(n_workers=-1)["workers"]
+
+
 def topology(client: Any, workers: Sequence[str] | None = None, *, key: GroupKey = by_host,
              coarser: Sequence[GroupKey] = ()) -> Topology:
     """The topology of a (synchronous) client's workers, or of ``workers``
@@ -186,10 +190,9 @@ def topology(client: Any, workers: Sequence[str] | None = None, *, key: GroupKey
     ValueError
         A worker in ``workers`` that the scheduler does not know.
     """
-    try:
-        info = client.scheduler_info(n_workers=-1)["workers"]
-    except TypeError:  # distributed before n_workers= returned every worker
-        info = client.scheduler_info()["workers"]
+    # asked of the scheduler directly: client.scheduler_info() returns a cache
+    # that its periodic refresh may replace by one without workers
+    info = client.run_on_scheduler(_workers_info)
     if workers is not None:
         unknown = [w for w in workers if w not in info]
         if unknown:

@@ -41,7 +41,7 @@ def proc_client():
 
 
 def workers_of(client) -> list[str]:
-    return sorted(client.scheduler_info()["workers"])
+    return sorted(client.nthreads())
 
 
 def scatter_ranks(client, arrays, workers=None):

@@ -24,7 +24,7 @@ def _chunks(n):
     return [1, 3] + ([n + 2] if n < 10 else [])  # more chunks than elements on short vectors
 
 
-MATRIX = [(a, p, n, c) for a in ALGS for p in range(1, 9) for n in _lengths(p) for c in _chunks(n)]
+CASES = {(a, p): [(n, c) for n in _lengths(p) for c in _chunks(n)] for a in ALGS for p in range(1, 9)}
 
 
 def _run(client, arrays, **kw):
@@ -35,17 +35,29 @@ def _run(client, arrays, **kw):
     return parts, out
 
 
-@pytest.mark.parametrize("algorithm,ranks,n,chunks", MATRIX,
-                         ids=[f"{a}-p{p}-n{n}-c{c}" for a, p, n, c in MATRIX])
-def test_sum_matrix(inproc_client, algorithm, ranks, n, chunks):
-    rng = np.random.default_rng(ranks * 10007 + n)
-    arrays = [rng.integers(-1000, 1000, size=n) for _ in range(ranks)]
-    _, out = _run(inproc_client, arrays, algorithm=algorithm, chunks=chunks)
-    expected = functools.reduce(np.add, arrays)
-    assert len(out) == ranks
-    for r, o in enumerate(out):
-        assert o.dtype == expected.dtype and o.shape == expected.shape, f"rank {r}"
-        np.testing.assert_array_equal(o, expected, err_msg=f"rank {r}")
+def _run_many(client, calls):
+    """Launch every ``(arrays, kwargs)`` call at once (concurrent all-reduces
+    on one cluster, as users do), then gather all results in one round trip."""
+    launched = [flowreduce.allreduce(client, scatter_ranks(client, arrays), **kw) for arrays, kw in calls]
+    return client.gather(launched)
+
+
+@pytest.mark.parametrize("algorithm,ranks", list(CASES), ids=[f"{a}-p{p}" for a, p in CASES])
+def test_sum_matrix(inproc_client, algorithm, ranks):
+    """Every length {0, 1, ranks-1, 1000, 1001} x chunks {1, 3, more than elements}."""
+    calls, expected = [], []
+    for n, chunks in CASES[algorithm, ranks]:
+        rng = np.random.default_rng(ranks * 10007 + n)
+        arrays = [rng.integers(-1000, 1000, size=n) for _ in range(ranks)]
+        calls.append((arrays, {"algorithm": algorithm, "chunks": chunks}))
+        expected.append(functools.reduce(np.add, arrays))
+    for (n, chunks), out, exp in zip(CASES[algorithm, ranks], _run_many(inproc_client, calls), expected):
+        assert len(out) == ranks
+        for r, o in enumerate(out):
+            where = f"n={n} chunks={chunks} rank {r}"
+            assert o.dtype == exp.dtype and o.shape == exp.shape, where
+            np.testing.assert_array_equal(o, exp, err_msg=where)
+    assert_clean(inproc_client)
 
 
 def _maximum(a, b):  # a plain callable, not a ufunc: exercises the copying path
@@ -60,8 +72,7 @@ OPS_DTYPES = (
      if not (op == "mean" and dt == "bool")]
     + [("logaddexp", dt) for dt in FLOATS] + [(np.bitwise_xor, dt) for dt in INTS + ["bool"]]
 )
-OPS_CASES = [(a, p, op, dt) for a in ALGS if a != "auto" for p in ([5] if a != "butterfly" else [3, 5])
-             for op, dt in OPS_DTYPES]
+OPS_CASES = [(a, p) for a in ALGS if a != "auto" for p in ([5] if a != "butterfly" else [3, 5])]
 
 
 def _opname(op):
@@ -89,20 +100,24 @@ def _inputs(rng, dtype, p, n, op):
             for _ in range(p)]
 
 
-@pytest.mark.parametrize("algorithm,ranks,op,dtype", OPS_CASES,
-                         ids=[f"{a}-p{p}-{_opname(op)}-{dt}" for a, p, op, dt in OPS_CASES])
-def test_ops_and_dtypes(inproc_client, algorithm, ranks, op, dtype):
+@pytest.mark.parametrize("algorithm,ranks", OPS_CASES, ids=[f"{a}-p{p}" for a, p in OPS_CASES])
+def test_ops_and_dtypes(inproc_client, algorithm, ranks):
+    """sum/prod/min/max/mean, a ufunc by name and object, and a plain callable,
+    over every numeric dtype; integers exact."""
     rng = np.random.default_rng(7)
-    arrays = _inputs(rng, dtype, ranks, 257, op)
-    _, out = _run(inproc_client, arrays, algorithm=algorithm, op=op, chunks=2)
-    expected = _reference(op, arrays)
-    for r, o in enumerate(out):
-        assert o.dtype == expected.dtype, f"rank {r}: {o.dtype} != {expected.dtype}"
-        if expected.dtype.kind in "iub":
-            np.testing.assert_array_equal(o, expected, err_msg=f"rank {r}")
-        else:
-            tol = {2: 2e-2, 4: 1e-5, 8: 1e-12}[np.finfo(expected.dtype).bits // 8]
-            np.testing.assert_allclose(o, expected, rtol=tol, atol=tol * ranks, err_msg=f"rank {r}")
+    inputs = [_inputs(rng, dtype, ranks, 257, op) for op, dtype in OPS_DTYPES]
+    calls = [(arrays, {"algorithm": algorithm, "op": op, "chunks": 1})
+             for arrays, (op, _) in zip(inputs, OPS_DTYPES)]
+    for (op, dtype), arrays, out in zip(OPS_DTYPES, inputs, _run_many(inproc_client, calls)):
+        expected = _reference(op, arrays)
+        for r, o in enumerate(out):
+            where = f"{_opname(op)} {dtype} rank {r}"
+            assert o.dtype == expected.dtype, f"{where}: {o.dtype} != {expected.dtype}"
+            if expected.dtype.kind in "iub":
+                np.testing.assert_array_equal(o, expected, err_msg=where)
+            else:
+                tol = {2: 2e-2, 4: 1e-5, 8: 1e-12}[np.finfo(expected.dtype).bits // 8]
+                np.testing.assert_allclose(o, expected, rtol=tol, atol=tol * ranks, err_msg=where)
 
 
 def test_any_shape_reduced_elementwise(inproc_client):
@@ -146,4 +161,4 @@ def test_multiprocess_mean_float(proc_client):
     arrays = [rng.standard_normal(100_003) for _ in range(4)]
     _, out = _run(proc_client, arrays, algorithm="butterfly", op="mean", chunks=5)
     for o in out:
-        np.testing.assert_allclose(o, np.mean(arrays, axis=0), rtol=1e-12)
+        np.testing.assert_allclose(o, np.mean(arrays, axis=0), rtol=1e-12, atol=1e-15)

@@ -44,7 +44,7 @@ def client():
 
 
 def _inputs(client, delays=None, seed=0):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(client.nthreads())
     delays = delays or {}
     return [client.submit(make_input, N, seed + r, delays.get(r, 0.0), workers=[w], pure=False)
             for r, w in enumerate(workers)]

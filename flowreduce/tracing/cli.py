@@ -51,7 +51,7 @@ def run_traced(client: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     import flowreduce
     from flowreduce.tracing.capture import trace
 
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(client.nthreads())
     if len(workers) < args.ranks:
         raise SystemExit(f"need {args.ranks} workers, the cluster has {len(workers)}")
     workers = workers[: args.ranks]

@@ -110,7 +110,7 @@ def test_slurm_cluster_runs_tasks_on_two_jobs(dask_jobqueue, tmp_path):
             cluster.scale(jobs=2)
             client.wait_for_workers(2, timeout=60)
 
-            workers = sorted(client.scheduler_info()["workers"])
+            workers = sorted(client.nthreads())
             assert len(workers) == 2, workers
 
             # one task pinned on each worker
