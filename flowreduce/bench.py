@@ -34,6 +34,7 @@ class Row:
     plan: str
     times: list[float] = field(default_factory=list)
     correct: bool = True
+    trace: str | None = None
 
     @property
     def median(self) -> float:
@@ -97,6 +98,16 @@ def run_baseline(client, inputs, workers):
     return [total]
 
 
+def _save_trace(tr, trace_dir: str, n: int, alg: str, chunks, plan: str) -> str:
+    import os
+
+    from flowreduce.tracing.cli import write_all
+
+    out = os.path.join(trace_dir, f"{n}-{alg}-{chunks or 'auto'}")
+    write_all(tr, out, title=f"{plan}, {n:g} elements" if alg != BASELINE else f"baseline: {plan}, {n:g} elements")
+    return out
+
+
 def bench(
     client,
     sizes: list[int],
@@ -111,13 +122,21 @@ def bench(
     baseline: bool = True,
     progress: bool = True,
     on_row=None,
+    trace_dir: str | None = None,
 ) -> list[dict]:
-    """Run the sweep and return one dict per (size, algorithm, chunks)."""
+    """Run the sweep and return one dict per (size, algorithm, chunks).
+
+    With ``trace_dir``, the last repetition of every row runs inside
+    :func:`flowreduce.trace` and its exports (Perfetto JSON, CSV, summary,
+    timeline pictures) go to ``trace_dir/<size>-<algorithm>-<chunks>/``; the
+    row's ``trace`` field names that directory. Tracing costs about 1% (see
+    ``benchmarks/bench_trace_overhead.py``), and only on that repetition.
+    """
     from distributed import wait
 
     import flowreduce
 
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(client.nthreads())
     ranks = ranks or len(workers)
     configs = [(a, c) for a in algorithms for c in chunks]
     total = len(sizes) * (warmup + repeat) * (len(configs) + baseline)
@@ -139,6 +158,9 @@ def bench(
             for it in range(warmup + repeat):
                 shift = it % len(order)
                 for alg, c in order[shift:] + order[:shift]:
+                    tr = None
+                    if trace_dir and it == warmup + repeat - 1:
+                        tr = flowreduce.trace(client).start()
                     t0 = time.perf_counter()
                     if alg == BASELINE:
                         outs, plan = run_baseline(client, inputs, workers), "submit(sum) + replicate"
@@ -148,12 +170,14 @@ def bench(
                         plan = repr(flowreduce.describe(outs).plan)
                     wait(outs)
                     elapsed = time.perf_counter() - t0
+                    key = (alg, c)
+                    row = rows.setdefault(key, Row(n, nbytes, dtype, ranks, alg, c or "auto", plan))
+                    if tr is not None:
+                        row.trace = _save_trace(tr.stop(), trace_dir, n, alg, c, plan)
                     ok = all(client.gather(
                         [client.submit(check, o, n, ranks, dtype, op, pure=False,
                                        workers=list(client.who_has([o])[o.key])[:1]) for o in outs]))
                     del outs
-                    key = (alg, c)
-                    row = rows.setdefault(key, Row(n, nbytes, dtype, ranks, alg, c or "auto", plan))
                     row.plan = plan
                     if it >= warmup:
                         row.times.append(elapsed)
@@ -200,6 +224,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the hand-written baseline")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", help="write every row with its raw timings to this file")
+    p.add_argument("--trace", metavar="DIR", help="save a trace (JSON, CSV, summary, timeline) of the last "
+                   "repetition of each row under DIR/<size>-<algorithm>-<chunks>/")
 
 
 def run(args) -> int:
@@ -220,14 +246,15 @@ def run(args) -> int:
             cluster = stack.enter_context(LocalCluster(
                 n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None))
             client = stack.enter_context(Client(cluster))
-        nworkers = len(client.scheduler_info()["workers"])
+        nworkers = len(client.nthreads())
         ranks = args.ranks or nworkers
         print(f"# flowreduce {flowreduce.__version__} bench: {ranks} ranks on {nworkers} workers, dtype {args.dtype}, "
               f"op {args.op}, {args.repeat} timed runs after {args.warmup} warm-up, interleaved with the baseline")
         print(HEADER, flush=True)
         rows = bench(client, sizes, algorithms, chunks=chunks, dtype=args.dtype, op=args.op, ranks=ranks,
                      repeat=args.repeat, warmup=args.warmup, baseline=not args.no_baseline,
-                     progress=not args.no_progress, on_row=lambda d: print(format_row(d), flush=True))
+                     progress=not args.no_progress, on_row=lambda d: print(format_row(d), flush=True),
+                     trace_dir=args.trace)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -236,6 +263,9 @@ def run(args) -> int:
         print(f"# {len(bad)} rows gave WRONG results")
         return 1
     best_lines(rows)
+    if args.trace:
+        print(f"# traces of the last repetition of each row under {args.trace}/ "
+              "(open trace.json in https://ui.perfetto.dev)")
     return 0
 
 

@@ -85,18 +85,21 @@ def write_all(tr: Any, out_dir: str, title: str = "") -> dict[str, str]:
         "trace.json": to_chrome(tr, os.path.join(out_dir, "trace.json")),
         "trace.csv": to_csv(tr, os.path.join(out_dir, "trace.csv")),
     }
-    s = summarize(tr)
-    with open(os.path.join(out_dir, "summary.txt"), "w") as f:
-        f.write(str(s))
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(s.to_dict(), f, indent=1, default=str)
-    paths["summary.txt"] = os.path.join(out_dir, "summary.txt")
-    paths["summary.json"] = os.path.join(out_dir, "summary.json")
+    token = None
+    if tr.last_call is not None:  # a trace of user tasks only (bench's baseline) has no summary
+        s = summarize(tr)
+        token = s.token
+        with open(os.path.join(out_dir, "summary.txt"), "w") as f:
+            f.write(str(s))
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(s.to_dict(), f, indent=1, default=str)
+        paths["summary.txt"] = os.path.join(out_dir, "summary.txt")
+        paths["summary.json"] = os.path.join(out_dir, "summary.json")
     try:
         from flowreduce.tracing.plot import plot_timeline
 
         png, svg = os.path.join(out_dir, "timeline.png"), os.path.join(out_dir, "timeline.svg")
-        plot_timeline(tr, [png, svg], token=s.token, title=title or None)
+        plot_timeline(tr, [png, svg], token=token, title=title or None)
         paths["timeline.png"], paths["timeline.svg"] = png, svg
     except ImportError as e:
         print(f"no pictures: {e}")
