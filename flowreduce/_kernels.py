@@ -1,4 +1,4 @@
-"""The functions tasks run on workers. numpy only; the builder decides the
+"""The functions tasks run on workers. numpy (and dask's sizeof); the builder decides the
 slicing statically and passes it in, so these stay small and dumb.
 
 A node's value is a tuple of 1-D arrays ("pieces") whose layout the builder
@@ -8,15 +8,41 @@ knows; ``picks`` say which element slices of which pieces form one input.
 from __future__ import annotations
 
 import numpy as np
+from dask.sizeof import sizeof
 
 from flowreduce.ops import Op
+
+
+class Views(tuple):
+    """Pieces that are zero-copy views of a rank's input on its own worker.
+
+    Dask's memory manager sizes a value by its arrays' ``nbytes``, so it would
+    count a view of an 800 MB input as another 800 MB, and start spilling
+    (writing the view to disk frees nothing: the input still holds the
+    memory). Views count as a few bytes instead. Pickled (sent to another
+    worker, or spilled), they become a plain tuple of real copies, which
+    count in full where they land.
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (tuple, (tuple(self),))
+
+
+@sizeof.register(Views)
+def _sizeof_views(x: Views) -> int:
+    return 64 * len(x)
 
 
 def split(x, start: int, stop: int, dtype=None) -> tuple[np.ndarray]:
     """A zero-copy view of the rank's flattened input (a cast copy when the
     op accumulates in a wider dtype)."""
-    view = np.asarray(x).reshape(-1)[start:stop]
-    return (view if dtype is None else view.astype(dtype),)
+    x = np.asarray(x)
+    view = x.reshape(-1)[start:stop]
+    if dtype is not None:
+        return (view.astype(dtype),)
+    return Views((view,)) if np.may_share_memory(view, x) else (view,)
 
 
 def _pick(value, picks) -> np.ndarray:

@@ -63,6 +63,8 @@ class CostCard:
     bytes_on_wire: float
     max_rank_bytes: float  # the busiest rank's bytes sent + received
     reduce_bytes: float  # bytes combined by the busiest rank
+    total_reduce_bytes: float = 0.0  # bytes combined by all ranks
+    copy_bytes: float = 0.0  # bytes copied by all ranks to assemble their outputs
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -142,6 +144,9 @@ class Plan:
                 reduced[n.rank] += max(len(n.inputs) - 1, 0) * n.width * seg
         outputs = sum(self.output_is_separate(r) for r in range(self.ranks))
         c = self.chunks
+        # an output made of several pieces is concatenated once (a fresh copy)
+        pieced = sum(c > 1 or self.nodes[f].kind == GATHER and len(self.nodes[f].inputs) > 1
+                     for f in self.finals)
         return CostCard(
             steps=self.depth,
             tasks=c * len(self.nodes) + outputs,
@@ -149,6 +154,8 @@ class Plan:
             bytes_on_wire=c * sum((t.hi - t.lo) * seg for t in msgs),
             max_rank_bytes=c * max(per_rank.values(), default=0.0),
             reduce_bytes=c * max(reduced.values(), default=0.0),
+            total_reduce_bytes=c * sum(reduced.values()),
+            copy_bytes=pieced * nbytes,
         )
 
     # -- checking -----------------------------------------------------------

@@ -5,17 +5,24 @@ task scheduler the latency term is per *dependent level* of the graph, plus
 a per-task overhead in the scheduler. The model here reads every term off
 the plan itself (:meth:`Plan.cost`), so a new algorithm needs no formula::
 
-    T = steps·level + tasks·task
-        + pipelined(comm, compute, chunks) + copy of the output
+    T = call + steps·level + tasks·task + body
 
     comm    = busiest rank's bytes in + out / bandwidth
     compute = busiest rank's combined bytes / reduce_rate
-    pipelined(a, b, c) = max(a, b) + min(a, b)/c    (chunks overlap the two)
+    copy    = one rank's output assembly (concatenating pieces) / copy_rate
 
-Where ranks outnumber cores (``cores``), total work over all ranks divided
-by the cores bounds comm + compute from below. Constants default to values
-measured for dask.distributed on one host (milliseconds per level) and can
-be replaced by calibrated ones.
+    ranks with a core each:   body = max(comm, compute) + min(comm, compute)/chunks + copy
+                              (chunks pipeline communication with reduction)
+    ranks sharing C cores:    body = max(comm + compute + copy,
+                                         (2·bytes on wire/bandwidth + all combining + all copies) / C)
+                              (every byte costs CPU at both ends, and there is
+                              no idle core for chunks to overlap with)
+
+``allreduce`` tells the model how many cores the ranks share (per host, the
+fewer of its CPUs and its ranks), learnt from the workers in the same
+broadcast that checks the inputs. Constants default to values measured for
+dask.distributed over loopback TCP on this project's 2-core machine (see
+README, "Measured on this machine"); calibrate them for a real network.
 """
 
 from __future__ import annotations
@@ -32,24 +39,30 @@ logger = logging.getLogger("flowreduce")
 
 @dataclass(frozen=True)
 class CostModel:
-    level: float = 7e-3  # s per dependent task level (scheduler<->worker batching)
-    task: float = 0.4e-3  # s of scheduler time per task
-    bandwidth: float = 1.0e9  # bytes/s a rank moves (serialise + send + receive)
-    reduce_rate: float = 1.5e9  # bytes/s a rank combines
-    copy_rate: float = 1.0e9  # bytes/s for assembling a chunked output (fresh pages)
+    # Fitted (least squares on log time) to 20 side-by-side measurements, 1e3..1e8
+    # float64 on 4 ranks, one host, loopback TCP, 2 cores; bandwidth is loopback's,
+    # set it to your network's bytes/s per rank for ranks on different hosts.
+    level: float = 6e-3  # s per dependent task level (scheduler<->worker batching)
+    task: float = 0.6e-3  # s of scheduler and worker time per task
+    call: float = 9e-3  # s per call: locating inputs, building and submitting the graph
+    bandwidth: float = 1.2e10  # bytes/s a rank moves (serialise + send + receive)
+    reduce_rate: float = 1.0e10  # bytes/s a rank combines
+    copy_rate: float = 1.0e10  # bytes/s for assembling an output from pieces (fresh pages)
     cores: int | None = None  # CPU cores shared by the ranks (None: one each)
 
     def predict(self, plan: Plan, nbytes: float) -> float:
         card = plan.cost(nbytes)
         comm = card.max_rank_bytes / self.bandwidth
         compute = card.reduce_bytes / self.reduce_rate
+        copy = (nbytes if card.copy_bytes else 0.0) / self.copy_rate
         if self.cores and self.cores < plan.ranks:
-            total = (2 * card.bytes_on_wire / self.bandwidth + plan.ranks * compute)
-            comm = max(comm, total / self.cores - compute)
-        big, small = max(comm, compute), min(comm, compute)
-        body = big + small / plan.chunks
-        copy = nbytes / self.copy_rate if plan.chunks > 1 else 0.0
-        return card.steps * self.level + card.tasks * self.task + body + copy
+            work = (2 * card.bytes_on_wire / self.bandwidth + card.total_reduce_bytes / self.reduce_rate
+                    + card.copy_bytes / self.copy_rate)
+            body = max(comm + compute + copy, work / self.cores)
+        else:
+            big, small = max(comm, compute), min(comm, compute)
+            body = big + small / plan.chunks + copy
+        return self.call + card.steps * self.level + card.tasks * self.task + body
 
 
 DEFAULT_MODEL = CostModel()
@@ -72,6 +85,12 @@ def chunk_choices(nbytes: float, max_chunks: int = 64, min_chunk_bytes: float = 
         out.append(c)
         c *= 2
     return out
+
+
+def best_chunks(plan: Plan, nbytes: float, model: CostModel | None = None) -> Plan:
+    """``plan`` with the chunk count the model predicts fastest for it."""
+    model = model or DEFAULT_MODEL
+    return min((replace(plan, chunks=c) for c in chunk_choices(nbytes)), key=lambda p: model.predict(p, nbytes))
 
 
 def choose(

@@ -10,7 +10,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import dask
@@ -22,7 +22,7 @@ from flowreduce._plan import Plan
 from flowreduce.algorithms import ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.build import build_graph
-from flowreduce.cost import DEFAULT_MODEL, CostModel, choose
+from flowreduce.cost import DEFAULT_MODEL, CostModel, best_chunks, choose
 from flowreduce.ops import resolve_op
 from flowreduce.tracing import registry as _trace_registry
 
@@ -130,7 +130,7 @@ def allreduce(
     if chunk_bytes is not None and chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
 
-    located = _locate(client, inputs)
+    located, cpus = _locate(client, inputs)
     workers = [w for w, _ in located]
     shape, dtype = _check_inputs([m for _, m in located])
     if op_.mean and dtype == np.bool_:
@@ -141,12 +141,16 @@ def allreduce(
     if chunks is None and chunk_bytes is not None:
         chunks = max(1, math.ceil(nbytes / chunk_bytes))
     model = model or DEFAULT_MODEL
+    if model.cores is None:
+        model = replace(model, cores=_shared_cores(workers, cpus))
     if algorithm == "auto":
         if options:
             raise ValueError(f"options {sorted(options)} need a named algorithm, not 'auto'")
         plan = choose(p, nbytes, model=model, chunks=chunks)
+    elif chunks is None:  # the named algorithm, with the chunk count the model likes best for it
+        plan = best_chunks(make_plan(algorithm, p, **options), nbytes, model)
     else:
-        plan = make_plan(algorithm, p, chunks=chunks or _default_chunks(nbytes), **options)
+        plan = make_plan(algorithm, p, chunks=chunks, **options)
     # inproc:// (in-process clusters) passes objects by reference: no private copies to reduce into
     in_place = not any(w.startswith("inproc://") for w in workers)
     graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place,
@@ -163,14 +167,21 @@ def allreduce(
     return futures
 
 
-def _default_chunks(nbytes: float) -> int:
-    """For a named algorithm without chunk settings: ~8 MiB chunks, at most 16."""
-    return max(1, min(16, int(nbytes // (8 << 20))))
+def _shared_cores(workers: list[str], cpus: dict[str, tuple[str, int]]) -> int | None:
+    """CPU cores the ranks run on: per host, the fewer of its CPUs and its
+    ranks. None when every rank has a core of its own (the model's default)."""
+    per_host: dict[str, list[int]] = {}
+    for w in workers:
+        host, n = cpus.get(w, (w, 1))
+        per_host.setdefault(host, []).append(n)
+    cores = sum(min(len(ranks), max(ranks)) for ranks in per_host.values())
+    return cores if cores < len(workers) else None
 
 
-def _locate(client: Client, inputs: list[Future]) -> list[tuple[str, tuple | None]]:
+def _locate(client: Client, inputs: list[Future]) -> tuple[list[tuple[str, tuple | None]], dict]:
     """For each rank, the worker holding its input and what it holds there
-    (type, shape, dtype), once all inputs are in memory: one broadcast."""
+    (type, shape, dtype), once all inputs are in memory; and each worker's
+    host and usable CPUs (for the cost model). One broadcast."""
     wait(inputs)
     for r, f in enumerate(inputs):
         if f.status == "error":
@@ -180,7 +191,9 @@ def _locate(client: Client, inputs: list[Future]) -> list[tuple[str, tuple | Non
     keys = list(dict.fromkeys(f.key for f in inputs))
     holders: dict = {}
     meta: dict = {}
-    for worker, held in sorted(client.run(_describe, keys).items()):
+    cpus: dict = {}
+    for worker, (held, host_cpus) in sorted(client.run(_describe, keys).items()):
+        cpus[worker] = host_cpus
         for k, m in held.items():
             holders.setdefault(k, []).append(worker)
             meta.setdefault(k, m)
@@ -195,10 +208,17 @@ def _locate(client: Client, inputs: list[Future]) -> list[tuple[str, tuple | Non
         w = min(holders[inputs[r].key], key=lambda w: load.get(w, 0))
         chosen[r] = w
         load[w] = load.get(w, 0) + 1
-    return [(chosen[r], meta[f.key]) for r, f in enumerate(inputs)]
+    return [(chosen[r], meta[f.key]) for r, f in enumerate(inputs)], cpus
 
 
 def _describe(keys, dask_worker=None):
+    import os
+    import socket
+
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        ncpu = os.cpu_count() or 1
     out = {}
     for k in keys:
         if k in dask_worker.data:
@@ -207,7 +227,7 @@ def _describe(keys, dask_worker=None):
                 out[k] = ("ndarray", x.shape, x.dtype.str)
             else:
                 out[k] = (type(x).__name__, None, None)
-    return out
+    return out, (socket.gethostname(), ncpu)
 
 
 def _check_inputs(metas: list[tuple]):

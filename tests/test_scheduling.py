@@ -94,3 +94,24 @@ def test_auto_says_what_it_picked(proc_client, caplog):
     assert info.algorithm in flowreduce.ALGORITHMS and info.algorithm != "auto"
     assert "auto chose" in caplog.text and info.algorithm in caplog.text
     assert info.predicted > 0
+
+
+@pytest.mark.parametrize("make", [lambda: np.arange(1000.0), lambda: np.arange(2000.0)[::2],
+                                  lambda: np.arange(1000.0).reshape(10, 100)])
+def test_input_views_count_small_until_they_travel(make):
+    """Dask sizes values by nbytes; a zero-copy view of the input must not count
+    again (it would trigger spilling that frees nothing), but once pickled it
+    is a real copy and counts in full."""
+    from dask.sizeof import sizeof
+
+    from flowreduce._kernels import split
+
+    x = make()
+    v = split(x, 100, 600)
+    assert np.shares_memory(v[0], x) and sizeof(v) < 1000
+    moved = pickle.loads(pickle.dumps(v, protocol=5))
+    assert type(moved) is tuple and not np.shares_memory(moved[0], x)
+    assert sizeof(moved) >= 500 * 8
+    np.testing.assert_array_equal(moved[0], x.reshape(-1)[100:600])
+    cast = split(x, 100, 600, np.dtype("int64"))  # a widening cast is a copy: full size
+    assert sizeof(cast) >= 500 * 8

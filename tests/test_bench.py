@@ -1,0 +1,64 @@
+"""``flowreduce bench``: rows, JSON, the baseline and ``--trace DIR``, run
+for real against the multi-process cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from flowreduce import bench
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min", "mean"])
+def test_check_accepts_the_reduction_and_rejects_anything_else(op):
+    ranks, n = 3, 11
+    xs = [bench.make_input(n, r, "int64") for r in range(ranks)]
+    ref = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean}[op](np.stack(xs), axis=0)
+    assert bench.check(ref, n, ranks, "int64", op)
+    wrong = ref.copy()
+    wrong[4] += 1
+    assert not bench.check(wrong, n, ranks, "int64", op)
+    assert not bench.check(ref[:-1], n, ranks, "int64", op)
+
+
+def test_sizes_parse_and_sweep():
+    assert bench.parse_sizes("1e3, 1001,") == [1000, 1001]
+    assert bench.sweep_sizes(1e3, 1e5, 10) == [1000, 10000, 100000]
+
+
+def test_bench_rows_json_and_traces(proc_client, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out_json, trace_dir = tmp_path / "rows.json", tmp_path / "traces"
+    args = _args("--scheduler", proc_client.scheduler.address, "--sizes", "1000,20001",
+                 "--algorithms", "ring,auto", "--repeat", "2", "--warmup", "1", "--no-progress",
+                 "--json", str(out_json), "--trace", str(trace_dir))
+    assert bench.run(args) == 0
+    rows = json.loads(out_json.read_text())
+    got = {(r["size"], r["algorithm"]) for r in rows}
+    assert got == {(n, a) for n in (1000, 20001) for a in ("ring", "auto", bench.BASELINE)}
+    for r in rows:
+        assert r["correct"] and len(r["times"]) == 2
+        assert r["median"] == pytest.approx(float(np.median(r["times"])))
+        assert r["speedup"] == pytest.approx(next(
+            b["median"] for b in rows if b["size"] == r["size"] and b["algorithm"] == bench.BASELINE) / r["median"])
+        # one trace directory per row, with the Perfetto JSON naming what ran
+        d = trace_dir / f"{r['size']}-{r['algorithm']}-auto"
+        assert r["trace"] == str(d)
+        events = json.loads((d / "trace.json").read_text())["traceEvents"]
+        assert events and (d / "trace.csv").stat().st_size > 0 and (d / "timeline.png").stat().st_size > 0
+        if r["algorithm"] != bench.BASELINE:  # only flowreduce calls have a summary against the plan
+            assert json.loads((d / "summary.json").read_text())["algorithm"] == r["plan"].split("'")[1]
+    printed = capsys.readouterr().out
+    for n in (1000, 20001):  # the summary line names the fastest flowreduce row
+        fastest = min((r for r in rows if r["size"] == n and r["algorithm"] != bench.BASELINE),
+                      key=lambda r: r["median"])
+        assert f"# size {n}: best {fastest['algorithm']} {fastest['median'] * 1e3:.2f} ms" in printed
