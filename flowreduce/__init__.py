@@ -18,7 +18,8 @@ from flowreduce.cost import CostModel, choose
 from flowreduce.ops import resolve_op
 from flowreduce.tracing import trace
 
-__all__ = ["ALGORITHMS", "CostCard", "CostModel", "Plan", "allreduce", "choose", "describe", "plan", "resolve_op", "trace"]
+__all__ = ["ALGORITHMS", "CostCard", "CostModel", "Plan", "WorkerLostError", "allreduce", "choose", "describe", "plan",
+           "resolve_op", "trace"]
 __version__ = "0.1.0"
 
 
@@ -36,3 +37,11 @@ def describe(futures):
 
 allreduce.__doc__ = "All-reduce numpy arrays held by futures; see flowreduce.schedule.allreduce."
 describe.__doc__ = "What the allreduce call that made these futures ran; see flowreduce.schedule.describe."
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WorkerLostError":  # lives beside the scheduler plugin, which needs distributed
+        from flowreduce._guard import WorkerLostError
+
+        return WorkerLostError
+    raise AttributeError(f"module 'flowreduce' has no attribute {name!r}")

@@ -106,7 +106,7 @@ def _die():
 def test_worker_death_mid_call_is_a_clear_error():
     """A worker dying under a running all-reduce fails it with
     WorkerLostError naming that worker; nothing waits forever, nothing leaks."""
-    from flowreduce._guard import WorkerLostError
+    from flowreduce import WorkerLostError
 
     with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:

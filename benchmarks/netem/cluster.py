@@ -273,7 +273,7 @@ class EmulatedCluster:
                     raise ClusterStartError(
                         f"another emulated cluster holds {LOCK_PATH} "
                         f"(waited {self.lock_timeout:.0f} s)"
-                    )
+                    ) from None
                 time.sleep(0.5)
         self._lock_fd = fd
 
