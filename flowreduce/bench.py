@@ -135,8 +135,9 @@ def bench(
     from distributed import wait
 
     import flowreduce
+    from flowreduce.launch import ranked_workers
 
-    workers = sorted(client.nthreads())
+    workers = ranked_workers(client)
     ranks = ranks or len(workers)
     configs = [(a, c) for a in algorithms for c in chunks]
     total = len(sizes) * (warmup + repeat) * (len(configs) + baseline)
@@ -206,14 +207,9 @@ def format_row(d: dict) -> str:
 
 
 def add_arguments(p) -> None:
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--scheduler", help="address of a running scheduler (default: start a LocalCluster)")
-    where.add_argument("--scheduler-file", help="scheduler file of a running cluster (dask-mpi style)")
-    p.add_argument("--workers", type=int, default=4, help="workers of the embedded LocalCluster (default 4)")
-    p.add_argument("--memory-limit", default="system",
-                   help="memory limit per worker of the embedded LocalCluster: 'system' (default: the "
-                        "machine's memory, so spilling to disk does not swamp 1e8 rows), 'auto' (dask's "
-                        "share per worker) or a size such as 4GiB")
+    from flowreduce.launch import add_cluster_arguments
+
+    add_cluster_arguments(p)
     p.add_argument("--ranks", type=int, help="ranks (default: one per worker)")
     p.add_argument("--sizes", help="comma-separated element counts, e.g. 1e3,1e5,1e7")
     p.add_argument("--min", type=float, default=1e3, help="smallest size when --sizes is not given")
@@ -232,20 +228,9 @@ def add_arguments(p) -> None:
                    "repetition of each row under DIR/<size>-<algorithm>-<chunks>/")
 
 
-def _memory_limit(text: str):
-    # dask's default ('auto') gives each of 4 workers a quarter of the machine and
-    # spills at 60% of that: a 1e8 float64 row then times disk writes, not all-reduce
-    if text == "system":
-        from distributed.system import MEMORY_LIMIT
-
-        return MEMORY_LIMIT
-    return text
-
-
 def run(args) -> int:
-    from distributed import Client, LocalCluster
-
     import flowreduce
+    from flowreduce.launch import from_args
 
     sizes = parse_sizes(args.sizes) if args.sizes else sweep_sizes(args.min, args.max, args.factor)
     algorithms = list(flowreduce.ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
@@ -253,14 +238,7 @@ def run(args) -> int:
         if a not in flowreduce.ALGORITHMS:
             raise SystemExit(f"unknown algorithm {a!r}; valid: {', '.join(flowreduce.ALGORITHMS)}")
     chunks = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]
-    with ExitStack() as stack:
-        if args.scheduler or args.scheduler_file:
-            client = stack.enter_context(Client(args.scheduler, scheduler_file=args.scheduler_file))
-        else:
-            cluster = stack.enter_context(LocalCluster(
-                n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                memory_limit=_memory_limit(args.memory_limit)))
-            client = stack.enter_context(Client(cluster))
+    with from_args(args, progress=not args.no_progress) as client:
         nworkers = len(client.nthreads())
         ranks = args.ranks or nworkers
         print(f"# flowreduce {flowreduce.__version__} bench: {ranks} ranks on {nworkers} workers, dtype {args.dtype}, "

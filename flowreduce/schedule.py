@@ -143,6 +143,8 @@ def allreduce(
     model = model or DEFAULT_MODEL
     if model.cores is None:
         model = replace(model, cores=_shared_cores(workers, cpus))
+    if algorithm == "hierarchical" and not {"groups", "group_size"} & set(options):
+        options = {**options, "groups": _groups_by_place(workers, cpus)}  # topology from the workers
     if algorithm == "auto":
         if options:
             raise ValueError(f"options {sorted(options)} need a named algorithm, not 'auto'")
@@ -167,12 +169,22 @@ def allreduce(
     return futures
 
 
+def _groups_by_place(workers: list[str], places: dict) -> list[list[int]]:
+    """Ranks grouped by the (node, job) their worker runs in, in rank order:
+    what the hierarchical algorithm reduces inside before crossing nodes."""
+    groups: dict[tuple, list[int]] = {}
+    for r, w in enumerate(workers):
+        node, _, job = places.get(w, (w, 1, ""))
+        groups.setdefault((node, job), []).append(r)
+    return list(groups.values())
+
+
 def _shared_cores(workers: list[str], cpus: dict[str, tuple[str, int]]) -> int | None:
     """CPU cores the ranks run on: per host, the fewer of its CPUs and its
     ranks. None when every rank has a core of its own (the model's default)."""
     per_host: dict[str, list[int]] = {}
     for w in workers:
-        host, n = cpus.get(w, (w, 1))
+        host, n, _ = cpus.get(w, (w, 1, ""))
         per_host.setdefault(host, []).append(n)
     cores = sum(min(len(ranks), max(ranks)) for ranks in per_host.values())
     return cores if cores < len(workers) else None
@@ -211,9 +223,25 @@ def _locate(client: Client, inputs: list[Future]) -> tuple[list[tuple[str, tuple
     return [(chosen[r], meta[f.key]) for r, f in enumerate(inputs)], cpus
 
 
-def _describe(keys, dask_worker=None):
+#: Environment variables naming the batch job a worker runs in, per queue system.
+_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "JOB_ID", "LSB_JOBID", "OAR_JOB_ID", "_CONDOR_JOB_AD")
+
+
+def place_of() -> tuple[str, str]:
+    """Where this process runs: (node, job). The node is the batch system's
+    name for it when there is one (SLURM's virtual nodes on one machine
+    are distinct nodes), else the host name; the job is the batch job id, or
+    ``""`` outside a batch job."""
     import os
     import socket
+
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    job = next((os.environ[v] for v in _JOB_VARS if os.environ.get(v)), "")
+    return node, job
+
+
+def _describe(keys, dask_worker=None):
+    import os
 
     try:
         ncpu = len(os.sched_getaffinity(0))
@@ -227,7 +255,8 @@ def _describe(keys, dask_worker=None):
                 out[k] = ("ndarray", x.shape, x.dtype.str)
             else:
                 out[k] = (type(x).__name__, None, None)
-    return out, (socket.gethostname(), ncpu)
+    node, job = place_of()
+    return out, (node, ncpu, job)
 
 
 def _check_inputs(metas: list[tuple]):

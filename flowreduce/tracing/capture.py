@@ -381,8 +381,9 @@ class Trace:
                 if first is not None:
                     meta = {"algorithm": first["algorithm"], "token": first["token"],
                             "step": first.get("step"), "chunk": first.get("chunk"), "node": first.get("node")}
-                common = dict(keys=tuple(map(repr, ks)), key_bytes=tuple(int(e["keys"][k] or 0) for k in ks),
-                              nbytes=int(e["total"]), source=src, dest=dest, key=repr(ks[0]) if ks else "",
+                key_bytes = tuple(self._sent_bytes(k, i, e["keys"][k]) for k, i in zip(ks, infos))
+                common = dict(keys=tuple(map(repr, ks)), key_bytes=key_bytes,
+                              nbytes=sum(key_bytes), source=src, dest=dest, key=repr(ks[0]) if ks else "",
                               rank=self._worker_rank.get(dest), **meta)
                 raws = arrived.get((src, frozenset(common["keys"])), [])
                 exact = None
@@ -418,6 +419,17 @@ class Trace:
                              rank=self._worker_rank.get(w), source=ss.get("source") or "", dest=w,
                              key=repr(ss["cause"]), token=info.get("token", ""),
                              algorithm=info.get("algorithm", ""), detail="task-stream transfer (no log entry)"))
+
+    def _sent_bytes(self, key: Any, info: dict | None, logged: Any) -> int:
+        """Bytes a fetch of ``key`` carried. Dask logs its size estimate;
+        for a view of a rank's input flowreduce makes that estimate tiny (so
+        Dask's memory manager does not count the input twice: see
+        ``_kernels.Views``), so a view's size comes from the plan instead."""
+        call = self.calls.get(info["token"]) if info and info.get("phase") == "split" else None
+        if call is None or call.plan is None:
+            return int(logged or 0)
+        node = call.plan.nodes[info["node"]]
+        return int(round(node.width * call.nbytes / call.plan.segments / call.plan.chunks))
 
     def _wait_events(self, ready_sched: dict, out: list[Event]) -> None:
         computed = {e.key: e.stop for e in (*self._events, *out) if e.phase == "user-compute"}

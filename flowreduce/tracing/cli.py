@@ -23,13 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=float, default=1e6, help="elements per rank (default: 1e6)")
     parser.add_argument("--chunks", type=int, default=None, help="chunks (default: flowreduce's choice)")
     parser.add_argument("--dtype", default="float64")
-    parser.add_argument("--scheduler", default=None, help="address of a running scheduler "
-                        "(default: start a LocalCluster with one single-threaded worker per rank)")
     parser.add_argument("--warmup", type=int, default=1, help="untraced calls first (default: 1)")
     parser.add_argument("--straggler", default=None, metavar="RANK:SECONDS",
                         help="make RANK's input arrive SECONDS late (to see a straggler)")
     parser.add_argument("--align", default="auto", choices=("auto", "host", "dask"), help="clock alignment")
     parser.add_argument("-o", "--output", required=True, help="directory to write into")
+    from flowreduce.launch import add_cluster_arguments
+
+    add_cluster_arguments(parser, workers_default=None)
 
 
 def _make_input(n: int, dtype: str, seed: int, delay: float = 0.0):
@@ -49,9 +50,10 @@ def _inputs(client: Any, workers: list[str], n: int, dtype: str, delays: dict[in
 def run_traced(client: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     """Warm up, then trace one all-reduce; returns ``(trace, output futures)``."""
     import flowreduce
+    from flowreduce.launch import ranked_workers
     from flowreduce.tracing.capture import trace
 
-    workers = sorted(client.nthreads())
+    workers = ranked_workers(client)
     if len(workers) < args.ranks:
         raise SystemExit(f"need {args.ranks} workers, the cluster has {len(workers)}")
     workers = workers[: args.ranks]
@@ -106,23 +108,13 @@ def write_all(tr: Any, out_dir: str, title: str = "") -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from distributed import Client, LocalCluster
+    from flowreduce.launch import from_args
 
-    cluster = None
-    if args.scheduler:
-        client = Client(args.scheduler)
-    else:
-        cluster = LocalCluster(n_workers=args.ranks, threads_per_worker=1, dashboard_address=":0")
-        client = Client(cluster)
-    try:
+    with from_args(args, workers=args.ranks) as client:
         tr, _ = run_traced(client, args)
         title = f"{args.algorithm}, {args.ranks} ranks, {args.size:g} x {args.dtype}"
         paths = write_all(tr, args.output, title)
         with open(paths["summary.txt"]) as f:
             print(f.read())
         print("wrote", ", ".join(paths.values()))
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
     return 0

@@ -8,76 +8,12 @@ running or ``dask_jobqueue`` is not installed.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
-import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-IDLE_WAIT_SECONDS = 5.0
-
-
-def slurm_skip_reason(wait: float = IDLE_WAIT_SECONDS) -> str | None:
-    """Return why SLURM is unusable here, or None when it has an idle node.
-
-    Polls ``sinfo -h -o %T`` for up to ``wait`` seconds for a node in state
-    ``idle`` (or ``mixed``, which still has free CPUs).
-    """
-    if shutil.which("sinfo") is None:
-        return "SLURM not installed: no `sinfo` on PATH (run tests/infra/slurm/up.sh as root)"
-    deadline = time.monotonic() + wait
-    last = ""
-    while True:
-        try:
-            proc = subprocess.run(
-                ["sinfo", "-h", "-o", "%T"],
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=max(1.0, wait),
-            )
-        except subprocess.TimeoutExpired:
-            last = "`sinfo -h -o %T` timed out (slurmctld unreachable?)"
-        else:
-            if proc.returncode != 0:
-                last = f"`sinfo -h -o %T` failed (rc={proc.returncode}): {proc.stderr.strip()[:200]}"
-            else:
-                states = proc.stdout.split()
-                if any(s in ("idle", "mixed") for s in states):
-                    return None
-                last = f"no idle SLURM node (states: {', '.join(states) or 'none'})"
-        if time.monotonic() >= deadline:
-            return f"SLURM not running: {last} (run tests/infra/slurm/up.sh as root)"
-        time.sleep(0.5)
-
-
-@pytest.fixture(scope="module")
-def slurm() -> None:
-    reason = slurm_skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def dask_jobqueue(slurm):
-    return pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
-
-
-def _jobs(name: str) -> list[tuple[str, str]]:
-    """(job id, state) of queued jobs with this job name, via `squeue -h`."""
-    out = subprocess.run(
-        ["squeue", "-h", "-n", name, "-o", "%i %T"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    ).stdout
-    return [tuple(line.split()) for line in out.splitlines() if line.strip()]
+from hpc.conftest import REPO_ROOT, _jobs
 
 
 def test_slurm_cluster_runs_tasks_on_two_jobs(dask_jobqueue, tmp_path):
