@@ -174,17 +174,17 @@ def _groups_by_place(workers: list[str], places: dict) -> list[list[int]]:
     what the hierarchical algorithm reduces inside before crossing nodes."""
     groups: dict[tuple, list[int]] = {}
     for r, w in enumerate(workers):
-        node, _, job = places.get(w, (w, 1, ""))
+        node, _, job, _ = places.get(w, (w, 1, "", w))
         groups.setdefault((node, job), []).append(r)
     return list(groups.values())
 
 
-def _shared_cores(workers: list[str], cpus: dict[str, tuple[str, int]]) -> int | None:
+def _shared_cores(workers: list[str], cpus: dict[str, tuple]) -> int | None:
     """CPU cores the ranks run on: per host, the fewer of its CPUs and its
     ranks. None when every rank has a core of its own (the model's default)."""
     per_host: dict[str, list[int]] = {}
-    for w in workers:
-        host, n, _ = cpus.get(w, (w, 1, ""))
+    for w in workers:  # the machine, not the batch system's node: virtual nodes share its CPUs
+        _, n, _, host = cpus.get(w, (w, 1, "", w))
         per_host.setdefault(host, []).append(n)
     cores = sum(min(len(ranks), max(ranks)) for ranks in per_host.values())
     return cores if cores < len(workers) else None
@@ -213,7 +213,13 @@ def _locate(client: Client, inputs: list[Future]) -> tuple[list[tuple[str, tuple
         if f.key not in holders:
             raise RuntimeError(f"input of rank {r} (key {f.key!r}) is held by no worker: its data was lost")
     # A replicated input (fetched earlier by some other task) may sit on
-    # several workers: spread ranks over them, sole holders first.
+    # several workers: keep it where its submitter pinned it if that is one of
+    # them, else spread ranks over the holders, sole holders first.
+    replicated = [k for k in keys if len(holders[k]) > 1]
+    if replicated:
+        pinned = client.run_on_scheduler(_restrictions, replicated)
+        for k in replicated:
+            holders[k] = [w for w in holders[k] if w in pinned.get(k, ())] or holders[k]
     load: dict[str, int] = {}
     chosen: dict[int, str] = {}
     for r in sorted(range(len(inputs)), key=lambda r: len(holders[inputs[r].key])):
@@ -221,6 +227,11 @@ def _locate(client: Client, inputs: list[Future]) -> tuple[list[tuple[str, tuple
         chosen[r] = w
         load[w] = load.get(w, 0) + 1
     return [(chosen[r], meta[f.key]) for r, f in enumerate(inputs)], cpus
+
+
+def _restrictions(keys, dask_scheduler=None) -> dict:
+    tasks = dask_scheduler.tasks
+    return {k: sorted(tasks[k].worker_restrictions or ()) for k in keys if k in tasks}
 
 
 #: Environment variables naming the batch job a worker runs in, per queue system.
@@ -242,6 +253,7 @@ def place_of() -> tuple[str, str]:
 
 def _describe(keys, dask_worker=None):
     import os
+    import socket
 
     try:
         ncpu = len(os.sched_getaffinity(0))
@@ -256,7 +268,7 @@ def _describe(keys, dask_worker=None):
             else:
                 out[k] = (type(x).__name__, None, None)
     node, job = place_of()
-    return out, (node, ncpu, job)
+    return out, (node, ncpu, job, socket.gethostname())
 
 
 def _check_inputs(metas: list[tuple]):

@@ -115,3 +115,31 @@ def test_input_views_count_small_until_they_travel(make):
     np.testing.assert_array_equal(moved[0], x.reshape(-1)[100:600])
     cast = split(x, 100, 600, np.dtype("int64"))  # a widening cast is a copy: full size
     assert sizeof(cast) >= 500 * 8
+
+
+def test_replicated_input_stays_where_it_was_pinned(proc_client):
+    """A task elsewhere fetched rank 0's input (as the hand-written baseline
+    does); rank 0's result must still live on the worker it was pinned to,
+    although the other holder is idle and the pinned one holds every rank."""
+    ws = workers_of(proc_client)
+    xs = [proc_client.submit(np.full, 5, r, workers=[ws[0]], pure=False) for r in range(3)]
+    wait(xs)
+    proc_client.submit(len, xs[0], workers=[ws[1]], pure=False).result()  # a replica on ws[1]
+    assert sorted(proc_client.who_has([xs[0]])[xs[0].key]) == sorted(ws[:2])
+    out = flowreduce.allreduce(proc_client, xs, algorithm="ring")
+    wait(out)
+    assert [proc_client.who_has([f])[f.key] for f in out] == [(ws[0],)] * 3
+    np.testing.assert_array_equal(out[0].result(), np.full(5, 3))
+
+
+def test_cores_and_groups_come_from_where_workers_run():
+    from flowreduce.schedule import _groups_by_place, _shared_cores
+
+    # (node, cpus, job, machine): two SLURM virtual nodes on one 2-CPU machine, two jobs
+    places = {"a": ("n1", 2, "7", "box"), "b": ("n1", 2, "7", "box"),
+              "c": ("n2", 2, "8", "box"), "d": ("n2", 2, "8", "box")}
+    assert _groups_by_place(["a", "c", "b", "d"], places) == [[0, 2], [1, 3]]
+    assert _shared_cores(list("abcd"), places) == 2  # the machine's CPUs, not the nodes'
+    apart = {w: (f"n{i}", 8, "", f"box{i}") for i, w in enumerate("abcd")}
+    assert _shared_cores(list("abcd"), apart) is None  # a core each: nothing shared
+    assert _groups_by_place(list("abcd"), apart) == [[0], [1], [2], [3]]
