@@ -39,13 +39,13 @@ logger = logging.getLogger("flowreduce")
 
 @dataclass(frozen=True)
 class CostModel:
-    # Fitted (least squares on log time) to 20 side-by-side measurements, 1e3..1e8
-    # float64 on 4 ranks, one host, loopback TCP, 2 cores; bandwidth is loopback's,
-    # set it to your network's bytes/s per rank for ranks on different hosts.
-    level: float = 6e-3  # s per dependent task level (scheduler<->worker batching)
+    # Fitted (least squares on log time) to 28 side-by-side measurements, 1e3..1e8
+    # float64 on 4 ranks, one host, loopback TCP, 2 cores (benchmarks/results/);
+    # bandwidth is loopback's: set your network's bytes/s per rank for several hosts.
+    level: float = 5e-3  # s per dependent task level (scheduler<->worker batching)
     task: float = 0.6e-3  # s of scheduler and worker time per task
-    call: float = 9e-3  # s per call: locating inputs, building and submitting the graph
-    bandwidth: float = 1.2e10  # bytes/s a rank moves (serialise + send + receive)
+    call: float = 12e-3  # s per call: locating inputs, building and submitting the graph
+    bandwidth: float = 8.0e9  # bytes/s a rank moves (serialise + send + receive)
     reduce_rate: float = 1.0e10  # bytes/s a rank combines
     copy_rate: float = 1.0e10  # bytes/s for assembling an output from pieces (fresh pages)
     cores: int | None = None  # CPU cores shared by the ranks (None: one each)
