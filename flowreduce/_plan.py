@@ -65,6 +65,7 @@ class CostCard:
     reduce_bytes: float  # bytes combined by the busiest rank
     total_reduce_bytes: float = 0.0  # bytes combined by all ranks
     copy_bytes: float = 0.0  # bytes copied by all ranks to assemble their outputs
+    critical_bytes: float = 0.0  # bytes moved one after another on the longest chain of one chunk
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -144,6 +145,11 @@ class Plan:
                 reduced[n.rank] += max(len(n.inputs) - 1, 0) * n.width * seg
         outputs = sum(self.output_is_separate(r) for r in range(self.ranks))
         c = self.chunks
+        chain = [0.0] * len(self.nodes)  # nodes are topologically ordered
+        for n in self.nodes:
+            src = (self.nodes[i] for i in n.inputs)
+            chain[n.id] = max((chain[m.id] + (m.width * seg if m.rank != n.rank else 0.0) for m in src),
+                              default=0.0)
         # an output made of several pieces is concatenated once (a fresh copy)
         pieced = sum(c > 1 or self.nodes[f].kind == GATHER and len(self.nodes[f].inputs) > 1
                      for f in self.finals)
@@ -156,6 +162,7 @@ class Plan:
             reduce_bytes=c * max(reduced.values(), default=0.0),
             total_reduce_bytes=c * sum(reduced.values()),
             copy_bytes=pieced * nbytes,
+            critical_bytes=max((chain[f] for f in self.finals), default=0.0),
         )
 
     # -- checking -----------------------------------------------------------

@@ -13,10 +13,11 @@ the plan itself (:meth:`Plan.cost`), so a new algorithm needs no formula::
 
     ranks with a core each:   body = max(comm, compute) + min(comm, compute)/chunks + copy
                               (chunks pipeline communication with reduction)
-    ranks sharing C cores:    body = max(comm + compute + copy,
-                                         (2·bytes on wire/bandwidth + all combining + all copies) / C)
-                              (every byte costs CPU at both ends, and there is
-                              no idle core for chunks to overlap with)
+    ranks sharing C cores:    body = max((2·bytes on wire/bandwidth + all combining + all copies) / C,
+                                         bytes on the longest chain of dependent transfers/bandwidth + copy)
+                              (every byte costs CPU at both ends, there is no idle
+                              core for chunks to overlap with, and a chain of
+                              transfers runs one after another)
 
 ``allreduce`` tells the model how many cores the ranks share (per host, the
 fewer of its CPUs and its ranks), learnt from the workers in the same
@@ -42,11 +43,11 @@ class CostModel:
     # Fitted (least squares on log time) to 28 side-by-side measurements, 1e3..1e8
     # float64 on 4 ranks, one host, loopback TCP, 2 cores (benchmarks/results/);
     # bandwidth is loopback's: set your network's bytes/s per rank for several hosts.
-    level: float = 5e-3  # s per dependent task level (scheduler<->worker batching)
+    level: float = 4e-3  # s per dependent task level (scheduler<->worker batching)
     task: float = 0.6e-3  # s of scheduler and worker time per task
-    call: float = 12e-3  # s per call: locating inputs, building and submitting the graph
-    bandwidth: float = 8.0e9  # bytes/s a rank moves (serialise + send + receive)
-    reduce_rate: float = 1.0e10  # bytes/s a rank combines
+    call: float = 15e-3  # s per call: locating inputs, building and submitting the graph
+    bandwidth: float = 6.0e9  # bytes/s a rank moves (serialise + send + receive)
+    reduce_rate: float = 1.5e10  # bytes/s a rank combines
     copy_rate: float = 1.0e10  # bytes/s for assembling an output from pieces (fresh pages)
     cores: int | None = None  # CPU cores shared by the ranks (None: one each)
 
@@ -56,9 +57,11 @@ class CostModel:
         compute = card.reduce_bytes / self.reduce_rate
         copy = (nbytes if card.copy_bytes else 0.0) / self.copy_rate
         if self.cores and self.cores < plan.ranks:
+            # every byte costs CPU at both ends and all of it queues on the shared cores;
+            # a chain of dependent transfers cannot go faster than one stream
             work = (2 * card.bytes_on_wire / self.bandwidth + card.total_reduce_bytes / self.reduce_rate
                     + card.copy_bytes / self.copy_rate)
-            body = max(comm + compute + copy, work / self.cores)
+            body = max(work / self.cores, card.critical_bytes / self.bandwidth + copy)
         else:
             big, small = max(comm, compute), min(comm, compute)
             body = big + small / plan.chunks + copy

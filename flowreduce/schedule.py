@@ -238,15 +238,19 @@ def _restrictions(keys, dask_scheduler=None) -> dict:
 _JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "JOB_ID", "LSB_JOBID", "OAR_JOB_ID", "_CONDOR_JOB_AD")
 
 
-def place_of() -> tuple[str, str]:
-    """Where this process runs: (node, job). The node is the batch system's
-    name for it when there is one (SLURM's virtual nodes on one machine
-    are distinct nodes), else the host name; the job is the batch job id, or
-    ``""`` outside a batch job."""
+def place_of(dask_worker=None) -> tuple[str, str]:
+    """Where a worker runs: (node, job). The node is the batch system's name
+    for it when there is one (SLURM's virtual nodes on one machine are
+    distinct nodes), else the host of the worker's address (workers in
+    separate network namespaces are distinct hosts); the job is the batch
+    job id, or ``""`` outside a batch job. Run on a worker by ``client.run``."""
     import os
     import socket
 
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    from flowreduce.topology import host_of
+
+    address = getattr(dask_worker, "address", None)
+    node = os.environ.get("SLURMD_NODENAME") or (host_of(address) if address else socket.gethostname())
     job = next((os.environ[v] for v in _JOB_VARS if os.environ.get(v)), "")
     return node, job
 
@@ -267,7 +271,7 @@ def _describe(keys, dask_worker=None):
                 out[k] = ("ndarray", x.shape, x.dtype.str)
             else:
                 out[k] = (type(x).__name__, None, None)
-    node, job = place_of()
+    node, job = place_of(dask_worker)
     return out, (node, ncpu, job, socket.gethostname())
 
 

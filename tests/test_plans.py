@@ -58,6 +58,10 @@ def test_bandwidth_optimal_algorithms_move_the_lower_bound(algorithm, p):
     assert card.max_rank_bytes == pytest.approx(2 * 2 * (p - 1) / p * n)
     assert card.bytes_on_wire == pytest.approx(p * 2 * (p - 1) / p * n)
     assert card.reduce_bytes == pytest.approx((p - 1) / p * n)
+    assert card.total_reduce_bytes == pytest.approx((p - 1) * n)
+    # the chain of dependent transfers: halving then doubling (butterfly), 2(p-1) hops of n/p (ring)
+    assert card.critical_bytes == pytest.approx(2 * (p - 1) / p * n)
+    assert card.copy_bytes == pytest.approx(p * n)  # every rank concatenates its gathered pieces
 
 
 @pytest.mark.parametrize("p", [2, 4, 8, 16])
@@ -75,6 +79,8 @@ def test_reduce_broadcast_loads_the_root(p):
     card = plan("reduce-broadcast", p).cost(n)
     assert card.max_rank_bytes == pytest.approx(2 * (p - 1) * n)  # (p-1)·n in and out of the root
     assert card.steps == 3
+    assert card.critical_bytes == pytest.approx(2 * n)  # in to the root, out again
+    assert card.copy_bytes == 0  # the root reduces into a received buffer; others keep theirs
 
 
 def test_direct_exchange_is_two_levels():
