@@ -5,8 +5,9 @@ so every result has a closed form and is checked where it lives, without
 moving data to the client). Every repetition times each algorithm and the
 hand-written baseline (``client.submit`` of a sum over all inputs, then
 ``client.replicate`` to every worker) back to back, in a rotating order, so
-machine noise hits all of them alike. The baseline reads its own copy of the
-inputs (its sum task replicates them, which would move later ranks). Rows report median/min/max seconds,
+machine noise hits all of them alike. Every run gets fresh inputs, made
+before its clock starts: runs leave copies of their inputs on other workers
+(the baseline's sum task fetches them all), which would favour the next run. Rows report median/min/max seconds,
 algbw = bytes/time, busbw = algbw·2(p-1)/p, correctness and the speed-up
 over the baseline measured in the same run.
 """
@@ -155,22 +156,23 @@ def bench(
                 return [client.submit(make_input, n, r, dtype, workers=[workers[r % len(workers)]], pure=False)
                         for r in range(ranks)]
 
-            # the baseline's sum task copies every input to its worker, where the Active
-            # Memory Manager may later keep the only copy: it gets inputs of its own
-            inputs, base_inputs = fresh(), fresh() if baseline else []
-            wait(inputs + base_inputs)
             rows: dict[tuple, Row] = {}
             nbytes = n * np.dtype(dtype).itemsize
             order = ([(BASELINE, None)] if baseline else []) + configs
             for it in range(warmup + repeat):
                 shift = it % len(order)
                 for alg, c in order[shift:] + order[:shift]:
+                    # fresh inputs for every run (made untimed): a run may leave copies of
+                    # its inputs on other workers (the baseline's sum task fetches them
+                    # all), and the next run on the same inputs would start ahead
+                    inputs = fresh()
+                    wait(inputs)
                     tr = None
                     if trace_dir and it == warmup + repeat - 1:
                         tr = flowreduce.trace(client).start()
                     t0 = time.perf_counter()
                     if alg == BASELINE:
-                        outs, plan = run_baseline(client, base_inputs, workers), "submit(sum) + replicate"
+                        outs, plan = run_baseline(client, inputs, workers), "submit(sum) + replicate"
                     else:
                         kw = {"chunks": c} if c else {}
                         outs = flowreduce.allreduce(client, inputs, algorithm=alg, op=op, **kw)
@@ -184,14 +186,13 @@ def bench(
                     ok = all(client.gather(
                         [client.submit(check, o, n, ranks, dtype, op, pure=False,
                                        workers=list(client.who_has([o])[o.key])[:1]) for o in outs]))
-                    del outs
+                    del outs, inputs
                     row.plan = plan
                     if it >= warmup:
                         row.times.append(elapsed)
                     row.correct &= ok
                     if bar:
                         bar.advance(task)
-            del inputs, base_inputs
             base = rows.get((BASELINE, None))
             for row in rows.values():
                 d = row.stats(base)

@@ -136,3 +136,33 @@ def test_teardown_on_exception(netem):
             assert len(netem.fr_namespaces()) == 3  # fr-h0, fr-h1, fr-sw
             raise RuntimeError("boom")
     _assert_clean(netem, pids)
+
+
+def test_hierarchical_allreduce_crosses_the_shaped_links_as_planned(netem):
+    """2 hosts x 2 workers: hierarchical groups the ranks by host (from the
+    workers' addresses), every rank gets the numpy sum on its own worker, and
+    the trace's bytes between hosts are the plan's -- which are fewer than a
+    flat butterfly would send across."""
+    import flowreduce
+
+    with netem.EmulatedCluster(hosts=2, workers_per_host=2, rate="1gbit", startup_timeout=60) as c:
+        proc = c.run(NETEM_DIR / "allreduce_probe.py", "--size", "100000", timeout=120)
+        assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+    host = {w: h for h, ws in c.hosts.items() for w in ws}
+    assert res["ok"] and res["placed"]
+    assert [[host[res["workers"][r]] for r in g] for g in res["groups"]] == [["h0", "h0"], ["h1", "h1"]]
+
+    def across(links):
+        return sum(x["bytes"] for x in links if host[x["source"]] != host[x["dest"]])
+
+    measured, planned = across(res["links"]), across(res["planned_links"])
+    assert planned > 0 and measured == pytest.approx(planned, rel=0.01, abs=2048)
+    # the cost card's share: p ranks each send 2(h-1)/h of their 1/g shard across (h=2 hosts, g=2)
+    assert planned == pytest.approx(4 * 2 * (2 - 1) / 2 * res["nbytes"] / 2)
+    # a flat ring over the same ranks sends more across the hosts
+    flat = flowreduce.plan("ring", 4)
+    rank_host = [host[w] for w in res["workers"]]
+    flat_across = sum((t.hi - t.lo) / flat.segments * res["nbytes"]
+                      for t in flat.transfers() if rank_host[t.source] != rank_host[t.dest])
+    assert planned < flat_across
