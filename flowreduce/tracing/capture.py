@@ -170,6 +170,7 @@ class Trace:
         self.origin: float = 0.0
         self.end: float | None = None
         self._order: list[str] = []  # tokens by first sight
+        self._added: list[str] = []  # tokens told by add() (allreduce notes its own calls), in call order
         self._skipped: set[str] = set()
         self._pending: dict[str, Call] = {}  # calls whose input readiness is unresolved
         self._cursor: int | None = None
@@ -218,7 +219,8 @@ class Trace:
             return
         if call.token in self._skipped:
             return
-        self._see(call.token, call)
+        if self._see(call.token, call) and call.token not in self._added:
+            self._added.append(call.token)
         self._added_since_flush += 1
         if self.flush_every and self._added_since_flush >= self.flush_every:
             self.flush()
@@ -246,6 +248,7 @@ class Trace:
     def _forget(self, tokens: list[str]) -> None:
         gone = set(tokens)
         self._order = [t for t in self._order if t not in gone]
+        self._added = [t for t in self._added if t not in gone]
         self._skipped |= gone
         for t in gone:
             self.calls.pop(t, None)
@@ -465,6 +468,13 @@ class Trace:
 
     @property
     def last_call(self) -> Call | None:
+        """The call made (or added) last. A call only *seen* in dask's records
+        does not count: an earlier call's late records (a transfer log read
+        after the block opened, clocks aligned within their uncertainty) can
+        fall inside the window."""
+        told = [t for t in self._added if t in self.calls]
+        if told:
+            return self.calls[told[-1]]
         return self.calls[self._order[-1]] if self._order and self._order[-1] in self.calls else None
 
     def ranks_of(self, token: str) -> dict[str, int]:
