@@ -1,17 +1,30 @@
-"""A scheduler plugin that fails a flowreduce task at once when the worker
-it is pinned to leaves the cluster, instead of leaving it waiting forever
-for a worker that will never come back (restricted tasks otherwise sit in
-the scheduler's ``no-worker`` state).
+"""The scheduler side of flowreduce: one plugin, installed once per client,
+with two guards.
 
-The same holds for an all-reduce's input pinned by the user to the lost
-worker (``submit(..., workers=[w])``): it can never be recomputed, so it is
-failed too, and the error flows down to every rank's result."""
+* **Pin guard.** A flowreduce task fails at once when the worker it is
+  pinned to leaves the cluster, instead of waiting forever for a worker
+  that will never come back (restricted tasks otherwise sit in the
+  scheduler's ``no-worker`` state). The same holds for an all-reduce's
+  input pinned by the user to the lost worker (``submit(..., workers=[w])``):
+  it can never be recomputed, so it is failed too, and the error flows down
+  to every rank's result.
+* **Replica guard.** Dask's Active Memory Manager (``ReduceReplicas``)
+  drops every replica of a key beyond one, from the worker using the most
+  memory, without looking at where the key's waiting dependents are pinned.
+  When a rank's value has been fetched by a peer while a task of its own
+  worker still waits for it (the rank's final gather, say), the AMM may drop
+  the *owner's* copy, and the owner fetches its own data back. The guard
+  swaps the AMM's ``ReduceReplicas`` policy for one that never drops the
+  replica on a worker where a waiting flowreduce task is pinned; every other
+  key is treated exactly as before.
+"""
 
 from __future__ import annotations
 
 import pickle
 import weakref
 
+from distributed.active_memory_manager import ReduceReplicas, Suggestion
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 
@@ -19,11 +32,33 @@ class WorkerLostError(RuntimeError):
     """A worker holding part of an all-reduce left the cluster."""
 
 
+class KeepPinnedReplicas(ReduceReplicas):
+    """``ReduceReplicas`` that keeps the replicas pinned flowreduce tasks wait for."""
+
+    def run(self):
+        workers = self.manager.scheduler.workers
+        for s in super().run():
+            keep = {workers[w] for waiter in s.ts.waiters or () if _ours(waiter.key)
+                    for w in waiter.worker_restrictions or () if w in workers}
+            if not keep:
+                yield s
+                continue
+            candidates = (s.candidates if s.candidates is not None else set(s.ts.who_has or ())) - keep
+            if candidates:
+                yield Suggestion("drop", s.ts, candidates)
+
+
 class PinGuard(SchedulerPlugin):
     name = "flowreduce-pin-guard"
 
     def start(self, scheduler) -> None:
         self.scheduler = scheduler
+        amm = scheduler.extensions.get("amm")
+        if amm is not None:
+            for policy in list(amm.policies):
+                if type(policy) is ReduceReplicas:
+                    amm.policies.discard(policy)
+                    amm.add_policy(KeepPinnedReplicas())
 
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         if finish == "no-worker":  # rare: decide later, once the transition batch is done
@@ -58,7 +93,7 @@ _guarded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def ensure_guard(client) -> None:
-    """Install the guard once per client (and so per scheduler)."""
+    """Install the guards once per client (and so per scheduler)."""
     if client not in _guarded:
         client.register_plugin(PinGuard())
         _guarded[client] = True

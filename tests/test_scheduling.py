@@ -143,3 +143,48 @@ def test_cores_and_groups_come_from_where_workers_run():
     apart = {w: (f"n{i}", 8, "", f"box{i}") for i, w in enumerate("abcd")}
     assert _shared_cores(list("abcd"), apart) is None  # a core each: nothing shared
     assert _groups_by_place(list("abcd"), apart) == [[0], [1], [2], [3]]
+
+
+def _wait_for_event(name):
+    from distributed import Event
+
+    Event(name).wait()
+    return 1
+
+
+def test_amm_keeps_the_replica_a_waiting_pinned_task_needs(proc_client):
+    """A rank's value X was fetched by a peer (two replicas) while a task of
+    X's own worker still waits for it. Dask's ReduceReplicas would drop the
+    replica on the worker using the most memory — here the owner — and the
+    owner would fetch its own data back; flowreduce's guard keeps it."""
+    import time
+    import uuid
+
+    from distributed import Event
+
+    from flowreduce._guard import ensure_guard
+
+    ensure_guard(proc_client)
+    proc_client.amm.stop()  # run it once, below, when the stage is set
+    a, b, c = workers_of(proc_client)[:3]
+    token, event = uuid.uuid4().hex, f"flowreduce-test-{uuid.uuid4().hex}"
+    x = proc_client.submit(np.arange, 1000, key=(f"flowreduce-test-split-{token}", 0, 0, 0, 0), workers=[a])
+    later = proc_client.submit(_wait_for_event, event, workers=[c], pure=False)  # not ready yet
+    waiting = proc_client.submit(lambda v, _: v, x, later, key=(f"flowreduce-test-reduce-{token}", 1, 0, 0, 1),
+                                 workers=[a], allow_other_workers=False)
+    peer = proc_client.submit(np.sum, x, workers=[b], pure=False)  # makes the replica on b
+    heavy = proc_client.scatter(np.ones(20_000_000), workers=[a])  # a is the worker AMM would pick
+    wait([peer, heavy])
+    assert set(proc_client.who_has([x])[x.key]) == {a, b}
+    try:
+        proc_client.amm.run_once()
+        deadline = time.monotonic() + 10
+        while len(proc_client.who_has([x])[x.key]) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc_client.who_has([x])[x.key] == (a,), "the owner's replica was dropped"
+    finally:
+        Event(event).set()
+        proc_client.amm.start()
+    np.testing.assert_array_equal(waiting.result(), np.arange(1000))
+    del x, later, waiting, peer, heavy
+    assert_clean(proc_client)
