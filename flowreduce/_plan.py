@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 VIEW, REDUCE, GATHER = "view", "reduce", "gather"
@@ -72,6 +73,60 @@ class CostCard:
 
 
 @dataclass(frozen=True)
+class Structure:
+    """What a plan's cost card and lowering read off its nodes, computed once
+    per plan (in segment units, one chunk) and shared by its chunk variants:
+    :meth:`Plan.cost` is then arithmetic, so the cost model can price dozens
+    of (algorithm, chunks) candidates for thousands of ranks quickly."""
+
+    consumers: dict[int, list[int]]
+    transfers: list[Transfer]
+    levels: list[int]
+    final_read_remotely: tuple[bool, ...]  # per rank: another rank reads its final node
+    wire_width: int  # segments on the wire, all messages
+    max_rank_width: int  # the busiest rank's segments sent + received
+    max_reduce_width: int  # segments combined by the busiest rank
+    total_reduce_width: int
+    chain_width: int  # segments moved one after another on the longest chain
+    pieced_finals: int  # finals assembled from several pieces (one chunk)
+
+    @classmethod
+    def of(cls, nodes: tuple[Node, ...], finals: tuple[int, ...]) -> Structure:
+        consumers: dict[int, list[int]] = {n.id: [] for n in nodes}
+        transfers, seen = [], set()
+        levels = [0] * len(nodes)
+        chain = [0] * len(nodes)
+        per_rank: Counter = Counter()
+        reduced: Counter = Counter()
+        for n in nodes:  # nodes are topologically ordered
+            for i in n.inputs:
+                consumers[i].append(n.id)
+                src = nodes[i]
+                if src.rank != n.rank and (i, n.rank) not in seen:
+                    seen.add((i, n.rank))
+                    transfers.append(Transfer(i, src.rank, n.rank, src.lo, src.hi))
+                    per_rank[src.rank] += src.width
+                    per_rank[n.rank] += src.width
+            levels[n.id] = 1 + max((levels[i] for i in n.inputs), default=0)
+            chain[n.id] = max((chain[i] + (nodes[i].width if nodes[i].rank != n.rank else 0) for i in n.inputs),
+                              default=0)
+            if n.kind == REDUCE:
+                reduced[n.rank] += max(len(n.inputs) - 1, 0) * n.width
+        return cls(
+            consumers=consumers,
+            transfers=transfers,
+            levels=levels,
+            final_read_remotely=tuple(any(nodes[c].rank != r for c in consumers[f]) for r, f in enumerate(finals)),
+            wire_width=sum(t.hi - t.lo for t in transfers),
+            max_rank_width=max(per_rank.values(), default=0),
+            max_reduce_width=max(reduced.values(), default=0),
+            total_reduce_width=sum(reduced.values()),
+            chain_width=max((chain[f] for f in finals), default=0),
+            pieced_finals=sum(nodes[f].kind == GATHER and len(nodes[f].inputs) > 1 for f in finals),
+        )
+
+
+@dataclass(frozen=True)
 class Plan:
     algorithm: str
     ranks: int
@@ -89,80 +144,56 @@ class Plan:
         )
 
     # -- structure ----------------------------------------------------------
-    def consumers(self) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
-        for n in self.nodes:
-            for i in n.inputs:
-                out[i].append(n.id)
+    @cached_property
+    def structure(self) -> Structure:
+        return Structure.of(self.nodes, self.finals)
+
+    def with_chunks(self, chunks: int) -> Plan:
+        """The same plan over ``chunks`` independent chunks (sharing the
+        structure already computed)."""
+        out = replace(self, chunks=chunks)
+        out.__dict__["structure"] = self.structure  # what cached_property would store
         return out
+
+    def consumers(self) -> dict[int, list[int]]:
+        """Node id -> ids of the nodes that read it (shared: do not modify)."""
+        return self.structure.consumers
 
     def transfers(self) -> list[Transfer]:
         """Messages of one chunk: one per (node, remote rank that reads it)."""
-        seen = set()
-        out = []
-        for n in self.nodes:
-            for i in n.inputs:
-                src = self.nodes[i]
-                if src.rank != n.rank and (i, n.rank) not in seen:
-                    seen.add((i, n.rank))
-                    out.append(Transfer(i, src.rank, n.rank, src.lo, src.hi))
-        return out
+        return list(self.structure.transfers)
 
     def output_is_separate(self, rank: int) -> bool:
         """Whether rank's output needs its own task (the final is read remotely
         or the vector is chunked), rather than being the final node itself."""
-        if self.chunks > 1:
-            return True
-        fid = self.finals[rank]
-        return any(self.nodes[c].rank != rank for c in self.consumers()[fid])
+        return self.chunks > 1 or self.structure.final_read_remotely[rank]
 
     @property
     def levels(self) -> list[int]:
-        lv = [0] * len(self.nodes)
-        for n in self.nodes:  # nodes are topologically ordered
-            lv[n.id] = 1 + max((lv[i] for i in n.inputs), default=0)
-        return lv
+        return list(self.structure.levels)
 
     @property
     def depth(self) -> int:
-        lv = self.levels
-        return max(
-            lv[f] + self.output_is_separate(r) for r, f in enumerate(self.finals)
-        )
+        lv = self.structure.levels
+        return max(lv[f] + self.output_is_separate(r) for r, f in enumerate(self.finals))
 
     def cost(self, nbytes: float = 0.0) -> CostCard:
         """Counts for a vector of ``nbytes`` bytes per rank (all chunks)."""
-        seg = nbytes / self.segments / self.chunks if self.segments else 0.0
-        msgs = self.transfers()
-        per_rank = Counter()
-        for t in msgs:
-            b = (t.hi - t.lo) * seg
-            per_rank[t.source] += b
-            per_rank[t.dest] += b
-        reduced = Counter()
-        for n in self.nodes:
-            if n.kind == REDUCE:
-                reduced[n.rank] += max(len(n.inputs) - 1, 0) * n.width * seg
+        st, c = self.structure, self.chunks
+        unit = nbytes / self.segments if self.segments else 0.0  # bytes of one segment over all chunks
         outputs = sum(self.output_is_separate(r) for r in range(self.ranks))
-        c = self.chunks
-        chain = [0.0] * len(self.nodes)  # nodes are topologically ordered
-        for n in self.nodes:
-            src = (self.nodes[i] for i in n.inputs)
-            chain[n.id] = max((chain[m.id] + (m.width * seg if m.rank != n.rank else 0.0) for m in src),
-                              default=0.0)
         # an output made of several pieces is concatenated once (a fresh copy)
-        pieced = sum(c > 1 or self.nodes[f].kind == GATHER and len(self.nodes[f].inputs) > 1
-                     for f in self.finals)
+        pieced = self.ranks if c > 1 else st.pieced_finals
         return CostCard(
             steps=self.depth,
             tasks=c * len(self.nodes) + outputs,
-            messages=c * len(msgs),
-            bytes_on_wire=c * sum((t.hi - t.lo) * seg for t in msgs),
-            max_rank_bytes=c * max(per_rank.values(), default=0.0),
-            reduce_bytes=c * max(reduced.values(), default=0.0),
-            total_reduce_bytes=c * sum(reduced.values()),
+            messages=c * len(st.transfers),
+            bytes_on_wire=st.wire_width * unit,
+            max_rank_bytes=st.max_rank_width * unit,
+            reduce_bytes=st.max_reduce_width * unit,
+            total_reduce_bytes=st.total_reduce_width * unit,
             copy_bytes=pieced * nbytes,
-            critical_bytes=max((chain[f] for f in self.finals), default=0.0),
+            critical_bytes=st.chain_width * unit / c,
         )
 
     # -- checking -----------------------------------------------------------
@@ -275,9 +306,9 @@ def digits(q: int, factors: list[int]) -> list[int]:
 
 
 def with_digit(q: int, factors: list[int], stage: int, value: int) -> int:
-    d = digits(q, factors)
-    d[stage] = value
-    return sum(v * math.prod(factors[:i]) for i, v in enumerate(d))
+    """``q`` with its mixed-radix digit ``stage`` set to ``value``."""
+    place = math.prod(factors[:stage])
+    return q + (value - (q // place) % factors[stage]) * place
 
 
 def folded(p: int, core: int) -> dict[int, list[int]]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from flowreduce._plan import Plan
 from flowreduce.algorithms import plan as make_plan
@@ -70,13 +70,21 @@ class CostModel:
 
 DEFAULT_MODEL = CostModel()
 
-#: Candidate (algorithm, options) pairs that ``auto`` considers.
+#: Above this many ranks ``auto`` does not price plans with Θ(p²) tasks per
+#: chunk (ring, butterfly of radix p): at ~0.6 ms a task they never win on a
+#: task scheduler there, and building them alone takes seconds at p = 256.
+QUADRATIC_PLANS_UP_TO = 16
+
+
 def candidates(ranks: int) -> list[tuple[str, dict]]:
-    out: list[tuple[str, dict]] = [("reduce-broadcast", {}), ("ring", {})]
+    """(algorithm, options) pairs that ``auto`` considers for ``ranks`` ranks."""
+    small = ranks <= QUADRATIC_PLANS_UP_TO
+    out: list[tuple[str, dict]] = [("reduce-broadcast", {})] + ([("ring", {})] if small else [])
     for k in sorted({2, 4, ranks}):
         if k >= 2:
-            out.append(("butterfly", {"radix": k}))
-            out.append(("recursive-doubling", {"radix": k}))
+            if k < ranks or small:
+                out.append(("butterfly", {"radix": k}))
+            out.append(("recursive-doubling", {"radix": k}))  # p + p tasks: a full exchange
     out.append(("tree", {"fan_in": 2}))
     return out
 
@@ -93,7 +101,7 @@ def chunk_choices(nbytes: float, max_chunks: int = 64, min_chunk_bytes: float = 
 def best_chunks(plan: Plan, nbytes: float, model: CostModel | None = None) -> Plan:
     """``plan`` with the chunk count the model predicts fastest for it."""
     model = model or DEFAULT_MODEL
-    return min((replace(plan, chunks=c) for c in chunk_choices(nbytes)), key=lambda p: model.predict(p, nbytes))
+    return min((plan.with_chunks(c) for c in chunk_choices(nbytes)), key=lambda p: model.predict(p, nbytes))
 
 
 def choose(
@@ -112,7 +120,7 @@ def choose(
             continue
         base = make_plan(name, ranks, **opts)
         for c in [chunks] if chunks else chunk_choices(nbytes):
-            p = replace(base, chunks=c)
+            p = base.with_chunks(c)
             t = model.predict(p, nbytes)
             if t < best_t:
                 best, best_t = p, t

@@ -159,7 +159,7 @@ def allreduce(
                         accumulate=op_.accumulator(dtype))
     ensure_guard(client)
     with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
-        futures = client.get(graph.tasks, graph.outputs, sync=False)
+        futures = client.get(_named(graph), graph.outputs, sync=False)
     _CALLS[graph.token] = CallInfo(plan, nbytes, model.predict(plan, nbytes), graph.token,
                                    tuple(workers), tuple(shape), dtype.str)
     while len(_CALLS) > _MAX_CALLS:
@@ -167,6 +167,18 @@ def allreduce(
     _trace_registry.note(futures, inputs)
     logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
     return futures
+
+
+def _named(graph):
+    """The graph as dask's low-level-graph expression, named by the call's
+    token: handed a plain dict, dask hashes every task to name it (~10 ms
+    for a few hundred tasks, growing with the graph) although our keys are
+    already unique."""
+    try:
+        from dask._expr import LLGExpr
+    except ImportError:  # a dask without expressions takes the dict as it is
+        return graph.tasks
+    return LLGExpr(graph.tasks, _determ_token=graph.token)
 
 
 def _groups_by_place(workers: list[str], places: dict) -> list[list[int]]:

@@ -109,3 +109,31 @@ def test_bad_option_is_named():
         plan("ring", 4, radix=2)
     with pytest.raises(ValueError, match="radix must be at least 2"):
         plan("butterfly", 4, radix=1)
+
+
+@pytest.mark.parametrize("algorithm", DENSE)
+def test_chunk_variants_share_one_structure(algorithm):
+    base = plan(algorithm, 6)
+    for c in (1, 2, 7):
+        variant, fresh = base.with_chunks(c), plan(algorithm, 6, chunks=c)
+        assert variant.structure is base.structure  # priced without walking the nodes again
+        assert variant.cost(12345.0) == fresh.cost(12345.0)
+        assert variant.chunks == c and variant.nodes is base.nodes
+
+
+def test_plans_are_built_once_per_algorithm_ranks_and_options():
+    assert plan("butterfly", 12, radix=4).nodes is plan("butterfly", 12, radix=4, chunks=3).nodes
+    assert plan("butterfly", 12, radix=4).nodes is not plan("butterfly", 12, radix=2).nodes
+    groups = [[0, 1, 2], [3, 4, 5]]
+    assert plan("hierarchical", 6, groups=groups).nodes is plan("hierarchical", 6, groups=[[0, 1, 2], [3, 4, 5]]).nodes
+    assert plan("hierarchical", 6, groups=groups).options["groups"] == groups  # options as given
+
+
+@pytest.mark.parametrize("p", [2, 16, 17, 64])
+def test_auto_prices_quadratic_plans_only_for_few_ranks(p):
+    from flowreduce.cost import QUADRATIC_PLANS_UP_TO, candidates
+
+    names = candidates(p)
+    quadratic = [(a, o) for a, o in names if a == "ring" or (a == "butterfly" and o.get("radix") == p)]
+    assert bool(quadratic) == (p <= QUADRATIC_PLANS_UP_TO)
+    assert ("butterfly", {"radix": 4}) in names and ("recursive-doubling", {"radix": p}) in names

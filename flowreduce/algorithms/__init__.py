@@ -6,8 +6,8 @@ returns a :class:`~flowreduce._plan.Plan`. Nothing here imports Dask.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from flowreduce._plan import Plan
@@ -33,18 +33,44 @@ def plan(algorithm: str, ranks: int, chunks: int = 1, **options: Any) -> Plan:
     """
     if algorithm == "auto":
         raise ValueError("plan() needs a concrete algorithm; use flowreduce.choose() for 'auto'")
-    try:
-        planner = _PLANNERS[algorithm]
-    except KeyError:
+    if algorithm not in _PLANNERS:
         raise ValueError(
             f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}"
-        ) from None
+        )
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"an all-reduce needs at least one rank, got {ranks!r}")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    frozen = _frozen(options)
     try:
-        p = planner(ranks, **options)
+        hash(frozen)
+    except TypeError:  # an option we cannot key a cache on: plan afresh
+        return _build(algorithm, ranks, options).with_chunks(chunks)
+    return _base_plan(algorithm, ranks, frozen).with_chunks(chunks)
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable copy of planner options (lists of groups become tuples)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+@functools.lru_cache(maxsize=256)
+def _base_plan(algorithm: str, ranks: int, options: tuple) -> Plan:
+    """Plans are pure and immutable, and the cost model asks for the same
+    ones on every call: build each (algorithm, ranks, options) once."""
+    return _build(algorithm, ranks, {k: _thawed(v) for k, v in options})
+
+
+def _build(algorithm: str, ranks: int, options: dict) -> Plan:
+    try:
+        return _PLANNERS[algorithm](ranks, **options)
     except TypeError as e:
         raise ValueError(f"bad option for algorithm {algorithm!r}: {e}") from None
-    return replace(p, chunks=chunks)
+
+
+def _thawed(value: Any) -> Any:
+    return [_thawed(v) for v in value] if isinstance(value, tuple) else value
