@@ -132,6 +132,9 @@ def test_full_duplex_makes_the_butterfly_p_times_cheaper_than_reduce_broadcast_o
     # chunks pipeline the reduce into the broadcast: the root link's two directions overlap
     rb8 = m.predict(flowreduce.plan("reduce-broadcast", p, chunks=8), n, singletons)
     assert rb8 == pytest.approx((p - 1) * n * 1e-7 * (1 + 1 / 8))
+    # but no chunking beats a link's capacity: the butterfly's levels all use both directions
+    bf8 = m.predict(flowreduce.plan("butterfly", p, chunks=8), n, singletons)
+    assert bf8 == pytest.approx(2 * (p - 1) / p * n * 1e-7)
 
 
 # -- auto over several hosts -----------------------------------------------------------------

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--order", choices=("host", "interleaved"), default="host",
                     help="rank order: by host (default) or round-robin over hosts")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1, help="untimed runs of every row at the first size only")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs of every row at 1e4 elements before the sweep (connections, imports)")
     ap.add_argument("--cost-model", help="cost model file for auto and the predictions (flowreduce calibrate)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
@@ -97,11 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {len(workers)} workers on {hosts} hosts ({args.order} order), links {args.rate} "
               f"({link / 1e6:.2f} MB/s each way), {args.dtype}", flush=True)
         print(bench.HEADER[:118] + "  pred ms  cl-cores mach%  link%", flush=True)
-        for k, n in enumerate(bench.parse_sizes(args.sizes)):
+        if args.warmup:
+            bench.bench(client, [10_000], [], extra=configs, repeat=args.warmup, warmup=0, progress=False,
+                        dtype=args.dtype, baseline=not args.no_baseline, model=model, workers=workers)
+        for n in bench.parse_sizes(args.sizes):
             psutil.cpu_percent(None)  # start the machine-wide interval
             cpu0, t0 = cluster_cpu(client), time.monotonic()
             got = bench.bench(client, [n], [], extra=configs,
-                              repeat=args.repeat, warmup=args.warmup if k == 0 else 0, progress=False,
+                              repeat=args.repeat, warmup=0, progress=False,
                               dtype=args.dtype, baseline=not args.no_baseline, model=model, workers=workers)
             cores = (cluster_cpu(client) - cpu0) / (time.monotonic() - t0)
             machine = psutil.cpu_percent(None)

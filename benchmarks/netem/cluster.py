@@ -73,8 +73,12 @@ _REGISTER_RE = re.compile(r"Register worker addr: (\S+) name: (\S+)")
 #: every 20 ms, the system and memory monitors poll psutil 2-10 times a
 #: second). On real hosts each process pays that on its own CPU; here 16+
 #: processes pay it on the machine's shared cores, and it would be counted
-#: against the links. Work stealing is off: flowreduce pins every task.
+#: against the links. Work stealing is off: flowreduce pins every task. The
+#: active memory manager is off: its ReduceReplicas policy drops the copies
+#: that ``client.replicate`` (the hand-written baseline) makes while
+#: replicate is still making them, and on slow links the two never finish.
 QUIET_ENV = {
+    "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
     "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
     "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
     "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "5s",
