@@ -123,7 +123,7 @@ def ablation_table(runs: dict[str, dict]) -> str:
             if None in (rb, rbc, bf, bfc):
                 continue
             lines.append(f"| {name} | {n:.0e} | {rb:.3g} s | {rbc:.3g} s | {bf:.3g} s | {bfc:.3g} s "
-                         f"| {rb / rbc:.2f}x | {rb / bf:.2f}x | {rb / min(bfc, bf):.2f}x |")
+                         f"| {rb / rbc:.2f}x | {rb / bf:.2f}x | {rb / bfc:.2f}x |")
     return "\n".join(lines)
 
 
@@ -151,6 +151,17 @@ def prediction_table(runs: dict[str, dict]) -> str:
         lines.append(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f} "
                      f"| {sum(0.5 <= x <= 2 for x in ratios)}/{len(ratios)} "
                      f"| {sum(1 / 1.5 <= x <= 1.5 for x in ratios)}/{len(ratios)} |")
+    return "\n".join(lines)
+
+
+def per_algorithm_prediction(run: dict) -> str:
+    sizes = sorted({r["size"] for r in run["rows"]})
+    lines = ["| algorithm | " + " | ".join(f"{n:.0e}" for n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    by = {(label(r), r["size"]): r for r in run["rows"] if r.get("predicted")}
+    for lab in sorted({lab for lab, _ in by}, key=lambda lab: key(next(r for (b, _), r in by.items() if b == lab))):
+        cells = [f"{by[lab, n]['predicted']:.3g} / {by[lab, n]['median']:.3g}" if (lab, n) in by else "–"
+                 for n in sizes]
+        lines.append(f"| {lab} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -295,9 +306,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"### {name}: {run['workers']} workers, links {run['rate']}\n")
         print(flat_table(run) + "\n")
     print("### Ratios\n\n" + ratio_table({**flat, **hier}) + "\n")
-    print("### Ablation\n\n" + ablation_table(flat) + "\n")
+    messages = load(os.path.join(args.results, "flat8-messages.json"))
+    ablation = {**flat, **({"8 hosts, messages ≤ 1 MB": messages} if messages else {})}
+    print("### Ablation\n\n" + ablation_table(ablation) + "\n")
     print("### auto (calibrated model)\n\n" + auto_table({**flat, **hier}) + "\n")
     print("### Prediction\n\n" + prediction_table({**flat, **hier}) + "\n")
+    for name, run in {**flat, **hier}.items():
+        print(f"#### Predicted / measured per algorithm, {name}\n")
+        print(per_algorithm_prediction(run) + "\n")
     if args.img:
         if flat:
             plot_flat(flat, os.path.join(args.img, "network-flat.png"))
