@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flowreduce import topology  # callable: flowreduce.topology(client) shows which workers share a host
 from flowreduce._plan import CostCard, Plan
 from flowreduce.algorithms import ALGORITHMS, plan
 from flowreduce.cost import CostModel, choose
@@ -19,7 +20,7 @@ from flowreduce.ops import resolve_op
 from flowreduce.tracing import trace
 
 __all__ = ["ALGORITHMS", "CostCard", "CostModel", "Plan", "WorkerLostError", "allreduce", "choose", "describe", "plan",
-           "resolve_op", "trace"]
+           "resolve_op", "topology", "trace"]
 __version__ = "0.1.0"
 
 

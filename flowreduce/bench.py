@@ -37,6 +37,7 @@ class Row:
     times: list[float] = field(default_factory=list)
     correct: bool = True
     trace: str | None = None
+    predicted: float | None = None  # the cost model's seconds for the plan that ran
 
     @property
     def median(self) -> float:
@@ -125,6 +126,9 @@ def bench(
     progress: bool = True,
     on_row=None,
     trace_dir: str | None = None,
+    model=None,
+    extra: list[tuple[str, int | None]] = (),
+    workers: list[str] | None = None,
 ) -> list[dict]:
     """Run the sweep and return one dict per (size, algorithm, chunks).
 
@@ -133,15 +137,20 @@ def bench(
     timeline pictures) go to ``trace_dir/<size>-<algorithm>-<chunks>/``; the
     row's ``trace`` field names that directory. Tracing costs about 1% (see
     ``benchmarks/bench_trace_overhead.py``), and only on that repetition.
+    ``model`` (a :class:`flowreduce.CostModel`) is passed to every call;
+    each row keeps the time it predicted (``predicted``). ``extra`` adds
+    ``(algorithm, chunks)`` rows beyond every algorithm at every ``chunks``;
+    ``workers`` places rank r on ``workers[r % len(workers)]`` (default:
+    the workers in rank order, those of one host next to each other).
     """
     from distributed import wait
 
     import flowreduce
     from flowreduce.launch import ranked_workers
 
-    workers = ranked_workers(client)
+    workers = list(workers) if workers else ranked_workers(client)
     ranks = ranks or len(workers)
-    configs = [(a, c) for a in algorithms for c in chunks]
+    configs = [(a, c) for a in algorithms for c in chunks] + [tuple(e) for e in extra]
     total = len(sizes) * (warmup + repeat) * (len(configs) + baseline)
     rows_out = []
     with ExitStack() as stack:
@@ -175,8 +184,9 @@ def bench(
                         outs, plan = run_baseline(client, inputs, workers), "submit(sum) + replicate"
                     else:
                         kw = {"chunks": c} if c else {}
-                        outs = flowreduce.allreduce(client, inputs, algorithm=alg, op=op, **kw)
-                        plan = repr(flowreduce.describe(outs).plan)
+                        outs = flowreduce.allreduce(client, inputs, algorithm=alg, op=op, model=model, **kw)
+                        info = flowreduce.describe(outs)
+                        plan, predicted = repr(info.plan), info.predicted
                     wait(outs)
                     elapsed = time.perf_counter() - t0
                     key = (alg, c)
@@ -188,6 +198,8 @@ def bench(
                                        workers=list(client.who_has([o])[o.key])[:1]) for o in outs]))
                     del outs, inputs
                     row.plan = plan
+                    if alg != BASELINE:
+                        row.predicted = predicted
                     if it >= warmup:
                         row.times.append(elapsed)
                     row.correct &= ok
@@ -233,6 +245,19 @@ def add_arguments(p) -> None:
     p.add_argument("--json", help="write every row with its raw timings to this file")
     p.add_argument("--trace", metavar="DIR", help="save a trace (JSON, CSV, summary, timeline) of the last "
                    "repetition of each row under DIR/<size>-<algorithm>-<chunks>/")
+    add_cost_model_argument(p)
+
+
+def add_cost_model_argument(p) -> None:
+    p.add_argument("--cost-model", metavar="PATH", help="a cost model file written by `flowreduce calibrate` "
+                   "(default: the dask config key flowreduce.cost-model, else the built-in constants)")
+
+
+def model_from_args(args):
+    """The :class:`CostModel` named by ``--cost-model``, or None (the configured default)."""
+    from flowreduce.cost import CostModel
+
+    return CostModel.from_file(args.cost_model) if getattr(args, "cost_model", None) else None
 
 
 def run(args) -> int:
@@ -245,6 +270,7 @@ def run(args) -> int:
         if a not in flowreduce.ALGORITHMS:
             raise SystemExit(f"unknown algorithm {a!r}; valid: {', '.join(flowreduce.ALGORITHMS)}")
     chunks = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]
+    model = model_from_args(args)
     with from_args(args, progress=not args.no_progress) as client:
         nworkers = len(client.nthreads())
         ranks = args.ranks or nworkers
@@ -254,7 +280,7 @@ def run(args) -> int:
         rows = bench(client, sizes, algorithms, chunks=chunks, dtype=args.dtype, op=args.op, ranks=ranks,
                      repeat=args.repeat, warmup=args.warmup, baseline=not args.no_baseline,
                      progress=not args.no_progress, on_row=lambda d: print(format_row(d), flush=True),
-                     trace_dir=args.trace)
+                     trace_dir=args.trace, model=model)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

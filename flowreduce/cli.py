@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": ("flowreduce.bench", "sweep sizes and algorithms against the hand-written baseline"),
     "trace": ("flowreduce.tracing.cli", "run one all-reduce and write its trace, pictures and summary"),
     "draw": ("flowreduce.draw", "draw an algorithm's plan or its Dask task graph"),
+    "calibrate": ("flowreduce.calibrate", "measure latency and bandwidth of each link class; write a cost model file"),
 }
 
 

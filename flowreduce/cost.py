@@ -3,7 +3,9 @@
 The textbook α-β-γ model (REFERENCES §2) counts messages and bytes; on a
 task scheduler the latency term is per *dependent level* of the graph, plus
 a per-task overhead in the scheduler. The model here reads every term off
-the plan itself (:meth:`Plan.cost`), so a new algorithm needs no formula::
+the plan itself (:meth:`Plan.cost`), so a new algorithm needs no formula.
+
+**One host** (``groups`` not given, or one group)::
 
     T = call + steps·level + tasks·task + body
 
@@ -19,23 +21,92 @@ the plan itself (:meth:`Plan.cost`), so a new algorithm needs no formula::
                               core for chunks to overlap with, and a chain of
                               transfers runs one after another)
 
+**Several hosts** (``groups``: the ranks of each host): every transfer of
+the plan is either *intra* (both ranks on one host) or *inter* (it crosses
+the sender's and the receiver's host links), two link classes with their own
+latency α and seconds per byte β (:class:`Link`)::
+
+    T = call + tasks·task + Σ_levels α(level) + body
+
+    α(level)  = α of the slowest class a transfer of that dependent level uses
+                (``level`` when it has no transfer)
+    t_l       = max over hosts of max(bytes in, bytes out) of the host link at level l · β_inter
+                + max over ranks of intra bytes in + out at level l · β_intra
+    link      = max(Σ t_l / chunks + (chunks-1)/chunks · max t_l,     (chunks pipeline the levels)
+                    max over hosts of max(all bytes in, all bytes out) · β_inter)   (a link's capacity)
+    body      = max(link, compute) + min(link, compute)/chunks + copy, or, when the ranks
+                share C cores, max(link + copy, all CPU work / C) as above
+
+A host link is full duplex: a level where every host sends and receives the
+same amount (butterfly, ring) costs that amount once, a reduce to one root
+costs the root's whole inbound volume. ``hierarchical`` is priced by the
+same rule: its inner levels use the intra class, its outer level the inter
+class.
+
 ``allreduce`` tells the model how many cores the ranks share (per host, the
-fewer of its CPUs and its ranks), learnt from the workers in the same
-broadcast that checks the inputs. Constants default to values measured for
-dask.distributed over loopback TCP on this project's 2-core machine (see
-README, "Measured on this machine"); calibrate them for a real network.
+fewer of its CPUs and its ranks) and which ranks share a host, learnt from
+the workers in the same broadcast that checks the inputs. Constants default
+to values measured for dask.distributed over loopback TCP on this project's
+2-core machine (see README, "Measured on this machine"); the inter class
+defaults to 10 Gbit/s Ethernet. ``flowreduce calibrate`` measures α and β of
+both classes on a running cluster and writes them to a file:
+``CostModel.from_file(path)``, ``--cost-model PATH`` on ``bench`` and
+``trace``, or the dask config key ``flowreduce.cost-model`` (environment:
+``DASK_FLOWREDUCE__COST_MODEL``) to use it everywhere.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
-from dataclasses import dataclass
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from itertools import product
+from typing import Any
 
-from flowreduce._plan import Plan
+from flowreduce._plan import CostCard, Plan
 from flowreduce.algorithms import plan as make_plan
+from flowreduce.algorithms._collectives import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
 
 logger = logging.getLogger("flowreduce")
+
+#: The dask config key naming a calibrated cost model file.
+CONFIG_KEY = "flowreduce.cost-model"
+#: What ``flowreduce calibrate`` writes in the file's ``format`` field.
+FILE_FORMAT = "flowreduce-cost-model"
+
+Groups = Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link: ``alpha`` seconds per dependent hop (a task whose
+    input comes from another worker: scheduling plus network latency) and
+    ``beta`` seconds per byte of one transfer."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 0 and self.beta > 0 and math.isfinite(self.alpha) and math.isfinite(self.beta)):
+            raise ValueError(f"a link needs alpha >= 0 and beta > 0 (finite), got alpha={self.alpha!r}, "
+                             f"beta={self.beta!r}")
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second of one transfer, 1/β."""
+        return 1.0 / self.beta
+
+    def hop(self, nbytes: float) -> float:
+        """Predicted seconds of one dependent hop moving ``nbytes``: α + n·β."""
+        return self.alpha + nbytes * self.beta
+
+
+#: The inter-host class when none is calibrated: 10 Gbit/s Ethernet, 4 ms per hop.
+DEFAULT_INTER = Link(alpha=4e-3, beta=8 / 10e9)
 
 
 @dataclass(frozen=True)
@@ -50,25 +121,185 @@ class CostModel:
     reduce_rate: float = 1.5e10  # bytes/s a rank combines
     copy_rate: float = 1.0e10  # bytes/s for assembling an output from pieces (fresh pages)
     cores: int | None = None  # CPU cores shared by the ranks (None: one each)
+    intra: Link | None = None  # between ranks of one host (None: level and bandwidth above)
+    inter: Link | None = None  # through a host's network link (None: DEFAULT_INTER)
 
-    def predict(self, plan: Plan, nbytes: float) -> float:
-        card = plan.cost(nbytes)
-        comm = card.max_rank_bytes / self.bandwidth
-        compute = card.reduce_bytes / self.reduce_rate
+    def predict(self, plan: Plan, nbytes: float, groups: Groups | None = None) -> float:
+        """Predicted seconds of ``plan`` on ``nbytes`` per rank; ``groups``
+        lists the ranks of each host (default: all on one host)."""
+        hosts = groups is not None and len(groups) > 1
+        loads = link_loads(plan, groups, nbytes) if hosts else None
+        return self._time(plan.ranks, plan.chunks, plan.cost(nbytes), loads, nbytes)
+
+    def _time(self, ranks: int, chunks: int, card: CostCard, loads: LinkLoads | None, nbytes: float) -> float:
         copy = (nbytes if card.copy_bytes else 0.0) / self.copy_rate
-        if self.cores and self.cores < plan.ranks:
-            # every byte costs CPU at both ends and all of it queues on the shared cores;
-            # a chain of dependent transfers cannot go faster than one stream
-            work = (2 * card.bytes_on_wire / self.bandwidth + card.total_reduce_bytes / self.reduce_rate
-                    + card.copy_bytes / self.copy_rate)
-            body = max(work / self.cores, card.critical_bytes / self.bandwidth + copy)
+        shared = bool(self.cores and self.cores < ranks)
+        # every byte costs CPU at both ends and all of it queues on the shared cores
+        work = (2 * card.bytes_on_wire / self.bandwidth + card.total_reduce_bytes / self.reduce_rate
+                + card.copy_bytes / self.copy_rate)
+        compute = card.reduce_bytes / self.reduce_rate
+        if loads is None:  # one host
+            comm = card.max_rank_bytes / self.bandwidth
+            if shared:  # a chain of dependent transfers cannot go faster than one stream
+                body = max(work / self.cores, card.critical_bytes / self.bandwidth + copy)
+            else:
+                body = max(comm, compute) + min(comm, compute) / chunks + copy
+            return self.call + card.steps * self.level + card.tasks * self.task + body
+        intra = self.intra or Link(self.level, 1.0 / self.bandwidth)
+        inter = self.inter or DEFAULT_INTER
+        per_level = [i * inter.beta + a * intra.beta for i, a in zip(loads.inter, loads.intra)]
+        piped = sum(per_level) / chunks + (chunks - 1) / chunks * max(per_level, default=0.0)
+        link = max(piped, loads.host_max * inter.beta)
+        latency = sum(inter.alpha if i else intra.alpha if a else self.level
+                      for i, a in zip(loads.inter, loads.intra))
+        latency += max(card.steps - len(per_level), 0) * self.level  # levels past the last transfer
+        if shared:
+            body = max(link + copy, work / self.cores)
         else:
-            big, small = max(comm, compute), min(comm, compute)
-            body = big + small / plan.chunks + copy
-        return self.call + card.steps * self.level + card.tasks * self.task + body
+            body = max(link, compute) + min(link, compute) / chunks + copy
+        return self.call + card.tasks * self.task + latency + body
+
+    # -- files ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The model's constants as plain data (links as ``{"alpha", "beta"}``)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "cores" or v is None:
+                continue  # cores are the cluster's, learnt per call
+            out[f.name] = {"alpha": v.alpha, "beta": v.beta} if isinstance(v, Link) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        """The inverse of :meth:`to_dict`; keys left out keep their defaults.
+
+        Raises
+        ------
+        ValueError
+            An unknown key or a link without ``alpha`` and ``beta``.
+        """
+        known = {f.name for f in fields(cls)} - {"cores"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown cost model keys {unknown}; valid: {sorted(known)}")
+        kw: dict[str, Any] = {}
+        for k, v in data.items():
+            if k in ("intra", "inter"):
+                if not isinstance(v, dict) or set(v) != {"alpha", "beta"}:
+                    raise ValueError(f"link {k!r} must be {{'alpha': seconds, 'beta': seconds per byte}}, got {v!r}")
+                kw[k] = Link(float(v["alpha"]), float(v["beta"]))
+            else:
+                kw[k] = float(v)
+        return cls(**kw)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> CostModel:
+        """The model a ``flowreduce calibrate`` file describes (its ``model``).
+
+        Raises
+        ------
+        FileNotFoundError
+            No such file.
+        ValueError
+            Not a cost model file, or bad constants in it (the message names the file).
+        """
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{os.fspath(path)} is not JSON: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != FILE_FORMAT or "model" not in data:
+            raise ValueError(f"{os.fspath(path)} is not a flowreduce cost model file "
+                             f"(expected {{'format': {FILE_FORMAT!r}, 'model': {{...}}}})")
+        try:
+            return cls.from_dict(data["model"])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{os.fspath(path)}: {e}") from None
+
+    def to_file(self, path: str | os.PathLike, **meta: Any) -> None:
+        """Write the model (and ``meta``: how it was measured) as JSON."""
+        with open(path, "w") as f:
+            json.dump({"format": FILE_FORMAT, "version": 1, "model": self.to_dict(), **meta}, f, indent=1)
+            f.write("\n")
 
 
 DEFAULT_MODEL = CostModel()
+
+_LOADED: dict[tuple[str, float], CostModel] = {}
+
+
+def configured_model() -> CostModel:
+    """The model ``allreduce`` and ``choose`` use when given none: the file
+    named by the dask config key ``flowreduce.cost-model`` if set, else the
+    fitted defaults. (Reads dask's config only if dask is installed.)"""
+    try:
+        import dask.config
+    except ImportError:
+        return DEFAULT_MODEL
+    path = dask.config.get(CONFIG_KEY, None)
+    if not path:
+        return DEFAULT_MODEL
+    path = os.path.expanduser(str(path))
+    key = (path, os.stat(path).st_mtime)
+    if key not in _LOADED:
+        _LOADED[key] = CostModel.from_file(path)
+    return _LOADED[key]
+
+
+@dataclass(frozen=True)
+class LinkLoads:
+    """Bytes a plan puts on each link class, per dependent level (whole
+    vector, all chunks): ``inter[l]`` is the largest of any host link's bytes
+    in or out at level ``l+1``; ``intra[l]`` the largest bytes in + out of a
+    rank between ranks of its own host; ``host_max`` the largest bytes in or
+    out of any host link over the whole call; ``inter_total`` all bytes
+    that cross host links."""
+
+    inter: tuple[float, ...]
+    intra: tuple[float, ...]
+    host_max: float
+    inter_total: float
+
+
+def link_loads(plan: Plan, groups: Groups, nbytes: float) -> LinkLoads:
+    """Where ``plan``'s bytes go when ``groups`` are the hosts.
+
+    Raises
+    ------
+    ValueError
+        ``groups`` that do not cover every rank of the plan exactly once.
+    """
+    host = {r: h for h, g in enumerate(groups) for r in g}
+    if sorted(host) != list(range(plan.ranks)) or sum(map(len, groups)) != plan.ranks:
+        raise ValueError(f"groups {[list(g) for g in groups]} must partition ranks 0..{plan.ranks - 1}")
+    seg = nbytes / plan.segments if plan.segments else 0.0
+    levels = plan.levels
+    depth = max(levels, default=0)
+    h_in = [[0.0] * len(groups) for _ in range(depth)]
+    h_out = [[0.0] * len(groups) for _ in range(depth)]
+    r_intra = [[0.0] * plan.ranks for _ in range(depth)]
+    seen = set()
+    for n in plan.nodes:
+        for i in n.inputs:
+            src = plan.nodes[i]
+            if src.rank == n.rank or (i, n.rank) in seen:
+                continue
+            seen.add((i, n.rank))
+            b, lv = src.width * seg, levels[n.id] - 1
+            a, z = host[src.rank], host[n.rank]
+            if a != z:
+                h_out[lv][a] += b
+                h_in[lv][z] += b
+            else:
+                r_intra[lv][src.rank] += b
+                r_intra[lv][n.rank] += b
+    inter = tuple(max(max(i), max(o)) for i, o in zip(h_in, h_out))
+    intra = tuple(max(r) for r in r_intra)
+    tot_in = [sum(h_in[lv][h] for lv in range(depth)) for h in range(len(groups))]
+    tot_out = [sum(h_out[lv][h] for lv in range(depth)) for h in range(len(groups))]
+    return LinkLoads(inter, intra, max(tot_in + tot_out, default=0.0), sum(tot_out))
+
 
 #: Above this many ranks ``auto`` does not price plans with Θ(p²) tasks per
 #: chunk (ring, butterfly of radix p): at ~0.6 ms a task they never win on a
@@ -76,8 +307,10 @@ DEFAULT_MODEL = CostModel()
 QUADRATIC_PLANS_UP_TO = 16
 
 
-def candidates(ranks: int) -> list[tuple[str, dict]]:
-    """(algorithm, options) pairs that ``auto`` considers for ``ranks`` ranks."""
+def candidates(ranks: int, groups: Groups | None = None) -> list[tuple[str, dict]]:
+    """Flat algorithms (radix 2, 4 and p; ring and radix-p butterfly only up
+    to :data:`QUADRATIC_PLANS_UP_TO` ranks), and, when ``groups`` holds more
+    than one host, ``hierarchical`` over those hosts with every inner/outer pair."""
     small = ranks <= QUADRATIC_PLANS_UP_TO
     out: list[tuple[str, dict]] = [("reduce-broadcast", {})] + ([("ring", {})] if small else [])
     for k in sorted({2, 4, ranks}):
@@ -86,6 +319,17 @@ def candidates(ranks: int) -> list[tuple[str, dict]]:
                 out.append(("butterfly", {"radix": k}))
             out.append(("recursive-doubling", {"radix": k}))  # p + p tasks: a full exchange
     out.append(("tree", {"fan_in": 2}))
+    if groups is not None and len(groups) > 1:
+        out += [("hierarchical", {"groups": [list(g) for g in groups], **o}) for o in _hierarchical_options(1)]
+    return out
+
+
+def _hierarchical_options(depth: int) -> list[dict]:
+    """inner (one per level below the top) and outer choices."""
+    out = []
+    for inner in product(SCATTER_ALGORITHMS, repeat=depth):
+        for outer in ALLREDUCE_ALGORITHMS:
+            out.append({"inner": inner[0] if depth == 1 else list(inner), "outer": outer})
     return out
 
 
@@ -98,10 +342,93 @@ def chunk_choices(nbytes: float, max_chunks: int = 64, min_chunk_bytes: float = 
     return out
 
 
-def best_chunks(plan: Plan, nbytes: float, model: CostModel | None = None) -> Plan:
+def best_chunks(plan: Plan, nbytes: float, model: CostModel | None = None, groups: Groups | None = None) -> Plan:
     """``plan`` with the chunk count the model predicts fastest for it."""
-    model = model or DEFAULT_MODEL
-    return min((plan.with_chunks(c) for c in chunk_choices(nbytes)), key=lambda p: model.predict(p, nbytes))
+    model = model or configured_model()
+    return min((plan.with_chunks(c) for c in chunk_choices(nbytes)),
+               key=lambda p: model.predict(p, nbytes, groups))
+
+
+def _base(name: str, ranks: int, options: str) -> Plan:
+    return make_plan(name, ranks, **json.loads(options))  # the registry builds each plan once
+
+
+@functools.lru_cache(maxsize=512)
+def _unit_price(name: str, ranks: int, options: str, groups: str | None) -> tuple[CostCard, CostCard, LinkLoads | None]:
+    """A base plan's cost cards at 1 and 2 chunks and its link loads, for
+    one byte per rank (every byte count is linear in the vector's bytes)."""
+    base = _base(name, ranks, options)
+    hosts = json.loads(groups) if groups else None
+    return (base.with_chunks(1).cost(1.0), base.with_chunks(2).cost(1.0),
+            link_loads(base, hosts, 1.0) if hosts else None)
+
+
+def _scaled(card: CostCard, n: float) -> CostCard:
+    return replace(card, **{k: getattr(card, k) * n for k in
+                            ("bytes_on_wire", "max_rank_bytes", "reduce_bytes", "total_reduce_bytes",
+                             "copy_bytes", "critical_bytes")})
+
+
+def _card_at(one: CostCard, two: CostCard, chunks: int, nodes: int, nbytes: float) -> CostCard:
+    """:meth:`Plan.cost` at ``chunks`` chunks from the cards at 1 and 2:
+    chunks repeat the plan (tasks and messages scale, each chunk's chain
+    carries 1/chunks of the bytes); from 2 chunks on every rank's output is
+    a task of its own and is assembled from pieces."""
+    if chunks == 1:
+        return _scaled(one, nbytes)
+    card = replace(two, tasks=two.tasks + (chunks - 2) * nodes, messages=one.messages * chunks,
+                   critical_bytes=one.critical_bytes / chunks)
+    return _scaled(card, nbytes)
+
+
+def _fastest(model: CostModel, variants: list[tuple[str, dict]], ranks: int, nbytes: float,
+             chunks: int | None, groups: Groups | None) -> tuple[Plan, float]:
+    gkey = json.dumps([list(g) for g in groups]) if groups is not None and len(groups) > 1 else None
+    best, best_t = None, math.inf
+    for name, opts in variants:
+        okey = json.dumps(opts, sort_keys=True)
+        base = _base(name, ranks, okey)
+        one, two, unit_loads = _unit_price(name, ranks, okey, gkey)
+        loads = None if unit_loads is None else LinkLoads(
+            tuple(x * nbytes for x in unit_loads.inter), tuple(x * nbytes for x in unit_loads.intra),
+            unit_loads.host_max * nbytes, unit_loads.inter_total * nbytes)
+        for c in [chunks] if chunks else chunk_choices(nbytes):
+            t = model._time(ranks, c, _card_at(one, two, c, len(base.nodes), nbytes), loads, nbytes)
+            if t < best_t:
+                best, best_t = base.with_chunks(c), t
+    if best is None:
+        raise ValueError("no candidate plan to choose from")
+    return best, best_t
+
+
+def tune(
+    algorithm: str,
+    ranks: int,
+    nbytes: float,
+    *,
+    model: CostModel | None = None,
+    chunks: int | None = None,
+    hosts: Groups | None = None,
+    **options: Any,
+) -> Plan:
+    """The plan of a named ``algorithm`` with what was left open chosen by
+    the model: the chunk count, and for ``hierarchical`` the groups (the
+    ``hosts``, unless ``groups``/``group_size``/``levels`` are given) and
+    the ``inner`` algorithm of every level and the ``outer`` one, priced
+    with the intra-host and inter-host links."""
+    model = model or configured_model()
+    variants = [options]
+    if algorithm == "hierarchical":
+        if not {"groups", "group_size", "levels"} & set(options) and hosts is not None:
+            options = {**options, "groups": [list(g) for g in hosts]}
+        depth = len(options["levels"]) if options.get("levels") is not None else 1
+        variants = [{**options, **{k: v for k, v in o.items() if k not in options}}
+                    for o in _hierarchical_options(depth)]
+        variants = list({json.dumps(v, sort_keys=True): v for v in variants}.values())
+    if len(variants) == 1 and chunks:  # nothing to choose
+        return make_plan(algorithm, ranks, chunks=chunks, **variants[0])
+    make_plan(algorithm, ranks, **variants[0])  # bad options fail here, with the planner's message
+    return _fastest(model, [(algorithm, v) for v in variants], ranks, nbytes, chunks, hosts)[0]
 
 
 def choose(
@@ -111,19 +438,38 @@ def choose(
     model: CostModel | None = None,
     chunks: int | None = None,
     algorithms: list[str] | None = None,
+    groups: Groups | None = None,
 ) -> Plan:
-    """The plan with the lowest predicted time (``algorithm="auto"``)."""
-    model = model or DEFAULT_MODEL
-    best, best_t = None, math.inf
-    for name, opts in candidates(ranks):
-        if algorithms and name not in algorithms:
-            continue
-        base = make_plan(name, ranks, **opts)
-        for c in [chunks] if chunks else chunk_choices(nbytes):
-            p = base.with_chunks(c)
-            t = model.predict(p, nbytes)
-            if t < best_t:
-                best, best_t = p, t
-    assert best is not None
-    logger.info("auto chose %r (predicted %.3g s for %d bytes on %d ranks)", best, best_t, nbytes, ranks)
+    """The plan with the lowest predicted time (``algorithm="auto"``).
+
+    Parameters
+    ----------
+    ranks, nbytes : int, float
+        Ranks, and bytes of each rank's vector.
+    model : CostModel, optional
+        Default: :func:`configured_model` (a calibrated file named in the
+        dask config, else the fitted defaults).
+    chunks : int, optional
+        Only plans with this many chunks (default: every sensible count).
+    algorithms : list of str, optional
+        Only these algorithms.
+    groups : list of lists of int, optional
+        The ranks of each host. With more than one host, transfers between
+        hosts are priced on the model's inter-host link and ``hierarchical``
+        over these hosts is a candidate.
+
+    Returns
+    -------
+    Plan
+    """
+    model = model or configured_model()
+    if groups is not None and len(groups) < 2:
+        groups = None
+    variants = [(n, o) for n, o in candidates(ranks, groups) if not algorithms or n in algorithms]
+    if not variants:
+        names = sorted({n for n, _ in candidates(2, [[0], [1]])})
+        raise ValueError(f"no candidate algorithm among {algorithms}; auto considers {names}")
+    best, best_t = _fastest(model, variants, ranks, nbytes, chunks, groups)
+    logger.info("auto chose %r (predicted %.3g s for %d bytes on %d ranks%s)", best, best_t, nbytes, ranks,
+                f", {len(groups)} hosts" if groups else "")
     return best

@@ -20,9 +20,8 @@ from distributed import Client, Future, wait
 from flowreduce._guard import ensure_guard
 from flowreduce._plan import Plan
 from flowreduce.algorithms import ALGORITHMS
-from flowreduce.algorithms import plan as make_plan
 from flowreduce.build import build_graph
-from flowreduce.cost import DEFAULT_MODEL, CostModel, best_chunks, choose
+from flowreduce.cost import CostModel, choose, configured_model, tune
 from flowreduce.ops import resolve_op
 from flowreduce.tracing import registry as _trace_registry
 
@@ -73,6 +72,7 @@ def allreduce(
     chunks: int | None = None,
     chunk_bytes: int | None = None,
     model: CostModel | None = None,
+    topology: Any = None,
     **options: Any,
 ) -> list[Future]:
     """All-reduce numpy arrays held by futures, one future per rank.
@@ -93,9 +93,23 @@ def allreduce(
     chunks, chunk_bytes : int, optional
         Split each vector into this many independent pipelines, or into
         pieces of about this many bytes. Default: chosen by the cost model.
+    model : CostModel, optional
+        The cost model for ``auto`` and for the choices left open (default:
+        the file named by the dask config key ``flowreduce.cost-model``,
+        else the built-in constants).
+    topology : Topology or callable, optional
+        Which ranks share a host (and a rack...): a
+        :class:`flowreduce.topology.Topology` of the workers, or a key
+        ``f(address, worker_info) -> label`` such as ``by_name_prefix()``
+        (dask-jobqueue jobs) or ``by_resource("host-")``. Default: the node
+        each worker runs on (the batch system's node name, else the host of
+        its address). ``auto`` prices transfers between hosts on the
+        model's inter-host link and considers ``hierarchical``.
     **options
         Algorithm options: ``radix`` (butterfly, recursive-doubling),
-        ``fan_in`` (tree), ``root`` (reduce-broadcast).
+        ``fan_in`` (tree), ``root`` (reduce-broadcast), ``groups``,
+        ``levels``, ``inner``, ``outer`` (hierarchical; the ones left out
+        are chosen by the cost model).
 
     Returns
     -------
@@ -140,19 +154,23 @@ def allreduce(
     p = len(inputs)
     if chunks is None and chunk_bytes is not None:
         chunks = max(1, math.ceil(nbytes / chunk_bytes))
-    model = model or DEFAULT_MODEL
+    model = model or configured_model()
     if model.cores is None:
         model = replace(model, cores=_shared_cores(workers, cpus))
-    if algorithm == "hierarchical" and not {"groups", "group_size"} & set(options):
-        options = {**options, "groups": _groups_by_place(workers, cpus)}  # topology from the workers
+    if topology is None:
+        levels = [_groups_by_place(workers, cpus)]
+    else:
+        from flowreduce.topology import rank_levels
+
+        levels = rank_levels(client, workers, topology)
+    if algorithm == "hierarchical" and not {"groups", "group_size", "levels"} & set(options):
+        options = {**options, **({"levels": levels} if len(levels) > 1 else {"groups": levels[0]})}
     if algorithm == "auto":
         if options:
             raise ValueError(f"options {sorted(options)} need a named algorithm, not 'auto'")
-        plan = choose(p, nbytes, model=model, chunks=chunks)
-    elif chunks is None:  # the named algorithm, with the chunk count the model likes best for it
-        plan = best_chunks(make_plan(algorithm, p, **options), nbytes, model)
-    else:
-        plan = make_plan(algorithm, p, chunks=chunks, **options)
+        plan = choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
+    else:  # what the call leaves open (chunks; hierarchical's inner/outer) chosen by the model
+        plan = tune(algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
     # inproc:// (in-process clusters) passes objects by reference: no private copies to reduce into
     in_place = not any(w.startswith("inproc://") for w in workers)
     graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place,
@@ -160,7 +178,7 @@ def allreduce(
     ensure_guard(client)
     with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
         futures = client.get(_named(graph), graph.outputs, sync=False)
-    _CALLS[graph.token] = CallInfo(plan, nbytes, model.predict(plan, nbytes), graph.token,
+    _CALLS[graph.token] = CallInfo(plan, nbytes, model.predict(plan, nbytes, levels[0]), graph.token,
                                    tuple(workers), tuple(shape), dtype.str)
     while len(_CALLS) > _MAX_CALLS:
         _CALLS.popitem(last=False)

@@ -11,16 +11,20 @@ groupings (each a union of host groups). Build one
 * from worker information (what ``client.scheduler_info()["workers"]``
   holds): ``Topology.from_info(info, key=by_name_prefix())`` for
   dask-jobqueue job names, ``by_resource("host-")`` for a resource label;
-* from a running cluster: ``topology(client)`` (imports distributed lazily).
+* from a running cluster: ``flowreduce.topology(client)`` (imports
+  distributed lazily; the module itself is callable for this).
 
 Then ``topo.for_ranks(rank_workers)`` turns it into groups of ranks for
 ``flowreduce.plan("hierarchical", p, groups=...)`` and
-``topo.levels_for_ranks(...)`` into ``levels=...``. Nothing here imports
-distributed at module import.
+``topo.levels_for_ranks(...)`` into ``levels=...``; or pass the topology
+(or a key function) to ``flowreduce.allreduce(..., topology=...)``.
+Nothing here imports distributed at module import.
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +134,19 @@ class Topology:
         labels = tuple(tuple(k(w, info[w]) for w in workers) for k in (key, *coarser))
         return cls(workers, labels)
 
+    def __str__(self) -> str:
+        names = ["host", *(f"level {lv}" for lv in range(1, self.depth))]
+        lines = [f"Topology: {len(self.workers)} workers, "
+                 + ", ".join(f"{len(self.groups(lv))} {names[lv]} group{'s' * (len(self.groups(lv)) != 1)}"
+                             for lv in range(self.depth))]
+        for lv in range(self.depth):
+            for label, members in self.groups(lv).items():
+                lines.append(f"  {names[lv]} {label}: {', '.join(members)}")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython shows the summary
+        p.text(str(self))
+
     # -- queries ------------------------------------------------------------------
     @property
     def depth(self) -> int:
@@ -215,3 +232,39 @@ def rank_groups(client: Any, inputs: Sequence[Any], *, key: GroupKey = by_host) 
             raise RuntimeError(f"input of rank {r} (key {f.key!r}) is held by no worker")
         rank_workers.append(holders[0])
     return topology(client, sorted(set(rank_workers)), key=key).for_ranks(rank_workers)
+
+
+def rank_levels(client: Any, rank_workers: Sequence[str],
+                topology_or_key: Topology | GroupKey | Sequence[GroupKey]) -> list[list[list[int]]]:
+    """Groups of ranks at every level (innermost first) for ranks placed on
+    ``rank_workers``, from a :class:`Topology`, or from one key function (or
+    several, innermost first) applied to the workers' information.
+
+    Raises
+    ------
+    TypeError
+        Something that is neither a Topology nor key functions.
+    ValueError
+        A worker the topology does not know.
+    """
+    if isinstance(topology_or_key, Topology):
+        topo = topology_or_key
+    else:
+        keys = [topology_or_key] if callable(topology_or_key) else list(topology_or_key)
+        if not keys or not all(callable(k) for k in keys):
+            raise TypeError(f"topology must be a flowreduce.topology.Topology or key functions "
+                            f"f(address, info) -> label, got {topology_or_key!r}")
+        topo = topology(client, sorted(set(rank_workers)), key=keys[0], coarser=keys[1:])
+    return topo.levels_for_ranks(rank_workers)
+
+
+class _CallableModule(types.ModuleType):
+    """``flowreduce.topology(client)`` is :func:`topology`; the module's
+    names (``flowreduce.topology.Topology``...) stay where they are."""
+
+    def __call__(self, client: Any, workers: Sequence[str] | None = None, *, key: GroupKey = by_host,
+                 coarser: Sequence[GroupKey] = ()) -> Topology:
+        return topology(client, workers, key=key, coarser=coarser)
+
+
+sys.modules[__name__].__class__ = _CallableModule

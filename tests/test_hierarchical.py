@@ -410,3 +410,145 @@ def test_topology_of_a_live_cluster(inproc_client):
         topology(client, ["tcp://nowhere:1"])
     _, futures, _ = _scatter(client, 5, (3,), seed=0)
     assert rank_groups(client, futures) == [[0, 1, 2, 3, 4]]
+
+
+# -- three levels: the 1/∏ share -----------------------------------------------------
+
+
+@pytest.mark.parametrize("g1,g2,m", [(2, 2, 2), (2, 3, 2), (3, 2, 3)], ids=str)
+def test_each_rank_sends_a_one_over_product_share_across_the_top(g1, g2, m):
+    """Hosts of g1 ranks, racks of g2 hosts, m racks (ring inside, ring
+    across): every rank sends 2(m-1)/m · n/(g1·g2) between racks, and
+    within a rack the hosts' links carry the next level's share."""
+    n = 1.0e6
+    p = g1 * g2 * m
+    hosts = [list(range(h * g1, (h + 1) * g1)) for h in range(g2 * m)]
+    racks = [sum(hosts[k * g2:(k + 1) * g2], []) for k in range(m)]
+    plan = hierarchical.plan(p, levels=[hosts, racks], inner="ring", outer="ring")
+    plan.check()
+    _, _, sent = split_bytes(plan, racks, n)
+    assert sent == pytest.approx({r: 2 * (m - 1) / m * n / (g1 * g2) for r in range(p)})
+    inter_host, _, _ = split_bytes(plan, hosts, n)
+    # between hosts: each rack's reduce-scatter + all-gather over g2 hosts (n/g1 per owner), plus the top
+    assert inter_host == pytest.approx(m * 2 * (g2 - 1) * n + 2 * (m - 1) * n)
+
+
+def test_inner_algorithm_per_level():
+    hosts = [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    racks = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    plan = hierarchical.plan(10, levels=[hosts, racks], inner=["ring", "butterfly"], outer="ring")
+    plan.check()
+    assert plan.options["inner"] == ["ring", "butterfly"]
+    with pytest.raises(ValueError, match="inner names 3 algorithms for 2 levels"):
+        hierarchical.plan(10, levels=[hosts, racks], inner=["ring", "ring", "ring"])
+    with pytest.raises(ValueError, match="inner must be one of butterfly, ring"):
+        hierarchical.plan(10, levels=[hosts, racks], inner=["ring", "tree"])
+
+
+# -- hosts found by allreduce: in-process workers with faked host names ----------------
+
+
+@pytest.fixture(scope="module")
+def twelve_client():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=12, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            yield client
+
+
+@pytest.fixture
+def fake_hosts(monkeypatch):
+    """``fake_hosts({worker: host})``: in-process workers report these hosts
+    (what ``allreduce`` learns from each worker's address or batch node)."""
+    import flowreduce.schedule as schedule
+
+    def install(table: dict[str, str]) -> None:
+        monkeypatch.setattr(schedule, "place_of", lambda dask_worker=None: (table[dask_worker.address], ""))
+
+    return install
+
+
+LAYOUTS = ["three-and-rest", "interleaved", "ragged"]
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("p", range(1, 13), ids=lambda p: f"p{p}")
+def test_hierarchical_groups_ranks_by_faked_host(twelve_client, fake_hosts, p, kind):
+    """Rank r on worker r; the workers' hosts make uneven groups; allreduce
+    finds them and every rank gets the numpy sum on its own worker."""
+    import flowreduce
+
+    client = twelve_client
+    workers = workers_of(client)[:p]
+    groups = groups_or_singletons(grouping(kind, p), p)
+    fake_hosts({workers[r]: f"host-{h}" for h, g in enumerate(groups) for r in g}
+               | {w: "spare" for w in workers_of(client)[p:]})
+    rng = np.random.default_rng(p)
+    arrays = [rng.integers(-1000, 1000, size=(23,), dtype=np.int64) for _ in range(p)]
+    futures = scatter_ranks(client, arrays, workers)
+    out = flowreduce.allreduce(client, futures, algorithm="hierarchical")
+    ran = flowreduce.describe(out).plan
+    assert ran.algorithm == "hierarchical" and ran.options["groups"] == groups
+    for r, got in enumerate(client.gather(out)):
+        np.testing.assert_array_equal(got, np.sum(arrays, axis=0), err_msg=f"rank {r}")
+    holders = client.who_has(out)
+    assert [sorted(holders[f.key]) for f in out] == [[w] for w in workers]
+    del out
+    assert_clean(client)
+
+
+def _slow_links():
+    from flowreduce.cost import CostModel, Link
+
+    return CostModel(inter=Link(5e-3, 1 / 12.5e6), intra=Link(4e-3, 1 / 1e9))
+
+
+@pytest.mark.parametrize("hosts,picks_hierarchical", [(4, True), (1, False)], ids=["4-hosts", "1-host"])
+def test_auto_considers_hierarchical_when_ranks_span_hosts(twelve_client, fake_hosts, hosts, picks_hierarchical):
+    import flowreduce
+
+    client = twelve_client
+    workers = workers_of(client)
+    fake_hosts({w: f"host-{i % hosts}" for i, w in enumerate(workers)})  # ranks of a host are not consecutive
+    arrays = [np.full(2_000_000, r, dtype=np.int64) for r in range(12)]  # 16 MB: the network term dominates
+    futures = scatter_ranks(client, arrays, workers)
+    out = flowreduce.allreduce(client, futures, model=_slow_links())
+    ran = flowreduce.describe(out).plan
+    assert (ran.algorithm == "hierarchical") is picks_hierarchical, ran
+    if picks_hierarchical:
+        assert ran.options["groups"] == [list(range(h, 12, hosts)) for h in range(hosts)]
+    np.testing.assert_array_equal(client.gather(out[5]), np.full(2_000_000, 66))
+    del out
+    assert_clean(client)
+
+
+def test_topology_argument_takes_a_topology_or_a_key(twelve_client):
+    import flowreduce
+
+    client = twelve_client
+    workers = workers_of(client)[:6]
+    arrays = [np.arange(10, dtype=np.int64) * (r + 1) for r in range(6)]
+    futures = scatter_ranks(client, arrays, workers)
+    topo = Topology.from_groups({"a": workers[:2], "b": workers[2:3], "c": workers[3:]})
+    by_key = {w: "left" if i < 4 else "right" for i, w in enumerate(workers)}
+    for topology, groups in [(topo, [[0, 1], [2], [3, 4, 5]]),
+                             (lambda addr, info: by_key[addr], [[0, 1, 2, 3], [4, 5]])]:
+        out = flowreduce.allreduce(client, futures, algorithm="hierarchical", topology=topology)
+        assert flowreduce.describe(out).plan.options["groups"] == groups
+        for got in client.gather(out):
+            np.testing.assert_array_equal(got, np.sum(arrays, axis=0))
+    with pytest.raises(TypeError, match="topology must be"):
+        flowreduce.allreduce(client, futures, algorithm="hierarchical", topology="hosts")
+    del out
+    assert_clean(client)
+
+
+def test_flowreduce_topology_shows_the_hosts(twelve_client):
+    import flowreduce
+    from flowreduce.topology import Topology as T
+
+    topo = flowreduce.topology(twelve_client)
+    assert isinstance(topo, T) and sorted(topo.workers) == workers_of(twelve_client)
+    text = str(topo)
+    assert text.startswith("Topology: 12 workers, 1 host group") and workers_of(twelve_client)[0] in text

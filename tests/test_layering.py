@@ -17,8 +17,13 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
         (["distributed", "dask"], "import flowreduce, flowreduce.algorithms, flowreduce.cost, flowreduce._plan; "
                                   "flowreduce.plan('butterfly', 6).check(); flowreduce.choose(6, 1e6)"),
         (["distributed"], "import flowreduce.build"),
+        (["distributed", "dask"], "import flowreduce.topology, flowreduce.cost; "
+                                  "flowreduce.choose(6, 1e6, groups=[[0, 1, 2], [3, 4, 5]]); "
+                                  "flowreduce.topology.Topology.from_addresses(['tcp://a:1'])"),
+        (["distributed"], "import flowreduce.calibrate, flowreduce.bench"),
     ],
-    ids=["planners-without-dask", "builder-without-distributed"],
+    ids=["planners-without-dask", "builder-without-distributed", "topology-and-cost-without-dask",
+         "commands-import-distributed-lazily"],
 )
 def test_imports_without(blocked, imports):
     code = BLOCK.format(mods=blocked) + imports + "\nprint('ok')"

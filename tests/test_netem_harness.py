@@ -140,15 +140,21 @@ def test_teardown_on_exception(netem):
 
 def test_hierarchical_allreduce_crosses_the_shaped_links_as_planned(netem):
     """2 hosts x 2 workers: hierarchical groups the ranks by host (from the
-    workers' addresses), every rank gets the numpy sum on its own worker, and
-    the trace's bytes between hosts are the plan's -- which are fewer than a
-    flat butterfly would send across."""
+    workers' addresses), every rank gets the numpy sum on its own worker, the
+    trace's bytes between hosts are the plan's -- fewer than a flat ring
+    would send across -- and the shaped links' own counters saw them go
+    through. Teardown leaves no namespace, process or qdisc."""
     import flowreduce
 
+    pids: list[int] = []
     with netem.EmulatedCluster(hosts=2, workers_per_host=2, rate="1gbit", startup_timeout=60) as c:
         proc = c.run(NETEM_DIR / "allreduce_probe.py", "--size", "100000", timeout=120)
         assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
         res = json.loads(proc.stdout.strip().splitlines()[-1])
+        pids += c.pids
+        for ns in c.namespaces.values():
+            pids += [int(p) for p in _ip_out("ip", "netns", "pids", ns).split()]
+    _assert_clean(netem, pids)
     host = {w: h for h, ws in c.hosts.items() for w in ws}
     assert res["ok"] and res["placed"]
     assert [[host[res["workers"][r]] for r in g] for g in res["groups"]] == [["h0", "h0"], ["h1", "h1"]]
@@ -158,6 +164,12 @@ def test_hierarchical_allreduce_crosses_the_shaped_links_as_planned(netem):
 
     measured, planned = across(res["links"]), across(res["planned_links"])
     assert planned > 0 and measured == pytest.approx(planned, rel=0.01, abs=2048)
+    # every worker address in the trace's links is on the emulated network, and the
+    # bytes between hosts went through the tbf qdiscs (headers and the scheduler's
+    # messages on top: at most 10% + 300 kB more)
+    assert all(x["source"].startswith("tcp://10.77.0.") for x in res["links"])
+    assert planned <= sum(res["link_sent"]) <= 1.1 * planned + 300_000
+    assert min(res["link_sent"]) >= planned / 2  # both hosts sent their half
     # the cost card's share: p ranks each send 2(h-1)/h of their 1/g shard across (h=2 hosts, g=2)
     assert planned == pytest.approx(4 * 2 * (2 - 1) / 2 * res["nbytes"] / 2)
     # a flat ring over the same ranks sends more across the hosts

@@ -68,6 +68,25 @@ LOCK_PATH = Path(tempfile.gettempdir()) / "flowreduce-netem.lock"
 
 _REGISTER_RE = re.compile(r"Register worker addr: (\S+) name: (\S+)")
 
+#: Dask settings that cut what every idle process costs (the statistical
+#: profiler samples every thread each 10 ms, the event-loop watchdog ticks
+#: every 20 ms, the system and memory monitors poll psutil 2-10 times a
+#: second). On real hosts each process pays that on its own CPU; here 16+
+#: processes pay it on the machine's shared cores, and it would be counted
+#: against the links. Work stealing is off: flowreduce pins every task. The
+#: active memory manager is off: its ReduceReplicas policy drops the copies
+#: that ``client.replicate`` (the hand-written baseline) makes while
+#: replicate is still making them, and on slow links the two never finish.
+QUIET_ENV = {
+    "DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
+    "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
+    "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
+    "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "5s",
+    "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__GIL__ENABLED": "False",
+    "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s",
+    "DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING": "False",
+}
+
 
 def host_ns(i: int) -> str:
     """Namespace name of host ``i``."""
@@ -179,6 +198,7 @@ class EmulatedCluster:
         lock_timeout: float = 600.0,
         keep_logs: bool = False,
         clean_stale: bool = True,
+        quiet: bool = True,
         extra_env: dict | None = None,
     ):
         if hosts < 1:
@@ -195,7 +215,7 @@ class EmulatedCluster:
         self.lock_timeout = lock_timeout
         self.keep_logs = keep_logs or os.environ.get("FR_NETEM_KEEP_LOGS") == "1"
         self.clean_stale = clean_stale
-        self.extra_env = dict(extra_env or {})
+        self.extra_env = {**(QUIET_ENV if quiet else {}), **(extra_env or {})}
 
         self.scheduler_address = f"tcp://{host_ip(0)}:{SCHEDULER_PORT}"
         self.namespaces = {f"h{i}": host_ns(i) for i in range(self.n_hosts)}
@@ -535,6 +555,8 @@ def _parse_cli(argv: list[str]):
     ap.add_argument("--nthreads", type=int, default=1)
     ap.add_argument("--memory-limit", default="2GB")
     ap.add_argument("--no-nanny", action="store_true")
+    ap.add_argument("--no-quiet", action="store_true",
+                    help="keep dask's profiler and monitors at their defaults (see QUIET_ENV)")
     ap.add_argument("--startup-timeout", type=float, default=60.0)
     ap.add_argument("--timeout", type=float, default=None, help="timeout for SCRIPT (s)")
     ap.add_argument("--keep-logs", action="store_true")
@@ -560,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         nthreads=ns.nthreads,
         memory_limit=ns.memory_limit,
         nanny=not ns.no_nanny,
+        quiet=not ns.no_quiet,
         startup_timeout=ns.startup_timeout,
         keep_logs=ns.keep_logs,
     ) as cluster:

@@ -69,7 +69,7 @@ def plan(
     groups: Sequence[Sequence[int]] | None = None,
     group_size: int | None = None,
     levels: Sequence[Sequence[Sequence[int]]] | None = None,
-    inner: str = "butterfly",
+    inner: str | Sequence[str] = "butterfly",
     outer: str = "butterfly",
     radix: int = 2,
 ) -> Plan:
@@ -85,8 +85,9 @@ def plan(
     levels : list of groupings, optional
         Nested partitions, innermost (host) first; each coarser grouping is
         a union of finer groups (e.g. hosts, then racks).
-    inner : {"butterfly", "ring"}
-        Reduce-scatter / all-gather inside a group at every level.
+    inner : {"butterfly", "ring"} or a list of them, one per level
+        Reduce-scatter / all-gather inside a group: one algorithm for every
+        level, or one per level, innermost first.
     outer : {"butterfly", "ring", "recursive-doubling", "reduce-broadcast"}
         All-reduce among the shard owners across the top-level groups.
     radix : int
@@ -102,8 +103,11 @@ def plan(
              if v is not None]
     if len(given) > 1:
         raise ValueError(f"pass one of groups, group_size, levels; got {' and '.join(given)}")
-    if inner not in SCATTER_ALGORITHMS:
-        raise ValueError(f"inner must be one of {', '.join(SCATTER_ALGORITHMS)}; got {inner!r}")
+    inners = [inner] if isinstance(inner, str) else list(inner)
+    bad = [i for i in inners if i not in SCATTER_ALGORITHMS]
+    if bad or not inners:
+        raise ValueError(f"inner must be one of {', '.join(SCATTER_ALGORITHMS)} (or a list of them, one per "
+                         f"level); got {inner!r}")
     if outer not in ALLREDUCE_ALGORITHMS:
         raise ValueError(f"outer must be one of {', '.join(ALLREDUCE_ALGORITHMS)}; got {outer!r}")
     if radix < 2:
@@ -115,17 +119,21 @@ def plan(
     if levels is None:
         levels = [groups if groups is not None else [[r] for r in range(ranks)]]
     nested = normalize_levels(ranks, levels)
+    if len(inners) == 1:
+        inners *= len(nested)
+    elif len(inners) != len(nested):
+        raise ValueError(f"inner names {len(inners)} algorithms for {len(nested)} levels; give one, or one per level")
 
     everyone = list(range(ranks))
-    segments = required_segments(everyone, nested, inner=inner, outer=outer, radix=radix)
-    options: dict = {"inner": inner, "outer": outer, "radix": radix}
+    segments = required_segments(everyone, nested, inner=inners, outer=outer, radix=radix)
+    options: dict = {"inner": inners[0] if len(set(inners)) == 1 else inners, "outer": outer, "radix": radix}
     if len(nested) == 1:
         options = {"groups": [list(g) for g in nested[0]], **options}
     else:
         options = {"levels": [[list(g) for g in lv] for lv in nested], **options}
     d = Draft(NAME, ranks, segments, **options)
     tiles, step = allreduce_levels(d, everyone, 0, segments, view_source(d), nested,
-                                   inner=inner, outer=outer, radix=radix)
+                                   inner=inners, outer=outer, radix=radix)
     finals = []
     for r in everyone:
         t = tiles[r]
@@ -172,26 +180,27 @@ def _restrict(grouping: Grouping, members: Sequence[int]) -> Grouping:
     return [g for g in ([r for r in grp if r in keep] for grp in grouping) if g]
 
 
-def required_segments(members: Sequence[int], levels: Sequence[Grouping], *, inner: str, outer: str,
+def required_segments(members: Sequence[int], levels: Sequence[Grouping], *, inner: Sequence[str], outer: str,
                       radix: int) -> int:
     """The segment count every range of the decomposition divides evenly:
-    lcm of the groups' shard counts at each level, times the outer divisor."""
+    lcm of the groups' shard counts at each level (``inner[i]`` at level
+    ``i``), times the outer divisor."""
     if not levels:
         return divisor(outer, len(members), radix)
     groups = _restrict(levels[0], members)
-    shards = lcm([shard_count(inner, len(g), radix) for g in groups])
+    shards = lcm([shard_count(inner[0], len(g), radix) for g in groups])
     # one owner per group of every segment; their next-level grouping has the
     # same shape whichever segment, so any member stands in for its group
     owners = [g[0] for g in groups]
-    return shards * required_segments(owners, levels[1:], inner=inner, outer=outer, radix=radix)
+    return shards * required_segments(owners, levels[1:], inner=inner[1:], outer=outer, radix=radix)
 
 
 def allreduce_levels(
     d: Draft, members: Sequence[int], lo: int, hi: int, source: Source, levels: Sequence[Grouping], *,
-    inner: str = "butterfly", outer: str = "butterfly", radix: int = 2, step: int = 0,
+    inner: Sequence[str] = ("butterfly",), outer: str = "butterfly", radix: int = 2, step: int = 0,
 ) -> tuple[Tiles, int]:
     """Hierarchical all-reduce of ``[lo, hi)`` among ``members`` on a Draft:
-    reduce-scatter within each group of ``levels[0]``, all-reduce each
+    reduce-scatter within each group of ``levels[0]`` (with ``inner[0]``), all-reduce each
     shard-range intersection among its owners (recursively, with the next
     levels), then all-gather within each group. Returns every member's tiles
     of ``[lo, hi)`` and the last step used."""
@@ -199,7 +208,7 @@ def allreduce_levels(
         return all_reduce(d, members, lo, hi, source, algorithm=outer, radix=radix, step=step)
     groups = _restrict(levels[0], members)
     scattered: list[Shards] = [
-        reduce_scatter(d, g, lo, hi, source, algorithm=inner, radix=radix, step=step) for g in groups
+        reduce_scatter(d, g, lo, hi, source, algorithm=inner[0], radix=radix, step=step) for g in groups
     ]
     group_of = {r: s for s in scattered for r in s.owned}
 
@@ -213,7 +222,7 @@ def allreduce_levels(
     for a, b in zip(cuts, cuts[1:], strict=False):
         owners = [s.owner_of(a, b) for s in scattered]
         result, last = allreduce_levels(d, owners, a, b, owned, levels[1:],
-                                        inner=inner, outer=outer, radix=radix, step=across)
+                                        inner=inner[1:], outer=outer, radix=radix, step=across)
         end = max(end, last)
         for o in owners:
             held[o].extend(result[o])
@@ -221,7 +230,7 @@ def allreduce_levels(
     final = end
     for g, s in zip(groups, scattered, strict=True):
         tiles, last = all_gather(d, g, lo, hi, {o: held[o] for o in s.owned},
-                                 algorithm=inner, radix=radix, step=end)
+                                 algorithm=inner[0], radix=radix, step=end)
         out.update(tiles)
         final = max(final, last)
     return out, final

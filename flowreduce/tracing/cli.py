@@ -28,9 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make RANK's input arrive SECONDS late (to see a straggler)")
     parser.add_argument("--align", default="auto", choices=("auto", "host", "dask"), help="clock alignment")
     parser.add_argument("-o", "--output", required=True, help="directory to write into")
+    from flowreduce.bench import add_cost_model_argument
     from flowreduce.launch import add_cluster_arguments
 
     add_cluster_arguments(parser, workers_default=None)
+    add_cost_model_argument(parser)
 
 
 def _make_input(n: int, dtype: str, seed: int, delay: float = 0.0):
@@ -62,7 +64,9 @@ def run_traced(client: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     if args.straggler:
         r, _, s = args.straggler.partition(":")
         delays[int(r)] = float(s or 0.5)
-    kw: dict[str, Any] = {"algorithm": args.algorithm}
+    from flowreduce.bench import model_from_args
+
+    kw: dict[str, Any] = {"algorithm": args.algorithm, "model": model_from_args(args)}
     if args.chunks:
         kw["chunks"] = args.chunks
     for i in range(args.warmup):

@@ -1,0 +1,196 @@
+"""``flowreduce calibrate``: measure α and β of each link class on a running
+cluster and write them to a cost model file.
+
+Two link classes come from where the workers run (the same grouping
+``allreduce`` uses): *intra* between two workers of one host, *inter*
+between workers of different hosts. For each class that the cluster has, a
+pair of workers plays ping-pong: a chain of ``hops`` dependent tasks,
+alternately pinned to the two workers, each taking the previous one's
+array, so every hop is one dependent task level plus one transfer of the
+array, exactly the unit a plan is built of. Small arrays (the ping-pong)
+give the latency α, large ones (the bandwidth run) the seconds per byte β;
+one weighted least-squares line ``hop = α + β·bytes`` per class fits both
+(:func:`fit_link`, relative errors, α and β kept non-negative).
+
+Example::
+
+    flowreduce calibrate --scheduler tcp://head:8786 -o cost-model.json
+    flowreduce bench --scheduler tcp://head:8786 --cost-model cost-model.json
+
+or once for all calls, in the dask config: ``flowreduce: {cost-model:
+/path/cost-model.json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from flowreduce.cost import CostModel, Link
+
+#: Ping-pong sizes (latency) and bandwidth-run sizes, in bytes.
+SMALL = (8, 1_000, 10_000)
+LARGE = (1_000_000, 4_000_000, 16_000_000)
+
+
+def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[Link, float]:
+    """Least-squares fit of ``seconds = α + β·nbytes`` with relative errors
+    (each row divided by its time, so the small messages that fix α count
+    as much as the large ones that fix β), α ≥ 0 and β > 0.
+
+    Returns
+    -------
+    (Link, float)
+        The fitted link and the root-mean-square relative error of the fit.
+
+    Raises
+    ------
+    ValueError
+        Fewer than two distinct sizes, non-positive times, or lengths that differ.
+    """
+    from scipy.optimize import nnls
+
+    x = np.asarray(nbytes, dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"need as many sizes as times, got {x.shape} and {y.shape}")
+    if len(np.unique(x)) < 2:
+        raise ValueError(f"fitting α and β needs at least two distinct sizes, got {sorted(set(x.tolist()))}")
+    if not np.all(y > 0) or not np.all(np.isfinite(y)):
+        raise ValueError("times must be positive and finite")
+    w = 1.0 / y
+    (alpha, beta), _ = nnls(np.column_stack([w, x * w]), np.ones_like(y))
+    beta = max(beta, 1e-15)  # a link with no measurable cost per byte still has one
+    rel = (alpha + beta * x - y) / y
+    return Link(float(alpha), float(beta)), float(np.sqrt(np.mean(rel ** 2)))
+
+
+def _payload(nbytes: int, seed: int) -> np.ndarray:
+    # random bytes: nothing on the way (compression) can shrink them
+    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def _hop(x: np.ndarray, hop: int) -> np.ndarray:
+    return x
+
+
+def ping_pong(client: Any, a: str, b: str, nbytes: int, hops: int, seed: int = 0) -> float:
+    """Seconds per hop of a chain of ``hops`` dependent tasks alternating
+    between workers ``a`` and ``b``, each moving an ``nbytes`` array."""
+    from distributed import wait
+
+    x = client.submit(_payload, nbytes, seed, workers=[a], allow_other_workers=False, pure=False)
+    wait([x])
+    t0 = time.perf_counter()
+    y = x
+    for h in range(hops):
+        y = client.submit(_hop, y, h, workers=[b if h % 2 == 0 else a], allow_other_workers=False, pure=False)
+    wait([y])
+    elapsed = time.perf_counter() - t0
+    del x, y
+    return elapsed / hops
+
+
+def worker_pairs(client: Any) -> dict[str, tuple[str, str]]:
+    """One pair of workers per link class the cluster has: ``intra`` (two
+    workers of one host), ``inter`` (workers of two hosts)."""
+    from flowreduce.launch import ranked_workers
+    from flowreduce.schedule import place_of
+
+    workers = ranked_workers(client)
+    places = client.run(place_of)
+    hosts: dict[Any, list[str]] = {}
+    for w in workers:
+        hosts.setdefault(places[w], []).append(w)
+    groups = list(hosts.values())
+    pairs = {}
+    shared = next((g for g in groups if len(g) > 1), None)
+    if shared:
+        pairs["intra"] = (shared[0], shared[1])
+    if len(groups) > 1:
+        pairs["inter"] = (groups[0][0], groups[1][0])
+    return pairs
+
+
+def calibrate(client: Any, *, small: Sequence[int] = SMALL, large: Sequence[int] = LARGE, hops: int = 8,
+              repeat: int = 3, base: CostModel | None = None, progress=None) -> tuple[CostModel, dict]:
+    """Measure every link class of the cluster and fit it.
+
+    Returns
+    -------
+    (CostModel, dict)
+        ``base`` (default: the built-in constants) with the fitted ``intra``
+        and ``inter`` links, and what was measured: the pairs, every
+        sample (class, bytes, seconds per hop) and each fit's error.
+
+    Raises
+    ------
+    ValueError
+        A cluster with a single worker (nothing to measure).
+    """
+    pairs = worker_pairs(client)
+    if not pairs:
+        raise ValueError("calibrating needs at least two workers (one pair per link class)")
+    samples: list[dict] = []
+    fits: dict[str, dict] = {}
+    links: dict[str, Link] = {}
+    for cls, (a, b) in pairs.items():
+        ping_pong(client, a, b, 8, 2)  # warm up the connection
+        for size in [*small, *large]:
+            times = [ping_pong(client, a, b, int(size), hops, seed=k) for k in range(repeat)]
+            med = statistics.median(times)
+            samples.append({"link": cls, "bytes": int(size), "seconds": med, "runs": times})
+            if progress:
+                progress(cls, int(size), med)
+        rows = [s for s in samples if s["link"] == cls]
+        link, err = fit_link([s["bytes"] for s in rows], [s["seconds"] for s in rows])
+        links[cls] = link
+        fits[cls] = {"alpha": link.alpha, "beta": link.beta, "bandwidth": link.bandwidth, "rms_rel_error": err}
+    model = base or CostModel()
+    from dataclasses import replace
+
+    model = replace(model, **links)
+    return model, {"pairs": {k: list(v) for k, v in pairs.items()}, "hops": hops, "repeat": repeat,
+                   "fits": fits, "samples": samples}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from flowreduce.launch import add_cluster_arguments
+
+    p.add_argument("-o", "--output", required=True, help="the cost model file to write (JSON)")
+    p.add_argument("--small", default=",".join(map(str, SMALL)), help="ping-pong sizes in bytes")
+    p.add_argument("--large", default=",".join(map(str, LARGE)), help="bandwidth-run sizes in bytes")
+    p.add_argument("--hops", type=int, default=8, help="dependent hops per chain (default 8)")
+    p.add_argument("--repeat", type=int, default=3, help="chains per size; the median counts (default 3)")
+    p.add_argument("--base", metavar="PATH", help="start from this cost model file (default: built-in constants)")
+    add_cluster_arguments(p, workers_default=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    from flowreduce.launch import from_args
+
+    def sizes(text: str) -> list[int]:
+        return [int(float(s)) for s in text.split(",") if s.strip()]
+
+    base = CostModel.from_file(args.base) if args.base else None
+
+    def show(cls: str, n: int, t: float) -> None:
+        print(f"{cls:>6} {n:>12} bytes  {t * 1e3:9.3f} ms/hop  {n / t / 1e6:10.1f} MB/s", flush=True)
+
+    with from_args(args, progress=False) as client:
+        model, meta = calibrate(client, small=sizes(args.small), large=sizes(args.large), hops=args.hops,
+                                repeat=args.repeat, base=base, progress=show)
+    for cls, f in meta["fits"].items():
+        print(f"# {cls}: alpha {f['alpha'] * 1e3:.3f} ms, beta {f['beta']:.3g} s/B "
+              f"({f['bandwidth'] / 1e6:.1f} MB/s), rms relative error {f['rms_rel_error']:.1%}")
+    meta["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    model.to_file(args.output, measured=meta)
+    print(f"# wrote {args.output}; use it with --cost-model {args.output} or the dask config key "
+          "flowreduce.cost-model")
+    return 0
