@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": ("flowreduce.bench", "sweep sizes and algorithms against the hand-written baseline"),
     "trace": ("flowreduce.tracing.cli", "run one all-reduce and write its trace, pictures and summary"),
     "draw": ("flowreduce.draw", "draw an algorithm's plan or its Dask task graph"),
+    "train": ("flowreduce.train.cli", "data-parallel training of a numpy MLP on digits, one all-reduce per step"),
 }
 
 
