@@ -64,8 +64,6 @@ def place(client: Any, ranks: list[list[Any]], *, timeout: float = 10.0) -> list
     RuntimeError
         An input that failed, was cancelled, or that the scheduler does not know.
     """
-    from distributed import wait
-
     _check_status(ranks)
     keys = list(dict.fromkeys(f.key for fs in ranks for f in fs))
     waited = False
@@ -85,7 +83,7 @@ def place(client: Any, ranks: list[list[Any]], *, timeout: float = 10.0) -> list
         unknown = [f for fs in ranks for f in fs if where[f.key] is None]
         if not unknown or waited:
             break
-        wait(unknown)  # unpinned and pending: only where it ran says where it is
+        wait_on(client, unknown)  # unpinned and pending: only where it ran says where it is
         _check_status(ranks)
         waited = True
     load: Counter = Counter()
@@ -102,6 +100,17 @@ def place(client: Any, ranks: list[list[Any]], *, timeout: float = 10.0) -> list
         load[w] += 1
         out.append(w)
     return out
+
+
+def wait_on(client: Any, futures: list[Any]) -> None:
+    """``distributed.wait`` on ``client``'s event loop. ``distributed.wait``
+    alone runs on the *default* client's loop: with two clients in one
+    process (an in-process cluster beside another), the futures' states
+    would be awaited on the wrong loop and fail later on their own."""
+    from distributed import wait
+
+    with client.as_current():
+        wait(futures)
 
 
 def _check_status(ranks: list[list[Any]]) -> None:

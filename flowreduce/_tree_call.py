@@ -90,12 +90,10 @@ def allreduce_tree(client: Any, outer: TreeDef, ranks: list[list[Any]], like: An
         workers = _pending.place(client, ranks)
         cpus = _pending.worker_places(client, workers)
         return _submit(client, layout, ranks, workers, cpus, settings, check=True)
-    from distributed import wait
-
     from flowreduce import schedule
 
     flat = [f for fs in ranks for f in fs]
-    wait(flat)
+    _pending.wait_on(client, flat)
     _pending._check_status(ranks)
     located, cpus = schedule._locate(client, flat)
     per_rank, workers, i = [], [], 0

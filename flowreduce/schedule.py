@@ -290,7 +290,8 @@ def _locate(client: Client, inputs: list[Future]) -> tuple[list[tuple[str, tuple
     """For each rank, the worker holding its input and what it holds there
     (type, shape, dtype), once all inputs are in memory; and each worker's
     host and usable CPUs (for the cost model). One broadcast."""
-    wait(inputs)
+    with client.as_current():  # distributed.wait runs on the default client's loop, not theirs
+        wait(inputs)
     for r, f in enumerate(inputs):
         if f.status == "error":
             raise RuntimeError(f"input of rank {r} failed: {f.exception()!r}") from f.exception()
@@ -371,8 +372,8 @@ def _describe(keys, dask_worker=None):
     for k in keys:
         if k in dask_worker.data:
             x = dask_worker.data[k]
-            if isinstance(x, np.ndarray):
-                out[k] = ("ndarray", x.shape, x.dtype.str)
+            if isinstance(x, (np.ndarray, np.generic)):  # a numpy scalar is a 0-d array
+                out[k] = ("ndarray", np.shape(x), x.dtype.str)
             elif isinstance(x, (dict, list, tuple)):  # a pytree of arrays: structure and leaf specs
                 out[k] = ("pytree", *describe_value(x))
             else:

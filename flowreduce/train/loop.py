@@ -31,6 +31,7 @@ import dask
 from dask.task_spec import List, Task, TaskRef
 
 import flowreduce
+from flowreduce._pending import wait_on
 from flowreduce.pytree import spec
 from flowreduce.train import data, mlp
 from flowreduce.train.config import TrainConfig
@@ -52,7 +53,9 @@ def grad_step(cache: dict, delta: Any, layer: int, delay: float) -> dict:
     return mlp.layer_grad(cache, delta, layer)
 
 
-def delta_step(cache: dict, state: dict, delta: Any, layer: int) -> Any:
+def delta_step(cache: dict, state: dict, delta: Any, layer: int, after: Any = None) -> Any:
+    """``after``: the last layer's gradient, only to order the backward pass
+    as autograd does (so a straggler's delay comes before all of it)."""
     return mlp.backprop(cache, state["params"], delta, layer)
 
 
@@ -144,7 +147,8 @@ class DataParallel:
                 mine[layer] = g
                 if layer:
                     d = self.key("delta", n, r, layer)
-                    tasks[d] = Task(d, delta_step, TaskRef(fwd), TaskRef(self.state[r].key), delta, layer)
+                    after = TaskRef(g) if layer == self.layers - 1 else None
+                    tasks[d] = Task(d, delta_step, TaskRef(fwd), TaskRef(self.state[r].key), delta, layer, after)
                     delta = TaskRef(d)
             if not c.overlap:
                 gk = self.key("gather", n, r)
@@ -178,9 +182,7 @@ class DataParallel:
         self.steps.append(rec)
         self._inflight.append(new_state)
         if len(self._inflight) > 2:
-            from distributed import wait
-
-            wait(self._inflight.pop(0))
+            wait_on(self.client, self._inflight.pop(0))
         return rec
 
     def run_epoch(self, epoch: int, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
@@ -193,9 +195,7 @@ class DataParallel:
 
     def finish(self) -> None:
         """Wait for every submitted step."""
-        from distributed import wait
-
-        wait(self.state)
+        wait_on(self.client, self.state)
         self._inflight.clear()
 
     def evaluate(self) -> dict[str, float]:
