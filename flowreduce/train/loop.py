@@ -120,6 +120,7 @@ class DataParallel:
         if self.steps_per_epoch < 1:
             raise ValueError(f"a shard of {self.shard_len} samples holds no batch of {c.batch}")
         self._inflight: list[list[Any]] = []
+        self.client.get_task_stream(start=time.time())  # installs the scheduler's task stream: timings need it
 
     def key(self, phase: str, *index: int) -> tuple:
         return (f"train-{phase}-{self.token}", *index)
