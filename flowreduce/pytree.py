@@ -70,7 +70,18 @@ def _is_namedtuple(x: Any) -> bool:
 
 
 def flatten(tree: Any) -> tuple[list[Any], TreeDef]:
-    """Leaves of ``tree`` (depth first, dicts in insertion order) and its structure."""
+    """Leaves of ``tree`` (depth first, dicts in insertion order) and its structure.
+
+    Parameters
+    ----------
+    tree : dict, list, tuple or anything else (a leaf)
+
+    Returns
+    -------
+    leaves : list
+    treedef : TreeDef
+        What :func:`unflatten` needs to rebuild ``tree`` from ``leaves``.
+    """
     leaves: list[Any] = []
 
     def walk(x: Any) -> TreeDef:
@@ -87,7 +98,15 @@ def flatten(tree: Any) -> tuple[list[Any], TreeDef]:
 
 
 def unflatten(treedef: TreeDef, leaves: Any) -> Any:
-    """The pytree of structure ``treedef`` holding ``leaves`` (in flatten order)."""
+    """The pytree of structure ``treedef`` holding ``leaves`` (in flatten order).
+
+    Raises
+    ------
+    ValueError
+        More leaves than the structure holds.
+    StopIteration
+        Fewer.
+    """
     it = iter(leaves)
 
     def build(t: TreeDef) -> Any:
@@ -209,7 +228,17 @@ class TensorSpec:
 
 
 def spec(shape: Any, dtype: Any = "float64") -> TensorSpec:
-    """A template leaf without data: ``flowreduce.pytree.spec((128, 64), "float32")``."""
+    """A template leaf without data: ``flowreduce.pytree.spec((128, 64), "float32")``.
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+    dtype : numpy dtype or its name
+
+    Returns
+    -------
+    TensorSpec
+    """
     shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
     return TensorSpec(shape, np.dtype(dtype).str)
 

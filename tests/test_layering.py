@@ -17,8 +17,12 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
         (["distributed", "dask"], "import flowreduce, flowreduce.algorithms, flowreduce.cost, flowreduce._plan; "
                                   "flowreduce.plan('butterfly', 6).check(); flowreduce.choose(6, 1e6)"),
         (["distributed"], "import flowreduce.build"),
+        (["distributed", "dask"], "import flowreduce.pytree, flowreduce.fusion; "
+                                  "flowreduce.fusion.make_buckets([flowreduce.pytree.spec(3)], 0)"),
+        (["distributed"], "import flowreduce.build_tree, flowreduce.train, flowreduce.train.cli"),
     ],
-    ids=["planners-without-dask", "builder-without-distributed"],
+    ids=["planners-without-dask", "builder-without-distributed", "fusion-plan-without-dask",
+         "fusion-builder-and-trainer-without-distributed"],
 )
 def test_imports_without(blocked, imports):
     code = BLOCK.format(mods=blocked) + imports + "\nprint('ok')"

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{config.batch} samples/step, {dp.steps_per_epoch} steps/epoch, algorithm {config.algorithm}, "
                       f"bucket {config.bucket_bytes or 0} B, overlap {'on' if config.overlap else 'off'}"
                       + (f", straggler rank {config.straggler[0]} +{config.straggler[1] * 1e3:g} ms"
-                         if config.straggler else ""))
+                         if config.straggler else ""), soft_wrap=True)
         report: dict[str, Any] = {"config": {k: getattr(config, k) for k in config.__dataclass_fields__},
                                   "epochs": []}
         all_timings: list[timing.StepTiming] = []
@@ -114,13 +114,13 @@ def run(args: argparse.Namespace) -> int:
                 bar.console.print(
                     f"epoch {epoch + 1:3d}  loss {metrics['train_loss']:.4f}  train acc {metrics['train_acc']:.2%}  "
                     f"test acc {metrics['test_acc']:.2%}  step {m.seconds * 1e3:6.1f} ms = compute "
-                    f"{m.compute * 1e3:5.1f} + comm {m.comm * 1e3:5.1f} ms ({m.comm_share:.0%} comm)")
+                    f"{m.compute * 1e3:5.1f} + comm {m.comm * 1e3:5.1f} ms ({m.comm_share:.0%} comm)", soft_wrap=True)
                 report["epochs"].append({"epoch": epoch + 1, **metrics, "median": m.as_dict(),
                                          "steps": [t.as_dict() for t in ts]})
         m = timing.medians(all_timings)
         console.print(f"final test accuracy {metrics['test_acc']:.2%}; median step {m.seconds * 1e3:.1f} ms "
                       f"(compute {m.compute * 1e3:.1f} ms, comm {m.comm * 1e3:.1f} ms, all-reduce tasks "
-                      f"{m.allreduce_work * 1e3:.1f} ms) over {m.steps} steps")
+                      f"{m.allreduce_work * 1e3:.1f} ms) over {m.steps} steps", soft_wrap=True)
         report["final"] = {"test_acc": metrics["test_acc"], "median": m.as_dict()}
         if tracer is not None:
             for path in tracer.write():

@@ -127,8 +127,15 @@ class DataParallel:
 
     # -- one step ----------------------------------------------------------------------
     def step(self, epoch: int, i: int) -> StepRecord:
-        """Submit step ``i`` of ``epoch`` (returns at once, unless two steps
-        are already in flight: then waits for the older one)."""
+        """Submit step ``i`` of ``epoch``.
+
+        Returns
+        -------
+        StepRecord
+            Filled in (``done``) when the step's new weights exist. The call
+            returns at once, unless two steps are already in flight: then it
+            waits for the older one.
+        """
         c = self.config
         n = len(self.steps)
         rec = StepRecord(n, epoch, time.perf_counter(), _pending=c.ranks)

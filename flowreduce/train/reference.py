@@ -23,9 +23,26 @@ def schedule(config: TrainConfig, n_train: int) -> Iterator[tuple[int, int]]:
 
 
 def train_reference(config: TrainConfig, steps: int | None = None) -> dict:
-    """Train in this process; returns the final state (params and velocity).
+    """Train in this process on the global batch of every step.
 
-    ``steps`` stops early (after that many steps in total)."""
+    Parameters
+    ----------
+    config : TrainConfig
+        The same settings the data-parallel run uses (ranks decide the
+        shards and so the batches).
+    steps : int, optional
+        Stop after that many steps in total (default: ``config.epochs`` epochs).
+
+    Returns
+    -------
+    dict
+        ``{"params": [...], "velocity": [...]}``, one ``{"W", "b"}`` per layer.
+
+    Raises
+    ------
+    ImportError
+        scikit-learn is missing.
+    """
     X, y, _, _ = data.load_digits(config.seed, dtype=config.dtype)
     m = data.shard_size(len(y), config.ranks)
     shards = [(X[r * m:(r + 1) * m], y[r * m:(r + 1) * m]) for r in range(config.ranks)]
