@@ -207,8 +207,11 @@ def _submit(client: Any, layout: Layout, ranks: list[list[Any]], workers: list[s
                          check=check, in_place=in_place)
     ensure_guard(client)
     keys = [k for row in g.outputs for k in row]
+    # priority: a rank's single thread runs a bucket's pack and reductions as soon as they are
+    # ready, ahead of the backward tasks submitted before (dask favours older graphs otherwise),
+    # so the reduction of the last layers' bucket overlaps the first layers' backward pass
     with dask.annotate(workers=g.placement.get, allow_other_workers=False):
-        futures = client.get(g.tasks, keys, sync=False)
+        futures = client.get(g.tasks, keys, sync=False, priority=1)
     n = len(layout.inner)
     results = [unflatten(layout.outer, futures[r * n:(r + 1) * n]) for r in range(p)]
 

@@ -27,6 +27,8 @@ python benchmarks/train/train_bench.py --experiment grid --bucket-bytes 0,16kB,2
 # 4. bucket size and overlap, wide model
 python benchmarks/train/train_bench.py --experiment overlap --hidden 1024,1024 --bucket-bytes 0,1MB,25MB \
     --json "$out/overlap.json" --plot "$img/overlap.png" | tee "$out/overlap.txt"
-# 5. straggler: delay d on rank 2, overlap on / off, wide model, 1 MB buckets
-python benchmarks/train/train_bench.py --experiment straggler --hidden 1024,1024 --bucket 1MB \
-    --delays 0,0.025,0.05,0.1,0.2 --json "$out/straggler.json" --plot "$img/straggler.png" | tee "$out/straggler.txt"
+# 5. straggler: delay d on rank 2's backward, overlap on / off, small model, 16 kB buckets
+python benchmarks/train/train_bench.py --experiment straggler --bucket 16kB --delays 0,0.1,0.3,0.6 \
+    --steps 8 --rounds 4 --json "$out/straggler.json" --plot "$img/straggler.png" | tee "$out/straggler.txt"
+# 6. the interleaving table of the wide, overlap-on trace
+python benchmarks/train/interleave.py "$out/trace-wide" | tee "$out/interleave.txt"

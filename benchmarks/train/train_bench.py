@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds, the first of them warm-up")
     p.add_argument("--scheduler", default=None, help="address of a running scheduler (default: a LocalCluster)")
     p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, help="PNG/SVG path of the figure")
+    p.add_argument("--plot", default=None, help="PNG/SVG path of the figure (comma-separated: several)")
+    p.add_argument("--replot", default=None, metavar="JSON", help="redraw the table and figure of a saved run")
     args = p.parse_args(argv)
     args.bucket_list = [parse_bucket_bytes(b) for b in args.bucket_bytes.split(",")]
     return args
@@ -186,16 +187,26 @@ def plot(rows: list[dict], args: argparse.Namespace, path: str) -> None:
         ax.set_ylabel("median step time (ms)")
         ax.legend(frameon=False)
     else:
-        keys = [k for k in ("algorithm", "bucket_bytes", "overlap") if k in rows[0]]
-        labels = ["\n".join(_fmt(k, r[k]) for k in keys) for r in rows]
-        xs = range(len(rows))
-        comp = [r["compute"] * 1e3 for r in rows]
-        comm = [r["comm"] * 1e3 for r in rows]
-        ax.bar(xs, comp, color="#31a354", label="compute (busiest rank)")
-        ax.bar(xs, comm, bottom=comp, color="#fd8d3c", label="communication (step - compute)")
-        ax.set_xticks(list(xs), labels, fontsize=7)
-        ax.set_ylabel("median step time (ms)")
-        ax.legend(frameon=False)
+        group_key, bar_key = ("algorithm", "bucket_bytes") if args.experiment == "grid" else ("bucket_bytes", "overlap")
+        groups = list(dict.fromkeys(r[group_key] for r in rows))
+        bars = list(dict.fromkeys(r[bar_key] for r in rows))
+        colours = ["#fd8d3c", "#6baed6", "#74c476", "#9e9ac8", "#fdd0a2"]
+        width = 0.8 / len(bars)
+        for j, b in enumerate(bars):
+            xs, comp, comm = [], [], []
+            for i, g in enumerate(groups):
+                r = next((r for r in rows if r[group_key] == g and r[bar_key] == b), None)
+                if r is None:
+                    continue
+                xs.append(i - 0.4 + width * (j + 0.5))
+                comp.append(r["compute"] * 1e3)
+                comm.append(r["comm"] * 1e3)
+            ax.bar(xs, comm, width * 0.95, bottom=comp, color=colours[j % len(colours)],
+                   label=f"{_fmt(bar_key, b)}" if bar_key != "overlap" else f"overlap {_fmt(bar_key, b)}")
+            ax.bar(xs, comp, width * 0.95, color="#31a354")
+        ax.set_xticks(range(len(groups)), [_fmt(group_key, g) for g in groups], fontsize=8)
+        ax.set_ylabel("median step time (ms)\n(green: compute of the busiest rank)")
+        ax.legend(frameon=False, title="bucket size" if bar_key == "bucket_bytes" else None, fontsize=8)
     ax.set_title(f"{args.experiment}: {args.ranks} ranks, MLP 64-{args.hidden.replace(',', '-')}-10, "
                  f"batch {args.batch_size}/rank", fontsize=10)
     ax.grid(axis="y", linewidth=0.3)
@@ -206,6 +217,14 @@ def plot(rows: list[dict], args: argparse.Namespace, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:  # redraw a saved run: --replot RUN.json --plot OUT.png
+        saved = json.load(open(args.replot))
+        vars(args).update({k: v for k, v in saved["args"].items() if k not in ("plot", "replot", "json")})
+        rows = saved["rows"]
+        print_table(rows, args)
+        if args.plot:
+            plot(rows, args, args.plot)
+        return 0
     rows = run(args)
     print_table(rows, args)
     if args.json:

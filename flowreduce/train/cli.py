@@ -161,6 +161,12 @@ class _TraceWindow:
         os.makedirs(self.out_dir, exist_ok=True)
         paths = [to_chrome(self.trace, os.path.join(self.out_dir, "trace.json")),
                  to_csv(self.trace, os.path.join(self.out_dir, "trace.csv"))]
+        steps_path = os.path.join(self.out_dir, "steps.json")  # which all-reduce calls belong to which step
+        with open(steps_path, "w") as f:
+            json.dump({"token": self.trainer.token, "workers": list(self.trainer.workers),
+                       "steps": [{"step": s.step, "tokens": list(s.tokens)} for s in self.trainer.steps
+                                 if self.first <= s.step < self.last]}, f, indent=1)
+        paths.append(steps_path)
         try:
             from flowreduce.tracing.plot import plot_timeline
             from flowreduce.train.plot import plot_steps
