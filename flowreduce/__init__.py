@@ -36,7 +36,8 @@ def describe(futures):
     return _describe(futures)
 
 
-allreduce.__doc__ = "All-reduce numpy arrays held by futures; see flowreduce.schedule.allreduce."
+allreduce.__doc__ = ("All-reduce numpy arrays (or pytrees of them) held by futures; "
+                     "see flowreduce.schedule.allreduce.")
 describe.__doc__ = "What the allreduce call that made these futures ran; see flowreduce.schedule.describe."
 
 

@@ -12,6 +12,7 @@ COMMANDS = {
     "trace": ("flowreduce.tracing.cli", "run one all-reduce and write its trace, pictures and summary"),
     "draw": ("flowreduce.draw", "draw an algorithm's plan or its Dask task graph"),
     "calibrate": ("flowreduce.calibrate", "measure latency and bandwidth of each link class; write a cost model file"),
+    "train": ("flowreduce.train.cli", "data-parallel training of a numpy MLP on digits, one all-reduce per step"),
 }
 
 

@@ -1,6 +1,7 @@
 """Key names, made in one place.
 
-``("flowreduce-<algorithm>-<phase>-<token>", step, rank, chunk, node)``: no
+``("flowreduce-<algorithm>-<phase>-<token>", step, rank, chunk, node)`` (tensor
+fusion: ``(..-pack-<token>, rank)`` and ``(..-unpack-<token>, rank, leaf)``): no
 digits in the name part, so the dashboard and the task stream group keys by
 algorithm and phase (``dask.utils.key_split`` drops the hex token).
 """
@@ -26,13 +27,24 @@ def output_key(algorithm: str, token: str, rank: int):
     return (name(algorithm, "output", token), rank)
 
 
+def pack_key(algorithm: str, token: str, rank: int):
+    """A rank's copy of a bucket's tensors into one buffer (tensor fusion)."""
+    return (name(algorithm, "pack", token), rank)
+
+
+def unpack_key(algorithm: str, token: str, rank: int, leaf: int):
+    """A rank's result for its ``leaf``-th input future, cut from reduced buckets."""
+    return (name(algorithm, "unpack", token), rank, leaf)
+
+
 def parse(key) -> dict | None:
     """The parts of a flowreduce key, or None for anybody else's key."""
     if not (isinstance(key, tuple) and isinstance(key[0], str) and key[0].startswith("flowreduce-")):
         return None
     head, _, token = key[0].rpartition("-")
     rest = head[len("flowreduce-"):]
-    for phase in ("reduce-scatter", "all-gather", "split", "reduce", "broadcast", "exchange", "output"):
+    for phase in ("reduce-scatter", "all-gather", "split", "reduce", "broadcast", "exchange", "output", "pack",
+                  "unpack"):
         if rest.endswith("-" + phase):
             algorithm = rest[: -len(phase) - 1]
             break
@@ -40,6 +52,9 @@ def parse(key) -> dict | None:
         return None
     if phase == "output":
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1]}
+    if phase in ("pack", "unpack"):
+        return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1],
+                "leaf": key[2] if phase == "unpack" else None, "step": None, "chunk": None, "node": None}
     step, rank, chunk, node = key[1:]
     return {"algorithm": algorithm, "phase": phase, "token": token,
             "step": step, "rank": rank, "chunk": chunk, "node": node}

@@ -17,11 +17,13 @@ import dask
 import numpy as np
 from distributed import Client, Future, wait
 
+from flowreduce import _tree_call
 from flowreduce._guard import ensure_guard
 from flowreduce._plan import Plan
 from flowreduce.algorithms import ALGORITHMS
 from flowreduce.build import build_graph
 from flowreduce.cost import CostModel, choose, configured_model, tune
+from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.ops import resolve_op
 from flowreduce.tracing import registry as _trace_registry
 
@@ -46,18 +48,70 @@ class CallInfo:
         return self.plan.algorithm
 
 
-# Recent calls by token, so describe() can answer from the futures alone.
+@dataclass(frozen=True)
+class TreeCallInfo:
+    """What one ``allreduce`` call over pytrees ran: one dense all-reduce
+    per bucket of fused tensors (:mod:`flowreduce.fusion`).
+
+    ``tensors`` are ``(path, shape, dtype)`` in registration order,
+    ``bucket_of[i]`` the bucket of tensor ``i``. ``plan`` is the first
+    bucket's (the last layers'); ``nbytes`` and ``predicted`` add up the
+    buckets (as if they ran one after another)."""
+
+    buckets: tuple[CallInfo, ...]
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...]
+    bucket_of: tuple[int, ...]
+    bucket_bytes: int | None
+    workers: tuple[str, ...]
+
+    @property
+    def plan(self) -> Plan:
+        return self.buckets[0].plan
+
+    @property
+    def token(self) -> str:
+        return self.buckets[0].token
+
+    @property
+    def algorithm(self) -> str:
+        return ", ".join(dict.fromkeys(b.algorithm for b in self.buckets))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def predicted(self) -> float:
+        return sum(b.predicted for b in self.buckets)
+
+
+# Recent calls by token, so describe() can answer from the futures alone
+# (_TREES: every bucket token of a pytree call -> the whole call).
 # Bounded: a training loop makes one call per step.
 _CALLS: OrderedDict[str, CallInfo] = OrderedDict()
+_TREES: OrderedDict[str, TreeCallInfo] = OrderedDict()
 _MAX_CALLS = 1024
 
 
-def describe(futures: Sequence[Future]) -> CallInfo:
-    """The :class:`CallInfo` of the ``allreduce`` call that made ``futures``
-    (for example, which algorithm ``"auto"`` picked)."""
-    from flowreduce.keys import parse
+def _remember(store: OrderedDict, token: str, info: Any) -> None:
+    store[token] = info
+    while len(store) > _MAX_CALLS:
+        store.popitem(last=False)
 
-    info = parse(futures[0].key) if futures else None
+
+def describe(futures: Sequence[Any]) -> CallInfo | TreeCallInfo:
+    """The :class:`CallInfo` of the ``allreduce`` call that made ``futures``
+    (for example, which algorithm ``"auto"`` picked); a
+    :class:`TreeCallInfo` (one :class:`CallInfo` per bucket) when the call
+    reduced pytrees. ``futures`` may be the call's result or any rank's part
+    of it, down to one future."""
+    from flowreduce.keys import parse
+    from flowreduce.pytree import flatten
+
+    leaves = flatten(futures)[0]
+    info = parse(leaves[0].key) if leaves and hasattr(leaves[0], "key") else None
+    if info is not None and info["token"] in _TREES:
+        return _TREES[info["token"]]
     if info is None or info["token"] not in _CALLS:
         raise KeyError("these futures do not come from a recent flowreduce.allreduce call")
     return _CALLS[info["token"]]
@@ -65,7 +119,7 @@ def describe(futures: Sequence[Future]) -> CallInfo:
 
 def allreduce(
     client: Client,
-    inputs: Sequence[Future],
+    inputs: Sequence[Any],
     *,
     op: Any = "sum",
     algorithm: str = "auto",
@@ -73,16 +127,29 @@ def allreduce(
     chunk_bytes: int | None = None,
     model: CostModel | None = None,
     topology: Any = None,
+    like: Any = None,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     **options: Any,
-) -> list[Future]:
-    """All-reduce numpy arrays held by futures, one future per rank.
+) -> list[Any]:
+    """All-reduce numpy arrays held by futures: one array, or a pytree of
+    arrays (a model's gradients), per rank.
 
     Parameters
     ----------
     client : distributed.Client
-    inputs : list of Future
-        Rank i's array. Arrays of any shape, reduced elementwise; all ranks
-        must agree on shape and dtype. Ranks may share a worker.
+    inputs : list
+        Rank i's input, in one of these forms (every rank the same):
+
+        * a Future of an array: ``result[i]`` is a Future of the reduced array;
+        * a Future of a pytree (dict / list / tuple, nested) of arrays:
+          ``result[i]`` is a Future of the same pytree;
+        * a pytree of Futures, e.g. one per layer's gradient, each of an
+          array or a pytree of arrays: ``result[i]`` is the same pytree of
+          Futures. A bucket's all-reduce starts as soon as the futures its
+          tensors come from are computed (DDP-style overlap).
+
+        Arrays of any shape and dtype, reduced elementwise; all ranks must
+        agree tensor by tensor. Ranks may share a worker.
     op : str, numpy ufunc or callable
         ``"sum"`` (default), ``"prod"``, ``"min"``, ``"max"``, ``"mean"``,
         the name of any binary numpy ufunc, a ufunc, or ``f(a, b) -> array``.
@@ -91,8 +158,24 @@ def allreduce(
         One of :data:`flowreduce.ALGORITHMS`; ``"auto"`` asks the cost model
         (the pick is logged at INFO and kept in ``result.plan``).
     chunks, chunk_bytes : int, optional
-        Split each vector into this many independent pipelines, or into
-        pieces of about this many bytes. Default: chosen by the cost model.
+        Split each vector (each bucket) into this many independent
+        pipelines, or into pieces of about this many bytes. Default: chosen
+        by the cost model.
+    like : array, pytree, optional
+        A template of one rank's input: the same structure with, for each
+        future, what it resolves to (arrays, or
+        :func:`flowreduce.pytree.spec` shapes and dtypes). With it the call
+        does not wait for the inputs: ranks are placed where their futures
+        are pinned (``submit(..., workers=[w])``) and the first task of each
+        rank checks its input against the template (a mismatch fails every
+        rank's result with an error naming the rank and the tensor).
+        Without it, the call waits until the inputs are in memory and checks
+        them first.
+    bucket_bytes : int or None
+        Tensor fusion: tensors are copied into buckets of about this many
+        bytes (per dtype, last tensors first) and each bucket is reduced as
+        one vector. Default 25 MiB (PyTorch DDP's). ``0`` or ``None``: each
+        tensor is reduced on its own.
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
         the file named by the dask config key ``flowreduce.cost-model``,
@@ -113,29 +196,28 @@ def allreduce(
 
     Returns
     -------
-    list of Future
-        ``result[i]`` is a Future held on the worker that holds ``inputs[i]``.
-        :func:`describe` on it tells what ran (plan, predicted time).
-        The call waits until the inputs are in memory (their workers decide
-        the placement), then returns without waiting for the reduction.
+    list
+        ``result[i]`` is held on the worker of rank ``i`` (the worker holding
+        ``inputs[i]``, or the one it is pinned to), in the structure
+        described above. :func:`describe` on it tells what ran (plan,
+        predicted time, buckets). The call returns without waiting for the
+        reduction; without ``like`` it first waits for the inputs.
 
     Raises
     ------
     ValueError
-        No inputs, unknown algorithm or op, ranks disagreeing on shape or
-        dtype (the message names the ranks), bad chunk settings.
+        No inputs, unknown algorithm or op, ranks disagreeing on structure,
+        shape or dtype (the message names the ranks), bad chunk or bucket
+        settings, a template that does not fit the inputs.
     TypeError
-        An input that is not a future or not a numpy array.
+        An input that is not a future or not a numpy array (or pytree of them).
     RuntimeError
         An input future that failed, was cancelled or whose data was lost.
     """
     inputs = list(inputs)
     if not inputs:
         raise ValueError("allreduce needs one input future per rank; got an empty list")
-    for r, f in enumerate(inputs):
-        if not isinstance(f, Future):
-            raise TypeError(f"input of rank {r} is a {type(f).__name__}, not a distributed.Future; "
-                            "scatter or submit it first")
+    outer, ranks = _tree_call.rank_futures(inputs)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
     op_ = resolve_op(op)
@@ -143,26 +225,59 @@ def allreduce(
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     if chunk_bytes is not None and chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
+    if bucket_bytes is not None and bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes must be >= 0 (0 or None: no fusion), got {bucket_bytes!r}")
+    settings = _tree_call.Settings(op_, algorithm, chunks, chunk_bytes, model, options, bucket_bytes, topology)
+    if like is not None or not outer.is_leaf:
+        return _tree_call.allreduce_tree(client, outer, ranks, like, settings)
 
     located, cpus = _locate(client, inputs)
     workers = [w for w, _ in located]
-    shape, dtype = _check_inputs([m for _, m in located])
+    metas = [m for _, m in located]
+    if any(m is not None and m[0] == "pytree" for m in metas):
+        return _tree_call.allreduce_located(client, outer, ranks, workers, metas, cpus, settings)
+    shape, dtype = _check_inputs(metas)
     if op_.mean and dtype == np.bool_:
         raise TypeError("op='mean' of boolean arrays is ambiguous; cast them to a number type first")
     size = math.prod(shape)
     nbytes = size * dtype.itemsize
     p = len(inputs)
-    if chunks is None and chunk_bytes is not None:
-        chunks = max(1, math.ceil(nbytes / chunk_bytes))
-    model = model or configured_model()
+    levels = rank_groups(client, workers, cpus, settings.topology)
+    plan, model = choose_plan(p, nbytes, workers, cpus, settings, levels)
+    # inproc:// (in-process clusters) passes objects by reference: no private copies to reduce into
+    in_place = not any(w.startswith("inproc://") for w in workers)
+    graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place,
+                        accumulate=op_.accumulator(dtype))
+    ensure_guard(client)
+    with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
+        futures = client.get(named_graph(graph.tasks, graph.token), graph.outputs, sync=False)
+    _remember(_CALLS, graph.token, CallInfo(plan, nbytes, model.predict(plan, nbytes, levels[0]), graph.token,
+                                            tuple(workers), tuple(shape), dtype.str))
+    _trace_registry.note(futures, inputs)
+    logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
+    return futures
+
+
+def rank_groups(client: Client, workers: list[str], cpus: dict, topology: Any) -> list[list[list[int]]]:
+    """Ranks grouped by host (and coarser levels): from ``topology`` when
+    given, else by the (node, job) each rank's worker runs in."""
+    if topology is None:
+        return [_groups_by_place(workers, cpus)]
+    from flowreduce.topology import rank_levels
+
+    return rank_levels(client, workers, topology)
+
+
+def choose_plan(p: int, nbytes: int, workers: list[str], cpus: dict, settings: Any,
+                levels: list[list[list[int]]]) -> tuple[Plan, CostModel]:
+    """The plan for ``p`` ranks of ``nbytes`` each (and the cost model that
+    judged it, knowing the workers' cores and the hosts in ``levels``)."""
+    chunks, options, algorithm = settings.chunks, settings.options, settings.algorithm
+    if chunks is None and settings.chunk_bytes is not None:
+        chunks = max(1, math.ceil(nbytes / settings.chunk_bytes))
+    model = settings.model or configured_model()
     if model.cores is None:
         model = replace(model, cores=_shared_cores(workers, cpus))
-    if topology is None:
-        levels = [_groups_by_place(workers, cpus)]
-    else:
-        from flowreduce.topology import rank_levels
-
-        levels = rank_levels(client, workers, topology)
     if algorithm == "hierarchical" and not {"groups", "group_size", "levels"} & set(options):
         options = {**options, **({"levels": levels} if len(levels) > 1 else {"groups": levels[0]})}
     if algorithm == "auto":
@@ -171,23 +286,10 @@ def allreduce(
         plan = choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
     else:  # what the call leaves open (chunks; hierarchical's inner/outer) chosen by the model
         plan = tune(algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
-    # inproc:// (in-process clusters) passes objects by reference: no private copies to reduce into
-    in_place = not any(w.startswith("inproc://") for w in workers)
-    graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place,
-                        accumulate=op_.accumulator(dtype))
-    ensure_guard(client)
-    with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
-        futures = client.get(_named(graph), graph.outputs, sync=False)
-    _CALLS[graph.token] = CallInfo(plan, nbytes, model.predict(plan, nbytes, levels[0]), graph.token,
-                                   tuple(workers), tuple(shape), dtype.str)
-    while len(_CALLS) > _MAX_CALLS:
-        _CALLS.popitem(last=False)
-    _trace_registry.note(futures, inputs)
-    logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
-    return futures
+    return plan, model
 
 
-def _named(graph):
+def named_graph(tasks: dict, token: str) -> Any:
     """The graph as dask's low-level-graph expression, named by the call's
     token: handed a plain dict, dask hashes every task to name it (~10 ms
     for a few hundred tasks, growing with the graph) although our keys are
@@ -195,8 +297,8 @@ def _named(graph):
     try:
         from dask._expr import LLGExpr
     except ImportError:  # a dask without expressions takes the dict as it is
-        return graph.tasks
-    return LLGExpr(graph.tasks, _determ_token=graph.token)
+        return tasks
+    return LLGExpr(tasks, _determ_token=token)
 
 
 def _groups_by_place(workers: list[str], places: dict) -> list[list[int]]:
@@ -224,7 +326,8 @@ def _locate(client: Client, inputs: list[Future]) -> tuple[list[tuple[str, tuple
     """For each rank, the worker holding its input and what it holds there
     (type, shape, dtype), once all inputs are in memory; and each worker's
     host and usable CPUs (for the cost model). One broadcast."""
-    wait(inputs)
+    with client.as_current():  # distributed.wait runs on the default client's loop, not theirs
+        wait(inputs)
     for r, f in enumerate(inputs):
         if f.status == "error":
             raise RuntimeError(f"input of rank {r} failed: {f.exception()!r}") from f.exception()
@@ -285,7 +388,8 @@ def place_of(dask_worker=None) -> tuple[str, str]:
     return node, job
 
 
-def _describe(keys, dask_worker=None):
+def worker_place(dask_worker=None) -> tuple[str, int, str, str]:
+    """(node, usable CPUs, job, hostname) of a worker; run by ``client.run``."""
     import os
     import socket
 
@@ -293,16 +397,24 @@ def _describe(keys, dask_worker=None):
         ncpu = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         ncpu = os.cpu_count() or 1
+    node, job = place_of(dask_worker)
+    return node, ncpu, job, socket.gethostname()
+
+
+def _describe(keys, dask_worker=None):
+    from flowreduce.pytree import describe_value
+
     out = {}
     for k in keys:
         if k in dask_worker.data:
             x = dask_worker.data[k]
-            if isinstance(x, np.ndarray):
-                out[k] = ("ndarray", x.shape, x.dtype.str)
+            if isinstance(x, (np.ndarray, np.generic)):  # a numpy scalar is a 0-d array
+                out[k] = ("ndarray", np.shape(x), x.dtype.str)
+            elif isinstance(x, (dict, list, tuple)):  # a pytree of arrays: structure and leaf specs
+                out[k] = ("pytree", *describe_value(x))
             else:
                 out[k] = (type(x).__name__, None, None)
-    node, job = place_of(dask_worker)
-    return out, (node, ncpu, job, socket.gethostname())
+    return out, worker_place(dask_worker)
 
 
 def _check_inputs(metas: list[tuple]):

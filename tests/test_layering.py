@@ -21,9 +21,13 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
                                   "flowreduce.choose(6, 1e6, groups=[[0, 1, 2], [3, 4, 5]]); "
                                   "flowreduce.topology.Topology.from_addresses(['tcp://a:1'])"),
         (["distributed"], "import flowreduce.calibrate, flowreduce.bench"),
+        (["distributed", "dask"], "import flowreduce.pytree, flowreduce.fusion; "
+                                  "flowreduce.fusion.make_buckets([flowreduce.pytree.spec(3)], 0)"),
+        (["distributed"], "import flowreduce.build_tree, flowreduce.train, flowreduce.train.cli"),
     ],
     ids=["planners-without-dask", "builder-without-distributed", "topology-and-cost-without-dask",
-         "commands-import-distributed-lazily"],
+         "commands-import-distributed-lazily", "fusion-plan-without-dask",
+         "fusion-builder-and-trainer-without-distributed"],
 )
 def test_imports_without(blocked, imports):
     code = BLOCK.format(mods=blocked) + imports + "\nprint('ok')"

@@ -213,7 +213,10 @@ class Trace:
     def add(self, futures: Sequence[Any], inputs: Sequence[Any] = ()) -> None:
         """Tell the trace about an all-reduce call (its output futures and,
         for the wait-for-input phase, its input futures)."""
-        call = registry.describe_call(futures, inputs)
+        self.add_call(registry.describe_call(futures, inputs))
+
+    def add_call(self, call: Call) -> None:
+        """Tell the trace about an all-reduce call described by a :class:`Call`."""
         old = self.calls.get(call.token)
         if old is not None and (old.input_keys or not call.input_keys):
             return
@@ -485,7 +488,7 @@ class Trace:
             for r, w in enumerate(call.workers):
                 out.setdefault(w, r)
         for e in self.iter_events(token):
-            if e.rank is not None and e.phase in ("split", "reduce", "copy"):
+            if e.rank is not None and e.phase in ("split", "fusion", "reduce", "copy"):
                 out[e.worker] = min(out.get(e.worker, e.rank), e.rank)
         return out
 

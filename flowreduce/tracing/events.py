@@ -8,6 +8,11 @@ Phases
     input was ready to the moment rank ``r``'s was. Long bars are stragglers.
 ``split``
     The rank cutting its input into segment views (zero-copy slices).
+``fusion``
+    Tensor fusion (pytree all-reduces): ``pack`` copies a bucket's tensors
+    into one flat buffer before the reduction, ``unpack`` cuts the reduced
+    buffer back into the rank's tensors (views: near-zero bars). Horovod's
+    MEMCPY_IN_FUSION_BUFFER / MEMCPY_OUT_FUSION_BUFFER.
 ``serialise``
     The sender pickling the data of one message (``get-data`` ``serialize``
     metric, apportioned to the message by bytes, see ``estimated``), or a
@@ -42,6 +47,7 @@ from typing import Any
 PHASES: tuple[str, ...] = (
     "wait-for-input",
     "split",
+    "fusion",
     "serialise",
     "transfer",
     "deserialise",
@@ -52,7 +58,7 @@ PHASES: tuple[str, ...] = (
 )
 
 #: Phases that keep a worker's thread busy computing.
-COMPUTE_PHASES: frozenset[str] = frozenset({"split", "reduce", "copy", "user-compute"})
+COMPUTE_PHASES: frozenset[str] = frozenset({"split", "fusion", "reduce", "copy", "user-compute"})
 #: Phases that are communication.
 COMM_PHASES: frozenset[str] = frozenset({"serialise", "transfer", "deserialise"})
 
@@ -66,6 +72,8 @@ KEY_PHASE: dict[str, str] = {
     "all-gather": "copy",
     "broadcast": "copy",
     "output": "copy",
+    "pack": "fusion",
+    "unpack": "fusion",
 }
 
 

@@ -1,7 +1,7 @@
 """Draw a trace: one horizontal lane per rank, time to the right.
 
-Each lane has four rows, top to bottom: computation (split, reduce, copy,
-user-compute), waiting (wait-for-input, other), transfers received, and
+Each lane has four rows, top to bottom: computation (split, fusion, reduce,
+copy, user-compute), waiting (wait-for-input, other), transfers received, and
 (de)serialisation. A thin line joins the sending rank's lane (at the
 transfer's start) to the receiving rank's transfer row (at its end).
 Workers that hold no rank get a lane of their own, below the ranks.
@@ -22,6 +22,7 @@ from flowreduce.tracing.events import PHASES, Event
 COLORS: dict[str, str] = {
     "wait-for-input": "#bdbdbd",
     "split": "#9ecae1",
+    "fusion": "#e7ba52",
     "serialise": "#fdae6b",
     "transfer": "#e6550d",
     "deserialise": "#fd8d3c",
@@ -30,7 +31,7 @@ COLORS: dict[str, str] = {
     "user-compute": "#636363",
     "other": "#f0f0f0",
 }
-ROW: dict[str, int] = {"split": 0, "reduce": 0, "copy": 0, "user-compute": 0, "wait-for-input": 1, "other": 1,
+ROW: dict[str, int] = {"split": 0, "fusion": 0, "reduce": 0, "copy": 0, "user-compute": 0, "wait-for-input": 1, "other": 1,
                        "transfer": 2, "serialise": 3, "deserialise": 3}
 ROW_HEIGHT = 0.2
 
@@ -76,7 +77,7 @@ def layout(trace: Any, token: str | None = None) -> Drawing:
             events = [e for e in events if e.token == token or (e.stop > lo and e.start < hi)]
     lane_rank: dict[str, int] = {}
     for e in events:
-        if e.rank is not None and e.phase in ("split", "reduce", "copy"):
+        if e.rank is not None and e.phase in ("split", "fusion", "reduce", "copy"):
             lane_rank[e.worker] = min(lane_rank.get(e.worker, e.rank), e.rank)
     ranks = sorted(set(lane_rank.values()) | {e.rank for e in events if e.rank is not None})
     lanes = [f"rank {r}" for r in ranks]

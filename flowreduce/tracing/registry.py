@@ -5,7 +5,8 @@ A module-level, weakly held set of the traces that are open right now.
 
     tracing.registry.note(futures, inputs)
 
-which costs one empty-set test when no trace is open. Traces can also be
+which costs one empty-set test when no trace is open (an all-reduce of
+pytrees notes each bucket's call with ``note_call(client, call)``). Traces can also be
 told by hand with ``Trace.add(futures, inputs)``; a call noted twice is
 kept once.
 """
@@ -81,6 +82,14 @@ def activate(trace: Any) -> None:
 
 def deactivate(trace: Any) -> None:
     _ACTIVE.discard(trace)
+
+
+def note_call(client: Any, call: Call) -> None:
+    """Tell every open trace of ``client`` about one all-reduce (a bucket of
+    a pytree all-reduce has no futures of its own to describe it by)."""
+    for tr in list(_ACTIVE):
+        if tr.client is client:
+            tr.add_call(call)
 
 
 def note(futures: Sequence[Any], inputs: Sequence[Any] = ()) -> None:

@@ -1,0 +1,141 @@
+"""Data-parallel training: same weights as single-process training on the
+global batch for every algorithm, the reference reaches the accuracy, the
+straggler option delays the named rank (seen in a trace), the command runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import workers_of
+
+import flowreduce
+from flowreduce.train import DataParallel, TrainConfig, timing, train_reference
+from flowreduce.train.config import parse_straggler
+
+SMALL = dict(hidden=(16, 8), batch=8, dtype="float64", epochs=1, lr=0.1, momentum=0.9)
+
+
+def run_steps(client, config: TrainConfig, steps: int) -> DataParallel:
+    dp = DataParallel(client, config, workers_of(client)[:config.ranks])
+    for i in range(steps):
+        dp.step(0, i)
+    dp.finish()
+    return dp
+
+
+def assert_same_weights(got, want, rtol=1e-9, atol=1e-12):
+    assert len(got) == len(want)
+    for layer, (g, w) in enumerate(zip(got, want)):
+        for k in ("W", "b"):
+            np.testing.assert_allclose(g[k], w[k], rtol=rtol, atol=atol, err_msg=f"layer {layer} {k}")
+
+
+@pytest.mark.parametrize("algorithm", [a for a in flowreduce.ALGORITHMS])
+def test_same_weights_as_single_process(inproc_client, algorithm):
+    config = TrainConfig(ranks=4, algorithm=algorithm, bucket_bytes=600, **SMALL)  # several buckets
+    dp = run_steps(inproc_client, config, 2)  # the second step uses the momentum
+    want = train_reference(config, steps=2)["params"]
+    for r in range(config.ranks):
+        assert_same_weights(dp.weights(r), want)
+    assert not np.allclose(want[0]["W"], train_reference(config, steps=0)["params"][0]["W"])  # it did train
+
+
+@pytest.mark.parametrize("mode", [dict(overlap=False), dict(bucket_bytes=0), dict(ranks=3, algorithm="butterfly"),
+                                  dict(dtype="float32")],
+                         ids=["no-overlap", "unfused", "three-ranks", "float32"])
+def test_same_weights_in_every_mode(inproc_client, mode):
+    kw = {**SMALL, "algorithm": "ring", "ranks": 4, **mode}
+    config = TrainConfig(**kw)
+    dp = run_steps(inproc_client, config, 2)
+    tol = dict(rtol=1e-4, atol=1e-6) if config.dtype == "float32" else {}
+    assert_same_weights(dp.weights(config.ranks - 1), train_reference(config, steps=2)["params"], **tol)
+
+
+def test_reference_reaches_the_accuracy():
+    from flowreduce.train import data, mlp
+
+    config = TrainConfig(ranks=4, epochs=20)  # the command's defaults
+    params = train_reference(config)["params"]
+    _, _, Xt, yt = data.load_digits(config.seed, dtype=config.dtype)
+    _, acc = mlp.evaluate(params, Xt, yt)
+    assert acc > 0.95
+
+
+def test_straggler_delays_the_named_rank(proc_client):
+    delay = 0.6
+    config = TrainConfig(ranks=4, algorithm="ring", straggler=(2, delay), bucket_bytes=600, **SMALL)
+    ws = workers_of(proc_client)
+    dp = DataParallel(proc_client, config, ws[:4])
+    dp.step(0, 0)
+    dp.finish()
+    with flowreduce.trace(proc_client) as tr:
+        dp.step(0, 1)
+        dp.finish()
+    first = [e for e in tr.events if e.phase == "user-compute" and "train-grad" in e.key
+             and e.key.endswith(f", {dp.layers - 1})")]
+    by_rank = {ws.index(e.worker): e.duration for e in first}
+    assert set(by_rank) == {0, 1, 2, 3}
+    assert by_rank[2] >= delay and all(by_rank[r] < delay for r in (0, 1, 3)), by_rank
+    # every bucket all-reduce of those steps saw rank 2's input last
+    late = {max(range(4), key=lambda r: ready[r]) for ready in tr.input_ready.values() if None not in ready}
+    assert late == {2}
+
+
+def test_command_trains_and_writes(proc_client, tmp_path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "flowreduce", "train", "--ranks", "2", "--epochs", "1", "--hidden", "8",
+           "--batch-size", "128", "--bucket-bytes", "1kB", "--scheduler", proc_client.scheduler.address,
+           "--trace", str(tmp_path / "trace"), "--trace-steps", "1", "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "epoch   1" in run.stdout and "test acc" in run.stdout and "compute" in run.stdout
+    report = json.loads(out.read_text())
+    steps = report["epochs"][0]["steps"]
+    assert len(steps) == 5  # 718 samples per rank // 128
+    for s in steps:
+        assert s["compute"] > 0 and s["compute"] + s["comm"] == pytest.approx(s["seconds"])
+    names = {p.name for p in (tmp_path / "trace").iterdir()}
+    assert {"trace.json", "trace.csv", "steps.png", "steps.svg", "timeline.png"} <= names
+
+
+def test_step_breakdown_takes_the_busiest_rank():
+    tok = "abc"
+    rec = [SimpleNamespace(step=0, epoch=0, submitted=0.0, done=1.0, tokens=("t0",)),
+           SimpleNamespace(step=1, epoch=0, submitted=0.5, done=1.5, tokens=("t1",))]
+    trainer = SimpleNamespace(token=tok, workers=["w0", "w1"], steps=rec)
+
+    def task(key, worker, seconds):
+        return {"key": key, "worker": worker, "startstops": [{"action": "compute", "start": 0.0, "stop": seconds},
+                                                             {"action": "transfer", "start": 0.0, "stop": 9.0}]}
+
+    records = [task((f"train-forward-{tok}", 1, 0), "w0", 0.1), task((f"train-grad-{tok}", 1, 0, 0), "w0", 0.1),
+               task((f"train-forward-{tok}", 1, 1), "w1", 0.3),
+               task(("flowreduce-ring-reduce-t1", 0, 1, 0, 3), "w1", 0.05)]
+    (t,) = timing.breakdown(records, trainer, rec[1:])
+    assert t.seconds == pytest.approx(0.5) and t.compute == pytest.approx(0.3)
+    assert t.comm == pytest.approx(0.2) and t.allreduce_work == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("text,want", [("2:0.05", (2, 0.05)), ("1", (1, 0.1)), (None, None)])
+def test_parse_straggler(text, want):
+    assert parse_straggler(text) == want
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="RANK:SECONDS"):
+        parse_straggler("two:1")
+    with pytest.raises(ValueError, match="straggler rank 5 is not one of the 4 ranks"):
+        TrainConfig(ranks=4, straggler=(5, 0.1))
+
+
+def test_missing_scikit_learn_says_how_to_install():
+    code = ("import sys; sys.modules['sklearn'] = None\n"
+            "from flowreduce.train.data import load_digits\n"
+            "try:\n    load_digits()\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "pip install 'flowreduce[train]'" in out.stdout, out.stderr
