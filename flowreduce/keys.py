@@ -32,7 +32,8 @@ def parse(key) -> dict | None:
         return None
     head, _, token = key[0].rpartition("-")
     rest = head[len("flowreduce-"):]
-    for phase in ("reduce-scatter", "all-gather", "split", "reduce", "broadcast", "exchange", "output"):
+    for phase in ("reduce-scatter", "all-gather", "split", "reduce", "broadcast", "exchange", "output",
+                  "pack", "aggregate"):
         if rest.endswith("-" + phase):
             algorithm = rest[: -len(phase) - 1]
             break

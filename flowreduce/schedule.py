@@ -19,11 +19,12 @@ from distributed import Client, Future, wait
 
 from flowreduce._guard import ensure_guard
 from flowreduce._plan import Plan
-from flowreduce.algorithms import ALGORITHMS
+from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.build import build_graph
 from flowreduce.cost import DEFAULT_MODEL, CostModel, best_chunks, choose
 from flowreduce.ops import resolve_op
+from flowreduce.sparse.inputs import describe_input, is_sparse
 from flowreduce.tracing import registry as _trace_registry
 
 logger = logging.getLogger("flowreduce")
@@ -45,6 +46,13 @@ class CallInfo:
     @property
     def algorithm(self) -> str:
         return self.plan.algorithm
+
+    @property
+    def bytes_on_wire(self) -> float:
+        """Bytes the plan moves between ranks, all messages (for sparse plans
+        the expected bytes at the inputs' density; a trace measures them:
+        ``flowreduce.tracing.summarize(tr).bytes_moved``)."""
+        return self.plan.cost(self.nbytes).bytes_on_wire
 
 
 # Recent calls by token, so describe() can answer from the futures alone.
@@ -88,14 +96,21 @@ def allreduce(
         the name of any binary numpy ufunc, a ufunc, or ``f(a, b) -> array``.
         Assumed associative and commutative.
     algorithm : str
-        One of :data:`flowreduce.ALGORITHMS`; ``"auto"`` asks the cost model
-        (the pick is logged at INFO and kept in ``result.plan``).
+        One of :data:`flowreduce.ALGORITHMS` or :data:`flowreduce.SPARSE_ALGORITHMS`;
+        ``"auto"`` asks the cost model (the pick is logged at INFO and kept in
+        ``result.plan``). scipy.sparse inputs (CSR, CSC, COO) take
+        ``"sparse-recursive-doubling"``, ``"sparse-split-allgather"`` or ``"auto"``;
+        ``"block-sparse"`` takes numpy inputs with zero blocks (docs/sparse.md).
     chunks, chunk_bytes : int, optional
         Split each vector into this many independent pipelines, or into
         pieces of about this many bytes. Default: chosen by the cost model.
     **options
         Algorithm options: ``radix`` (butterfly, recursive-doubling),
-        ``fan_in`` (tree), ``root`` (reduce-broadcast).
+        ``fan_in`` (tree), ``root`` (reduce-broadcast). Sparse and
+        block-sparse: ``compression`` (None, ``"fp16"``, ``"int8"``),
+        ``seed``; sparse: ``delta`` (density of the dense switch), ``output``
+        (None: the input's format, ``"dense"``, ``"csr"``, ``"csc"``, ``"coo"``),
+        ``inner``; block-sparse: ``block_size``, ``aggregators``.
 
     Returns
     -------
@@ -122,8 +137,8 @@ def allreduce(
         if not isinstance(f, Future):
             raise TypeError(f"input of rank {r} is a {type(f).__name__}, not a distributed.Future; "
                             "scatter or submit it first")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+    if algorithm not in ALGORITHMS and algorithm not in SPARSE_ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}")
     op_ = resolve_op(op)
     if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
@@ -132,7 +147,11 @@ def allreduce(
 
     located, cpus = _locate(client, inputs)
     workers = [w for w, _ in located]
-    shape, dtype = _check_inputs([m for _, m in located])
+    metas = [m for _, m in located]
+    if algorithm in SPARSE_ALGORITHMS or any(is_sparse(m) for m in metas):
+        return _allreduce_sparse(client, inputs, workers, metas, cpus, op_, algorithm, chunks, chunk_bytes,
+                                 model, options)
+    shape, dtype = _check_inputs(metas)
     if op_.mean and dtype == np.bool_:
         raise TypeError("op='mean' of boolean arrays is ambiguous; cast them to a number type first")
     size = math.prod(shape)
@@ -157,6 +176,11 @@ def allreduce(
     in_place = not any(w.startswith("inproc://") for w in workers)
     graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place,
                         accumulate=op_.accumulator(dtype))
+    return _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype)
+
+
+def _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype) -> list[Future]:
+    """Submit a lowered graph with every task pinned, and remember the call."""
     ensure_guard(client)
     with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
         futures = client.get(graph.tasks, graph.outputs, sync=False)
@@ -165,8 +189,61 @@ def allreduce(
     while len(_CALLS) > _MAX_CALLS:
         _CALLS.popitem(last=False)
     _trace_registry.note(futures, inputs)
-    logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
+    logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, len(inputs), nbytes, len(graph.tasks))
     return futures
+
+
+def _allreduce_sparse(client, inputs, workers, metas, cpus, op, algorithm, chunks, chunk_bytes, model,
+                      options) -> list[Future]:
+    """scipy.sparse inputs (SparCML) or ``block-sparse`` (OmniReduce): plan and
+    lower in :mod:`flowreduce.sparse.build`, submit here."""
+    from flowreduce.sparse import build as sparse_build
+
+    model = model or DEFAULT_MODEL
+    if model.cores is None:
+        model = replace(model, cores=_shared_cores(workers, cpus))
+    in_place = not any(w.startswith("inproc://") for w in workers)
+    options = dict(options)
+    if algorithm == "block-sparse":
+        shape, dtype = _check_inputs(metas)
+        if chunks is None and chunk_bytes is not None:
+            chunks = max(1, math.ceil(math.prod(shape) * dtype.itemsize / chunk_bytes))
+        aggregators = _aggregators(client, options.pop("aggregators", None))
+        low = sparse_build.lower_blocks(inputs, workers, shape=shape, dtype=dtype, op=op, chunks=chunks,
+                                        model=model, in_place=in_place, aggregators=aggregators, options=options)
+    else:
+        if chunks is None and chunk_bytes is not None:
+            raise ValueError("chunk_bytes applies to dense inputs; pass chunks= for sparse ones")
+        low = sparse_build.lower_sparse(inputs, workers, metas, op=op, algorithm=algorithm, chunks=chunks,
+                                        model=model, in_place=in_place, options=options)
+    return _submit(client, inputs, low.plan, low.graph, low.nbytes, model, workers, low.shape, low.dtype)
+
+
+def _aggregators(client: Client, option) -> list[str]:
+    """Workers that aggregate block-sparse packs: ``option`` as given (a list
+    of addresses), none (``"ranks"``: co-located), or by default the workers
+    started with the Dask resource ``aggregator`` (``--resources aggregator=1``)."""
+    if option == "ranks":
+        return []
+    found = client.run_on_scheduler(_resource_workers, "aggregator")
+    if option is None:
+        return found
+    if isinstance(option, (list, tuple)) and option and all(isinstance(w, str) for w in option):
+        known = set(client.run_on_scheduler(_all_workers))
+        missing = [w for w in option if w not in known]
+        if missing:
+            raise ValueError(f"aggregators {missing} are not workers of this cluster")
+        return list(option)
+    raise ValueError(f"aggregators must be None (the workers with resource 'aggregator', else the ranks), "
+                     f"'ranks', or a list of worker addresses; got {option!r}")
+
+
+def _resource_workers(resource, dask_scheduler=None) -> list[str]:
+    return sorted(w for w, ws in dask_scheduler.workers.items() if ws.resources.get(resource, 0) > 0)
+
+
+def _all_workers(dask_scheduler=None) -> list[str]:
+    return sorted(dask_scheduler.workers)
 
 
 def _groups_by_place(workers: list[str], places: dict) -> list[list[int]]:
@@ -270,7 +347,7 @@ def _describe(keys, dask_worker=None):
             if isinstance(x, np.ndarray):
                 out[k] = ("ndarray", x.shape, x.dtype.str)
             else:
-                out[k] = (type(x).__name__, None, None)
+                out[k] = describe_input(x) or (type(x).__name__, None, None)
     node, job = place_of(dask_worker)
     return out, (node, ncpu, job, socket.gethostname())
 
