@@ -80,7 +80,7 @@ def quantize(values: np.ndarray, wire: Wire) -> Quantized:
     values = np.ascontiguousarray(values).reshape(-1)
     if wire.codec == "fp16":
         peak = float(np.max(np.abs(values))) if values.size else 0.0
-        if peak > np.finfo(np.float16).max:
+        if peak > float(np.finfo(np.float16).max):
             raise OverflowError(f"compression='fp16': a value of magnitude {peak:.4g} exceeds float16's "
                                 f"range (65504); use compression='int8' (scaled per bucket) or None")
         return Quantized(values.astype(np.float16), None, values.dtype)

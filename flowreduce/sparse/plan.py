@@ -162,7 +162,7 @@ class SparsePlan(Plan):
         reduced: Counter = Counter()
         for n in self.nodes:
             if n.kind == REDUCE and len(n.inputs) > 1:
-                ins = [size[i] for i in n.inputs]
+                ins = [size[i] * _overlap(self.nodes[i], n) / self.nodes[i].width for i in n.inputs]
                 reduced[n.rank] += sum(ins) - max(ins)
         chain = [0.0] * len(self.nodes)
         for n in self.nodes:
