@@ -262,3 +262,57 @@ def test_multiprocess_sparse_and_inputs_untouched(proc_client, algorithm, ranks,
         np.testing.assert_array_equal(after.toarray(), before, err_msg=f"input of rank {r} was modified")
     del parts, out
     assert_clean(proc_client)
+
+
+# -- the dense switch and the bytes, traced on real transfers ----------------------------------------
+
+SLACK = 512  # dask's sizeof around a payload: tuple, scipy's indptr and attributes
+
+
+def test_dense_switch_where_the_byte_rule_says(proc_client):
+    """p=4 recursive doubling, float32 with int32 indices (break-even 0.5):
+    ranks 0, 1, 2, 3 hold disjoint 30%, 30%, 30%, 10% of the elements. Step 1
+    sends every pack sparse; the unions of step 1 hold 60% (ranks 0, 1) and
+    40% (ranks 2, 3), so step 2 sends 0 and 1 dense, 2 and 3 sparse; with
+    delta=0.7 all of them sparse. Asserted on the traced bytes of each message,
+    and the trace's total is the call's bytes moved."""
+    n = 100_000
+    digit = np.arange(n) % 10
+    owned = [digit < 3, (digit >= 3) & (digit < 6), (digit >= 6) & (digit < 9), digit == 9]
+    dense = [np.where(m, np.arange(n) + 1, 0).astype(np.float32) for m in owned]
+    mats = [sp.csr_array(x) for x in dense]
+    parts = scatter_ranks(proc_client, mats)
+    nnz = {("pack", r): int(m.sum()) for r, m in enumerate(owned)}
+    for r in range(4):  # what rank r holds after step 1: its pair's union
+        nnz[("exchange", r)] = int((owned[r] | owned[r ^ 1]).sum())
+    with flowreduce.trace(proc_client) as tr:
+        calls = {d: flowreduce.allreduce(proc_client, parts, algorithm="sparse-recursive-doubling", delta=d)
+                 for d in (None, 0.7)}
+        results = proc_client.gather(calls)
+    for d, out in results.items():
+        for o in out:
+            np.testing.assert_array_equal(o.toarray(), sum(dense))
+        token = flowreduce.describe(calls[d]).token
+        got = _transfer_bytes(tr, token)
+        threshold = 0.5 if d is None else d
+        assert len(got) == 8  # 4 packs, 4 step-1 unions
+        for (key, _), b in got.items():
+            k = flowreduce.keys.parse(key)
+            count = nnz[(k["phase"], k["rank"])]
+            expected = count * 8 if count <= threshold * n else n * 4
+            assert expected <= b <= expected + SLACK, (d, k["phase"], k["rank"], b, expected)
+        summary = flowreduce.tracing.summarize(tr, token)
+        assert summary.bytes_moved == sum(got.values())
+    del parts, calls
+    assert_clean(proc_client)
+
+
+def _transfer_bytes(tr, token):
+    import ast
+
+    out = {}
+    for e in tr.iter_events(token):
+        if e.phase == "transfer":
+            for k, b in zip(e.keys, e.key_bytes):
+                out[(ast.literal_eval(k), e.dest)] = b
+    return out

@@ -75,7 +75,9 @@ def _select(x, start: int, stop: int, spec: SegmentSpec) -> tuple[np.ndarray, np
 
 
 def _segment(pos: np.ndarray, data: np.ndarray, width: int, canonical: bool) -> sp.csr_array:
-    seg = sp.csr_array((data, pos, np.array([0, pos.size])), shape=(1, width))
+    index = np.int32 if max(width, pos.size) < 2**31 else np.int64  # 4-byte indices when they fit
+    seg = sp.csr_array((data, pos.astype(index, copy=False), np.array([0, pos.size], dtype=index)),
+                       shape=(1, width))
     if canonical:
         seg.has_canonical_format = True
     else:

@@ -28,9 +28,16 @@ from flowreduce.sparse.plan import INT8_BUCKET
 _OVERHEAD = 64  # bytes of Python object around the buffers, as dask counts tuples
 
 
-@sizeof.register(sp.sparray)
 def _sizeof_sparray(x: Any) -> int:
     return sum(sizeof(v) for v in x.__dict__.values())
+
+
+# Concrete classes, not the ``sparray`` base: dask caches the rule it found for
+# a class (``object``'s, if one was sized before this module was imported, as
+# a scattered input is), and only a registration of the class itself replaces it.
+for _cls in (sp.sparray, sp.csr_array, sp.csc_array, sp.coo_array, sp.bsr_array, sp.dia_array, sp.dok_array,
+             sp.lil_array):
+    sizeof.register(_cls, _sizeof_sparray)
 
 
 # -- quantisation -------------------------------------------------------------------
