@@ -204,6 +204,8 @@ def gather(spec: SegmentSpec, inputs, picks, wire: Wire | None, out: bool):
 def output(spec: SegmentSpec, chunks):
     """The rank's result from its pieces (in index-space order): the input's
     format, shape and container, or a dense array (``output="dense"``)."""
+    size = int(np.prod(spec.shape))
+    index = np.int32 if size < 2**31 else np.int64
     pos_parts, val_parts = [], []
     offset = 0
     for chunk in chunks:
@@ -211,28 +213,50 @@ def output(spec: SegmentSpec, chunks):
             piece = decode_piece(piece)
             if isinstance(piece, np.ndarray):
                 nz = np.flatnonzero(piece)
-                pos_parts.append(nz + offset)
+                pos_parts.append(nz.astype(index) + offset)
                 val_parts.append(piece[nz])
                 offset += piece.size
             else:
                 piece.sum_duplicates()
-                pos_parts.append(piece.indices.astype(np.int64) + offset)
+                pos = piece.indices.astype(index, copy=False)
+                pos_parts.append(pos + offset if offset else pos)
                 val_parts.append(piece.data)
                 offset += piece.shape[1]
-    pos = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
-    vals = np.concatenate(val_parts) if val_parts else np.zeros(0, spec.dtype)
+    # a fresh copy: a piece may be another rank's too (in-process clusters pass objects by reference)
+    pos = np.concatenate(pos_parts) if len(pos_parts) != 1 else pos_parts[0].copy()
+    vals = np.concatenate(val_parts) if len(val_parts) != 1 else val_parts[0].copy()
+    vals = vals.astype(spec.dtype, copy=False)
     shape = spec.shape
     if spec.dense_output:
-        result = np.zeros(int(np.prod(shape)), dtype=vals.dtype)
+        result = np.zeros(size, dtype=vals.dtype)
         result[pos] = vals
         return result.reshape(shape, order=spec.order)
-    coo = sp.coo_array if spec.container == "array" else sp.coo_matrix
+    return _assemble(spec, pos, vals)
+
+
+def _assemble(spec: SegmentSpec, pos: np.ndarray, vals: np.ndarray):
+    """The sparse result from sorted, unique positions in the index space:
+    built directly in the compressed format whose order the index space
+    follows (no sort), converted by scipy for the other formats."""
+    shape, fmt = spec.shape, spec.output_format or spec.format
+    array = spec.container == "array"
+    index = np.int32 if max(int(np.prod(shape)), pos.size) < 2**31 else np.int64
     if len(shape) == 1:
-        result = coo((vals, (pos,)), shape=shape)
-    elif spec.order == "C":
-        result = coo((vals, np.divmod(pos, shape[1])), shape=shape)
-    else:
-        col, row = np.divmod(pos, shape[0])
-        result = coo((vals, (row, col)), shape=shape)
-    fmt = spec.output_format or spec.format
-    return result.asformat(fmt)
+        if fmt == "csr":
+            out = sp.csr_array((vals, pos.astype(index), np.array([0, pos.size], dtype=index)), shape=shape)
+            out.has_canonical_format = True
+            return out
+        return sp.coo_array((vals, (pos.astype(index),)), shape=shape)
+    major_n, minor_n = (shape[0], shape[1]) if spec.order == "C" else (shape[1], shape[0])
+    major, minor = np.divmod(pos, minor_n)
+    natural = "csr" if spec.order == "C" else "csc"
+    if fmt == "coo":
+        rows, cols = (major, minor) if spec.order == "C" else (minor, major)
+        cls = sp.coo_array if array else sp.coo_matrix
+        return cls((vals, (rows.astype(index), cols.astype(index))), shape=shape)
+    indptr = np.searchsorted(major, np.arange(major_n + 1)).astype(index)
+    cls = {("csr", True): sp.csr_array, ("csr", False): sp.csr_matrix,
+           ("csc", True): sp.csc_array, ("csc", False): sp.csc_matrix}[natural, array]
+    out = cls((vals, minor.astype(index), indptr), shape=shape)
+    out.has_canonical_format = True
+    return out if fmt == natural else out.asformat(fmt)
