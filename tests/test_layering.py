@@ -17,8 +17,14 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
         (["distributed", "dask"], "import flowreduce, flowreduce.algorithms, flowreduce.cost, flowreduce._plan; "
                                   "flowreduce.plan('butterfly', 6).check(); flowreduce.choose(6, 1e6)"),
         (["distributed"], "import flowreduce.build"),
+        (["distributed", "dask", "scipy"],
+         "import flowreduce.sparse, flowreduce.sparse.inputs; from dataclasses import replace; "
+         "[flowreduce.plan(a, 5).check() for a in flowreduce.SPARSE_ALGORITHMS]; "
+         "flowreduce.sparse.choose_sparse(5, 10**6, 4, [1e-3] * 5).cost(4e6)"),
+        (["distributed"], "import flowreduce.sparse.build"),
     ],
-    ids=["planners-without-dask", "builder-without-distributed"],
+    ids=["planners-without-dask", "builder-without-distributed", "sparse-planners-without-dask-or-scipy",
+         "sparse-builder-without-distributed"],
 )
 def test_imports_without(blocked, imports):
     code = BLOCK.format(mods=blocked) + imports + "\nprint('ok')"
