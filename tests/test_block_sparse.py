@@ -168,6 +168,22 @@ def test_block_sparse_moves_only_blocks_nonzero_somewhere(proc_client):
     assert_clean(proc_client)
 
 
+@pytest.mark.parametrize("pattern", ["dense", "random"])
+def test_multiprocess_block_sparse_inputs_untouched(proc_client, pattern):
+    """Real transfers, 6 ranks on 4 workers (some share one): aggregators add
+    in place into received packs, never into a rank's input."""
+    rng = np.random.default_rng(7)
+    xs = make_inputs(6, (3000,), 64, pattern, "int64", rng)
+    parts = scatter_ranks(proc_client, xs)
+    out = proc_client.gather(flowreduce.allreduce(proc_client, parts, algorithm="block-sparse", block_size=64))
+    for r, o in enumerate(out):
+        np.testing.assert_array_equal(o, np.sum(xs, axis=0), err_msg=f"rank {r}")
+    for r, (after, before) in enumerate(zip(proc_client.gather(parts), xs)):
+        np.testing.assert_array_equal(after, before, err_msg=f"input of rank {r} was modified")
+    del parts
+    assert_clean(proc_client)
+
+
 # -- separate aggregators ----------------------------------------------------------------------------
 
 

@@ -155,6 +155,15 @@ def test_pack_selects_the_index_range(fmt, shape):
     x = sp.coo_array(dense).asformat(fmt)
     if fmt == "coo" and x.nnz > 2:  # unsorted entries with a duplicate: COO semantics add them
         x = sp.coo_array((np.r_[x.data[::-1], 1], tuple(np.r_[c[::-1], c[0]] for c in x.coords)), shape=shape)
+    elif x.nnz > 2:  # a non-canonical CSR/CSC: a row's entries reversed, its first repeated
+        j = int(np.flatnonzero(np.diff(x.indptr) > 0)[0])
+        a, b = x.indptr[j], x.indptr[j + 1]
+        indices = np.r_[x.indices[:a], x.indices[a:b][::-1], x.indices[a], x.indices[b:]]
+        data = np.r_[x.data[:a], x.data[a:b][::-1], 1, x.data[b:]]
+        indptr = np.r_[x.indptr[:j + 1], x.indptr[j + 1:] + 1]
+        x = type(x)((data, indices, indptr), shape=shape)
+        assert not x.has_canonical_format
+    before = x.copy()
     order = "F" if fmt == "csc" else "C"
     flat = x.toarray().reshape(-1, order=order)
     n = flat.size
@@ -162,6 +171,9 @@ def test_pack_selects_the_index_range(fmt, shape):
         (piece,) = _kernels.pack(x, start, stop, _spec(shape, fmt, threshold=1.0), None)
         got = piece if isinstance(piece, np.ndarray) else piece.toarray().ravel()
         np.testing.assert_array_equal(got, flat[start:stop], err_msg=f"[{start}, {stop})")
+    for a, b in zip((x.data, x.coords if fmt == "coo" else x.indices), (before.data, before.coords if fmt == "coo"
+                                                                        else before.indices)):
+        np.testing.assert_array_equal(a, b, err_msg="the input was modified")
 
 
 @pytest.mark.parametrize("container", ["array", "matrix"])

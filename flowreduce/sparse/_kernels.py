@@ -81,6 +81,8 @@ def _segment(pos: np.ndarray, data: np.ndarray, width: int, canonical: bool) -> 
     if canonical:
         seg.has_canonical_format = True
     else:
+        if np.may_share_memory(seg.data, data):
+            seg.data = data.copy()  # data may be a view of the rank's input: sort a copy
         seg.sum_duplicates()  # sorts, and adds up repeated entries (COO semantics)
     return seg
 
