@@ -20,6 +20,6 @@ the algorithm is one of :data:`SPARSE_ALGORITHMS`. This package's
 
 from __future__ import annotations
 
-from flowreduce.sparse.plan import CODECS, SparsePlan, choose_sparse, switch_density
+from flowreduce.sparse.plan import CODECS, SparsePlan, choose_sparse, quantisation_bound, switch_density
 
-__all__ = ["CODECS", "SparsePlan", "choose_sparse", "switch_density"]
+__all__ = ["CODECS", "SparsePlan", "choose_sparse", "quantisation_bound", "switch_density"]
