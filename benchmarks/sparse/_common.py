@@ -4,7 +4,8 @@ dense butterfly, bytes moved from a trace, checks on the workers, output files.
 Every repetition runs every configuration once, in an order that rotates
 from one repetition to the next, so the noise of a shared machine hits all
 of them alike; rows report the median of the timed repetitions and the
-speed-up over the dense butterfly measured in the same repetitions. The last
+speed-up over the dense butterfly: the median of the per-repetition ratios
+(the two ran back to back in each repetition). The last
 repetition of each configuration runs inside ``flowreduce.trace``: its bytes
 moved (``summarize(tr).bytes_moved``, dask's sizes of every message between
 workers) go into the row, with the plan's bytes (``describe(...).bytes_on_wire``).
@@ -53,8 +54,9 @@ def run_interleaved(client, group: dict, configs: list[tuple[str, Callable[[], l
     """Time every ``(label, call)`` ``warmup + repeat`` times, rotating the
     order; ``call()`` starts one all-reduce and returns its futures. Each
     result is checked on its worker: its sum must be ``expected``."""
-    import flowreduce
     from distributed import wait
+
+    import flowreduce
     from flowreduce.tracing import summarize
 
     rows = {label: Row(dict(group), label) for label, _ in configs}
@@ -111,9 +113,19 @@ def write_json(name: str, meta: dict, rows: list[Row]) -> Path:
 
 
 def speedups(rows: list[Row], baseline: str) -> dict[int, float]:
-    """id(row) -> baseline median / row median, within the same group."""
-    base = {json.dumps(r.group, sort_keys=True): r.median for r in rows if r.label == baseline}
-    return {id(r): base[json.dumps(r.group, sort_keys=True)] / r.median for r in rows}
+    """id(row) -> the median over repetitions of baseline time / row time,
+    each ratio taken within one repetition (the two ran back to back, so a
+    shared machine's drift cancels; more robust than a ratio of medians)."""
+    base = {json.dumps(r.group, sort_keys=True): r.times for r in rows if r.label == baseline}
+    return {id(r): statistics.median(b / t for b, t in zip(base[json.dumps(r.group, sort_keys=True)], r.times))
+            for r in rows}
+
+
+def read_json(name: str) -> tuple[dict, list[Row]]:
+    """What :func:`write_json` wrote (to re-render tables and plots)."""
+    doc = json.loads((DOCS / f"{name}.json").read_text())
+    fields = set(Row.__dataclass_fields__)
+    return doc["meta"], [Row(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"]]
 
 
 def mb(x: float | None) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, machine, mb, run_interleaved, speedups, write_json  # noqa: E402
+from _common import DOCS, machine, mb, read_json, run_interleaved, speedups, write_json  # noqa: E402
 
 N = 26_214_400
 BLOCK = 256
@@ -74,10 +74,14 @@ def main(argv=None) -> int:
     ap.add_argument("--densities", default=",".join(map(str, DENSITIES)))
     ap.add_argument("--patterns", default=",".join(PATTERNS))
     ap.add_argument("--quick", action="store_true", help="1M elements, 2 runs, a few densities")
+    ap.add_argument("--render", action="store_true", help="only redraw the table and plot from the JSON")
     ap.add_argument("--name", default="omnireduce", help="output files docs/sparse/<name>.*")
     a = ap.parse_args(argv)
     if a.quick:
         a.size, a.repeat, a.densities, a.name = 1 << 20, 2, "0.01,0.25,1.0", a.name + "-quick"
+    if a.render:
+        meta, rows = read_json(a.name)
+        return report(a.name, meta, rows)
     n = int(a.size)
     densities = [float(x) for x in a.densities.split(",")]
     patterns = a.patterns.split(",")
@@ -109,10 +113,14 @@ def main(argv=None) -> int:
     meta = {**machine(), "elements": n, "block": BLOCK, "ranks": p, "repeat": a.repeat, "warmup": a.warmup,
             "command": "python benchmarks/sparse/omnireduce.py " + " ".join(argv or sys.argv[1:])}
     write_json(a.name, meta, rows)
+    return report(a.name, meta, rows)
+
+
+def report(name, meta, rows) -> int:
     table = render_table(rows, meta)
-    (DOCS / f"{a.name}.md").write_text(table)
+    (DOCS / f"{name}.md").write_text(table)
     print(table)
-    plot(rows, DOCS / f"{a.name}.png", meta)
+    plot(rows, DOCS / f"{name}.png", meta)
     return 0 if all(r.correct for r in rows) else 1
 
 
@@ -121,7 +129,7 @@ def render_table(rows, meta) -> str:
     base = {(r.group["density"], r.group["pattern"]): r for r in rows if r.label == "butterfly"}
     lines = [
         f"{meta['elements']:,} float32 per rank, block {meta['block']}, {meta['ranks']} ranks; median of "
-        f"{meta['repeat']} runs (ms), interleaved; bytes moved between workers from a trace of the last run.",
+        f"{meta['repeat']} runs (ms), interleaved; speed-up = median over runs of butterfly/block-sparse time in the same run; bytes moved between workers from a trace of the last run.",
         "",
         "| density | pattern | block-sparse ms | butterfly ms | speed-up | block-sparse MB moved | butterfly MB moved "
         "| bytes ratio | correct |",

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, checksum, machine, mb, run_interleaved, speedups, write_json  # noqa: E402
+from _common import DOCS, checksum, machine, mb, read_json, run_interleaved, speedups, write_json  # noqa: E402
 
 N = 26_214_400
 KS = [1_000, 10_000, 100_000, 1_000_000, 4_000_000, 8_000_000]
@@ -58,10 +58,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="1M elements, 2 runs, three k")
+    ap.add_argument("--render", action="store_true", help="only redraw the table and plot from the JSON")
     ap.add_argument("--name", default="sparcml", help="output files docs/sparse/<name>.*")
     a = ap.parse_args(argv)
     if a.quick:
         a.size, a.repeat, a.ks, a.name = 1 << 20, 2, "100,10000,300000", a.name + "-quick"
+    if a.render:
+        meta, rows = read_json(a.name)
+        return report(a.name, meta, rows)
     n = int(a.size)
     ks = [int(float(k)) for k in a.ks.split(",")]
 
@@ -90,10 +94,14 @@ def main(argv=None) -> int:
     meta = {**machine(), "elements": n, "ranks": p, "repeat": a.repeat, "warmup": a.warmup,
             "command": "python benchmarks/sparse/sparcml.py " + " ".join(argv or sys.argv[1:])}
     write_json(a.name, meta, rows)
+    return report(a.name, meta, rows)
+
+
+def report(name, meta, rows) -> int:
     table = render_table(rows, meta)
-    (DOCS / f"{a.name}.md").write_text(table)
+    (DOCS / f"{name}.md").write_text(table)
     print(table)
-    plot(rows, DOCS / f"{a.name}.png", meta)
+    plot(rows, DOCS / f"{name}.png", meta)
     return 0 if all(r.correct for r in rows) else 1
 
 
@@ -109,7 +117,7 @@ def render_table(rows, meta) -> str:
     sp = speedups(rows, "butterfly")
     lines = [
         f"{meta['elements']:,} float32 per rank ({meta['elements'] * 4 / 1e6:.0f} MB dense), k random non-zeros "
-        f"per rank, {meta['ranks']} ranks; median of {meta['repeat']} runs (ms), interleaved; MB moved between "
+        f"per rank, {meta['ranks']} ranks; median of {meta['repeat']} runs (ms), interleaved; speed-up = median over runs of the butterfly's time / this time in the same run; MB moved between "
         "workers from a trace of the last run (planned: the cost card at the measured density).",
         "",
         "| k per rank | density | algorithm | ms | speed-up vs butterfly | MB moved | MB planned | correct |",

