@@ -24,7 +24,8 @@ cost more than the dense form above it). Block plans never switch before
 density 1 (an index per block is ``i/b`` bytes per element: a rounding error).
 
 :meth:`SparsePlan.cost` is the dense card with these bytes in place of
-``width·nbytes/segments``; :class:`~flowreduce.cost.CostModel` reads it as it
+``width·nbytes/segments`` (and sparse merges weighted by
+:data:`SPARSE_MERGE_COST` in the bytes reduced); :class:`~flowreduce.cost.CostModel` reads it as it
 reads any card, so ``auto`` (:func:`choose_sparse`) compares sparse plans
 with the same model as dense ones.
 """
@@ -44,6 +45,11 @@ CODECS: tuple[str | None, ...] = (None, "fp16", "int8")
 INT8_BUCKET = 512
 #: Bytes of one stored index (scipy's int32 indices, numpy int32 block ids).
 INDEX_BYTES = 4
+#: How many times more a byte of index+value pairs costs to merge (scipy's
+#: sorted merge, ~0.5 GB/s on this project's machine) than a byte of dense
+#: arrays to add (numpy, in place, ~4 GB/s): sparse merges count this many
+#: times their bytes in a card's ``reduce_bytes``.
+SPARSE_MERGE_COST = 8.0
 
 
 def wire_value_bytes(itemsize: int, codec: str | None) -> float:
@@ -136,6 +142,10 @@ class SparsePlan(Plan):
     def node_bytes(self, nbytes: float) -> list[float]:
         """Expected wire bytes of every node's value, one chunk, for
         ``nbytes`` dense bytes per rank."""
+        return self._sizes(nbytes)[0]
+
+    def _sizes(self, nbytes: float) -> tuple[list[float], list[bool]]:
+        """Every node's expected bytes and whether it is dense."""
         elems = nbytes / self.value_bytes / self.segments / self.chunks if self.segments else 0.0
         v, per_index = self.wire_bytes, INDEX_BYTES / self.block
         dens = self.densities()
@@ -148,12 +158,12 @@ class SparsePlan(Plan):
                 continue
             dense.append(self.is_dense(d) or any(dense[i] for i in n.inputs))
             out.append(n.width * elems * (v if dense[-1] else d * (v + per_index)))
-        return out
+        return out, dense
 
     def cost(self, nbytes: float = 0.0) -> CostCard:
         """The dense card's counts with the expected bytes of sparse messages."""
         base = super().cost(nbytes)
-        size = self.node_bytes(nbytes)
+        size, dense = self._sizes(nbytes)
         msgs = self.transfers()
         per_rank: Counter = Counter()
         for t in msgs:
@@ -163,7 +173,8 @@ class SparsePlan(Plan):
         for n in self.nodes:
             if n.kind == REDUCE and len(n.inputs) > 1:
                 ins = [size[i] * _overlap(self.nodes[i], n) / self.nodes[i].width for i in n.inputs]
-                reduced[n.rank] += sum(ins) - max(ins)
+                # merging index+value pairs costs more per byte than adding arrays
+                reduced[n.rank] += (sum(ins) - max(ins)) * (1.0 if dense[n.id] else SPARSE_MERGE_COST)
         chain = [0.0] * len(self.nodes)
         for n in self.nodes:
             chain[n.id] = max((chain[i] + (size[i] if self.nodes[i].rank != n.rank else 0.0) for i in n.inputs),
