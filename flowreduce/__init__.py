@@ -14,13 +14,13 @@ from typing import Any
 
 from flowreduce import topology  # callable: flowreduce.topology(client) shows which workers share a host
 from flowreduce._plan import CostCard, Plan
-from flowreduce.algorithms import ALGORITHMS, plan
+from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS, plan
 from flowreduce.cost import CostModel, choose
 from flowreduce.ops import resolve_op
 from flowreduce.tracing import trace
 
-__all__ = ["ALGORITHMS", "CostCard", "CostModel", "Plan", "WorkerLostError", "allreduce", "choose", "describe", "plan",
-           "resolve_op", "topology", "trace"]
+__all__ = ["ALGORITHMS", "SPARSE_ALGORITHMS", "CostCard", "CostModel", "Plan", "WorkerLostError", "allreduce", "choose",
+           "describe", "plan", "resolve_op", "topology", "trace"]
 __version__ = "0.1.0"
 
 

@@ -44,7 +44,7 @@ def parse(key) -> dict | None:
     head, _, token = key[0].rpartition("-")
     rest = head[len("flowreduce-"):]
     for phase in ("reduce-scatter", "all-gather", "split", "reduce", "broadcast", "exchange", "output", "pack",
-                  "unpack"):
+                  "unpack", "compact", "aggregate"):
         if rest.endswith("-" + phase):
             algorithm = rest[: -len(phase) - 1]
             break

@@ -20,11 +20,12 @@ from distributed import Client, Future, wait
 from flowreduce import _tree_call
 from flowreduce._guard import ensure_guard
 from flowreduce._plan import Plan
-from flowreduce.algorithms import ALGORITHMS
+from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.build import build_graph
 from flowreduce.cost import CostModel, choose, configured_model, tune
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.ops import resolve_op
+from flowreduce.sparse.inputs import describe_input, is_sparse
 from flowreduce.tracing import registry as _trace_registry
 
 logger = logging.getLogger("flowreduce")
@@ -46,6 +47,13 @@ class CallInfo:
     @property
     def algorithm(self) -> str:
         return self.plan.algorithm
+
+    @property
+    def bytes_on_wire(self) -> float:
+        """Bytes the plan moves between ranks, all messages (for sparse plans
+        the expected bytes at the inputs' density; a trace measures them:
+        ``flowreduce.tracing.summarize(tr).bytes_moved``)."""
+        return self.plan.cost(self.nbytes).bytes_on_wire
 
 
 @dataclass(frozen=True)
@@ -155,8 +163,11 @@ def allreduce(
         the name of any binary numpy ufunc, a ufunc, or ``f(a, b) -> array``.
         Assumed associative and commutative.
     algorithm : str
-        One of :data:`flowreduce.ALGORITHMS`; ``"auto"`` asks the cost model
-        (the pick is logged at INFO and kept in ``result.plan``).
+        One of :data:`flowreduce.ALGORITHMS` or :data:`flowreduce.SPARSE_ALGORITHMS`;
+        ``"auto"`` asks the cost model (the pick is logged at INFO and kept in
+        ``result.plan``). scipy.sparse inputs (CSR, CSC, COO) take
+        ``"sparse-recursive-doubling"``, ``"sparse-split-allgather"`` or ``"auto"``;
+        ``"block-sparse"`` takes numpy inputs with zero blocks (docs/sparse.md).
     chunks, chunk_bytes : int, optional
         Split each vector (each bucket) into this many independent
         pipelines, or into pieces of about this many bytes. Default: chosen
@@ -192,7 +203,11 @@ def allreduce(
         Algorithm options: ``radix`` (butterfly, recursive-doubling),
         ``fan_in`` (tree), ``root`` (reduce-broadcast), ``groups``,
         ``levels``, ``inner``, ``outer`` (hierarchical; the ones left out
-        are chosen by the cost model).
+        are chosen by the cost model). Sparse and
+        block-sparse: ``compression`` (None, ``"fp16"``, ``"int8"``),
+        ``seed``; sparse: ``delta`` (density of the dense switch), ``output``
+        (None: the input's format, ``"dense"``, ``"csr"``, ``"csc"``, ``"coo"``),
+        ``inner``; block-sparse: ``block_size``, ``aggregators``.
 
     Returns
     -------
@@ -218,8 +233,8 @@ def allreduce(
     if not inputs:
         raise ValueError("allreduce needs one input future per rank; got an empty list")
     outer, ranks = _tree_call.rank_futures(inputs)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+    if algorithm not in ALGORITHMS and algorithm not in SPARSE_ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}")
     op_ = resolve_op(op)
     if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
@@ -236,6 +251,9 @@ def allreduce(
     metas = [m for _, m in located]
     if any(m is not None and m[0] == "pytree" for m in metas):
         return _tree_call.allreduce_located(client, outer, ranks, workers, metas, cpus, settings)
+    if algorithm in SPARSE_ALGORITHMS or any(is_sparse(m) for m in metas):
+        return _allreduce_sparse(client, inputs, workers, metas, cpus, op_, algorithm, chunks, chunk_bytes,
+                                 model, options)
     shape, dtype = _check_inputs(metas)
     if op_.mean and dtype == np.bool_:
         raise TypeError("op='mean' of boolean arrays is ambiguous; cast them to a number type first")
@@ -248,13 +266,19 @@ def allreduce(
     in_place = not any(w.startswith("inproc://") for w in workers)
     graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place,
                         accumulate=op_.accumulator(dtype))
+    return _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, levels[0])
+
+
+def _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, hosts=None) -> list[Future]:
+    """Submit a lowered graph with every task pinned, and remember the call
+    (with the time ``model`` predicts for it, ranks grouped by ``hosts``)."""
     ensure_guard(client)
     with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
         futures = client.get(named_graph(graph.tasks, graph.token), graph.outputs, sync=False)
-    _remember(_CALLS, graph.token, CallInfo(plan, nbytes, model.predict(plan, nbytes, levels[0]), graph.token,
+    _remember(_CALLS, graph.token, CallInfo(plan, nbytes, model.predict(plan, nbytes, hosts), graph.token,
                                             tuple(workers), tuple(shape), dtype.str))
     _trace_registry.note(futures, inputs)
-    logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
+    logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, len(inputs), nbytes, len(graph.tasks))
     return futures
 
 
@@ -299,6 +323,59 @@ def named_graph(tasks: dict, token: str) -> Any:
     except ImportError:  # a dask without expressions takes the dict as it is
         return tasks
     return LLGExpr(tasks, _determ_token=token)
+
+
+def _allreduce_sparse(client, inputs, workers, metas, cpus, op, algorithm, chunks, chunk_bytes, model,
+                      options) -> list[Future]:
+    """scipy.sparse inputs (SparCML) or ``block-sparse`` (OmniReduce): plan and
+    lower in :mod:`flowreduce.sparse.build`, submit here."""
+    from flowreduce.sparse import build as sparse_build
+
+    model = model or configured_model()
+    if model.cores is None:
+        model = replace(model, cores=_shared_cores(workers, cpus))
+    in_place = not any(w.startswith("inproc://") for w in workers)
+    options = dict(options)
+    if algorithm == "block-sparse":
+        shape, dtype = _check_inputs(metas)
+        if chunks is None and chunk_bytes is not None:
+            chunks = max(1, math.ceil(math.prod(shape) * dtype.itemsize / chunk_bytes))
+        aggregators = _aggregators(client, options.pop("aggregators", None))
+        low = sparse_build.lower_blocks(inputs, workers, shape=shape, dtype=dtype, op=op, chunks=chunks,
+                                        model=model, in_place=in_place, aggregators=aggregators, options=options)
+    else:
+        if chunks is None and chunk_bytes is not None:
+            raise ValueError("chunk_bytes applies to dense inputs; pass chunks= for sparse ones")
+        low = sparse_build.lower_sparse(inputs, workers, metas, op=op, algorithm=algorithm, chunks=chunks,
+                                        model=model, in_place=in_place, options=options)
+    return _submit(client, inputs, low.plan, low.graph, low.nbytes, model, workers, low.shape, low.dtype)
+
+
+def _aggregators(client: Client, option) -> list[str]:
+    """Workers that aggregate block-sparse packs: ``option`` as given (a list
+    of addresses), none (``"ranks"``: co-located), or by default the workers
+    started with the Dask resource ``aggregator`` (``--resources aggregator=1``)."""
+    if option == "ranks":
+        return []
+    found = client.run_on_scheduler(_resource_workers, "aggregator")
+    if option is None:
+        return found
+    if isinstance(option, (list, tuple)) and option and all(isinstance(w, str) for w in option):
+        known = set(client.run_on_scheduler(_all_workers))
+        missing = [w for w in option if w not in known]
+        if missing:
+            raise ValueError(f"aggregators {missing} are not workers of this cluster")
+        return list(option)
+    raise ValueError(f"aggregators must be None (the workers with resource 'aggregator', else the ranks), "
+                     f"'ranks', or a list of worker addresses; got {option!r}")
+
+
+def _resource_workers(resource, dask_scheduler=None) -> list[str]:
+    return sorted(w for w, ws in dask_scheduler.workers.items() if ws.resources.get(resource, 0) > 0)
+
+
+def _all_workers(dask_scheduler=None) -> list[str]:
+    return sorted(dask_scheduler.workers)
 
 
 def _groups_by_place(workers: list[str], places: dict) -> list[list[int]]:
@@ -413,7 +490,7 @@ def _describe(keys, dask_worker=None):
             elif isinstance(x, (dict, list, tuple)):  # a pytree of arrays: structure and leaf specs
                 out[k] = ("pytree", *describe_value(x))
             else:
-                out[k] = (type(x).__name__, None, None)
+                out[k] = describe_input(x) or (type(x).__name__, None, None)
     return out, worker_place(dask_worker)
 
 

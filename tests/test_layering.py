@@ -24,10 +24,16 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
         (["distributed", "dask"], "import flowreduce.pytree, flowreduce.fusion; "
                                   "flowreduce.fusion.make_buckets([flowreduce.pytree.spec(3)], 0)"),
         (["distributed"], "import flowreduce.build_tree, flowreduce.train, flowreduce.train.cli"),
+        (["distributed", "dask", "scipy"],
+         "import flowreduce.sparse, flowreduce.sparse.inputs; from dataclasses import replace; "
+         "[flowreduce.plan(a, 5).check() for a in flowreduce.SPARSE_ALGORITHMS]; "
+         "flowreduce.sparse.choose_sparse(5, 10**6, 4, [1e-3] * 5).cost(4e6)"),
+        (["distributed"], "import flowreduce.sparse.build"),
     ],
     ids=["planners-without-dask", "builder-without-distributed", "topology-and-cost-without-dask",
          "commands-import-distributed-lazily", "fusion-plan-without-dask",
-         "fusion-builder-and-trainer-without-distributed"],
+         "fusion-builder-and-trainer-without-distributed", "sparse-planners-without-dask-or-scipy",
+         "sparse-builder-without-distributed"],
 )
 def test_imports_without(blocked, imports):
     code = BLOCK.format(mods=blocked) + imports + "\nprint('ok')"

@@ -11,14 +11,30 @@ from collections.abc import Callable
 from typing import Any
 
 from flowreduce._plan import Plan
-from flowreduce.algorithms import butterfly, hierarchical, recursive_doubling, reduce_broadcast, ring, tree
+from flowreduce.algorithms import (
+    block_sparse,
+    butterfly,
+    hierarchical,
+    recursive_doubling,
+    reduce_broadcast,
+    ring,
+    sparse_recursive_doubling,
+    sparse_split_allgather,
+    tree,
+)
 
 _PLANNERS: dict[str, Callable[..., Plan]] = {
     m.NAME: m.plan for m in (reduce_broadcast, tree, recursive_doubling, butterfly, ring, hierarchical)
 }
+_SPARSE_PLANNERS: dict[str, Callable[..., Plan]] = {
+    m.NAME: m.plan for m in (sparse_recursive_doubling, sparse_split_allgather, block_sparse)
+}
 
 #: Registered algorithm names, plus ``"auto"`` (chosen by the cost model).
 ALGORITHMS: tuple[str, ...] = (*_PLANNERS, "auto")
+#: Algorithms that move only non-zeros (:mod:`flowreduce.sparse`): the first two
+#: take scipy.sparse inputs, ``block-sparse`` dense numpy inputs with zero blocks.
+SPARSE_ALGORITHMS: tuple[str, ...] = tuple(_SPARSE_PLANNERS)
 
 
 def plan(algorithm: str, ranks: int, chunks: int = 1, **options: Any) -> Plan:
@@ -33,9 +49,9 @@ def plan(algorithm: str, ranks: int, chunks: int = 1, **options: Any) -> Plan:
     """
     if algorithm == "auto":
         raise ValueError("plan() needs a concrete algorithm; use flowreduce.choose() for 'auto'")
-    if algorithm not in _PLANNERS:
+    if algorithm not in _PLANNERS and algorithm not in _SPARSE_PLANNERS:
         raise ValueError(
-            f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}"
+            f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}"
         )
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"an all-reduce needs at least one rank, got {ranks!r}")
@@ -67,7 +83,7 @@ def _base_plan(algorithm: str, ranks: int, options: tuple) -> Plan:
 
 def _build(algorithm: str, ranks: int, options: dict) -> Plan:
     try:
-        return _PLANNERS[algorithm](ranks, **options)
+        return (_PLANNERS.get(algorithm) or _SPARSE_PLANNERS[algorithm])(ranks, **options)
     except TypeError as e:
         raise ValueError(f"bad option for algorithm {algorithm!r}: {e}") from None
 

@@ -7,7 +7,8 @@ Phases
     Rank ``r`` waiting for its own input: from the moment the first rank's
     input was ready to the moment rank ``r``'s was. Long bars are stragglers.
 ``split``
-    The rank cutting its input into segment views (zero-copy slices).
+    The rank cutting its input into segment views (zero-copy slices), or
+    compacting its non-zeros of a range (sparse and block-sparse ``compact`` tasks).
 ``fusion``
     Tensor fusion (pytree all-reduces): ``pack`` copies a bucket's tensors
     into one flat buffer before the reduction, ``unpack`` cuts the reduced
@@ -25,7 +26,8 @@ Phases
     The receiver unpickling one message (``gather-dep`` ``deserialize``
     metric, apportioned by bytes), or an unspill (``detail="disk-read"``).
 ``reduce``
-    A reduction task (reduce-scatter, reduce, exchange phases of the plan).
+    A reduction task (reduce-scatter, reduce, exchange phases of the plan;
+    block-sparse ``aggregate`` tasks).
 ``copy``
     A gather task (all-gather, broadcast: zero-copy unless it assembles the
     output, so usually near-zero long) or the output task (the copy or
@@ -74,6 +76,8 @@ KEY_PHASE: dict[str, str] = {
     "output": "copy",
     "pack": "fusion",
     "unpack": "fusion",
+    "compact": "split",  # sparse: a rank's non-zeros (or non-zero blocks) of a range
+    "aggregate": "reduce",  # block-sparse: an aggregator adds the compacted ranges it owns
 }
 
 

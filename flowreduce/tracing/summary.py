@@ -118,6 +118,17 @@ class Summary:
         return (self.critical_path[-1].stop - self.critical_path[0].start) if self.critical_path else 0.0
 
     @property
+    def bytes_moved(self) -> int:
+        """Bytes the call moved between workers (all links, as measured)."""
+        return sum(self.links.values())
+
+    @property
+    def bytes_planned(self) -> float:
+        """Bytes the plan says it moves between workers (sparse plans: expected
+        at the inputs' density)."""
+        return sum(self.planned_links.values())
+
+    @property
     def critical_breakdown(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
         for s in self.critical_path:
@@ -131,6 +142,7 @@ class Summary:
         for r, rs in zip(d["per_rank"], self.per_rank, strict=True):
             r["overlap_fraction"] = rs.overlap_fraction
         d["critical_length"] = self.critical_length
+        d["bytes_moved"] = self.bytes_moved
         d["critical_breakdown"] = self.critical_breakdown
         return d
 
@@ -164,6 +176,7 @@ class Summary:
             lt.add_row(_short(link[0]), _short(link[1]), f"{self.links.get(link, 0) / 1e6:.3f}",
                        f"{self.planned_links.get(link, 0) / 1e6:.3f}")
         con.print(lt)
+        con.print(f"bytes moved: {self.bytes_moved / 1e6:.3f} MB measured, {self.bytes_planned / 1e6:.3f} MB planned")
         br = ", ".join(f"{k} {v * ms:.1f}" for k, v in sorted(self.critical_breakdown.items(), key=lambda x: -x[1]))
         con.print(f"critical path: {self.critical_length * ms:.1f} ms over {len(self.critical_path)} steps ({br} ms)")
         for s in self.critical_path:
@@ -249,10 +262,11 @@ def planned_links(call: Any, worker_of: dict[int, str]) -> dict[tuple[str, str],
     plan = call.plan
     out: dict[tuple[str, str], float] = defaultdict(float)
     seg = call.nbytes / plan.segments / plan.chunks
+    sizes = plan.node_bytes(call.nbytes) if hasattr(plan, "node_bytes") else None  # sparse plans
     for t in plan.transfers():
         a, b = worker_of.get(t.source, ""), worker_of.get(t.dest, "")
         if a != b:
-            out[(a, b)] += (t.hi - t.lo) * seg * plan.chunks
+            out[(a, b)] += (sizes[t.src] if sizes else (t.hi - t.lo) * seg) * plan.chunks
     return dict(out)
 
 

@@ -1,0 +1,234 @@
+"""Lower a sparse plan to a Dask task graph. Imports dask, never distributed.
+
+The plans are the dense ones (:mod:`flowreduce.algorithms`); only the
+kernels differ: ``pack`` (a rank's non-zeros of a range) in place of the
+zero-copy view, ``merge``/``aggregate`` (scipy.sparse merges with the dense
+switch; block unions) in place of the dense reduction, ``gather`` and
+``output`` that assemble the rank's result in the user's format. As in
+:mod:`flowreduce.build`, every range is decided here, statically.
+
+:func:`lower_sparse` takes scipy.sparse inputs (SparCML's algorithms),
+:func:`lower_blocks` dense numpy inputs (OmniReduce's block-sparse).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from dask.task_spec import List, Task, TaskRef
+
+from flowreduce import keys
+from flowreduce._plan import GATHER, REDUCE, VIEW
+from flowreduce.algorithms import plan as make_plan
+from flowreduce.algorithms.block_sparse import DEFAULT_BLOCK
+from flowreduce.build import Graph, _contributions, _owned_inputs, chunk_bounds
+from flowreduce.ops import Op
+from flowreduce.sparse import _blocks, _kernels
+from flowreduce.sparse._payload import Wire
+from flowreduce.sparse.inputs import check_sparse
+from flowreduce.sparse.plan import CODECS, SparsePlan, choose_sparse
+
+#: ``allreduce`` options of the sparse algorithms (beside the planners' own).
+SPARSE_CALL_OPTIONS = ("delta", "output", "compression", "seed")
+BLOCK_CALL_OPTIONS = ("compression", "seed")
+OUTPUTS = (None, "dense", "csr", "csc", "coo")
+_UFUNC_NAMES = {"add": "sum", "maximum": "max", "minimum": "min", "multiply": "prod"}
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """A sparse call ready to submit: its plan, graph, the dense bytes per
+    rank its cost card takes, and the shape and dtype of a rank's input."""
+
+    plan: SparsePlan
+    graph: Graph
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def lower_sparse(
+    inputs: Sequence[Any], workers: Sequence[str], metas: list, *, op: Op, algorithm: str,
+    chunks: int | None, model: Any, in_place: bool, options: dict,
+) -> Lowered:
+    """Plan and lower an all-reduce of scipy.sparse inputs.
+
+    ``metas`` are the workers' descriptions of the inputs
+    (:func:`flowreduce.sparse.inputs.describe_input`); ``options`` the call's
+    algorithm options (``radix``, ``inner``) and sparse options (``delta``,
+    ``output``, ``compression``, ``seed``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        See :func:`flowreduce.sparse.inputs.check_sparse`; also a dense
+        algorithm or ``block-sparse`` for sparse inputs, an op without
+        ``f(0, 0) = 0``, bad sparse options.
+    """
+    info = check_sparse(metas)
+    if algorithm not in ("auto", "sparse-recursive-doubling", "sparse-split-allgather"):
+        raise ValueError(f"scipy.sparse inputs need a sparse algorithm, not {algorithm!r}; valid: auto, "
+                         "sparse-recursive-doubling, sparse-split-allgather (or pass x.toarray() to a dense one)")
+    op = _check_op(op, _kernels.SPARSE_OPS, "sparse")
+    call = {k: options.pop(k) for k in SPARSE_CALL_OPTIONS if k in options}
+    delta, output = call.get("delta"), call.get("output")
+    codec, seed = _check_wire(call.get("compression"), call.get("seed"), np.dtype(info.dtype))
+    if delta is not None and not (isinstance(delta, (int, float)) and 0 <= delta <= 1):
+        raise ValueError(f"delta is a density in [0, 1] (None: the byte break-even), got {delta!r}")
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {', '.join(map(str, OUTPUTS))}; got {output!r}")
+    if output in ("csc",) and len(info.shape) == 1:
+        raise ValueError("output='csc' needs 2-D inputs: scipy has no 1-D CSC")
+    itemsize = np.dtype(info.dtype).itemsize
+    p = len(inputs)
+    fields = dict(density=info.density, value_bytes=itemsize, delta=delta, codec=codec)
+    if algorithm == "auto":
+        if options:
+            raise ValueError(f"options {sorted(options)} need a named algorithm, not 'auto'")
+        plan = replace(choose_sparse(p, info.size, itemsize, info.density, model=model, delta=delta, codec=codec),
+                       chunks=chunks or 1)
+    else:
+        plan = replace(make_plan(algorithm, p, chunks=chunks or 1, **options), **fields)
+    dtype = np.dtype(info.dtype)
+    accumulate = op.accumulator(dtype)
+    spec = _kernels.SegmentSpec(
+        format=info.format, container=info.container, shape=info.shape, order=info.order,
+        threshold=plan.threshold, dtype=_result_dtype(op, dtype).str,
+        accumulate=accumulate.str if accumulate is not None else None,
+        dense_output=output == "dense", output_format=output if output != "dense" else None,
+    )
+    graph = _lower(plan, inputs, list(workers), _kernels, _kernels.merge, spec, size=info.size, op=op,
+                   in_place=in_place, codec=codec, seed=seed)
+    return Lowered(plan, graph, info.size * itemsize, info.shape, dtype)
+
+
+def lower_blocks(
+    inputs: Sequence[Any], workers: Sequence[str], *, shape: tuple[int, ...], dtype: np.dtype, op: Op,
+    chunks: int | None, model: Any, in_place: bool, aggregators: Sequence[str], options: dict,
+) -> Lowered:
+    """Plan and lower a block-sparse all-reduce of dense numpy inputs.
+
+    ``aggregators`` are the workers that add the packs (empty: co-located on
+    the ranks); ``options``: ``block_size``, ``compression``, ``seed``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An op other than sum or mean, bad options.
+    """
+    op = _check_op(op, _blocks.BLOCK_OPS, "block-sparse")
+    call = {k: options.pop(k) for k in BLOCK_CALL_OPTIONS if k in options}
+    codec, seed = _check_wire(call.get("compression"), call.get("seed"), dtype)
+    block = options.pop("block_size", DEFAULT_BLOCK)
+    if options:
+        raise ValueError(f"block-sparse takes options block_size, aggregators, compression, seed; "
+                         f"got {sorted(options)}")
+    if dtype.kind not in "iufc":
+        raise TypeError(f"block-sparse needs a numeric dtype, got {dtype}")
+    size = int(np.prod(shape))
+    p = len(inputs)
+    plan = make_plan("block-sparse", p, chunks=chunks or 1, aggregators=len(aggregators), block_size=block)
+    plan = replace(plan, value_bytes=dtype.itemsize, codec=codec)
+    accumulate = op.accumulator(dtype)
+    spec = _blocks.BlockSpec(block=block, size=size, shape=tuple(shape), dtype=_result_dtype(op, dtype).str,
+                             accumulate=accumulate.str if accumulate is not None else None)
+    nblocks = -(-size // block)
+    graph = _lower(plan, inputs, [*workers, *aggregators], _blocks, _blocks.aggregate, spec, size=nblocks,
+                   op=op, in_place=in_place, codec=codec, seed=seed)
+    return Lowered(plan, graph, size * dtype.itemsize, tuple(shape), dtype)
+
+
+def _check_op(op: Op, valid: tuple[str, ...], what: str) -> Op:
+    name = _UFUNC_NAMES.get(op.name, op.name) if op.name not in valid else op.name
+    if name not in valid:
+        raise ValueError(f"{what} all-reduce supports ops {', '.join(valid)}; got {op.name!r} (only these keep "
+                         "implicit zeros zero)")
+    return op if name == op.name else replace(op, name=name)
+
+
+def _check_wire(codec, seed, dtype: np.dtype):
+    if codec not in CODECS:
+        raise ValueError(f"compression must be one of {', '.join(map(str, CODECS))}; got {codec!r}")
+    if codec is not None and dtype.kind != "f":
+        raise TypeError(f"compression={codec!r} quantises floating-point values; the inputs are {dtype}")
+    if seed is not None and not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    return codec, seed
+
+
+def _result_dtype(op: Op, dtype: np.dtype) -> np.dtype:
+    acc = op.accumulator(dtype) or dtype
+    return np.true_divide(np.zeros(1, acc), 1).dtype if op.mean else acc
+
+
+def _lower(plan: SparsePlan, inputs, workers: list[str], kernels, reduce_kernel, spec, *, size: int, op: Op,
+           in_place: bool, codec: str | None, seed: int | None) -> Graph:
+    """One task per node and chunk, pinned to its rank's worker (plan ranks
+    beyond the inputs are aggregators: ``workers[rank]`` all the same)."""
+    token = keys.new_token()
+    nodes, S = plan.nodes, plan.segments
+    worker_of = [workers[n.rank] for n in nodes]
+    owned = _owned_inputs(plan, worker_of, plan.consumers(), in_place)
+    count = _contributions(plan)
+    encoded = plan.encoded_nodes() if codec else set()
+    layout: list[list[tuple[int, int]]] = []
+    for n in nodes:
+        if n.kind == GATHER:
+            layout.append([(max(a, n.lo), min(b, n.hi)) for i in n.inputs for a, b in layout[i]
+                           if max(a, n.lo) < min(b, n.hi)])
+        else:
+            layout.append([(n.lo, n.hi)])
+
+    tasks: dict[Hashable, Task] = {}
+    placement: dict[Hashable, str] = {}
+    outputs = [keys.output_key(plan.algorithm, token, r) for r in range(plan.ranks)]
+    merged = {plan.finals[r]: r for r in range(plan.ranks) if not plan.output_is_separate(r)}
+    finals_by_rank: dict[int, list] = defaultdict(list)
+    for c, (c0, c1) in enumerate(chunk_bounds(size, plan.chunks)):
+        width = c1 - c0
+
+        def elem(s: int) -> int:
+            return c0 + width * s // S
+
+        def picks(src: int, lo: int, hi: int):
+            out = []
+            for idx, (a, b) in enumerate(layout[src]):
+                x, y = max(a, lo), min(b, hi)
+                if x < y:
+                    out.append((idx, elem(x) - elem(a), elem(y) - elem(a)))
+            return tuple(out)
+
+        key_of: dict[int, Hashable] = {}
+        for n in nodes:
+            final_rank = merged.get(n.id)
+            key = (outputs[final_rank] if final_rank is not None
+                   else keys.node_key(plan.algorithm, n.phase, token, n.step, n.rank, c, n.id))
+            key_of[n.id] = key
+            wire = Wire(codec, None if seed is None else (int(seed), c, n.id)) if n.id in encoded else None
+            out = final_rank is not None
+            deps = List(*(TaskRef(key_of[i]) for i in n.inputs))
+            chosen = tuple(picks(i, n.lo, n.hi) for i in n.inputs)
+            if n.kind == VIEW:
+                if out:
+                    raise ValueError(f"plan {plan.algorithm!r}: rank {n.rank}'s result is its own input")
+                task = Task(key, kernels.pack, inputs[n.rank], elem(n.lo), elem(n.hi), spec, wire)
+            elif n.kind == REDUCE:
+                task = Task(key, reduce_kernel, spec, op, plan.ranks, count[n.id] == plan.ranks, deps, chosen,
+                            owned[n.id], wire, out)
+            else:
+                task = Task(key, kernels.gather, spec, deps, chosen, wire, out)
+            tasks[key] = task
+            placement[key] = worker_of[n.id]
+        for r, f in enumerate(plan.finals):
+            finals_by_rank[r].append(key_of[f])
+
+    for r in range(plan.ranks):
+        if plan.output_is_separate(r):
+            refs = List(*(TaskRef(k) for k in finals_by_rank[r]))
+            tasks[outputs[r]] = Task(outputs[r], kernels.output, spec, refs)
+            placement[outputs[r]] = workers[r]
+    return Graph(tasks, outputs, placement, token)
