@@ -183,7 +183,7 @@ def test_amm_keeps_the_replica_a_waiting_pinned_task_needs(proc_client):
             time.sleep(0.05)
         assert proc_client.who_has([x])[x.key] == (a,), "the owner's replica was dropped"
     finally:
-        Event(event).set()
+        Event(event, client=proc_client).set()
         proc_client.amm.start()
     np.testing.assert_array_equal(waiting.result(), np.arange(1000))
     del x, later, waiting, peer, heavy
