@@ -8,14 +8,14 @@ slicing is decided here, statically, from the element boundaries of every
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dask.task_spec import List, Task, TaskRef
 
 from flowreduce import _kernels, keys
-from flowreduce._plan import GATHER, REDUCE, VIEW, Plan
+from flowreduce._plan import GATHER, REDUCE, VIEW, Node, Plan
 from flowreduce.ops import Op
 
 
@@ -34,34 +34,39 @@ def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
     return [(n * j // chunks, n * (j + 1) // chunks) for j in range(chunks)]
 
 
-def build_graph(
+@dataclass(frozen=True)
+class Site:
+    """One plan node in one chunk, as the task that lowers it sees it."""
+
+    node: Node
+    chunk: int
+    key: Hashable
+    deps: List  # TaskRefs of the node's inputs, in order
+    picks: tuple  # per input: the element slices of its pieces that cover this node's range
+    start: int  # the node's range in elements of the whole vector (views slice the input there)
+    stop: int
+    final: bool  # the node is its rank's result (one chunk, read by nobody else)
+
+
+def lower(
     plan: Plan,
-    inputs: Sequence[Any],
     workers: Sequence[str],
     *,
     size: int,
-    shape: tuple[int, ...],
-    op: Op,
-    token: str | None = None,
-    in_place: bool = True,
-    accumulate: Any = None,
+    token: str,
+    task_for: Callable[[Site], Task],
+    output_for: Callable[[Hashable, List, int], Task],
 ) -> Graph:
-    """Lower ``plan`` for rank inputs ``inputs`` (futures or TaskRefs) held on
-    ``workers`` (one address per rank), vectors of ``size`` elements.
+    """The skeleton every lowering shares: keys, pieces, element slices.
 
-    ``in_place=False`` never reduces into received buffers: for transports
-    that hand objects over without copying (distributed's ``inproc://``).
-    ``accumulate`` is a dtype to cast inputs to before combining (see
-    :meth:`flowreduce.ops.Op.accumulator`)."""
-    if len(inputs) != plan.ranks or len(workers) != plan.ranks:
-        raise ValueError(f"plan is for {plan.ranks} ranks, got {len(inputs)} inputs and {len(workers)} workers")
-    token = token or keys.new_token()
+    A node's value is a tuple of 1-D pieces; a gather's pieces are its
+    inputs' (zero-copy), so the builder tracks each node's piece layout and
+    hands every task the slices of its inputs that cover its range.
+    ``task_for`` makes the task of one :class:`Site`; ``output_for(key,
+    refs, rank)`` the task assembling a rank's result from its chunks'
+    finals (when its final is read remotely or there are several chunks).
+    ``workers`` has one address per plan rank."""
     nodes, S = plan.nodes, plan.segments
-    consumers = plan.consumers()
-    worker_of = [workers[n.rank] for n in nodes]
-    owned = _owned_inputs(plan, worker_of, consumers, in_place)
-    count = _contributions(plan)
-
     layout: list[list[tuple[int, int]]] = []
     for n in nodes:
         if n.kind == GATHER:
@@ -94,37 +99,64 @@ def build_graph(
         key_of: dict[int, Hashable] = {}
         for n in nodes:
             final_rank = merged.get(n.id)
-            if final_rank is not None:
-                key = outputs[final_rank]
-            else:
-                key = keys.node_key(plan.algorithm, n.phase, token, n.step, n.rank, c, n.id)
+            key = (outputs[final_rank] if final_rank is not None
+                   else keys.node_key(plan.algorithm, n.phase, token, n.step, n.rank, c, n.id))
             key_of[n.id] = key
-            shape_arg = shape if final_rank is not None else None
-            deps = List(*(TaskRef(key_of[i]) for i in n.inputs))
-            if n.kind == VIEW:
-                task = Task(key, _kernels.split, inputs[n.rank], elem(n.lo), elem(n.hi), accumulate)
-            elif n.kind == REDUCE:
-                task = Task(
-                    key, _kernels.reduce, op, plan.ranks, count[n.id] == plan.ranks, shape_arg, deps,
-                    tuple(picks(i, n.lo, n.hi) for i in n.inputs), owned[n.id],
-                )
-            else:
-                task = Task(key, _kernels.gather, shape_arg, deps,
-                            tuple(picks(i, n.lo, n.hi) for i in n.inputs))
-            tasks[key] = task
-            placement[key] = worker_of[n.id]
+            site = Site(n, c, key, List(*(TaskRef(key_of[i]) for i in n.inputs)),
+                        tuple(picks(i, n.lo, n.hi) for i in n.inputs), elem(n.lo), elem(n.hi),
+                        final_rank is not None)
+            tasks[key] = task_for(site)
+            placement[key] = workers[n.rank]
         for r, f in enumerate(plan.finals):
             finals_by_rank[r].append(key_of[f])
 
     for r in range(plan.ranks):
         if plan.output_is_separate(r):
-            refs = List(*(TaskRef(k) for k in finals_by_rank[r]))
-            tasks[outputs[r]] = Task(outputs[r], _kernels.output, refs, shape)
+            tasks[outputs[r]] = output_for(outputs[r], List(*(TaskRef(k) for k in finals_by_rank[r])), r)
             placement[outputs[r]] = workers[r]
     return Graph(tasks, outputs, placement, token)
 
 
-def _contributions(plan: Plan) -> list[int]:
+def build_graph(
+    plan: Plan,
+    inputs: Sequence[Any],
+    workers: Sequence[str],
+    *,
+    size: int,
+    shape: tuple[int, ...],
+    op: Op,
+    token: str | None = None,
+    in_place: bool = True,
+    accumulate: Any = None,
+) -> Graph:
+    """Lower ``plan`` for rank inputs ``inputs`` (futures or TaskRefs) held on
+    ``workers`` (one address per rank), vectors of ``size`` elements.
+
+    ``in_place=False`` never reduces into received buffers: for transports
+    that hand objects over without copying (distributed's ``inproc://``).
+    ``accumulate`` is a dtype to cast inputs to before combining (see
+    :meth:`flowreduce.ops.Op.accumulator`)."""
+    if len(inputs) != plan.ranks or len(workers) != plan.ranks:
+        raise ValueError(f"plan is for {plan.ranks} ranks, got {len(inputs)} inputs and {len(workers)} workers")
+    worker_of = [workers[n.rank] for n in plan.nodes]
+    owned = owned_inputs(plan, worker_of, plan.consumers(), in_place)
+    count = contributions(plan)
+
+    def task_for(s: Site) -> Task:
+        n = s.node
+        shape_arg = shape if s.final else None
+        if n.kind == VIEW:
+            return Task(s.key, _kernels.split, inputs[n.rank], s.start, s.stop, accumulate)
+        if n.kind == REDUCE:
+            return Task(s.key, _kernels.reduce, op, plan.ranks, count[n.id] == plan.ranks, shape_arg, s.deps,
+                        s.picks, owned[n.id])
+        return Task(s.key, _kernels.gather, shape_arg, s.deps, s.picks)
+
+    return lower(plan, workers, size=size, token=token or keys.new_token(), task_for=task_for,
+                 output_for=lambda key, refs, r: Task(key, _kernels.output, refs, shape))
+
+
+def contributions(plan: Plan) -> list[int]:
     """How many ranks each node's values combine (uniform over its range)."""
     count = []
     for n in plan.nodes:
@@ -137,7 +169,7 @@ def _contributions(plan: Plan) -> list[int]:
     return count
 
 
-def _owned_inputs(plan: Plan, worker_of: list[str], consumers, in_place: bool) -> dict[int, tuple[bool, ...]]:
+def owned_inputs(plan: Plan, worker_of: list[str], consumers, in_place: bool) -> dict[int, tuple[bool, ...]]:
     """For each reduce node, which inputs it may overwrite.
 
     A value that crossed workers arrives as a fresh, private copy. It may be

@@ -48,3 +48,16 @@ def scatter_ranks(client, arrays, workers=None):
     """Rank r's array on worker r mod W (so ranks share workers when p > W)."""
     ws = workers or workers_of(client)
     return [client.scatter(a, workers=[ws[r % len(ws)]], hash=False) for r, a in enumerate(arrays)]
+
+
+def transfer_bytes(tr, token) -> dict:
+    """(key, destination worker) -> bytes, for every message of call
+    ``token`` in trace ``tr``."""
+    import ast
+
+    out = {}
+    for e in tr.iter_events(token):
+        if e.phase == "transfer":
+            for k, b in zip(e.keys, e.key_bytes):
+                out[(ast.literal_eval(k), e.dest)] = b
+    return out

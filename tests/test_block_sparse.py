@@ -10,7 +10,7 @@ import ast
 
 import numpy as np
 import pytest
-from conftest import assert_clean, scatter_ranks
+from conftest import assert_clean, scatter_ranks, transfer_bytes
 from distributed import Client, Scheduler, SpecCluster, Worker
 
 import flowreduce
@@ -122,16 +122,6 @@ def _pack_bytes(mask_range, block, itemsize) -> int:
     return k * 4 + k * block * itemsize
 
 
-def _transfers(tr, token):
-    """(key, dest) -> bytes of every message of call ``token``."""
-    out = {}
-    for e in tr.iter_events(token):
-        if e.phase == "transfer":
-            for k, b in zip(e.keys, e.key_bytes):
-                out[(ast.literal_eval(k), e.dest)] = b
-    return out
-
-
 def test_block_sparse_moves_only_blocks_nonzero_somewhere(proc_client):
     """Traced on real transfers: each pack carries exactly its rank's non-zero
     blocks of the range, each aggregated sum the union of them; far less
@@ -147,7 +137,7 @@ def test_block_sparse_moves_only_blocks_nonzero_somewhere(proc_client):
         result = proc_client.gather(out)
     np.testing.assert_allclose(result[0], np.sum(xs, axis=0), rtol=1e-6)
     info = flowreduce.describe(out)
-    got = _transfers(tr, info.token)
+    got = transfer_bytes(tr, info.token)
     ranges = [slice(a * nblocks // p, (a + 1) * nblocks // p) for a in range(p)]
     union = np.logical_or.reduce(masks)
     seen = 0
@@ -230,7 +220,7 @@ def test_aggregators_run_on_aggregator_workers(agg_client, choice):
     ran = {e.worker for e in tr.iter_events(token)
            if e.phase == "reduce" and keymod.parse(ast.literal_eval(e.key))["phase"] == "aggregate"}
     assert ran == want
-    packs_sent = [k for (k, _) in _transfers(tr, token) if keymod.parse(k)["phase"] == "compact"]
+    packs_sent = [k for (k, _) in transfer_bytes(tr, token) if keymod.parse(k)["phase"] == "compact"]
     assert len(packs_sent) == p * len(want) - (p if choice == "ranks" else 0)
     del parts, out
     assert_clean(agg_client)

@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from conftest import assert_clean, scatter_ranks
+from conftest import assert_clean, scatter_ranks, transfer_bytes
 
 import flowreduce
 from flowreduce.sparse.plan import quantisation_bound
@@ -293,7 +293,7 @@ def test_dense_switch_where_the_byte_rule_says(proc_client):
         for o in out:
             np.testing.assert_array_equal(o.toarray(), sum(dense))
         token = flowreduce.describe(calls[d]).token
-        got = _transfer_bytes(tr, token)
+        got = transfer_bytes(tr, token)
         threshold = 0.5 if d is None else d
         assert len(got) == 8  # 4 packs, 4 step-1 unions
         for (key, _), b in got.items():
@@ -305,14 +305,3 @@ def test_dense_switch_where_the_byte_rule_says(proc_client):
         assert summary.bytes_moved == sum(got.values())
     del parts, calls
     assert_clean(proc_client)
-
-
-def _transfer_bytes(tr, token):
-    import ast
-
-    out = {}
-    for e in tr.iter_events(token):
-        if e.phase == "transfer":
-            for k, b in zip(e.keys, e.key_bytes):
-                out[(ast.literal_eval(k), e.dest)] = b
-    return out

@@ -353,3 +353,23 @@ def test_cli_writes_everything(client, tmp_path):
     assert cli.run(args) == 0
     for name in ("trace.json", "trace.csv", "timeline.png", "timeline.svg", "summary.txt", "summary.json"):
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_transfer_logs_are_read_by_position_not_time():
+    """A worker's log times are shifted by a clock estimate that changes
+    between entries: an entry logged before a trace opened may carry a
+    later stop than the last one. Reading resumes after the last entry seen."""
+    from collections import deque
+
+    from flowreduce.tracing.capture import _fingerprint, _since
+
+    log = deque([{"start": 1.0, "stop": 2.5, "who": "a", "total": 8},
+                 {"start": 1.2, "stop": 2.0, "who": "b", "total": 8}], maxlen=4)  # stops go down
+    mark = _fingerprint(log[-1])
+    assert _since(log, mark) == []
+    log.append({"start": 2.1, "stop": 2.2, "who": "a", "total": 16})
+    assert [e["total"] for e in _since(log, mark)] == [16]
+    assert _since(log, None) == [] and len(_since(log, "")) == 3
+    for k in range(3):  # the marked entry rotates out of the bounded log: everything left is new
+        log.append({"start": 3.0 + k, "stop": 3.5 + k, "who": "c", "total": k})
+    assert len(_since(log, mark)) == 4

@@ -130,3 +130,13 @@ def read_json(name: str) -> tuple[dict, list[Row]]:
 
 def mb(x: float | None) -> str:
     return "-" if x is None else f"{x / 1e6:.2f}"
+
+
+def report(name: str, meta: dict, rows: list[Row], render_table: Callable, plot: Callable) -> int:
+    """Write ``docs/sparse/<name>.md`` (the table, also printed) and ``.png``;
+    exit status 1 if any row was wrong."""
+    table = render_table(rows, meta)
+    (DOCS / f"{name}.md").write_text(table)
+    print(table)
+    plot(rows, DOCS / f"{name}.png", meta)
+    return 0 if all(r.correct for r in rows) else 1

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, machine, mb, read_json, run_interleaved, speedups, write_json  # noqa: E402
+from _common import machine, mb, read_json, report, run_interleaved, speedups, write_json  # noqa: E402
 
 N = 26_214_400
 BLOCK = 256
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         a.size, a.repeat, a.densities, a.name = 1 << 20, 2, "0.01,0.25,1.0", a.name + "-quick"
     if a.render:
         meta, rows = read_json(a.name)
-        return report(a.name, meta, rows)
+        return report(a.name, meta, rows, render_table, plot)
     n = int(a.size)
     densities = [float(x) for x in a.densities.split(",")]
     patterns = a.patterns.split(",")
@@ -113,15 +113,7 @@ def main(argv=None) -> int:
     meta = {**machine(), "elements": n, "block": BLOCK, "ranks": p, "repeat": a.repeat, "warmup": a.warmup,
             "command": "python benchmarks/sparse/omnireduce.py " + " ".join(argv or sys.argv[1:])}
     write_json(a.name, meta, rows)
-    return report(a.name, meta, rows)
-
-
-def report(name, meta, rows) -> int:
-    table = render_table(rows, meta)
-    (DOCS / f"{name}.md").write_text(table)
-    print(table)
-    plot(rows, DOCS / f"{name}.png", meta)
-    return 0 if all(r.correct for r in rows) else 1
+    return report(a.name, meta, rows, render_table, plot)
 
 
 def render_table(rows, meta) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DOCS, checksum, machine, mb, read_json, run_interleaved, speedups, write_json  # noqa: E402
+from _common import checksum, machine, mb, read_json, report, run_interleaved, speedups, write_json  # noqa: E402
 
 N = 26_214_400
 KS = [1_000, 10_000, 100_000, 1_000_000, 4_000_000, 8_000_000]
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         a.size, a.repeat, a.ks, a.name = 1 << 20, 2, "100,10000,300000", a.name + "-quick"
     if a.render:
         meta, rows = read_json(a.name)
-        return report(a.name, meta, rows)
+        return report(a.name, meta, rows, render_table, plot)
     n = int(a.size)
     ks = [int(float(k)) for k in a.ks.split(",")]
 
@@ -94,15 +94,7 @@ def main(argv=None) -> int:
     meta = {**machine(), "elements": n, "ranks": p, "repeat": a.repeat, "warmup": a.warmup,
             "command": "python benchmarks/sparse/sparcml.py " + " ".join(argv or sys.argv[1:])}
     write_json(a.name, meta, rows)
-    return report(a.name, meta, rows)
-
-
-def report(name, meta, rows) -> int:
-    table = render_table(rows, meta)
-    (DOCS / f"{name}.md").write_text(table)
-    print(table)
-    plot(rows, DOCS / f"{name}.png", meta)
-    return 0 if all(r.correct for r in rows) else 1
+    return report(a.name, meta, rows, render_table, plot)
 
 
 def _short(plan: str) -> str:

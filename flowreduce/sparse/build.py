@@ -13,19 +13,18 @@ switch; block unions) in place of the dense reduction, ``gather`` and
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from dask.task_spec import List, Task, TaskRef
+from dask.task_spec import Task
 
 from flowreduce import keys
-from flowreduce._plan import GATHER, REDUCE, VIEW
+from flowreduce._plan import REDUCE, VIEW
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.block_sparse import DEFAULT_BLOCK
-from flowreduce.build import Graph, _contributions, _owned_inputs, chunk_bounds
+from flowreduce.build import Graph, Site, contributions, lower, owned_inputs
 from flowreduce.ops import Op
 from flowreduce.sparse import _blocks, _kernels
 from flowreduce.sparse._payload import Wire
@@ -169,66 +168,22 @@ def _lower(plan: SparsePlan, inputs, workers: list[str], kernels, reduce_kernel,
            in_place: bool, codec: str | None, seed: int | None) -> Graph:
     """One task per node and chunk, pinned to its rank's worker (plan ranks
     beyond the inputs are aggregators: ``workers[rank]`` all the same)."""
-    token = keys.new_token()
-    nodes, S = plan.nodes, plan.segments
-    worker_of = [workers[n.rank] for n in nodes]
-    owned = _owned_inputs(plan, worker_of, plan.consumers(), in_place)
-    count = _contributions(plan)
+    worker_of = [workers[n.rank] for n in plan.nodes]
+    owned = owned_inputs(plan, worker_of, plan.consumers(), in_place)
+    count = contributions(plan)
     encoded = plan.encoded_nodes() if codec else set()
-    layout: list[list[tuple[int, int]]] = []
-    for n in nodes:
-        if n.kind == GATHER:
-            layout.append([(max(a, n.lo), min(b, n.hi)) for i in n.inputs for a, b in layout[i]
-                           if max(a, n.lo) < min(b, n.hi)])
-        else:
-            layout.append([(n.lo, n.hi)])
 
-    tasks: dict[Hashable, Task] = {}
-    placement: dict[Hashable, str] = {}
-    outputs = [keys.output_key(plan.algorithm, token, r) for r in range(plan.ranks)]
-    merged = {plan.finals[r]: r for r in range(plan.ranks) if not plan.output_is_separate(r)}
-    finals_by_rank: dict[int, list] = defaultdict(list)
-    for c, (c0, c1) in enumerate(chunk_bounds(size, plan.chunks)):
-        width = c1 - c0
+    def task_for(s: Site) -> Task:
+        n = s.node
+        wire = Wire(codec, None if seed is None else (int(seed), s.chunk, n.id)) if n.id in encoded else None
+        if n.kind == VIEW:
+            if s.final:
+                raise ValueError(f"plan {plan.algorithm!r}: rank {n.rank}'s result is its own input")
+            return Task(s.key, kernels.pack, inputs[n.rank], s.start, s.stop, spec, wire)
+        if n.kind == REDUCE:
+            return Task(s.key, reduce_kernel, spec, op, plan.ranks, count[n.id] == plan.ranks, s.deps, s.picks,
+                        owned[n.id], wire, s.final)
+        return Task(s.key, kernels.gather, spec, s.deps, s.picks, wire, s.final)
 
-        def elem(s: int) -> int:
-            return c0 + width * s // S
-
-        def picks(src: int, lo: int, hi: int):
-            out = []
-            for idx, (a, b) in enumerate(layout[src]):
-                x, y = max(a, lo), min(b, hi)
-                if x < y:
-                    out.append((idx, elem(x) - elem(a), elem(y) - elem(a)))
-            return tuple(out)
-
-        key_of: dict[int, Hashable] = {}
-        for n in nodes:
-            final_rank = merged.get(n.id)
-            key = (outputs[final_rank] if final_rank is not None
-                   else keys.node_key(plan.algorithm, n.phase, token, n.step, n.rank, c, n.id))
-            key_of[n.id] = key
-            wire = Wire(codec, None if seed is None else (int(seed), c, n.id)) if n.id in encoded else None
-            out = final_rank is not None
-            deps = List(*(TaskRef(key_of[i]) for i in n.inputs))
-            chosen = tuple(picks(i, n.lo, n.hi) for i in n.inputs)
-            if n.kind == VIEW:
-                if out:
-                    raise ValueError(f"plan {plan.algorithm!r}: rank {n.rank}'s result is its own input")
-                task = Task(key, kernels.pack, inputs[n.rank], elem(n.lo), elem(n.hi), spec, wire)
-            elif n.kind == REDUCE:
-                task = Task(key, reduce_kernel, spec, op, plan.ranks, count[n.id] == plan.ranks, deps, chosen,
-                            owned[n.id], wire, out)
-            else:
-                task = Task(key, kernels.gather, spec, deps, chosen, wire, out)
-            tasks[key] = task
-            placement[key] = worker_of[n.id]
-        for r, f in enumerate(plan.finals):
-            finals_by_rank[r].append(key_of[f])
-
-    for r in range(plan.ranks):
-        if plan.output_is_separate(r):
-            refs = List(*(TaskRef(k) for k in finals_by_rank[r]))
-            tasks[outputs[r]] = Task(outputs[r], kernels.output, spec, refs)
-            placement[outputs[r]] = workers[r]
-    return Graph(tasks, outputs, placement, token)
+    return lower(plan, workers, size=size, token=keys.new_token(), task_for=task_for,
+                 output_for=lambda key, refs, r: Task(key, kernels.output, spec, refs))

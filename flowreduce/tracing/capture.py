@@ -14,7 +14,7 @@ noted calls so that dask's bounded buffers do not overflow):
   back: their ``startstops`` give compute, transfer, disk-read/-write;
 * each worker's ``transfer_incoming_log`` / ``transfer_outgoing_log`` (one
   entry per batched message, with its keys and bytes), read past a
-  watermark;
+  position (the last entry seen: their times need not grow);
 * each worker's cumulative fine-grained metrics (``digests_total``) for
   ``get-data``/``gather-dep`` serialise, compress, deserialise, decompress:
   dask does not time these per message, so the difference between two
@@ -74,20 +74,39 @@ def _scheduler_snapshot(cursor: int | None, input_keys: list, dask_scheduler: An
     }
 
 
+def _fingerprint(entry: dict) -> tuple:
+    return (entry["start"], entry["stop"], str(entry["who"]), entry["total"])
+
+
+def _since(log: Any, mark: tuple | str | None) -> list[dict]:
+    """Entries of a transfer log appended after the one ``mark``
+    fingerprints (``""``: the log was empty; ``None``: none at all). By
+    position, not by time: a log's times are shifted by an estimate that
+    changes between entries, so they need not grow monotonically."""
+    if mark is None:
+        return []
+    entries = list(log)
+    if mark != "":
+        for i in range(len(entries) - 1, -1, -1):
+            if _fingerprint(entries[i]) == mark:
+                return [dict(e) for e in entries[i + 1:]]
+    return [dict(e) for e in entries]  # the marked entry rotated out: everything is new
+
+
 def _worker_snapshot(marks: dict, dask_worker: Any = None) -> dict:
     from distributed.metrics import time
 
     w = dask_worker
-    in_mark, out_mark = marks.get(w.address, (None, None))
+    in_mark, out_mark = marks.get(w.address, ("", ""))  # a worker that joined since: all of it is new
+    incoming = _since(w.transfer_incoming_log, in_mark)
     received = []  # raw arrival times of fetches, to know the shift of each
-    if in_mark is not None:
+    if incoming:
+        oldest = min(e["start"] for e in incoming) - 10.0
         for entry in reversed(w.state.log):
-            if entry[-1] < in_mark - 10.0:
+            if entry[-1] < oldest:
                 break
             if entry[0] == "receive-dep":
                 received.append((entry[1], [repr(k) for k in entry[2]], entry[-1]))
-    incoming = [dict(e) for e in w.transfer_incoming_log if in_mark is not None and e["stop"] > in_mark]
-    outgoing = [dict(e) for e in w.transfer_outgoing_log if out_mark is not None and e["stop"] > out_mark]
     return {
         "time": time(),
         "shift": w.scheduler_delay,
@@ -95,9 +114,9 @@ def _worker_snapshot(marks: dict, dask_worker: Any = None) -> dict:
         "digests": {k: w.digests_total.get(k, 0.0) for ks in DIGESTS.values() for k in ks},
         "incoming": incoming,
         "received": received,
-        "outgoing": outgoing,
-        "last_in": w.transfer_incoming_log[-1]["stop"] if w.transfer_incoming_log else float("-inf"),
-        "last_out": w.transfer_outgoing_log[-1]["stop"] if w.transfer_outgoing_log else float("-inf"),
+        "outgoing": _since(w.transfer_outgoing_log, out_mark),
+        "last_in": _fingerprint(w.transfer_incoming_log[-1]) if w.transfer_incoming_log else "",
+        "last_out": _fingerprint(w.transfer_outgoing_log[-1]) if w.transfer_outgoing_log else "",
     }
 
 
@@ -174,7 +193,7 @@ class Trace:
         self._skipped: set[str] = set()
         self._pending: dict[str, Call] = {}  # calls whose input readiness is unresolved
         self._cursor: int | None = None
-        self._marks: dict[str, tuple[float, float]] = {}
+        self._marks: dict[str, tuple] = {}  # worker -> fingerprints of its last logged transfers
         self._digests: dict[str, dict] = {}
         self._added_since_flush = 0
         self._scheduler_host = ""
@@ -188,7 +207,7 @@ class Trace:
         self.origin = snap["time"]
         self._scheduler_host = _host(snap["host"])
         self._worker_host = dict(snap["workers"])
-        marks = {w: (float("inf"), float("inf")) for w in self._worker_host}
+        marks = {w: (None, None) for w in self._worker_host}  # read nothing yet: only where the logs end
         for w, ws in self.client.run(_worker_snapshot, marks).items():
             self._marks[w] = (ws["last_in"], ws["last_out"])
             self._digests[w] = ws["digests"]

@@ -25,14 +25,11 @@ from typing import Any
 from flowreduce import keys as keymod
 
 
-@dataclass
-class StepTiming:
-    step: int
-    epoch: int
+class _CommShare:
+    """Step seconds split into compute and communication."""
+
     seconds: float
-    compute: float
     comm: float
-    allreduce_work: float
 
     @property
     def comm_share(self) -> float:
@@ -40,6 +37,16 @@ class StepTiming:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "comm_share": self.comm_share}
+
+
+@dataclass
+class StepTiming(_CommShare):
+    step: int
+    epoch: int
+    seconds: float
+    compute: float
+    comm: float
+    allreduce_work: float
 
 
 def _compute_seconds(record: dict) -> float:
@@ -85,19 +92,12 @@ def read(client: Any, trainer: Any, steps: list[Any], since: float) -> list[Step
 
 
 @dataclass
-class Medians:
+class Medians(_CommShare):
     steps: int
     seconds: float
     compute: float
     comm: float
     allreduce_work: float
-
-    @property
-    def comm_share(self) -> float:
-        return self.comm / self.seconds if self.seconds > 0 else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "comm_share": self.comm_share}
 
 
 def medians(timings: list[StepTiming]) -> Medians:
