@@ -163,15 +163,28 @@ def test_pytree_of_futures(proc_client, kind, with_template):
     assert_clean(proc_client)
 
 
-@pytest.mark.parametrize("algorithm", ["butterfly", "ring", "tree", "recursive-doubling", "reduce-broadcast"])
+#: Options a named algorithm needs on 3 ranks of one host: hierarchical gets
+#: two uneven "hosts" (one in-process host would make it the flat inner algorithm).
+ALGORITHM_OPTIONS = {"hierarchical": {"groups": [[0, 2], [1]]}}
+
+
+@pytest.mark.parametrize("algorithm", flowreduce.ALGORITHMS)
 def test_fused_and_unfused_identical(inproc_client, algorithm):
     ws = workers_of(inproc_client)
+    options = ALGORITHM_OPTIONS.get(algorithm, {})
     parts = [inproc_client.submit(rank_tree, "nested", r, workers=[ws[r]], pure=False) for r in range(3)]
-    fused = flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, bucket_bytes=1 << 20)
-    alone = flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, bucket_bytes=0)
-    assert len(flowreduce.describe(fused).buckets) < len(flowreduce.describe(alone).buckets)
+    fused = flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, bucket_bytes=1 << 20, **options)
+    alone = flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, bucket_bytes=0, **options)
+    infos = [flowreduce.describe(fused), flowreduce.describe(alone)]
+    assert len(infos[0].buckets) < len(infos[1].buckets)
+    for b in (b for info in infos for b in info.buckets):
+        assert b.plan.algorithm in (set(flowreduce.ALGORITHMS) - {"auto"} if algorithm == "auto" else {algorithm})
+        for k, v in options.items():
+            assert b.plan.options[k] == v, (k, b.plan.options)
+    want = expected("nested", 3)
     for a, b in zip(inproc_client.gather(fused), inproc_client.gather(alone)):
         assert_tree_equal(a, b)
+        assert_tree_equal(a, want)
 
 
 def test_mean_of_integer_tensors_is_float(inproc_client):
