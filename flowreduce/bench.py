@@ -193,9 +193,10 @@ def bench(
                     row = rows.setdefault(key, Row(n, nbytes, dtype, ranks, alg, c or "auto", plan))
                     if tr is not None:
                         row.trace = _save_trace(tr.stop(), trace_dir, n, alg, c, plan)
+                    # checked where each result lives: every replica of the baseline's
                     ok = all(client.gather(
-                        [client.submit(check, o, n, ranks, dtype, op, pure=False,
-                                       workers=list(client.who_has([o])[o.key])[:1]) for o in outs]))
+                        [client.submit(check, o, n, ranks, dtype, op, pure=False, workers=[w])
+                         for o in outs for w in client.who_has([o])[o.key]]))
                     del outs, inputs
                     row.plan = plan
                     if alg != BASELINE:
@@ -229,14 +230,15 @@ def add_arguments(p) -> None:
     from flowreduce.launch import add_cluster_arguments
 
     add_cluster_arguments(p)
-    p.add_argument("--ranks", type=int, help="ranks (default: one per worker)")
+    p.add_argument("--ranks", help="comma-separated rank counts to sweep, e.g. 2,4 (default: one rank per "
+                   "worker); rank r runs on worker r mod W, so fewer ranks than workers sweep the worker count")
     p.add_argument("--sizes", help="comma-separated element counts, e.g. 1e3,1e5,1e7")
     p.add_argument("--min", type=float, default=1e3, help="smallest size when --sizes is not given")
     p.add_argument("--max", type=float, default=1e7, help="largest size when --sizes is not given")
     p.add_argument("--factor", type=float, default=10, help="size step when --sizes is not given")
     p.add_argument("--algorithms", default="all", help="comma-separated names, or 'all' (default)")
     p.add_argument("--chunks", default="auto", help="comma-separated chunk counts, or 'auto' (default)")
-    p.add_argument("--dtype", default="float64")
+    p.add_argument("--dtype", default="float64", help="comma-separated dtypes to sweep (default float64)")
     p.add_argument("--op", default="sum")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
     p.add_argument("--warmup", type=int, default=1)
@@ -271,16 +273,29 @@ def run(args) -> int:
             raise SystemExit(f"unknown algorithm {a!r}; valid: {', '.join(flowreduce.ALGORITHMS)}")
     chunks = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]
     model = model_from_args(args)
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    for d in dtypes:
+        np.dtype(d)  # an unknown dtype fails here, before any cluster starts
     with from_args(args, progress=not args.no_progress) as client:
         nworkers = len(client.nthreads())
-        ranks = args.ranks or nworkers
-        print(f"# flowreduce {flowreduce.__version__} bench: {ranks} ranks on {nworkers} workers, dtype {args.dtype}, "
-              f"op {args.op}, {args.repeat} timed runs after {args.warmup} warm-up, interleaved with the baseline")
-        print(HEADER, flush=True)
-        rows = bench(client, sizes, algorithms, chunks=chunks, dtype=args.dtype, op=args.op, ranks=ranks,
-                     repeat=args.repeat, warmup=args.warmup, baseline=not args.no_baseline,
-                     progress=not args.no_progress, on_row=lambda d: print(format_row(d), flush=True),
-                     trace_dir=args.trace, model=model)
+        rank_counts = [int(r) for r in args.ranks.split(",")] if args.ranks else [nworkers]
+        if any(r < 1 for r in rank_counts):
+            raise SystemExit(f"--ranks must be positive integers, got {args.ranks!r}")
+        print(f"# flowreduce {flowreduce.__version__} bench: {','.join(map(str, rank_counts))} ranks on {nworkers} "
+              f"workers, dtype {','.join(dtypes)}, op {args.op}, {args.repeat} timed runs after {args.warmup} "
+              "warm-up, interleaved with the baseline")
+        rows = []
+        for ranks in rank_counts:
+            for dtype in dtypes:
+                several = len(rank_counts) > 1 or len(dtypes) > 1
+                if several:
+                    print(f"# {ranks} ranks, {dtype}")
+                print(HEADER, flush=True)
+                rows += bench(client, sizes, algorithms, chunks=chunks, dtype=dtype, op=args.op, ranks=ranks,
+                              repeat=args.repeat, warmup=args.warmup, baseline=not args.no_baseline,
+                              progress=not args.no_progress, on_row=lambda d: print(format_row(d), flush=True),
+                              trace_dir=f"{args.trace}/{ranks}-ranks-{dtype}" if args.trace and several else args.trace,
+                              model=model)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -296,16 +311,21 @@ def run(args) -> int:
 
 
 def best_lines(rows: list[dict]) -> None:
-    """One line per size: the fastest flowreduce row, auto, and the baseline."""
-    for n in sorted({r["size"] for r in rows}):
+    """One line per size (and rank count and dtype, when the sweep has
+    several): the fastest flowreduce row, auto, and the baseline."""
+    groups = sorted({(r["ranks"], r["dtype"], r["size"]) for r in rows})
+    several = len({g[:2] for g in groups}) > 1
+    for p, dtype, n in groups:
+        same = [r for r in rows if (r["ranks"], r["dtype"], r["size"]) == (p, dtype, n)]
         # auto may pick options (radix, chunks) no named row uses, so it competes for "best"
-        rs = [r for r in rows if r["size"] == n and r["algorithm"] != BASELINE]
-        base = next((r for r in rows if r["size"] == n and r["algorithm"] == BASELINE), None)
-        auto = next((r for r in rows if r["size"] == n and r["algorithm"] == "auto"), None)
+        rs = [r for r in same if r["algorithm"] != BASELINE]
+        base = next((r for r in same if r["algorithm"] == BASELINE), None)
+        auto = next((r for r in rs if r["algorithm"] == "auto"), None)
         if not rs:
             continue
         best = min(rs, key=lambda r: r["median"])
-        msg = f"# size {n}: best {best['algorithm']} {best['median']*1e3:.2f} ms"
+        where = f" ({p} ranks, {dtype})" if several else ""
+        msg = f"# size {n}{where}: best {best['algorithm']} {best['median']*1e3:.2f} ms"
         if base:
             msg += f", {base['median'] / best['median']:.2f}x the baseline ({base['median']*1e3:.2f} ms)"
         if auto:

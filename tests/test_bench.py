@@ -62,3 +62,26 @@ def test_bench_rows_json_and_traces(proc_client, tmp_path, capsys):
         fastest = min((r for r in rows if r["size"] == n and r["algorithm"] != bench.BASELINE),
                       key=lambda r: r["median"])
         assert f"# size {n}: best {fastest['algorithm']} {fastest['median'] * 1e3:.2f} ms" in printed
+
+
+def test_bench_sweeps_rank_counts_and_dtypes(proc_client, tmp_path, capsys):
+    out_json = tmp_path / "rows.json"
+    args = _args("--scheduler", proc_client.scheduler.address, "--sizes", "1001", "--ranks", "2,3",
+                 "--dtype", "int32,float32", "--algorithms", "butterfly", "--repeat", "1", "--warmup", "0",
+                 "--no-progress", "--json", str(out_json))
+    assert bench.run(args) == 0
+    rows = json.loads(out_json.read_text())
+    got = sorted((r["ranks"], r["dtype"], r["algorithm"]) for r in rows)
+    assert got == sorted((p, d, a) for p in (2, 3) for d in ("int32", "float32")
+                         for a in ("butterfly", bench.BASELINE))
+    assert all(r["correct"] and r["nbytes"] == 1001 * np.dtype(r["dtype"]).itemsize for r in rows)
+    printed = capsys.readouterr().out
+    for p in (2, 3):
+        for d in ("int32", "float32"):
+            assert f"# {p} ranks, {d}" in printed
+            assert f"# size 1001 ({p} ranks, {d}): best butterfly" in printed
+
+
+def test_bench_rejects_an_unknown_dtype_before_starting(tmp_path):
+    with pytest.raises(TypeError):
+        bench.run(_args("--sizes", "10", "--dtype", "float64,nodtype", "--no-progress"))
