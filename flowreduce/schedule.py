@@ -379,12 +379,25 @@ def _all_workers(dask_scheduler=None) -> list[str]:
 
 
 def _groups_by_place(workers: list[str], places: dict) -> list[list[int]]:
-    """Ranks grouped by the (node, job) their worker runs in, in rank order:
-    what the hierarchical algorithm reduces inside before crossing nodes."""
-    groups: dict[tuple, list[int]] = {}
+    """Ranks grouped by the node their worker runs on, groups in order of
+    their first rank and ranks in rank order: what the hierarchical
+    algorithm reduces inside before crossing nodes.
+
+    The innermost level is the ranks that share a host, because that is
+    where transfers are cheap (loopback or shared memory) and the outer
+    all-reduce is what crosses the network. So the node alone decides,
+    not the batch job: two jobs placed on one node share its host and
+    form one group, and one job spanning two nodes is two groups (its
+    ranks on different nodes talk over the network like any others).
+    The node is the batch system's name for the machine when it has one
+    (SLURM's virtual nodes on one box stay distinct, as on a real
+    cluster), else the worker's host: ``places`` maps a worker to (node,
+    cpus, job, host) as :func:`worker_place` reports it, and a worker
+    missing from it is a node of its own."""
+    groups: dict[str, list[int]] = {}
     for r, w in enumerate(workers):
-        node, _, job, _ = places.get(w, (w, 1, "", w))
-        groups.setdefault((node, job), []).append(r)
+        node = places.get(w, (w, 1, "", w))[0]
+        groups.setdefault(node, []).append(r)
     return list(groups.values())
 
 
@@ -403,6 +416,9 @@ def _locate(client: Client, inputs: list[Future]) -> tuple[list[tuple[str, tuple
     """For each rank, the worker holding its input and what it holds there
     (type, shape, dtype), once all inputs are in memory; and each worker's
     host and usable CPUs (for the cost model). One broadcast."""
+    for r, f in enumerate(inputs):  # wait() would raise a CancelledError that names no rank
+        if f.cancelled():
+            raise RuntimeError(f"input of rank {r} was cancelled (key {f.key!r}); nothing to reduce")
     with client.as_current():  # distributed.wait runs on the default client's loop, not theirs
         wait(inputs)
     for r, f in enumerate(inputs):

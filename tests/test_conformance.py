@@ -72,7 +72,7 @@ OPS_DTYPES = (
      if not (op == "mean" and dt == "bool")]
     + [("logaddexp", dt) for dt in FLOATS] + [(np.bitwise_xor, dt) for dt in INTS + ["bool"]]
 )
-OPS_CASES = [(a, p) for a in ALGS if a != "auto" for p in ([5] if a != "butterfly" else [3, 5])]
+OPS_CASES = [(a, p) for a in ALGS if a != "auto" for p in ([5] if a != "butterfly" else [3, 5])] + [("auto", 4)]
 
 
 def _opname(op):
