@@ -305,3 +305,85 @@ def test_dense_switch_where_the_byte_rule_says(proc_client):
         assert summary.bytes_moved == sum(got.values())
     del parts, calls
     assert_clean(proc_client)
+
+
+def _expected_pieces(plan, owned, threshold, value_bytes=4, index_bytes=4):
+    """Node id -> the pieces of every node's value, each ``(range, dense,
+    bytes)``, by the byte rule alone (no kernel code): a pack or merge over
+    ``W`` elements holding the union ``U`` of its ranks' non-zeros is one
+    piece, dense iff ``|U| > threshold·W`` (or ``|U| = W``) or an input is
+    dense, and then costs ``v·W``, else ``(v + i)·|U|``; a gather forwards
+    its inputs' pieces as they are."""
+    from flowreduce._plan import GATHER, VIEW
+
+    seg = owned[0].size // plan.segments
+    ranks_of, out = {}, {}
+    for node in plan.nodes:
+        if node.kind == GATHER:
+            out[node.id] = [piece for i in node.inputs for piece in out[i]]
+            continue
+        lo, hi = node.lo * seg, node.hi * seg
+        ranks_of[node.id] = ({node.rank} if node.kind == VIEW
+                             else set().union(*(ranks_of[i] for i in node.inputs)))
+        nnz = int(np.logical_or.reduce([owned[r][lo:hi] for r in ranks_of[node.id]]).sum())
+        width, label = hi - lo, "ABCD"[node.lo:node.hi]
+        dense = nnz > threshold * width or nnz == width or any(d for i in node.inputs for _, d, _ in out[i])
+        out[node.id] = [(label, True, value_bytes * width) if dense
+                        else (label, False, (value_bytes + index_bytes) * nnz)]
+    return out
+
+
+def test_split_allgather_dense_switch_where_the_byte_rule_says(proc_client):
+    """p=4 split-allgather (butterfly, radix 2), float32 with int32 indices
+    (break-even 0.5), ranges A B C D of the index space. Ranks hold disjoint
+    20% of A and C each and 10% of B and D each: every pack (a half, 15%)
+    and every step-1 merge (a pair's union: 40% of A, 20% of B) is sparse;
+    the fully reduced ranges A and C (80%) are dense, B and D (40%) sparse,
+    so the all-gather sends A and C dense and B and D sparse. delta=0.3
+    moves the switch one step earlier for A and C (their pair unions, 40%)
+    and makes B and D dense once fully reduced (40%); delta=0.9 keeps
+    everything sparse. Asserted per message on the traced bytes (each
+    message: its pieces' bytes, plus framing), and the trace's total is the
+    call's bytes moved."""
+    n, p = 100_000, 4
+    digit = np.arange(n) % 20
+    in_ac = (np.arange(n) // (n // p)) % 2 == 0  # ranges A and C
+    owned = [np.where(in_ac, (digit >= 4 * r) & (digit < 4 * r + 4), (digit >= 4 * r) & (digit < 4 * r + 2))
+             for r in range(p)]
+    dense = [np.where(m, np.arange(n) + 1, 0).astype(np.float32) for m in owned]
+    parts = scatter_ranks(proc_client, [sp.csr_array(x) for x in dense])
+    # the pieces the byte rule makes dense: (key phase, step, range); all others travel sparse
+    rs, ag = "reduce-scatter", "all-gather"
+    want_dense = {
+        None: {(rs, 2, "A"), (rs, 2, "C"), (ag, 3, "A"), (ag, 3, "C")},
+        0.3: {(rs, 1, "A"), (rs, 1, "C"), *((rs, 2, x) for x in "ABCD"), *((ag, 3, x) for x in "ABCD")},
+        0.9: set(),
+    }
+    with flowreduce.trace(proc_client) as tr:
+        calls = {d: flowreduce.allreduce(proc_client, parts, algorithm="sparse-split-allgather", delta=d)
+                 for d in want_dense}
+        results = proc_client.gather(calls)
+    for d, out in results.items():
+        for o in out:
+            np.testing.assert_array_equal(o.toarray(), sum(dense))
+        info = flowreduce.describe(calls[d])
+        plan = info.plan
+        assert (plan.algorithm, plan.segments) == ("sparse-split-allgather", p)
+        assert plan.threshold == (0.5 if d is None else d)
+        expected = _expected_pieces(plan, owned, plan.threshold)
+        got = transfer_bytes(tr, info.token)
+        assert len(got) == len(plan.transfers()) == 16  # packs, step-1 merges, reduced ranges, gathers: 4 each
+        dense_seen, sparse_seen = set(), set()
+        for (key, _), b in got.items():
+            k = flowreduce.keys.parse(key)
+            pieces = expected[k["node"]]
+            for label, is_dense, _ in pieces:
+                (dense_seen if is_dense else sparse_seen).add((k["phase"], k["step"], label))
+            nbytes = sum(x for _, _, x in pieces)
+            assert nbytes <= b <= nbytes + len(pieces) * SLACK, (d, k["phase"], k["step"], k["rank"], b,
+                                                                 nbytes)
+        assert dense_seen == want_dense[d], d
+        assert not dense_seen & sparse_seen
+        assert flowreduce.tracing.summarize(tr, info.token).bytes_moved == sum(got.values())
+    del parts, calls
+    assert_clean(proc_client)
