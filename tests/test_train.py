@@ -15,6 +15,7 @@ import pytest
 from conftest import workers_of
 
 import flowreduce
+from flowreduce.tracing.registry import lookup
 from flowreduce.train import DataParallel, TrainConfig, timing, train_reference
 from flowreduce.train.config import parse_straggler
 
@@ -36,10 +37,25 @@ def assert_same_weights(got, want, rtol=1e-9, atol=1e-12):
             np.testing.assert_allclose(g[k], w[k], rtol=rtol, atol=atol, err_msg=f"layer {layer} {k}")
 
 
+#: One in-process host would make hierarchical its flat inner algorithm: two "hosts" of 2 ranks.
+OPTIONS = {"hierarchical": {"group_size": 2}}
+
+
+def plans_ran(dp: DataParallel) -> list:
+    return [lookup(t).plan for rec in dp.steps for t in rec.tokens]
+
+
 @pytest.mark.parametrize("algorithm", [a for a in flowreduce.ALGORITHMS])
 def test_same_weights_as_single_process(inproc_client, algorithm):
-    config = TrainConfig(ranks=4, algorithm=algorithm, bucket_bytes=600, **SMALL)  # several buckets
+    config = TrainConfig(ranks=4, algorithm=algorithm, bucket_bytes=600, options=OPTIONS.get(algorithm, {}),
+                         **SMALL)  # several buckets
     dp = run_steps(inproc_client, config, 2)  # the second step uses the momentum
+    plans = plans_ran(dp)
+    assert len(plans) > 2 and all(p.algorithm != "auto" for p in plans)
+    if algorithm != "auto":
+        assert {p.algorithm for p in plans} == {algorithm}
+    if algorithm == "hierarchical":
+        assert all(p.options["groups"] == [[0, 1], [2, 3]] for p in plans)
     want = train_reference(config, steps=2)["params"]
     for r in range(config.ranks):
         assert_same_weights(dp.weights(r), want)

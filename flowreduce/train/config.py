@@ -3,7 +3,8 @@ single-process reference and the command line."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 
@@ -31,6 +32,9 @@ class TrainConfig:
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
     overlap: bool = True
     straggler: tuple[int, float] | None = None  # (rank, seconds added to its backward, every step)
+    #: keyword options of the algorithm, passed to every all-reduce call
+    #: (e.g. ``{"group_size": 2}``: hierarchical over "hosts" of 2 ranks)
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:

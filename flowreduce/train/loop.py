@@ -170,10 +170,12 @@ class DataParallel:
         per_rank = [futs[r * len(grads[0]):(r + 1) * len(grads[0])] for r in range(c.ranks)]
         if c.overlap:  # a list of per-layer futures: buckets start as their layers finish
             reduced = flowreduce.allreduce(self.client, per_rank, op="mean", like=self.template,
-                                           algorithm=c.algorithm, chunks=c.chunks, bucket_bytes=c.bucket_bytes)
+                                           algorithm=c.algorithm, chunks=c.chunks, bucket_bytes=c.bucket_bytes,
+                                           **c.options)
         else:  # one future per rank, ready once the whole backward pass is done
             reduced = flowreduce.allreduce(self.client, [f[0] for f in per_rank], op="mean", like=self.template,
-                                           algorithm=c.algorithm, chunks=c.chunks, bucket_bytes=c.bucket_bytes)
+                                           algorithm=c.algorithm, chunks=c.chunks, bucket_bytes=c.bucket_bytes,
+                                           **c.options)
         info = flowreduce.describe(reduced)
         rec.tokens = tuple(b.token for b in getattr(info, "buckets", (info,)))
         up_tasks, up_keys = {}, []
