@@ -11,19 +11,22 @@ Python::
         ...
 
 Jobs are submitted, waited for (with a progress line, and a timeout that
-says which jobs are still pending and why, from the queue), and released
-when the block ends, also on error or Ctrl-C. Options left out come from
-dask-jobqueue's configuration (``~/.config/dask/jobqueue.yaml``).
+says which jobs are still pending and why, from the queue: ``squeue``,
+``qstat``, ``bjobs``), and released when the block ends, also on error or
+Ctrl-C, and in the commands on SIGTERM. Options left out come from
+dask-jobqueue's configuration (``~/.config/dask/jobqueue.yaml``), including
+``python`` and ``scheduler-options``.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 #: ``--cluster`` choices beyond ``local``, and dask-jobqueue's class for each.
 JOBQUEUE = {"slurm": "SLURMCluster", "pbs": "PBSCluster", "sge": "SGECluster", "lsf": "LSFCluster",
@@ -75,18 +78,48 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
     released when the block ends."""
     from distributed import Client
 
-    if getattr(args, "scheduler", None) or getattr(args, "scheduler_file", None):
-        with Client(args.scheduler, scheduler_file=args.scheduler_file) as client:
+    with sigterm_unwinds():  # a batch system's SIGTERM releases the jobs as Ctrl-C does
+        if getattr(args, "scheduler", None) or getattr(args, "scheduler_file", None):
+            with Client(args.scheduler, scheduler_file=args.scheduler_file) as client:
+                yield client
+            return
+        kind = getattr(args, "cluster", "local") or "local"
+        if kind == "local":
+            with cluster("local", workers=args.workers or workers, memory_limit=args.memory_limit) as client:
+                yield client
+            return
+        options = {kw: getattr(args, dest) for dest, kw in _PASSED.items() if getattr(args, dest, None) is not None}
+        with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress, **options) as client:
             yield client
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`SystemExit` (exit status
+    143) instead of killing the process outright, so ``with`` blocks unwind
+    and a jobqueue cluster's jobs are cancelled, as they are on Ctrl-C.
+    Batch systems send SIGTERM before SIGKILL (``scancel``, a job's time
+    limit, preemption), and so does ``kill``. Further SIGTERMs are ignored
+    until the block has ended, so they cannot cut the release short. Only
+    in the main thread, and only when nobody installed a SIGTERM handler
+    already; the previous handler is restored afterwards."""
+    import signal
+    import threading
+
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
         return
-    kind = getattr(args, "cluster", "local") or "local"
-    if kind == "local":
-        with cluster("local", workers=args.workers or workers, memory_limit=args.memory_limit) as client:
-            yield client
-        return
-    options = {kw: getattr(args, dest) for dest, kw in _PASSED.items() if getattr(args, dest, None) is not None}
-    with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress, **options) as client:
-        yield client
+
+    def unwind(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager
@@ -126,13 +159,35 @@ def _jobqueue_cluster(kind: str, options: dict) -> Any:
         import dask_jobqueue
     except ImportError:
         raise ImportError(f"--cluster {kind} needs dask-jobqueue: pip install 'flowreduce[hpc]'") from None
+    cls = getattr(dask_jobqueue, JOBQUEUE[kind])
+    return cls(**jobqueue_options(options.get("config_name") or cls.job_cls.default_config_name(), options))
+
+
+def jobqueue_options(config_name: str, options: dict) -> dict:
+    """The keywords for dask-jobqueue's cluster class: ``options`` (given
+    explicitly, they win), then ``jobqueue.<config_name>.*`` from the dask
+    configuration (``jobqueue.yaml``), then flowreduce's defaults, which
+    apply only where the configuration says nothing: workers run this
+    Python, and the scheduler's dashboard takes a free port (``:0``) rather
+    than 8787. ``scheduler_options`` are merged key by key in that order;
+    an explicit ``interface`` also makes the scheduler listen there (the
+    workers must reach it), replacing a configured scheduler ``host`` or
+    ``interface`` unless the explicit ``scheduler_options`` name one."""
     import sys
 
-    options.setdefault("python", sys.executable)
-    options.setdefault("scheduler_options", {"dashboard_address": ":0"})
-    if "interface" in options:  # the scheduler listens where the workers can reach it
-        options["scheduler_options"] = {**options["scheduler_options"], "interface": options["interface"]}
-    return getattr(dask_jobqueue, JOBQUEUE[kind])(**options)
+    import dask
+
+    options = dict(options)
+    if options.get("python") is None and dask.config.get(f"jobqueue.{config_name}.python", None) is None:
+        options["python"] = sys.executable
+    configured = dask.config.get(f"jobqueue.{config_name}.scheduler-options", None) or {}
+    explicit = options.get("scheduler_options") or {}
+    scheduler = {"dashboard_address": ":0", **configured, **explicit}
+    if options.get("interface") is not None and not {"host", "interface"} & set(explicit):
+        scheduler.pop("host", None)
+        scheduler["interface"] = options["interface"]
+    options["scheduler_options"] = scheduler
+    return options
 
 
 def _processes(c: Any) -> int:
@@ -165,26 +220,199 @@ def job_ids(c: Any) -> list[str]:
 
 
 def pending_report(c: Any) -> str:
-    """What the queue says about the cluster's jobs (SLURM: state and
-    reason from ``squeue``; other systems: their job ids)."""
+    """What the queue says about the cluster's jobs: state, why a job is
+    not running yet, where it runs. SLURM (``squeue``), PBS (``qstat -f``),
+    SGE (``qstat -j``) and LSF (``bjobs -UF``); other systems, or a query
+    that cannot run, list the job ids."""
     ids = job_ids(c)
     if not ids:
         return "no job was accepted by the queue (see the cluster's job script: cluster.job_script())"
-    if type(c).__name__ == "SLURMCluster":
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T %r %N"],
-                                 capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"jobs {', '.join(ids)} (squeue failed: {e})"
-        lines = []
-        for line in out.splitlines():
-            jid, state, reason, *nodes = line.split()
-            lines.append(f"job {jid} {state}" + (f" ({reason})" if reason not in ("None", "") else "")
-                         + (f" on {nodes[0]}" if nodes and nodes[0] not in ("", "(null)") else ""))
-        gone = set(ids) - {line.split()[0] for line in out.splitlines()}
-        lines += [f"job {j} no longer queued (ended or failed: see its log)" for j in sorted(gone)]
-        return "; ".join(lines)
-    return f"jobs {', '.join(ids)} (ask the queue: qstat / bjobs / condor_q)"
+    system = next((QUERIES[k.__name__] for k in type(c).__mro__ if k.__name__ in QUERIES), None)
+    if system is None:
+        return f"jobs {', '.join(ids)} (ask the queue: condor_q / oarstat / showq)"
+    command, parse = system
+    cmd = command(ids)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"jobs {', '.join(ids)} ({cmd[0]} failed: {e})"
+    return describe_jobs(ids, parse(out.stdout, out.stderr), complaint=out.stderr if out.returncode else "")
+
+
+class JobStatus(NamedTuple):
+    """One job as its queue reports it."""
+
+    state: str  # RUNNING, PENDING, HELD, ... (the queue's word, spelt out)
+    reason: str = ""  # why it is not running yet, when the queue says
+    node: str = ""  # where it runs (the first node)
+
+
+def describe_jobs(ids: list[str], status: dict[str, JobStatus], complaint: str = "") -> str:
+    """``job 12 PENDING (Resources); job 13 RUNNING on n2; job 14 no longer
+    queued ...`` for the cluster's job ``ids``; ``status`` is keyed by the
+    queue's job ids, which may carry a server suffix (``12.pbs01``)."""
+    by_number = {jid.split(".")[0]: st for jid, st in status.items()}
+    parts = []
+    for jid in ids:
+        st = status.get(jid) or by_number.get(jid.split(".")[0])
+        if st is None:
+            why = complaint.strip().splitlines()[0] if complaint.strip() else ""
+            parts.append(f"job {jid} no longer queued (ended or failed: see its log)"
+                         + (f" [{why}]" if why else ""))
+            continue
+        parts.append(f"job {jid} {st.state}" + (f" ({st.reason})" if st.reason else "")
+                     + (f" on {st.node}" if st.node else ""))
+    return "; ".join(parts)
+
+
+def parse_squeue(out: str, err: str = "") -> dict[str, JobStatus]:
+    """``squeue -h -j IDS -o '%i|%T|%r|%N'``: one line per job."""
+    jobs = {}
+    for line in out.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) < 2 or not fields[0]:
+            continue
+        jid, state, reason, node = (fields + ["", ""])[:4]
+        running = state in ("RUNNING", "COMPLETING")
+        jobs[jid] = JobStatus(state, "" if running or reason in ("None", "") else reason,
+                              "" if node in ("", "(null)") else node.split(",")[0])
+    return jobs
+
+
+_PBS_STATES = {"Q": "QUEUED", "H": "HELD", "W": "WAITING", "R": "RUNNING", "E": "EXITING", "T": "MOVING",
+               "S": "SUSPENDED", "U": "SUSPENDED", "B": "RUNNING", "F": "FINISHED", "X": "FINISHED",
+               "C": "FINISHED", "M": "MOVED"}
+
+
+def parse_pbs_qstat(out: str, err: str = "") -> dict[str, JobStatus]:
+    """``qstat -f IDS`` (PBS Pro, OpenPBS, Torque): a ``Job Id: ...`` line
+    per job, then ``    name = value`` attributes, long values continued on
+    lines that start with a tab. Reads ``job_state``, ``comment`` (the
+    scheduler's ``Not Running: ...``) and ``exec_host``."""
+    jobs: dict[str, dict[str, str]] = {}
+    attrs: dict[str, str] = {}
+    key = None
+    for line in out.splitlines():
+        if line.startswith("Job Id:"):
+            attrs = jobs.setdefault(line.split(":", 1)[1].strip(), {})
+            key = None
+        elif line.startswith("\t") and key is not None:  # wrapped at a fixed width, mid-word too
+            attrs[key] += line[1:]
+        elif " = " in line:
+            key, value = line.strip().split(" = ", 1)
+            attrs[key] = value
+    status = {}
+    for jid, a in jobs.items():
+        state = _PBS_STATES.get(a.get("job_state", "?"), a.get("job_state", "UNKNOWN"))
+        comment = a.get("comment", "").strip()
+        if comment.startswith("Not Running: "):
+            comment = comment[len("Not Running: "):]
+        node = a.get("exec_host", "").strip().split("+")[0].split("/")[0]
+        status[jid] = JobStatus(state, "" if state in ("RUNNING", "EXITING", "FINISHED") else comment, node)
+    return status
+
+
+_SGE_STATES = {"r": "RUNNING", "t": "STARTING", "qw": "PENDING", "hqw": "HELD", "hRwq": "HELD",
+               "Eqw": "ERROR", "s": "SUSPENDED", "dr": "DELETING"}
+
+
+def parse_sge_qstat(out: str, err: str = "") -> dict[str, JobStatus]:
+    """``qstat -j ID,ID`` (Grid Engine): per job a block of ``key: value``
+    lines after a ``=====`` rule, ``scheduling info:`` continued on indented
+    lines. A job with ``usage`` (or a ``job_state`` of ``r``) runs; else its
+    scheduling info (queue instances dropped, grouped by why) and error
+    reasons say why it waits."""
+    blocks: list[dict[str, list[str]]] = []
+    key = None
+    for line in out.splitlines():
+        if line.startswith("====="):
+            blocks.append({})
+            key = None
+            continue
+        if not line.strip():
+            continue
+        if not blocks:
+            blocks.append({})
+        m = re.match(r"(\S[^:]*?):\s+(.*)$", line)
+        if m and not line[0].isspace():
+            key = " ".join(m.group(1).split())
+            blocks[-1].setdefault(key, []).append(m.group(2).strip())
+        elif key is not None:
+            blocks[-1][key].append(line.strip())
+    status = {}
+    for b in blocks:
+        if "job_number" not in b:
+            continue
+        state_key = next((k for k in b if k.startswith("job_state")), None)
+        if state_key:
+            code = b[state_key][0].split()[-1]
+            state = _SGE_STATES.get(code, code)
+        elif any(k.startswith("usage") for k in b):
+            state = "RUNNING"
+        else:
+            state = "PENDING"
+        reasons = [r for k in b if k.startswith("error reason") for r in b[k]]
+        dropped: dict[str, int] = {}
+        for line in b.get("scheduling info", []):
+            m = re.match(r'queue instance "[^"]*" dropped because (?:it is )?(.*)$', line)
+            if m:
+                dropped[m.group(1)] = dropped.get(m.group(1), 0) + 1
+            elif line and line != "...":
+                reasons.append(line)
+        reasons += [f"{n} queue instance{'s' * (n > 1)} {why}" for why, n in dropped.items()]
+        hosts = [v for k in b if k.startswith("exec_host_list") for v in b[k]]
+        node = hosts[0].split(":")[0] if hosts else ""
+        status[b["job_number"][0]] = JobStatus(state, "" if state == "RUNNING" else "; ".join(reasons), node)
+    return status
+
+
+_LSF_STATES = {"PEND": "PENDING", "PSUSP": "HELD", "RUN": "RUNNING", "USUSP": "SUSPENDED",
+               "SSUSP": "SUSPENDED", "DONE": "FINISHED", "EXIT": "FAILED", "WAIT": "WAITING"}
+
+
+def parse_lsf_bjobs(out: str, err: str = "") -> dict[str, JobStatus]:
+    """``bjobs -UF IDS`` (LSF's long format, one line per event): per job a
+    ``Job <12>, ..., Status <PEND>, ...`` line, a ``Started ... on <host>``
+    line once it runs, and while it waits a ``PENDING REASONS:`` section of
+    indented reasons ending in ``;`` (up to the next blank line or
+    ``SECTION:`` heading). Jobs gone from the queue are named on stderr
+    (``Job <12> is not found``) and left out."""
+    status: dict[str, JobStatus] = {}
+    reasons: dict[str, list[str]] = {}
+    current = None
+    in_reasons = False
+    for line in out.splitlines():
+        text = line.strip()
+        head = re.match(r"Job <([^>]+)>,.*?Status <(\w+)>", text)
+        if head:
+            current, code = head.groups()
+            status[current] = JobStatus(_LSF_STATES.get(code, code))
+            reasons[current] = []
+            in_reasons = False
+        elif current is None:
+            continue
+        elif text == "PENDING REASONS:":
+            in_reasons = True
+        elif not text or re.fullmatch(r"[A-Z][A-Z ()/_-]*:", text) or set(text) == {"-"}:
+            in_reasons = False
+        elif in_reasons:
+            reasons[current].append(text.rstrip(";").strip())
+        elif started := re.search(r"(?:Started|Dispatched)\b.*? on (?:Host\(s\) )?<([^>*]+\*)?([^>]+)>", text):
+            if not status[current].node:
+                status[current] = status[current]._replace(node=started.group(2))
+    for jid, rs in reasons.items():
+        if status[jid].state not in ("RUNNING", "FINISHED", "FAILED"):
+            status[jid] = status[jid]._replace(reason="; ".join(r for r in rs if r))
+    return status
+
+
+#: cluster class -> (command for the job ids, parser of its stdout and stderr)
+QUERIES: dict[str, tuple[Callable[[list[str]], list[str]], Callable[[str, str], dict[str, JobStatus]]]] = {
+    "SLURMCluster": (lambda ids: ["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%r|%N"], parse_squeue),
+    "PBSCluster": (lambda ids: ["qstat", "-f", *ids], parse_pbs_qstat),
+    "SGECluster": (lambda ids: ["qstat", "-j", ",".join(ids)], parse_sge_qstat),
+    "LSFCluster": (lambda ids: ["bjobs", "-UF", *ids], parse_lsf_bjobs),
+}
 
 
 def wait_for_workers(client: Any, c: Any, n: int, *, timeout: float = 300.0, progress: bool = True) -> None:

@@ -1,7 +1,22 @@
 """``flowreduce.launch`` without a batch system: rank groups from where
-workers run."""
+workers run, dask-jobqueue options from ``jobqueue.yaml``, the queues'
+answers about pending jobs (SLURM, PBS, SGE, LSF) parsed from sample
+outputs in their documented formats, waiting for workers with the progress
+display, and SIGTERM unwinding like Ctrl-C. The same paths against a real
+SLURM are in ``tests/hpc/``."""
 
 from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from flowreduce import launch
+from flowreduce.launch import JobStatus
 
 # ---------------------------------------------------------------- rank groups
 
@@ -19,3 +34,348 @@ def test_groups_are_the_nodes_whatever_the_jobs():
     assert _groups_by_place(["c", "a", "d", "b", "f", "e"], places) == [[0, 4], [1, 3, 5], [2]]
     # a worker nobody located is a node of its own
     assert _groups_by_place(["a", "zz", "b"], places) == [[0, 2], [1]]
+
+
+# ---------------------------------------------------------------- jobqueue.yaml
+
+SITE_YAML = """
+jobqueue:
+  slurm:
+    python: /opt/x/python
+    scheduler-options:
+      dashboard_address: 127.0.0.1:0
+      host: 10.1.2.3
+"""
+
+
+def test_defaults_apply_only_where_the_configuration_is_silent():
+    import dask
+
+    with dask.config.set({"jobqueue.slurm.python": None, "jobqueue.slurm.scheduler-options": {}}):
+        kw = launch.jobqueue_options("slurm", {"cores": 2})
+    assert kw["python"] == sys.executable
+    assert kw["scheduler_options"] == {"dashboard_address": ":0"}
+    assert kw["cores"] == 2
+
+
+def test_configured_python_and_scheduler_options_win_over_defaults():
+    import dask
+    import yaml
+
+    site = yaml.safe_load(SITE_YAML)["jobqueue"]["slurm"]  # set key by key: the rest keeps its defaults
+    with dask.config.set({f"jobqueue.slurm.{k}": v for k, v in site.items()}):
+        kw = launch.jobqueue_options("slurm", {})
+        # explicit options (the command line's) still win over the configuration
+        explicit = launch.jobqueue_options("slurm", {"python": "/usr/bin/python3", "interface": "ib0"})
+        merged = launch.jobqueue_options("slurm", {"scheduler_options": {"port": 8786}})
+    assert "python" not in kw  # dask-jobqueue reads jobqueue.slurm.python itself
+    assert kw["scheduler_options"] == {"dashboard_address": "127.0.0.1:0", "host": "10.1.2.3"}
+    assert explicit["python"] == "/usr/bin/python3"
+    # the scheduler must listen where the workers reach it: the explicit interface replaces the host
+    assert explicit["scheduler_options"] == {"dashboard_address": "127.0.0.1:0", "interface": "ib0"}
+    assert merged["scheduler_options"] == {"dashboard_address": "127.0.0.1:0", "host": "10.1.2.3", "port": 8786}
+
+
+def test_job_script_runs_the_configured_python(tmp_path):
+    """The cluster object flowreduce builds (no job submitted: dask-jobqueue
+    only submits on scale) writes the configured python into its job
+    script, and its scheduler takes the configured options."""
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    import dask
+
+    site = {"jobqueue.slurm.python": "/opt/x/python",
+            "jobqueue.slurm.scheduler-options": {"dashboard_address": "127.0.0.1:0", "idle_timeout": "1h"}}
+    opts = {"cores": 1, "memory": "1GB", "log_directory": str(tmp_path)}
+    with dask.config.set(site):
+        cluster = launch._jobqueue_cluster("slurm", dict(opts))
+        try:
+            script = cluster.job_script()
+            scheduler = cluster.scheduler_spec["options"]
+        finally:
+            cluster.close()
+        overridden = launch._jobqueue_cluster("slurm", {**opts, "python": "/usr/bin/python3"})
+        try:
+            explicit_script = overridden.job_script()
+        finally:
+            overridden.close()
+    assert "/opt/x/python -m distributed.cli.dask_worker" in script, script
+    assert sys.executable not in script
+    assert scheduler["dashboard_address"] == "127.0.0.1:0" and scheduler["idle_timeout"] == "1h"
+    assert "/usr/bin/python3 -m distributed.cli.dask_worker" in explicit_script, explicit_script
+
+
+# ---------------------------------------------------------------- what the queue says
+
+SQUEUE = """\
+12|PENDING|BeginTime|
+13|RUNNING|None|n2
+14|PENDING|ReqNodeNotAvail,_UnavailableNodes:n3|
+"""
+
+# qstat -f (PBS Pro / OpenPBS): long values wrap at a fixed width onto lines starting with a tab
+QSTAT_F = """\
+Job Id: 4021.pbs01
+    Job_Name = dask-worker
+    Job_Owner = alice@login1
+    job_state = Q
+    queue = workq
+    server = pbs01
+    Checkpoint = u
+    ctime = Tue Mar  4 10:12:01 2025
+    Resource_List.ncpus = 36
+    Resource_List.select = 1:ncpus=36:mem=180gb
+    comment = Not Running: Insufficient amount of resource: ncpus (R: 36 A:
+\t 12 T: 2304)
+    etime = Tue Mar  4 10:12:01 2025
+    Submit_arguments = /tmp/tmpabc.sh
+
+Job Id: 4022.pbs01
+    Job_Name = dask-worker
+    Job_Owner = alice@login1
+    job_state = R
+    queue = workq
+    exec_host = cn017/0*36
+    exec_vnode = (cn017:ncpus=36:mem=188743680kb)
+    comment = Job run at Tue Mar 04 at 10:12 on (cn017:ncpus=36:mem=188743680k
+\tb)
+    Variable_List = PBS_O_HOME=/home/alice,PBS_O_LANG=en_US.UTF-8,
+\tPBS_O_LOGNAME=alice,PBS_O_WORKDIR=/home/alice
+
+Job Id: 4024.pbs01
+    Job_Name = dask-worker
+    job_state = H
+    comment = job held, too many failed attempts to run
+"""
+
+# qstat -j 301,302 (Grid Engine): one block per job, scheduling info continued on indented lines
+QSTAT_J = """\
+==============================================================
+job_number:                 301
+exec_file:                  job_scripts/301
+submission_time:            Tue Mar  4 10:12:01 2025
+owner:                      alice
+sge_o_home:                 /home/alice
+sge_o_path:                 /opt/sge/bin/lx-amd64:/usr/local/bin:/usr/bin
+account:                    sge
+cwd:                        /home/alice
+hard resource_list:         h_vmem=16G,h_rt=1800
+job_name:                   dask-worker
+jobshare:                   0
+script_file:                STDIN
+parallel environment:  smp range: 4
+scheduling info:            queue instance "all.q@node01" dropped because it is full
+                            queue instance "all.q@node02" dropped because it is full
+                            queue instance "long.q@node03" dropped because it is temporarily not available
+                            cannot run in PE "smp" because it only offers 0 slots
+==============================================================
+job_number:                 302
+exec_file:                  job_scripts/302
+owner:                      alice
+job_name:                   dask-worker
+exec_host_list        1:    node07:4
+usage         1:            cpu=00:00:14, mem=6.82412 GB s, io=0.00903 GB, vmem=810.203M, maxvmem=810.203M
+scheduling info:            queue instance "all.q@node01" dropped because it is full
+"""
+
+# bjobs -UF 5101 5102 5103 (LSF): one line per event, reasons under PENDING REASONS
+BJOBS_UF = """\
+Job <5101>, Job Name <dask-worker>, User <alice>, Project <default>, Status <PEND>, Queue <normal>, \
+Command <#!/usr/bin/env bash;#BSUB -J dask-worker;#BSUB -n 2;python -m distributed.cli.dask_worker>
+Tue Mar  4 10:12:01: Submitted from host <login1>, CWD <$HOME>, 2 Task(s), Requested Resources <rusage[mem=16000]>;
+ PENDING REASONS:
+ Job's requirements for resource reservation not satisfied (Resource: mem): 3 hosts;
+ Not specified in job submission: 12 hosts;
+
+ SCHEDULING PARAMETERS:
+           r15s   r1m  r15m   ut      pg    io   ls    it    tmp    swp    mem
+ loadSched   -     -     -     -       -     -    -     -     -      -      -
+ loadStop    -     -     -     -       -     -    -     -     -      -      -
+------------------------------------------------------------------------------
+
+Job <5102>, Job Name <dask-worker>, User <alice>, Project <default>, Status <RUN>, Queue <normal>, Command <...>
+Tue Mar  4 10:12:01: Submitted from host <login1>, CWD <$HOME>, 2 Task(s);
+Tue Mar  4 10:12:09: Started 2 Task(s) on Host(s) <2*cn042>, Allocated 2 Slot(s) on Host(s) <2*cn042>, \
+Execution Home </home/alice>, Execution CWD </home/alice>;
+"""
+
+
+def test_parse_squeue():
+    assert launch.parse_squeue(SQUEUE) == {
+        "12": JobStatus("PENDING", "BeginTime"),
+        "13": JobStatus("RUNNING", "", "n2"),
+        "14": JobStatus("PENDING", "ReqNodeNotAvail,_UnavailableNodes:n3"),
+    }
+
+
+def test_parse_pbs_qstat():
+    jobs = launch.parse_pbs_qstat(QSTAT_F)
+    assert jobs == {
+        "4021.pbs01": JobStatus("QUEUED", "Insufficient amount of resource: ncpus (R: 36 A: 12 T: 2304)"),
+        "4022.pbs01": JobStatus("RUNNING", "", "cn017"),
+        "4024.pbs01": JobStatus("HELD", "job held, too many failed attempts to run"),
+    }
+
+
+def test_parse_sge_qstat():
+    jobs = launch.parse_sge_qstat(QSTAT_J)
+    assert jobs["301"].state == "PENDING"
+    assert jobs["301"].reason == ('cannot run in PE "smp" because it only offers 0 slots; '
+                                  "2 queue instances full; 1 queue instance temporarily not available")
+    assert jobs["302"] == JobStatus("RUNNING", "", "node07")
+
+
+def test_parse_lsf_bjobs():
+    jobs = launch.parse_lsf_bjobs(BJOBS_UF, "Job <5103> is not found\n")
+    assert jobs == {
+        "5101": JobStatus("PENDING", "Job's requirements for resource reservation not satisfied "
+                                     "(Resource: mem): 3 hosts; Not specified in job submission: 12 hosts"),
+        "5102": JobStatus("RUNNING", "", "cn042"),
+    }
+
+
+def _fake_cluster(kind: str, ids: list[str]):
+    """An object that looks like dask-jobqueue's cluster class ``kind`` to
+    pending_report: its class name and its jobs' ids."""
+    cls = type(kind, (), {})
+    c = cls()
+    c.workers = {f"w{i}": SimpleNamespace(job_id=j) for i, j in enumerate(ids)}
+    return c
+
+
+@pytest.mark.parametrize("kind, ids, out, err, rc, command, expected", [
+    ("SLURMCluster", ["12", "13", "15"], SQUEUE, "", 0,
+     ["squeue", "-h", "-j", "12,13,15", "-o", "%i|%T|%r|%N"],
+     "job 12 PENDING (BeginTime); job 13 RUNNING on n2; job 15 no longer queued (ended or failed: see its log)"),
+    ("PBSCluster", ["4021", "4022", "4023"], QSTAT_F, "qstat: Unknown Job Id 4023.pbs01\n", 153,
+     ["qstat", "-f", "4021", "4022", "4023"],
+     "job 4021 QUEUED (Insufficient amount of resource: ncpus (R: 36 A: 12 T: 2304)); job 4022 RUNNING on cn017; "
+     "job 4023 no longer queued (ended or failed: see its log) [qstat: Unknown Job Id 4023.pbs01]"),
+    ("SGECluster", ["301", "302"], QSTAT_J, "", 0, ["qstat", "-j", "301,302"],
+     'job 301 PENDING (cannot run in PE "smp" because it only offers 0 slots; 2 queue instances full; '
+     "1 queue instance temporarily not available); job 302 RUNNING on node07"),
+    ("LSFCluster", ["5101", "5102", "5103"], BJOBS_UF, "Job <5103> is not found\n", 255,
+     ["bjobs", "-UF", "5101", "5102", "5103"],
+     "job 5101 PENDING (Job's requirements for resource reservation not satisfied (Resource: mem): 3 hosts; "
+     "Not specified in job submission: 12 hosts); job 5102 RUNNING on cn042; "
+     "job 5103 no longer queued (ended or failed: see its log) [Job <5103> is not found]"),
+], ids=["slurm", "pbs", "sge", "lsf"])
+def test_pending_report_asks_each_queue(monkeypatch, kind, ids, out, err, rc, command, expected):
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, rc, out, err)
+
+    monkeypatch.setattr(launch.subprocess, "run", run)
+    assert launch.pending_report(_fake_cluster(kind, ids)) == expected
+    assert calls == [command]
+
+
+def test_pending_report_falls_back_to_the_job_ids(monkeypatch):
+    def missing(cmd, **kw):
+        raise FileNotFoundError(2, "No such file or directory", cmd[0])
+
+    monkeypatch.setattr(launch.subprocess, "run", missing)
+    report = launch.pending_report(_fake_cluster("PBSCluster", ["4021", "4022"]))
+    assert report.startswith("jobs 4021, 4022 (qstat failed: ") and "No such file" in report
+    # a system flowreduce cannot ask: the ids, and where to look
+    assert launch.pending_report(_fake_cluster("HTCondorCluster", ["7.0"])).startswith("jobs 7.0 (ask the queue")
+    assert "no job was accepted" in launch.pending_report(_fake_cluster("SLURMCluster", []))
+
+
+# ---------------------------------------------------------------- waiting for workers
+
+
+class _GrowingClient:
+    """A client whose workers arrive one per ``every`` polls, up to ``upto``."""
+
+    def __init__(self, upto: int, every: int = 2):
+        self.polls, self.upto, self.every = 0, upto, every
+
+    def nthreads(self) -> dict:
+        self.polls += 1
+        return {f"tcp://w{i}": 1 for i in range(min(self.upto, self.polls // self.every))}
+
+
+@pytest.fixture
+def progress_record(monkeypatch):
+    """Every update of the progress display, drawn on a terminal console
+    in memory; and a queue that says job 12 waits for resources."""
+    import rich.progress
+    from rich.console import Console
+
+    record = SimpleNamespace(updates=[], screen=io.StringIO())
+
+    class Recording(rich.progress.Progress):
+        def __init__(self, *args, **kw):
+            kw["console"] = Console(file=record.screen, force_terminal=True, width=200)
+            super().__init__(*args, **kw)
+
+        def update(self, task, **kw):
+            record.updates.append(kw)
+            super().update(task, **kw)
+
+    monkeypatch.setattr(rich.progress, "Progress", Recording)
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, "12|PENDING|Resources|\n", ""))
+    return record
+
+
+def test_wait_for_workers_shows_progress_and_returns_when_all_are_up(progress_record):
+    client = _GrowingClient(upto=2)
+    launch.wait_for_workers(client, _fake_cluster("SLURMCluster", ["12"]), 2, timeout=30, progress=True)
+    assert len(client.nthreads()) == 2
+    descriptions = [u["description"] for u in progress_record.updates if "description" in u]
+    assert descriptions and descriptions[0] == "workers 0/2: job 12 PENDING (Resources)"
+    completed = [u["completed"] for u in progress_record.updates if "completed" in u]
+    assert completed[0] == 0 and completed[-1] == 2 and completed == sorted(completed)
+    assert "job 12 PENDING (Resources)" in progress_record.screen.getvalue()
+
+
+def test_wait_for_workers_times_out_naming_what_is_missing(progress_record):
+    client = _GrowingClient(upto=1)
+    with pytest.raises(TimeoutError) as caught:
+        launch.wait_for_workers(client, _fake_cluster("SLURMCluster", ["12"]), 2, timeout=1.5, progress=True)
+    assert str(caught.value) == "1 of 2 workers up after 1.5 s; job 12 PENDING (Resources)"
+
+
+# ---------------------------------------------------------------- SIGTERM
+
+
+def test_sigterm_unwinds_with_blocks(tmp_path):
+    """Under ``sigterm_unwinds`` SIGTERM raises SystemExit(143): ``finally``
+    and ``with`` exits run (there the jobs are released) and the process
+    exits 143. Without it SIGTERM would kill the process on the spot."""
+    script = tmp_path / "term.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, time
+        from flowreduce.launch import sigterm_unwinds
+
+        with sigterm_unwinds():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+                print("not interrupted")
+            finally:
+                print("released", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM does not cut the release short
+                print("release finished", flush=True)
+        print("unreachable")
+    """))
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 143, out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["released", "release finished"], out.stdout + out.stderr
+
+
+def test_sigterm_unwinds_restores_the_previous_handler():
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with launch.sigterm_unwinds():
+        if before is signal.SIG_DFL:
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before
