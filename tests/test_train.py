@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -133,6 +134,21 @@ def test_command_trains_and_writes(proc_client, tmp_path):
         assert s["compute"] > 0 and s["compute"] + s["comm"] == pytest.approx(s["seconds"])
     names = {p.name for p in (tmp_path / "trace").iterdir()}
     assert {"trace.json", "trace.csv", "steps.png", "steps.svg", "timeline.png"} <= names
+
+
+def test_finish_waits_for_the_step_records(inproc_client):
+    """A step's ``done`` is set by done callbacks on the client's single
+    callback thread; held up there, they used to run after ``finish``
+    returned, and the step read as -perf_counter() seconds long."""
+    from distributed import Future
+
+    dp = DataParallel(inproc_client, TrainConfig(ranks=4, algorithm="ring", **SMALL), workers_of(inproc_client)[:4])
+    dp.step(0, 0)
+    gate = threading.Event()
+    Future._cb_executor.submit(gate.wait, 10)  # the callbacks queue behind this
+    threading.Timer(1.0, gate.set).start()
+    dp.finish()
+    assert dp.steps[0].done > dp.steps[0].submitted
 
 
 def test_step_breakdown_takes_the_busiest_rank():

@@ -203,10 +203,15 @@ class DataParallel:
                 on_step(out[-1])
         return out
 
-    def finish(self) -> None:
-        """Wait for every submitted step."""
+    def finish(self, timeout: float = 30.0) -> None:
+        """Wait for every submitted step, and for its record: the done
+        callbacks run on the client's callback thread, which may be behind
+        when the futures are (a record read then would have no ``done``)."""
         wait_on(self.client, self.state)
         self._inflight.clear()
+        deadline = time.monotonic() + timeout
+        while any(s._pending for s in self.steps) and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def evaluate(self) -> dict[str, float]:
         """Loss and accuracy on the training and test sets, from rank 0's weights."""
