@@ -3,7 +3,11 @@
 Experiments (``--experiment``):
 
 ``grid``
-    every algorithm x every bucket size (overlap on);
+    every algorithm x every bucket size (overlap on): the five flat
+    algorithms, ``hierarchical`` over groups of ``--group-size`` ranks
+    (default 2: 2x2 on 4 ranks; one machine has one host, so the groups
+    are passed explicitly, else hierarchical would be its flat inner
+    algorithm) and ``auto`` (the table names what it chose per bucket);
 ``overlap``
     every bucket size x overlap on/off (one algorithm);
 ``straggler``
@@ -39,7 +43,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-ALGORITHMS = ["reduce-broadcast", "tree", "recursive-doubling", "butterfly", "ring"]
+ALGORITHMS = ["reduce-broadcast", "tree", "recursive-doubling", "butterfly", "ring", "hierarchical", "auto"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--algorithm", default="ring", help="the algorithm of the overlap and straggler experiments")
+    p.add_argument("--group-size", type=int, default=2,
+                   help="hierarchical: ranks per group (emulated host), e.g. 2 = 2x2 on 4 ranks")
     p.add_argument("--bucket-bytes", default="0,16kB,25MB",
                    help="comma-separated bucket sizes (0: no fusion)")
     p.add_argument("--bucket", default="16kB", help="the bucket size of the straggler experiment")
@@ -79,19 +85,42 @@ def configurations(args: argparse.Namespace) -> list[tuple[dict, Any]]:
     if args.experiment == "grid":
         for a in args.algorithms.split(","):
             for b in args.bucket_list:
-                out.append(({"algorithm": a, "bucket_bytes": b}, replace(base, algorithm=a, bucket_bytes=b)))
+                out.append(({"algorithm": a, "bucket_bytes": b},
+                            replace(base, algorithm=a, bucket_bytes=b, options=algorithm_options(a, args))))
     elif args.experiment == "overlap":
         for b in args.bucket_list:
             for ov in (True, False):
                 out.append(({"bucket_bytes": b, "overlap": ov},
-                            replace(base, algorithm=args.algorithm, bucket_bytes=b, overlap=ov)))
+                            replace(base, algorithm=args.algorithm, bucket_bytes=b, overlap=ov,
+                                    options=algorithm_options(args.algorithm, args))))
     else:
         bucket = parse_bucket_bytes(args.bucket)
         for d in (float(x) for x in args.delays.split(",")):
             for ov in (True, False):
                 out.append(({"delay": d, "overlap": ov},
                             replace(base, algorithm=args.algorithm, bucket_bytes=bucket, overlap=ov,
-                                    straggler=(args.straggler_rank, d) if d else None)))
+                                    straggler=(args.straggler_rank, d) if d else None,
+                                    options=algorithm_options(args.algorithm, args))))
+    return out
+
+
+def algorithm_options(algorithm: str, args: argparse.Namespace) -> dict:
+    """The all-reduce options of ``algorithm``: hierarchical gets groups of
+    ``--group-size`` consecutive ranks."""
+    return {"group_size": args.group_size} if algorithm == "hierarchical" else {}
+
+
+def plans_ran(tokens: tuple[str, ...]) -> dict[str, str]:
+    """What a step's bucket all-reduces ran: ``{"ran": "ring, tree"}`` (in
+    bucket order, repeats dropped) and, for hierarchical plans, ``{"groups":
+    "2+2"}`` (ranks per group)."""
+    from flowreduce.tracing.registry import lookup
+
+    plans = [c.plan for c in map(lookup, tokens) if c is not None]
+    out = {"ran": ", ".join(dict.fromkeys(p.algorithm for p in plans))}
+    groups = {"+".join(str(len(g)) for g in p.options["groups"]) for p in plans if p.options.get("groups")}
+    if groups:
+        out["groups"] = ", ".join(sorted(groups))
     return out
 
 
@@ -123,6 +152,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 ts = timing.read(client, dp, steps, since)[2:]
                 rows[i]["timings"] += [t.as_dict() for t in ts]
                 rows[i]["buckets"] = len(steps[-1].tokens)
+                rows[i].update(plans_ran(steps[-1].tokens))
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
     for row in rows:
         ts = row["timings"]
@@ -145,7 +175,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
           " steps |")
     print("|" + "---|" * (len(keys) + 7))
     for r in rows:
-        label = " | ".join(_fmt(k, r[k]) for k in keys)
+        label = " | ".join(algorithm_label(r) if k == "algorithm" else _fmt(k, r[k]) for k in keys)
         print(f"| {label} | {r.get('buckets', '')} | {r['seconds'] * 1e3:.1f} | {r['compute'] * 1e3:.1f} | "
               f"{r['comm'] * 1e3:.1f} | {r['comm_share']:.0%} | {r['allreduce_work'] * 1e3:.1f} | {r['steps']} |")
     if args.experiment == "straggler":
@@ -156,6 +186,17 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
                     hidden = 1 - (r["seconds"] - base) / r["delay"]
                     print(f"overlap {'on ' if ov else 'off'} delay {r['delay'] * 1e3:5.0f} ms: step +"
                           f"{(r['seconds'] - base) * 1e3:6.1f} ms, hidden {hidden:.0%}")
+
+
+def algorithm_label(row: dict) -> str:
+    """``auto (chose tree)``, ``hierarchical (groups 2+2)``, or the name
+    (rows saved before the benchmark recorded what ran have the name only)."""
+    label = row["algorithm"]
+    if row["algorithm"] == "auto" and row.get("ran"):
+        label += f" (chose {row['ran']})"
+    if row.get("groups"):
+        label += f" (groups {row['groups']})"
+    return label
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -204,7 +245,9 @@ def plot(rows: list[dict], args: argparse.Namespace, path: str) -> None:
             ax.bar(xs, comm, width * 0.95, bottom=comp, color=colours[j % len(colours)],
                    label=f"{_fmt(bar_key, b)}" if bar_key != "overlap" else f"overlap {_fmt(bar_key, b)}")
             ax.bar(xs, comp, width * 0.95, color="#31a354")
-        ax.set_xticks(range(len(groups)), [_fmt(group_key, g) for g in groups], fontsize=8)
+        ticks = [algorithm_label(next(r for r in rows if r["algorithm"] == g)).replace(" (", "\n(")
+                 if group_key == "algorithm" else _fmt(group_key, g) for g in groups]
+        ax.set_xticks(range(len(groups)), ticks, fontsize=8)
         ax.set_ylabel("median step time (ms)\n(green: compute of the busiest rank)")
         ax.legend(frameon=False, title="bucket size" if bar_key == "bucket_bytes" else None, fontsize=8)
     ax.set_title(f"{args.experiment}: {args.ranks} ranks, MLP 64-{args.hidden.replace(',', '-')}-10, "
