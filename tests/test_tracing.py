@@ -36,6 +36,20 @@ def make_input(n: int, seed: int, delay: float = 0.0) -> np.ndarray:
     return np.random.default_rng(seed).random(n)
 
 
+
+def train_step(n: int, seed: int, seconds: float) -> np.ndarray:
+    """A stand-in training step: compute for ``seconds``, return a gradient."""
+    t0 = time.perf_counter()
+    g = np.random.default_rng(seed).random(n)
+    while time.perf_counter() - t0 < seconds:
+        g = g * 1.0
+    return g
+
+def _memory_times(key, dask_scheduler=None) -> list[float]:
+    """Scheduler times at which ``key`` reached memory (its transition log)."""
+    return [t.timestamp for t in dask_scheduler.story(key) if t.finish == "memory"]
+
+
 @pytest.fixture(scope="module")
 def client():
     with distributed.LocalCluster(n_workers=RANKS, threads_per_worker=1, processes=True,
@@ -285,6 +299,33 @@ def test_straggler_is_the_delayed_rank(client):
     assert "straggler: rank 2" in str(s)
 
 
+def test_summary_compares_the_prediction_for_the_plan_that_ran(run):
+    """The summary carries the cost model's prediction for the plan that ran
+    (what ``flowreduce.describe`` reports for the call) next to the measured
+    time, and the measured time is the call's window in its own events."""
+    s = summarize(run["tr"])
+    info = flowreduce.describe(run["out"])
+    assert s.token == run["call"].token == info.token
+    assert (s.algorithm, s.ranks, s.chunks) == (info.plan.algorithm, info.plan.ranks, info.plan.chunks)
+    assert s.nbytes == info.nbytes
+    assert s.predicted == info.predicted and s.predicted > 0
+    # measured: first task start -> last task stop of this call, as in its events and the CSV
+    mine = [e for e in run["tr"].iter_events(s.token) if e.phase != "wait-for-input"]
+    assert (s.start, s.stop) == (min(e.start for e in mine), max(e.stop for e in mine))
+    assert s.measured == pytest.approx(s.stop - s.start) and s.measured > 0
+    rows = [r for r in run["rows"] if r["token"] == s.token and r["phase"] != "wait-for-input"]
+    csv_window = max(float(r["stop"]) for r in rows) - min(float(r["start"]) for r in rows)
+    assert s.measured == pytest.approx(csv_window, abs=1e-6)
+    assert run["tr"].origin <= s.start and s.stop <= run["tr"].end  # inside the traced block
+    text = str(s)
+    assert f"measured {s.measured * 1e3:.1f} ms" in text
+    assert f"predicted {s.predicted * 1e3:.1f} ms, measured/predicted {s.measured / s.predicted:.2f}" in text
+    d = s.to_dict()
+    assert (d["predicted"], d["measured"]) == (s.predicted, s.measured)
+    (c,) = run["doc"]["metadata"]["calls"]
+    assert c["predicted_s"] == info.predicted
+
+
 # -- pictures -----------------------------------------------------------------------
 def test_pictures(run, tmp_path):
     pytest.importorskip("matplotlib")
@@ -339,6 +380,136 @@ def test_registry_note_reaches_open_traces(client):
         client.gather(out)
     assert keymod.parse(out[0].key)["token"] in tr.calls
     assert not registry.open_traces()
+
+
+def test_max_events_bounds_the_trace_and_says_so(client, tmp_path):
+    """``max_events`` keeps the newest events only: after two calls (read
+    one flush each) the trace holds exactly ``max_events`` events, none of
+    the first call, and counts what it dropped in ``lost``, in the exported
+    metadata and in a warning."""
+    bound = 10
+    with pytest.warns(UserWarning, match="events_over_max"), \
+            trace(client, max_events=bound, flush_every=1) as tr:
+        tokens = []
+        for _ in range(2):
+            xs = _inputs(client)
+            out = flowreduce.allreduce(client, xs, algorithm="butterfly", chunks=1)
+            tokens.append(keymod.parse(out[0].key)["token"])
+            client.gather(out)
+            assert len(tr.events) <= bound
+    assert len(tr.events) == bound
+    dropped = tr.lost["events_over_max"]
+    tasks = flowreduce.plan("butterfly", RANKS).cost().tasks
+    assert dropped >= 2 * tasks - bound  # at least every task of both calls was seen
+    assert {e.token for e in tr.events} <= {tokens[1], ""}  # the window: the newest only
+    assert tokens[1] in {e.token for e in tr.events}
+    to_chrome(tr, tmp_path / "t.json")
+    with open(tmp_path / "t.json") as f:
+        doc = json.load(f)
+    assert doc["metadata"]["lost"]["events_over_max"] == dropped
+    assert len([e for e in doc["traceEvents"] if e["ph"] == "X"]) == bound
+
+
+def test_user_task_on_the_same_timeline(client, tmp_path):
+    """A training step's own compute and the all-reduce of its result, on
+    one aligned timeline: the user's task is one ``user-compute`` event on
+    its worker, and it ends before every all-reduce task that depends on it
+    starts (on any worker, within the declared clock uncertainty)."""
+    workers = sorted(client.nthreads())
+    seconds = 0.3
+    with trace(client) as tr:
+        step = client.submit(train_step, N, 0, seconds, workers=[workers[0]], pure=False,
+                             key=f"train-step-{time.time_ns()}")
+        xs = [step, *(client.submit(make_input, N, r, workers=[w], pure=False)
+                      for r, w in enumerate(workers) if r)]
+        out = flowreduce.allreduce(client, xs, algorithm="butterfly", chunks=1)
+        client.gather(out)
+    call = tr.last_call
+    mine = [e for e in tr.events if e.key == repr(step.key) and e.phase != "wait-for-input"]
+    assert len(mine) == 1, mine
+    (u,) = mine
+    assert u.phase == "user-compute" and u.token == "" and u.algorithm == ""
+    assert u.worker == workers[0] and u.rank == 0 == call.workers.index(workers[0])
+    assert u.duration >= 0.9 * seconds
+    assert tr.origin <= u.start and u.stop <= tr.end
+    # the worker's clock, aligned, against the scheduler's own: the step ended
+    # before the scheduler heard it had (its key's transition to memory)
+    in_memory = client.run_on_scheduler(_memory_times, step.key)
+    assert in_memory and u.stop <= min(in_memory) + tr.clocks[u.worker].uncertainty + 1e-3, (u.stop, in_memory)
+    # the slow step made rank 0 the straggler: its wait for input ends when the step does
+    (w,) = [e for e in tr.events if e.key == repr(step.key) and e.phase == "wait-for-input"]
+    assert w.rank == 0 and w.token == call.token and w.stop == u.stop
+    to_csv(tr, tmp_path / "t.csv")
+    with open(tmp_path / "t.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["key"] == repr(step.key)]
+    assert sorted((r["phase"], r["worker"]) for r in rows) == [("user-compute", workers[0]),
+                                                               ("wait-for-input", workers[0])]
+
+    # every task downstream of rank 0's input (its split tasks, and all they feed)
+    from flowreduce.tracing.summary import task_keys
+
+    deps = task_keys(call)
+    users = defaultdict(set)
+    for k, ds in deps.items():
+        for d in ds:
+            users[d].add(k)
+    todo = [k for k in deps if (i := keymod.parse(ast.literal_eval(k))) and i["phase"] == "split" and i["rank"] == 0]
+    assert todo
+    downstream = set()
+    while todo:
+        k = todo.pop()
+        if k not in downstream:
+            downstream.add(k)
+            todo.extend(users[k])
+    tasks = {e.key: e for e in tr.iter_events(call.token) if e.phase in COMPUTE_PHASES}
+    assert downstream <= set(tasks)
+    assert {keymod.output_key("butterfly", call.token, r) for r in range(RANKS)} <= {
+        ast.literal_eval(k) for k in downstream}
+    unc = {w: c.uncertainty for w, c in tr.clocks.items()}
+    for k in downstream:
+        e = tasks[k]
+        assert u.stop <= e.start + unc[u.worker] + unc[e.worker] + 2e-3, (k, e.worker, u.stop, e.start)
+
+
+def test_serialise_and_deserialise_on_sender_and_receiver(client, tmp_path):
+    """Cross-worker transfers between worker processes yield ``serialise``
+    events on the sending worker and ``deserialise`` events on the receiving
+    one, marked estimated (apportioned from dask's cumulative metrics), each
+    attached to a transfer of the same keys."""
+    tr, out, rank_worker = _traced(client, "butterfly", 1)
+    token = tr.last_call.token
+    transfers = [e for e in tr.iter_events(token) if e.phase == "transfer"]
+    assert transfers and all(e.source != e.dest for e in transfers)
+    by_keys = defaultdict(list)
+    for t in transfers:
+        by_keys[t.keys].append(t)
+    # a spill to disk or back is serialise/deserialise too, timed exactly (docs: the phase vocabulary)
+    spills = [e for e in tr.iter_events(token) if e.detail in ("disk-write", "disk-read")]
+    assert all(not e.estimated and e.phase == {"disk-write": "serialise", "disk-read": "deserialise"}[e.detail]
+               for e in spills)
+    ser = [e for e in tr.iter_events(token) if e.phase == "serialise" and e not in spills]
+    des = [e for e in tr.iter_events(token) if e.phase == "deserialise" and e not in spills]
+    assert ser and des
+    rank_of = {w: r for r, w in enumerate(rank_worker)}
+    for e in ser + des:
+        assert e.estimated and e.detail.startswith("metric:"), e
+        assert e.host == tr.clocks[e.worker].host
+        ts = by_keys[e.keys]
+        assert ts, e.keys
+        if e.phase == "serialise":
+            assert e.worker == e.source and any(t.source == e.worker for t in ts), e
+        else:
+            assert e.worker == e.dest and any(t.dest == e.worker and t.start <= e.start <= e.stop == t.stop
+                                              for t in ts), e
+        assert e.rank == rank_of[e.worker]
+    # every message that was deserialised went to a different worker than it came from
+    assert {(e.source, e.dest) for e in des} <= {(t.source, t.dest) for t in transfers}
+    to_csv(tr, tmp_path / "t.csv")
+    with open(tmp_path / "t.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["token"] == token]
+    assert {r["estimated"] for r in rows if r["phase"] in ("serialise", "deserialise")
+            and r["detail"].startswith("metric:")} == {"True"}
+    assert {r["estimated"] for r in rows if r["phase"] == "transfer"} == {"False"}
 
 
 # -- the command ----------------------------------------------------------------------
