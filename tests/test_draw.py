@@ -122,9 +122,22 @@ def test_gallery_is_fresh(tmp_path):
     stale += [name for name in fresh if name in committed
               and not filecmp.cmp(tmp_path / name, GRAPHS / name, shallow=False)]
     assert not stale, f"graphs/ is stale: run {draw.REGENERATE_COMMAND} (differs: {', '.join(sorted(stale))})"
-    for name in fresh:
-        if name.endswith(".dot"):
-            assert (GRAPHS / name).with_suffix(".svg").exists(), f"graphs/ is stale: run {draw.REGENERATE_COMMAND}"
+    # every SVG was rendered from the current DOT: the manifest written with the SVGs
+    # records the DOT's hash (and the SVG's), so Graphviz's exact output need not match
+    manifest = draw.read_manifest(GRAPHS)
+    svgs = {p.name for p in GRAPHS.glob("*.svg")}
+    wanted = {n.removesuffix(".dot") + ".svg" for n in fresh if n.endswith(".dot")}
+    stale = [f"{n} (no such drawing)" for n in sorted(svgs - wanted)]
+    stale += [f"{n} (missing)" for n in sorted(wanted - svgs)]
+    stale += [f"{n} (not in {draw.MANIFEST})" for n in sorted(svgs & wanted - set(manifest))]
+    stale += [f"{n} (in {draw.MANIFEST}, no file)" for n in sorted(set(manifest) - svgs - wanted)]
+    for name in sorted(svgs & wanted & set(manifest)):
+        entry, dot = manifest[name], name.removesuffix(".svg") + ".dot"
+        if (entry["from"], entry["dot_sha256"]) != (dot, draw.content_hash((tmp_path / dot).read_bytes())):
+            stale.append(f"{name} (rendered from another DOT)")
+        elif entry["sha256"] != draw.content_hash((GRAPHS / name).read_bytes()):
+            stale.append(f"{name} (not the file that was rendered)")
+    assert not stale, f"graphs/ is stale: run {draw.REGENERATE_COMMAND} (SVGs: {', '.join(stale)})"
 
 
 @needs_dot
