@@ -136,7 +136,7 @@ def bench(
     :func:`flowreduce.trace` and its exports (Perfetto JSON, CSV, summary,
     timeline pictures) go to ``trace_dir/<size>-<algorithm>-<chunks>/``; the
     row's ``trace`` field names that directory. Tracing costs about 1% (see
-    ``benchmarks/bench_trace_overhead.py``), and only on that repetition.
+    ``benchmarks/trace_overhead.py``), and only on that repetition.
     ``model`` (a :class:`flowreduce.CostModel`) is passed to every call;
     each row keeps the time it predicted (``predicted``). ``extra`` adds
     ``(algorithm, chunks)`` rows beyond every algorithm at every ``chunks``;
