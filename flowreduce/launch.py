@@ -155,12 +155,30 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
 def _jobqueue_cluster(kind: str, options: dict) -> Any:
     if kind not in JOBQUEUE:
         raise ValueError(f"unknown cluster kind {kind!r}; valid: local, {', '.join(JOBQUEUE)}")
+    dask_jobqueue = _import_dask_jobqueue(kind)
+    cls = getattr(dask_jobqueue, JOBQUEUE[kind])
+    return cls(**jobqueue_options(options.get("config_name") or cls.job_cls.default_config_name(), options))
+
+
+def _import_dask_jobqueue(kind: str) -> Any:
+    """``import dask_jobqueue``, keeping Ctrl-C a KeyboardInterrupt.
+
+    Its first import replaces Python's SIGINT handler with ``sys.exit()``
+    (``dask_jobqueue.runner``, meant for its batch-job runners): a Ctrl-C'd
+    command would still unwind, but exit with status 0, as if it had
+    succeeded. When Python's own handler was in place, it is put back."""
+    import signal
+    import threading
+
+    before = signal.getsignal(signal.SIGINT)
     try:
         import dask_jobqueue
     except ImportError:
         raise ImportError(f"--cluster {kind} needs dask-jobqueue: pip install 'flowreduce[hpc]'") from None
-    cls = getattr(dask_jobqueue, JOBQUEUE[kind])
-    return cls(**jobqueue_options(options.get("config_name") or cls.job_cls.default_config_name(), options))
+    if (before is signal.default_int_handler and signal.getsignal(signal.SIGINT) is not before
+            and threading.current_thread() is threading.main_thread()):
+        signal.signal(signal.SIGINT, before)
+    return dask_jobqueue
 
 
 def jobqueue_options(config_name: str, options: dict) -> dict:

@@ -379,3 +379,17 @@ def test_sigterm_unwinds_restores_the_previous_handler():
         if before is signal.SIG_DFL:
             assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_importing_dask_jobqueue_keeps_ctrl_c_a_keyboard_interrupt():
+    """dask_jobqueue's first import makes SIGINT call sys.exit() (exit status
+    0 after Ctrl-C); launch imports it and puts Python's handler back."""
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    import os
+    from pathlib import Path
+
+    code = ("import signal; from flowreduce import launch; launch._import_dask_jobqueue('slurm'); "
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "True", out.stdout + out.stderr
