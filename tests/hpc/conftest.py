@@ -3,6 +3,7 @@ and dask-jobqueue."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -71,3 +72,36 @@ def _jobs(name: str) -> list[tuple[str, str]]:
         timeout=30,
     ).stdout
     return [tuple(line.split()) for line in out.splitlines() if line.strip()]
+
+
+def _gone(name: str, timeout: float = 60.0) -> list[tuple[str, str]]:
+    """Wait up to ``timeout`` s for jobs named ``name`` to leave squeue;
+    return those still queued (empty when all are gone)."""
+    deadline = time.monotonic() + timeout
+    while (jobs := _jobs(name)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return jobs
+
+
+def _leftovers_cancelled(name: str) -> list[tuple[str, str]]:
+    """Test-side cleanup, for ``finally`` blocks that run after a test's own
+    check that the jobs are gone: cancel the jobs named ``name`` that are
+    still queued (none when flowreduce released them) and return them."""
+    left = _jobs(name)
+    if left:
+        subprocess.run(["scancel", "-n", name], check=False, capture_output=True, timeout=30)
+    return left
+
+
+def _cancelled(log_directory: Path, ids: list[str]) -> dict[str, bool]:
+    """For each job id, whether its stderr log (dask-jobqueue writes
+    ``<log_directory>/<name>-<id>.err``) has slurmstepd's ``*** JOB <id> ON
+    <node> CANCELLED AT ... ***``: the job was ended by ``scancel``. A job
+    whose workers exit on their own (as they do soon after the scheduler
+    process dies) ends without it, so this tells a release apart from an
+    abandoned job that merely left squeue."""
+    out = {}
+    for jid in ids:
+        text = "".join(p.read_text(errors="replace") for p in Path(log_directory).glob(f"*-{jid}.err"))
+        out[jid] = re.search(rf"\*\*\* JOB {jid} ON \S+ CANCELLED AT ", text) is not None
+    return out

@@ -1,13 +1,22 @@
 """flowreduce on a real SLURM through ``flowreduce.launch``: two batch jobs
 of two worker processes each, every dense algorithm checked against numpy,
-hierarchical groups following the jobs, the jobs gone afterwards; and a
-request the queue cannot satisfy times out naming the pending job and why.
+hierarchical groups following the jobs; a request the queue cannot satisfy
+times out naming the pending job and why; the commands end normally, on
+SIGINT and on SIGTERM; an exception inside the block.
+
+Every test checks that flowreduce released its jobs by itself: squeue has
+none of them left *before* any test-side ``scancel`` (that only cleans up
+after a failed check), and each job's log says slurmstepd cancelled it, which
+tells a release apart from workers that exit on their own once the
+scheduler's process is gone.
 
 Needs the single-machine SLURM of ``tests/infra/slurm/up.sh`` (``.ci/run``
 starts it); skips with the reason otherwise."""
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +27,7 @@ import pytest
 
 import flowreduce
 from flowreduce import launch
-from hpc.conftest import REPO_ROOT, _jobs
+from hpc.conftest import REPO_ROOT, _cancelled, _gone, _jobs, _leftovers_cancelled
 
 
 def _options(tmp_path, name: str, **extra) -> dict:
@@ -27,11 +36,21 @@ def _options(tmp_path, name: str, **extra) -> dict:
                 job_script_prologue=[f"export PYTHONPATH={REPO_ROOT}"], **extra)
 
 
-def _gone(name: str, timeout: float = 60.0) -> list:
-    deadline = time.monotonic() + timeout
-    while (jobs := _jobs(name)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return jobs
+def _assert_released(name: str, ids: list[str], logs, what: str) -> None:
+    """The jobs named ``name`` left squeue, and by ``scancel``."""
+    left = _gone(name)
+    assert left == [], f"jobs left in squeue {what}: {left}"
+    assert ids, "no job of this test was ever seen in squeue"
+    cancelled = _cancelled(logs, ids)
+    assert all(cancelled.values()), f"jobs that ended without being cancelled {what}: {cancelled}"
+
+
+def _cli(name: str, tmp_path, *args: str) -> list[str]:
+    """``python -m flowreduce ARGS`` on two SLURM jobs of two workers."""
+    return [sys.executable, "-m", "flowreduce", *args, "--cluster", "slurm", "--jobs", "2", "--cores", "2",
+            "--processes", "2", "--memory", "2GB", "--walltime", "00:10:00", "--interface", "lo",
+            "--job-name", name, "--prologue", f"export PYTHONPATH={REPO_ROOT}",
+            "--log-directory", str(tmp_path / "logs"), "--wait-timeout", "120"]
 
 
 def test_every_algorithm_across_two_jobs(dask_jobqueue, tmp_path):
@@ -40,9 +59,11 @@ def test_every_algorithm_across_two_jobs(dask_jobqueue, tmp_path):
     name = f"flowreduce-ar-{uuid.uuid4().hex[:8]}"
     try:
         with launch.cluster("slurm", jobs=2, timeout=120, progress=False, **_options(tmp_path, name)) as client:
+            ids = [jid for jid, _ in _jobs(name)]
             workers = launch.ranked_workers(client)
             assert len(workers) == 4
             jobs = client.run(lambda: __import__("os").environ["SLURM_JOB_ID"])
+            assert sorted(set(jobs.values())) == sorted(ids)
             # ranked_workers keeps each job's workers together
             assert [jobs[w] for w in workers] in ([jobs[workers[0]]] * 2 + [jobs[workers[2]]] * 2,)
             assert jobs[workers[0]] != jobs[workers[2]]
@@ -56,13 +77,33 @@ def test_every_algorithm_across_two_jobs(dask_jobqueue, tmp_path):
                 for r, f in enumerate(out):
                     assert client.who_has([f])[f.key] == (workers[r],), algorithm
                     np.testing.assert_array_equal(f.result(), expected, err_msg=algorithm)
-                if algorithm == "hierarchical":  # the groups are the jobs (each on its own node)
+                if algorithm == "hierarchical":  # the groups are the nodes (each job on its own node)
                     assert flowreduce.describe(out).plan.options["groups"] == [[0, 1], [2, 3]]
                 del out
             del inputs
+        _assert_released(name, ids, tmp_path / "logs", "after the cluster closed")
     finally:
-        subprocess.run(["scancel", "-n", name], check=False, capture_output=True, timeout=30)
-    assert _gone(name) == [], "jobs left in squeue after the cluster closed"
+        _leftovers_cancelled(name)
+
+
+def test_error_inside_the_block_releases_the_jobs(dask_jobqueue, tmp_path):
+    """An exception raised inside ``with launch.cluster(...)`` propagates
+    unchanged, and the jobs are cancelled on the way out."""
+
+    class Failure(Exception):
+        pass
+
+    name = f"flowreduce-err-{uuid.uuid4().hex[:8]}"
+    ids: list[str] = []
+    try:
+        with pytest.raises(Failure, match="inside the block"):
+            with launch.cluster("slurm", jobs=2, timeout=120, progress=False, **_options(tmp_path, name)) as client:
+                ids = [jid for jid, state in _jobs(name) if state == "RUNNING"]
+                assert len(ids) == 2 and len(client.nthreads()) == 4
+                raise Failure("inside the block")
+        _assert_released(name, ids, tmp_path / "logs", "after an exception inside the block")
+    finally:
+        _leftovers_cancelled(name)
 
 
 def test_unsatisfiable_request_times_out_with_the_queue_reason(dask_jobqueue, tmp_path):
@@ -75,54 +116,95 @@ def test_unsatisfiable_request_times_out_with_the_queue_reason(dask_jobqueue, tm
                 pass  # pragma: no cover - must not be reached
         msg = str(caught.value)
         assert "0 of 2 workers up" in msg and "PENDING" in msg and "BeginTime" in msg, msg
+        # a job that never ran has no log to say it was cancelled: squeue is the witness
+        left = _gone(name)
+        assert left == [], f"the pending job was not released after the timeout: {left}"
     finally:
-        subprocess.run(["scancel", "-n", name], check=False, capture_output=True, timeout=30)
-    assert _gone(name) == [], "the pending job was not released after the timeout"
+        _leftovers_cancelled(name)
 
 
+@pytest.mark.timeout(900)  # the command may take up to 600 s
 def test_cli_bench_on_slurm(dask_jobqueue, tmp_path):
     name = f"flowreduce-cli-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "flowreduce", "bench", "--cluster", "slurm", "--jobs", "2", "--cores", "2",
-           "--processes", "2", "--memory", "2GB", "--walltime", "00:10:00", "--interface", "lo",
-           "--job-name", name, "--prologue", f"export PYTHONPATH={REPO_ROOT}",
-           "--log-directory", str(tmp_path / "logs"), "--wait-timeout", "120",
-           "--sizes", "1000", "--algorithms", "butterfly,hierarchical", "--repeat", "1", "--warmup", "0",
-           "--no-progress", "--json", str(tmp_path / "rows.json")]
+    cmd = _cli(name, tmp_path, "bench") + [
+        "--sizes", "1000", "--algorithms", "butterfly,hierarchical", "--repeat", "1", "--warmup", "0",
+        "--no-progress", "--json", str(tmp_path / "rows.json")]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "4 ranks on 4 workers" in out.stdout
+        rows = json.loads((tmp_path / "rows.json").read_text())
+        assert {r["algorithm"] for r in rows} == {"butterfly", "hierarchical", "baseline"}
+        assert all(r["correct"] for r in rows)
+        hier = next(r for r in rows if r["algorithm"] == "hierarchical")
+        assert "groups=[[0, 1], [2, 3]]" in hier["plan"]
+        _assert_released(name, _job_ids_in_logs(tmp_path / "logs"), tmp_path / "logs",
+                         "after the command ended")
     finally:
-        subprocess.run(["scancel", "-n", name], check=False, capture_output=True, timeout=30)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "4 ranks on 4 workers" in out.stdout
-    import json
-
-    rows = json.loads((tmp_path / "rows.json").read_text())
-    assert {r["algorithm"] for r in rows} == {"butterfly", "hierarchical", "baseline"}
-    assert all(r["correct"] for r in rows)
-    hier = next(r for r in rows if r["algorithm"] == "hierarchical")
-    assert "groups=[[0, 1], [2, 3]]" in hier["plan"]
-    assert _gone(name) == [], "jobs left in squeue after the command ended"
+        _leftovers_cancelled(name)
 
 
+@pytest.mark.timeout(900)  # the command may take up to 600 s
 def test_cli_train_on_slurm(dask_jobqueue, tmp_path):
     """``flowreduce train`` takes the same cluster options: one epoch of the
     digits MLP on 4 ranks in 2 SLURM jobs learns (far above chance) and
     leaves no job behind."""
     pytest.importorskip("sklearn", reason="flowreduce train needs scikit-learn: pip install 'flowreduce[train]'")
     name = f"flowreduce-train-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "flowreduce", "train", "--cluster", "slurm", "--jobs", "2", "--cores", "2",
-           "--processes", "2", "--memory", "2GB", "--walltime", "00:10:00", "--interface", "lo",
-           "--job-name", name, "--prologue", f"export PYTHONPATH={REPO_ROOT}",
-           "--log-directory", str(tmp_path / "logs"), "--wait-timeout", "120",
-           "--ranks", "4", "--epochs", "1", "--json", str(tmp_path / "train.json")]
+    cmd = _cli(name, tmp_path, "train") + ["--ranks", "4", "--epochs", "1", "--json", str(tmp_path / "train.json")]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        report = json.loads((tmp_path / "train.json").read_text())
+        assert report["config"]["ranks"] == 4
+        assert report["final"]["test_acc"] > 0.5  # ten classes: chance is 0.1
+        _assert_released(name, _job_ids_in_logs(tmp_path / "logs"), tmp_path / "logs",
+                         "after the command ended")
     finally:
-        subprocess.run(["scancel", "-n", name], check=False, capture_output=True, timeout=30)
-    assert out.returncode == 0, out.stdout + out.stderr
-    import json
+        _leftovers_cancelled(name)
 
-    report = json.loads((tmp_path / "train.json").read_text())
-    assert report["config"]["ranks"] == 4
-    assert report["final"]["test_acc"] > 0.5  # ten classes: chance is 0.1
-    assert _gone(name) == [], "jobs left in squeue after the command ended"
+
+@pytest.mark.timeout(600)  # up to 180 s for the jobs, 120 s to exit, 60 s to leave the queue
+@pytest.mark.parametrize("signum, exit_codes", [
+    # KeyboardInterrupt: Python ends by re-raising SIGINT (not 0: dask_jobqueue's import makes Ctrl-C
+    # sys.exit(), which launch undoes)
+    (signal.SIGINT, (-signal.SIGINT, 128 + signal.SIGINT)),
+    (signal.SIGTERM, (128 + signal.SIGTERM,)),  # what batch systems and kill send: SystemExit(143)
+], ids=["SIGINT", "SIGTERM"])
+def test_cli_releases_its_jobs_when_interrupted(dask_jobqueue, tmp_path, signum, exit_codes):
+    """``flowreduce bench --cluster slurm`` interrupted while its jobs run
+    (Ctrl-C, or SIGTERM from a batch system): it exits and its jobs are
+    cancelled, by the command itself."""
+    name = f"flowreduce-{signal.Signals(signum).name.lower()}-{uuid.uuid4().hex[:8]}"
+    cmd = _cli(name, tmp_path, "bench") + [  # far more repetitions than the test waits for
+        "--sizes", "100000", "--algorithms", "butterfly", "--repeat", "100000", "--warmup", "0", "--no-progress"]
+    stdout, stderr = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 180  # both jobs running, then a moment for the workers to connect
+        while (len(jobs := _jobs(name)) < 2 or any(state != "RUNNING" for _, state in jobs)) \
+                and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, f"the command ended early: {(tmp_path / 'stderr').read_text()[-3000:]}"
+        assert len(jobs) == 2 and all(state == "RUNNING" for _, state in jobs), jobs
+        ids = [jid for jid, _ in jobs]
+        time.sleep(5)
+        proc.send_signal(signum)
+        try:
+            rc = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 120 s after {signal.Signals(signum).name}")
+        assert rc in exit_codes, (rc, (tmp_path / "stderr").read_text()[-3000:])
+        _assert_released(name, ids, tmp_path / "logs", f"after {signal.Signals(signum).name}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        stdout.close()
+        stderr.close()
+        _leftovers_cancelled(name)
+
+
+def _job_ids_in_logs(logs) -> list[str]:
+    """Ids of the jobs that wrote logs there (``<name>-<id>.err``)."""
+    return sorted({p.stem.rsplit("-", 1)[1] for p in logs.glob("*.err")})
