@@ -284,7 +284,7 @@ def _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, h
 
 def rank_groups(client: Client, workers: list[str], cpus: dict, topology: Any) -> list[list[list[int]]]:
     """Ranks grouped by host (and coarser levels): from ``topology`` when
-    given, else by the (node, job) each rank's worker runs in."""
+    given, else by the node each rank's worker runs on (two jobs on one node are one group)."""
     if topology is None:
         return [_groups_by_place(workers, cpus)]
     from flowreduce.topology import rank_levels
