@@ -23,7 +23,13 @@ times, interleaved and in rotating order:
     second half of the baseline);
 ``baseline`` / ``flowreduce``
     the bench's hand-written baseline and ``flowreduce.allreduce`` with
-    ``algorithm="auto"``.
+    ``algorithm="auto"``;
+``direct-reads``
+    the shortest all-reduce a task graph can be, as a lower bound (not a
+    flowreduce algorithm): one task per worker that depends on its own
+    input only and reads the other ranks' inputs itself, worker to worker
+    (distributed's ``get_data_from_worker``, as a dependency fetch does),
+    then sums. One level instead of flowreduce's two, no input check.
 
 Expected: ``graph-(L+1) - graph-L`` is the price of one dependent level
 (the scheduler's 5 ms batching window to a worker, the worker's 2 ms one
@@ -56,6 +62,45 @@ def _first(*xs):
     return xs[0]
 
 
+def _sum_with_direct_reads(own, peers):
+    """Sum ``own`` and the arrays of ``peers`` ((worker, key) pairs), read
+    from their workers by this task itself."""
+    import asyncio
+
+    from distributed import get_worker
+    from distributed.utils import sync
+    from distributed.worker import get_data_from_worker
+
+    worker = get_worker()
+
+    async def read(address, key):
+        while True:  # "busy": the peer serves too many transfers; ask again
+            reply = await get_data_from_worker(worker.rpc, [key], address, who=worker.address)
+            if reply["status"] == "OK":
+                return reply["data"][key]
+            await asyncio.sleep(0.001)
+
+    async def read_all():
+        return await asyncio.gather(*(read(a, k) for a, k in peers))
+
+    total = own.copy()
+    for x in sync(worker.loop, read_all):
+        total += x
+    return total
+
+
+def direct_reads_graph(client, inputs, workers):
+    token = uuid.uuid4().hex
+    tasks, placement = {}, {}
+    for r, w in enumerate(workers):
+        key = (f"floor-direct-{token}", r)
+        peers = [(workers[s], inputs[s].key) for s in range(len(inputs)) if s != r]
+        tasks[key] = Task(key, _sum_with_direct_reads, TaskRef(inputs[r].key), peers)
+        placement[key] = w
+    with dask.annotate(workers=placement.get, allow_other_workers=False):
+        return client.get(named_graph(tasks, token), list(tasks), sync=False)
+
+
 def levels_graph(client, inputs, workers, levels: int, all_to_all: bool):
     """``levels`` dependent levels of one task per worker, pinned."""
     token = uuid.uuid4().hex
@@ -84,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     n = int(a.size)
     names = ["submit", "graph-1", "graph-2", "graph-3", "local-2", "local-3", "run", "run-on-scheduler",
-             "replicate", "baseline", "flowreduce"]
+             "replicate", "baseline", "flowreduce", "direct-reads"]
     times: dict[str, list[float]] = {k: [] for k in names}
     with LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True, memory_limit="2GiB",
                       dashboard_address=None) as cluster, Client(cluster) as client:
@@ -112,8 +157,10 @@ def main(argv: list[str] | None = None) -> dict:
                     out = None
                 elif name == "baseline":
                     out = run_baseline(client, inputs, workers)
-                else:
+                elif name == "flowreduce":
                     out = flowreduce.allreduce(client, inputs)
+                else:
+                    out = direct_reads_graph(client, inputs, workers)
                 if isinstance(out, list):
                     wait(out)
                 elapsed = time.perf_counter() - t0
