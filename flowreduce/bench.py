@@ -135,8 +135,9 @@ def bench(
     With ``trace_dir``, the last repetition of every row runs inside
     :func:`flowreduce.trace` and its exports (Perfetto JSON, CSV, summary,
     timeline pictures) go to ``trace_dir/<size>-<algorithm>-<chunks>/``; the
-    row's ``trace`` field names that directory. Tracing costs about 1% (see
-    ``benchmarks/trace_overhead.py``), and only on that repetition.
+    row's ``trace`` field names that directory. Opening and closing a trace
+    costs ~17 ms and the traced call itself is not slower (see
+    ``benchmarks/trace_overhead.py``, docs/tracing.md), on that repetition only.
     ``model`` (a :class:`flowreduce.CostModel`) is passed to every call;
     each row keeps the time it predicted (``predicted``). ``extra`` adds
     ``(algorithm, chunks)`` rows beyond every algorithm at every ``chunks``;
