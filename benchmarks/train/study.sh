@@ -32,3 +32,5 @@ python benchmarks/train/train_bench.py --experiment straggler --bucket 16kB --de
     --steps 8 --rounds 4 --json "$out/straggler.json" --plot "$img/straggler.png" | tee "$out/straggler.txt"
 # 6. the interleaving table of the wide, overlap-on trace
 python benchmarks/train/interleave.py "$out/trace-wide" | tee "$out/interleave.txt"
+# 7. (as root, not run here) the same training on 4 emulated hosts behind 100 Mbit/s links, with traces:
+#    bash benchmarks/train/netem.sh    (docs/training.md, "On an emulated network")
