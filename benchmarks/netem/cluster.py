@@ -310,6 +310,11 @@ class EmulatedCluster:
         env = dict(os.environ)
         env.pop("DASK_SCHEDULER_ADDRESS", None)
         env["PYTHONUNBUFFERED"] = "1"
+        # One BLAS thread per process, as dask's nanny sets for its workers: without
+        # a nanny (--no-nanny) OpenBLAS starts a thread per core in every worker,
+        # and several workers on 2 cores then slow each other's matmuls 10-30x.
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(var, "1")
         env.update(self.extra_env)
         return env
 
