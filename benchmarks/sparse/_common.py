@@ -42,6 +42,19 @@ class Row:
         return statistics.median(self.times)
 
 
+def add_run_arguments(ap, name: str, default_size: float, quick: str) -> None:
+    """The options both sparse benchmarks take: size, cluster, repetitions,
+    ``--quick``, ``--render`` and the output name."""
+    ap.add_argument("--size", type=float, default=default_size)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--memory-limit", default="6GiB", help="per worker (24 GiB machine / 4 workers)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help=f"1M elements, 2 runs, {quick}")
+    ap.add_argument("--render", action="store_true", help="only redraw the table and plot from the JSON")
+    ap.add_argument("--name", default=name, help="output files docs/sparse/<name>.*")
+
+
 def checksum(x) -> float:
     """Sum of all values in float64 (runs on a worker: nothing moves)."""
     if hasattr(x, "tocoo"):

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, mb, read_json, report, run_interleaved, speedups, write_json  # noqa: E402
+from _common import add_run_arguments, machine, mb, read_json, report, run_interleaved, speedups, write_json  # noqa: E402
 
 N = 26_214_400
 BLOCK = 256
@@ -66,16 +66,9 @@ def groups(densities, patterns, ranks):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=float, default=N)
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--memory-limit", default="6GiB", help="per worker (24 GiB machine / 4 workers)")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
+    add_run_arguments(ap, "omnireduce", N, quick="a few densities")
     ap.add_argument("--densities", default=",".join(map(str, DENSITIES)))
     ap.add_argument("--patterns", default=",".join(PATTERNS))
-    ap.add_argument("--quick", action="store_true", help="1M elements, 2 runs, a few densities")
-    ap.add_argument("--render", action="store_true", help="only redraw the table and plot from the JSON")
-    ap.add_argument("--name", default="omnireduce", help="output files docs/sparse/<name>.*")
     a = ap.parse_args(argv)
     if a.quick:
         a.size, a.repeat, a.densities, a.name = 1 << 20, 2, "0.01,0.25,1.0", a.name + "-quick"

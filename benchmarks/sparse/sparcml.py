@@ -29,7 +29,17 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import checksum, machine, mb, read_json, report, run_interleaved, speedups, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    add_run_arguments,
+    checksum,
+    machine,
+    mb,
+    read_json,
+    report,
+    run_interleaved,
+    speedups,
+    write_json,
+)
 
 N = 26_214_400
 KS = [1_000, 10_000, 100_000, 1_000_000, 4_000_000, 8_000_000]
@@ -51,15 +61,8 @@ def densify(x) -> np.ndarray:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=float, default=N)
+    add_run_arguments(ap, "sparcml", N, quick="three k")
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="non-zeros per rank")
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--memory-limit", default="6GiB", help="per worker (24 GiB machine / 4 workers)")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="1M elements, 2 runs, three k")
-    ap.add_argument("--render", action="store_true", help="only redraw the table and plot from the JSON")
-    ap.add_argument("--name", default="sparcml", help="output files docs/sparse/<name>.*")
     a = ap.parse_args(argv)
     if a.quick:
         a.size, a.repeat, a.ks, a.name = 1 << 20, 2, "100,10000,300000", a.name + "-quick"
