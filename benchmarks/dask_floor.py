@@ -89,6 +89,12 @@ def _sum_with_direct_reads(own, peers):
     return total
 
 
+def submit_pinned(client, tasks: dict, placement: dict, token: str, keys: list):
+    """Submit ``tasks`` with every key pinned to its worker, as flowreduce does."""
+    with dask.annotate(workers=placement.get, allow_other_workers=False):
+        return client.get(named_graph(tasks, token), keys, sync=False)
+
+
 def direct_reads_graph(client, inputs, workers):
     token = uuid.uuid4().hex
     tasks, placement = {}, {}
@@ -97,8 +103,7 @@ def direct_reads_graph(client, inputs, workers):
         peers = [(workers[s], inputs[s].key) for s in range(len(inputs)) if s != r]
         tasks[key] = Task(key, _sum_with_direct_reads, TaskRef(inputs[r].key), peers)
         placement[key] = w
-    with dask.annotate(workers=placement.get, allow_other_workers=False):
-        return client.get(named_graph(tasks, token), list(tasks), sync=False)
+    return submit_pinned(client, tasks, placement, token, list(tasks))
 
 
 def levels_graph(client, inputs, workers, levels: int, all_to_all: bool):
@@ -115,8 +120,7 @@ def levels_graph(client, inputs, workers, levels: int, all_to_all: bool):
             placement[key] = w
             current.append(TaskRef(key))
         previous = current
-    with dask.annotate(workers=placement.get, allow_other_workers=False):
-        return client.get(named_graph(tasks, token), [t.key for t in previous], sync=False)
+    return submit_pinned(client, tasks, placement, token, [t.key for t in previous])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -286,9 +286,9 @@ def run(args) -> int:
               f"workers, dtype {','.join(dtypes)}, op {args.op}, {args.repeat} timed runs after {args.warmup} "
               "warm-up, interleaved with the baseline")
         rows = []
+        several = len(rank_counts) > 1 or len(dtypes) > 1
         for ranks in rank_counts:
             for dtype in dtypes:
-                several = len(rank_counts) > 1 or len(dtypes) > 1
                 if several:
                     print(f"# {ranks} ranks, {dtype}")
                 print(HEADER, flush=True)
