@@ -512,6 +512,38 @@ def test_serialise_and_deserialise_on_sender_and_receiver(client, tmp_path):
     assert {r["estimated"] for r in rows if r["phase"] == "transfer"} == {"False"}
 
 
+def test_a_message_carrying_two_calls_keys_is_split_per_call(client):
+    """Dask fetches every key a worker needs from one peer in one message, so
+    a message can carry keys of two concurrent all-reduces. Here a user task
+    on worker 1 adds rank 0's results of two calls, both held on worker 0:
+    one fetch brings both. Each call's trace must show its own key, with its
+    own bytes, at the message's time; neither call may claim the other's."""
+    workers = sorted(client.nthreads())
+    pair = workers[:2]
+    with trace(client) as tr:
+        calls = []
+        for seed, n in ((0, N), (1, 2 * N)):  # different sizes: bytes tell the keys apart
+            xs = [client.submit(make_input, n, seed + r, workers=[w], pure=False) for r, w in enumerate(pair)]
+            calls.append(flowreduce.allreduce(client, xs, algorithm="reduce-broadcast"))
+        a, b = (c[0] for c in calls)
+        distributed.wait([a, b])
+        assert client.who_has([a, b]) == {a.key: (pair[0],), b.key: (pair[0],)}
+        both = client.submit(lambda x, y: x.sum() + y.sum(), a, b, workers=[pair[1]], pure=False)
+        both.result()
+    fetched = {}
+    for out in calls:
+        token = flowreduce.describe(out).token
+        (mine,) = [e for e in tr.iter_events(token) if e.phase == "transfer" and e.dest == pair[1]
+                   and e.source == pair[0] and repr(out[0].key) in e.keys]
+        assert mine.keys == (repr(out[0].key),) and mine.token == token
+        assert mine.key_bytes == (client.submit(lambda x: x.nbytes, out[0]).result(),) and mine.nbytes == mine.key_bytes[0]
+        fetched[token] = mine
+    first, second = fetched.values()
+    assert (first.start, first.stop) == (second.start, second.stop)  # one message
+    assert first.detail == second.detail == "transfer_incoming_log (shared message)"
+    del calls, a, b, both
+
+
 # -- the command ----------------------------------------------------------------------
 def test_cli_writes_everything(client, tmp_path):
     pytest.importorskip("matplotlib")

@@ -396,43 +396,51 @@ class Trace:
             for e in ws["incoming"]:
                 src = e["who"]
                 seen.add((dest, round(e["start"], 6)))
-                ks = list(e["keys"])
-                infos = [keymod.parse(k) for k in ks]
-                tokens = {i["token"] for i in infos if i}
-                if tokens and not any(self._see(t, self.calls.get(t) or registry.lookup(t)) for t in tokens):
-                    continue
-                first = next((i for i in infos if i), None)
-                meta: dict[str, Any] = {}
-                if first is not None:
-                    meta = {"algorithm": first["algorithm"], "token": first["token"],
-                            "step": first.get("step"), "chunk": first.get("chunk"), "node": first.get("node")}
-                key_bytes = tuple(self._sent_bytes(k, i, e["keys"][k]) for k, i in zip(ks, infos))
-                common = dict(keys=tuple(map(repr, ks)), key_bytes=key_bytes,
-                              nbytes=sum(key_bytes), source=src, dest=dest, key=repr(ks[0]) if ks else "",
-                              rank=self._worker_rank.get(dest), **meta)
-                raws = arrived.get((src, frozenset(common["keys"])), [])
+                all_keys = frozenset(map(repr, e["keys"]))
+                raws = arrived.get((src, all_keys), [])
                 exact = None
                 if raws:
                     raw = min(raws, key=lambda t: abs(e["stop"] - t))
                     exact = e["stop"] - raw
                 start, stop = dclock.align_interval(e["start"], e["stop"], True, exact)
-                out.append(Event("transfer", start, stop, dest, dclock.host, detail="transfer_incoming_log",
-                                 **common))
-                d = est.get(dest, {}).get("deserialise", 0.0)
-                if d > 0 and recv_bytes[dest]:
-                    dur = min(d * e["total"] / recv_bytes[dest], stop - start)
-                    out.append(Event("deserialise", stop - dur, stop, dest, dclock.host, estimated=True,
-                                     detail="metric:gather-dep.deserialize", **common))
-                sent = outgoing.get((src, dest, frozenset(common["keys"])))
-                s = est.get(src, {}).get("serialise", 0.0)
-                if sent is not None and s > 0 and sent_bytes.get(src):
-                    sclock = self.clocks[src]
-                    s0, s1 = sclock.align_interval(sent["start"], sent["stop"], True,
-                                                   (sent["start"] + sent["stop"]) / 2 - sent["middle"])
-                    dur = min(s * sent["total"] / sent_bytes[src], s1 - s0)
-                    out.append(Event("serialise", s0, s0 + dur, src, sclock.host, estimated=True,
-                                     detail="metric:get-data.serialize",
-                                     **{**common, "rank": self._worker_rank.get(src)}))
+                sent = outgoing.get((src, dest, all_keys))
+                # dask batches every key a worker wants from one peer into one
+                # message, so a message can carry keys of several concurrent
+                # calls: one event per call, each with its own keys and bytes
+                groups: dict[str, list] = {}
+                for k in e["keys"]:
+                    info = keymod.parse(k)
+                    groups.setdefault(info["token"] if info else "", []).append((k, info))
+                logged_total = sum(e["keys"].values()) or 1
+                for token, members in groups.items():
+                    if token and not self._see(token, self.calls.get(token) or registry.lookup(token)):
+                        continue
+                    first = members[0][1]
+                    meta: dict[str, Any] = {}
+                    if first is not None:
+                        meta = {"algorithm": first["algorithm"], "token": token,
+                                "step": first.get("step"), "chunk": first.get("chunk"), "node": first.get("node")}
+                    key_bytes = tuple(self._sent_bytes(k, i, e["keys"][k]) for k, i in members)
+                    share = sum(e["keys"][k] for k, _ in members) / logged_total if len(groups) > 1 else 1.0
+                    common = dict(keys=tuple(repr(k) for k, _ in members), key_bytes=key_bytes,
+                                  nbytes=sum(key_bytes), source=src, dest=dest, key=repr(members[0][0]),
+                                  rank=self._worker_rank.get(dest), **meta)
+                    detail = "transfer_incoming_log" if len(groups) == 1 else "transfer_incoming_log (shared message)"
+                    out.append(Event("transfer", start, stop, dest, dclock.host, detail=detail, **common))
+                    d = est.get(dest, {}).get("deserialise", 0.0)
+                    if d > 0 and recv_bytes[dest]:
+                        dur = min(d * e["total"] * share / recv_bytes[dest], stop - start)
+                        out.append(Event("deserialise", stop - dur, stop, dest, dclock.host, estimated=True,
+                                         detail="metric:gather-dep.deserialize", **common))
+                    s = est.get(src, {}).get("serialise", 0.0)
+                    if sent is not None and s > 0 and sent_bytes.get(src):
+                        sclock = self.clocks[src]
+                        s0, s1 = sclock.align_interval(sent["start"], sent["stop"], True,
+                                                       (sent["start"] + sent["stop"]) / 2 - sent["middle"])
+                        dur = min(s * sent["total"] * share / sent_bytes[src], s1 - s0)
+                        out.append(Event("serialise", s0, s0 + dur, src, sclock.host, estimated=True,
+                                         detail="metric:get-data.serialize",
+                                         **{**common, "rank": self._worker_rank.get(src)}))
         for ss in fallback:  # transfers the logs no longer held
             w = ss["worker"]
             if (w, round(ss["start"], 6)) in seen:

@@ -21,7 +21,11 @@ Phases
 ``transfer``
     One fetch as the *receiver* saw it, from request to data in hand (the
     worker's ``transfer_incoming_log``; one event per batched message, which
-    may carry several keys). Contains the serialise and deserialise time.
+    may carry several keys). Dask batches every key a worker wants from one
+    peer, so one message can carry keys of several calls: it then becomes one
+    event per call, each with that call's keys and bytes, all with the
+    message's times (``detail`` says ``shared message``). Contains the
+    serialise and deserialise time.
 ``deserialise``
     The receiver unpickling one message (``gather-dep`` ``deserialize``
     metric, apportioned by bytes), or an unspill (``detail="disk-read"``).
@@ -108,8 +112,8 @@ class Event:
     source, dest : str
         Sending and receiving worker of a transfer (empty otherwise).
     keys, key_bytes : tuple
-        Every key of a batched message and its bytes (transfers and the
-        serialise/deserialise of one message).
+        The keys of a batched message that belong to this event's call, and
+        their bytes (transfers and the serialise/deserialise of one message).
     estimated : bool
         The duration is apportioned from a cumulative dask metric rather
         than timed per event (serialise / deserialise).
