@@ -147,6 +147,7 @@ def bench(
     from distributed import wait
 
     import flowreduce
+    from flowreduce.algorithms import parse_spec
     from flowreduce.launch import ranked_workers
 
     workers = list(workers) if workers else ranked_workers(client)
@@ -184,8 +185,10 @@ def bench(
                     if alg == BASELINE:
                         outs, plan = run_baseline(client, inputs, workers), "submit(sum) + replicate"
                     else:
-                        kw = {"chunks": c} if c else {}
-                        outs = flowreduce.allreduce(client, inputs, algorithm=alg, op=op, model=model, **kw)
+                        name, kw = parse_spec(alg)
+                        if c:
+                            kw["chunks"] = c
+                        outs = flowreduce.allreduce(client, inputs, algorithm=name, op=op, model=model, **kw)
                         info = flowreduce.describe(outs)
                         plan, predicted = repr(info.plan), info.predicted
                     wait(outs)
@@ -237,7 +240,8 @@ def add_arguments(p) -> None:
     p.add_argument("--min", type=float, default=1e3, help="smallest size when --sizes is not given")
     p.add_argument("--max", type=float, default=1e7, help="largest size when --sizes is not given")
     p.add_argument("--factor", type=float, default=10, help="size step when --sizes is not given")
-    p.add_argument("--algorithms", default="all", help="comma-separated names, or 'all' (default)")
+    p.add_argument("--algorithms", default="all", help="comma-separated names, or 'all' (default); a name may carry "
+                   "options, NAME:OPTION=VALUE[:...], e.g. butterfly,butterfly:radix=4,tree:fan_in=4")
     p.add_argument("--chunks", default="auto", help="comma-separated chunk counts, or 'auto' (default)")
     p.add_argument("--dtype", default="float64", help="comma-separated dtypes to sweep (default float64)")
     p.add_argument("--op", default="sum")
@@ -265,13 +269,18 @@ def model_from_args(args):
 
 def run(args) -> int:
     import flowreduce
+    from flowreduce.algorithms import parse_spec
     from flowreduce.launch import from_args
 
     sizes = parse_sizes(args.sizes) if args.sizes else sweep_sizes(args.min, args.max, args.factor)
     algorithms = list(flowreduce.ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
     for a in algorithms:
-        if a not in flowreduce.ALGORITHMS:
-            raise SystemExit(f"unknown algorithm {a!r}; valid: {', '.join(flowreduce.ALGORITHMS)}")
+        try:
+            name, _ = parse_spec(a)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        if name not in flowreduce.ALGORITHMS:  # the sweep's inputs are dense
+            raise SystemExit(f"bench runs dense algorithms; {name!r} is not one of {', '.join(flowreduce.ALGORITHMS)}")
     chunks = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]
     model = model_from_args(args)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]

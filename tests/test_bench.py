@@ -85,3 +85,24 @@ def test_bench_sweeps_rank_counts_and_dtypes(proc_client, tmp_path, capsys):
 def test_bench_rejects_an_unknown_dtype_before_starting(tmp_path):
     with pytest.raises(TypeError):
         bench.run(_args("--sizes", "10", "--dtype", "float64,nodtype", "--no-progress"))
+
+
+def test_bench_runs_algorithm_options(proc_client, tmp_path):
+    """``--algorithms`` takes ``NAME:OPTION=VALUE``: each spec is its own row,
+    and the plan that ran has the option."""
+    out_json = tmp_path / "rows.json"
+    specs = ["butterfly", "butterfly:radix=4", "tree:fan_in=3"]
+    args = _args("--scheduler", proc_client.scheduler.address, "--sizes", "1001", "--algorithms", ",".join(specs),
+                 "--repeat", "1", "--warmup", "0", "--no-progress", "--no-baseline", "--json", str(out_json))
+    assert bench.run(args) == 0
+    rows = {r["algorithm"]: r for r in json.loads(out_json.read_text())}
+    assert sorted(rows) == sorted(specs) and all(r["correct"] for r in rows.values())
+    assert "radix=2," in rows["butterfly"]["plan"] and "radix=4," in rows["butterfly:radix=4"]["plan"]
+    assert "fan_in=3," in rows["tree:fan_in=3"]["plan"]
+
+
+@pytest.mark.parametrize("spec,message", [("butterfly:radx=4", "takes no option radx"),
+                                          ("sparse-recursive-doubling", "bench runs dense algorithms")])
+def test_bench_rejects_a_bad_algorithm_spec_before_starting(spec, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.run(_args("--sizes", "10", "--algorithms", spec, "--no-progress"))

@@ -137,3 +137,36 @@ def test_auto_prices_quadratic_plans_only_for_few_ranks(p):
     quadratic = [(a, o) for a, o in names if a == "ring" or (a == "butterfly" and o.get("radix") == p)]
     assert bool(quadratic) == (p <= QUADRATIC_PLANS_UP_TO)
     assert ("butterfly", {"radix": 4}) in names and ("recursive-doubling", {"radix": p}) in names
+
+
+@pytest.mark.parametrize("text,want", [
+    ("butterfly", ("butterfly", {})),
+    ("butterfly:radix=4", ("butterfly", {"radix": 4})),
+    ("tree:fan-in=3", ("tree", {"fan_in": 3})),
+    ("hierarchical:group_size=2:inner=ring", ("hierarchical", {"group_size": 2, "inner": "ring"})),
+    ("block-sparse:block_size=64", ("block-sparse", {"block_size": 64})),
+])
+def test_parse_spec_reads_options_the_planner_takes(text, want):
+    from flowreduce.algorithms import format_spec, parse_spec
+
+    assert parse_spec(text) == want
+    name, options = want
+    assert parse_spec(format_spec(name, options)) == want
+    expected = {**plan(name, 4).options, **options}
+    if "group_size" in expected:  # hierarchical records the groups it makes of it
+        expected["groups"] = [list(range(g, g + 2)) for g in range(0, 4, expected.pop("group_size"))]
+    assert plan(name, 4, **options).options == expected
+
+
+@pytest.mark.parametrize("text,message", [
+    ("butterflies", "unknown algorithm 'butterflies'; valid: reduce-broadcast"),
+    ("butterfly:radx=4", "butterfly takes no option radx; it takes: radix"),
+    ("ring:radix=2", "ring takes no option radix; it takes: none"),
+    ("butterfly:radix", "expected OPTION=VALUE after 'butterfly', got 'radix'"),
+    ("auto:radix=2", "options need a named algorithm, not 'auto'"),
+])
+def test_parse_spec_names_what_is_wrong(text, message):
+    from flowreduce.algorithms import parse_spec
+
+    with pytest.raises(ValueError, match=message):
+        parse_spec(text)

@@ -558,6 +558,20 @@ def test_cli_writes_everything(client, tmp_path):
         assert (tmp_path / name).stat().st_size > 0, name
 
 
+def test_cli_passes_algorithm_options(client, tmp_path):
+    from flowreduce.tracing import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--algorithm", "tree:fan_in=3", "--ranks", "4", "--size", "1e3", "--warmup", "0",
+                         "--scheduler", client.scheduler.address, "-o", str(tmp_path)])
+    tr, out = cli.run_traced(client, args)
+    assert flowreduce.describe(out).plan.options == {"fan_in": 3}
+    bad = p.parse_args(["--algorithm", "tree:fanin=3", "-o", str(tmp_path)])
+    with pytest.raises(SystemExit, match="tree takes no option fanin; it takes: fan_in"):
+        cli.run(bad)
+
+
 def test_transfer_logs_are_read_by_position_not_time():
     """A worker's log times are shifted by a clock estimate that changes
     between entries: an entry logged before a trace opened may carry a

@@ -187,3 +187,16 @@ def test_missing_scikit_learn_says_how_to_install():
             "try:\n    load_digits()\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "pip install 'flowreduce[train]'" in out.stdout, out.stderr
+
+
+def test_command_line_algorithm_options_reach_the_config():
+    import argparse
+
+    from flowreduce.train import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    config = cli.config_from_args(p.parse_args(["--algorithm", "hierarchical:group_size=2:inner=ring"]))
+    assert (config.algorithm, config.options) == ("hierarchical", {"group_size": 2, "inner": "ring"})
+    with pytest.raises(SystemExit, match="unknown algorithm 'rng'"):
+        cli.config_from_args(p.parse_args(["--algorithm", "rng"]))

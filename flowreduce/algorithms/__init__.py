@@ -7,6 +7,7 @@ returns a :class:`~flowreduce._plan.Plan`. Nothing here imports Dask.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,55 @@ def plan(algorithm: str, ranks: int, chunks: int = 1, **options: Any) -> Plan:
     except TypeError:  # an option we cannot key a cache on: plan afresh
         return _build(algorithm, ranks, options).with_chunks(chunks)
     return _base_plan(algorithm, ranks, frozen).with_chunks(chunks)
+
+
+def parse_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """An algorithm and its options from one command-line word:
+    ``NAME[:OPTION=VALUE]...``, e.g. ``butterfly:radix=4``, ``tree:fan_in=4``,
+    ``hierarchical:group_size=2``. Values are ints, floats or strings;
+    ``-`` in an option name reads as ``_``.
+
+    Raises
+    ------
+    ValueError
+        Unknown algorithm (listing the valid names), a part without ``=``,
+        an option the algorithm does not take (listing those it does), or
+        options on ``auto``.
+    """
+    name, *parts = text.strip().split(":")
+    valid = (*ALGORITHMS, *SPARSE_ALGORITHMS)
+    if name not in valid:
+        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(valid)}")
+    options: dict[str, Any] = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{text!r}: expected OPTION=VALUE after {name!r}, got {part!r}")
+        options[key.strip().replace("-", "_")] = _scalar(value.strip())
+    if options:
+        if name == "auto":
+            raise ValueError(f"{text!r}: options need a named algorithm, not 'auto'")
+        takes = [k for k, prm in inspect.signature(_PLANNERS.get(name) or _SPARSE_PLANNERS[name]).parameters.items()
+                 if prm.kind is prm.KEYWORD_ONLY]
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            raise ValueError(f"{text!r}: {name} takes no option {', '.join(unknown)}; "
+                             f"it takes: {', '.join(takes) or 'none'}")
+    return name, options
+
+
+def format_spec(algorithm: str, options: dict[str, Any]) -> str:
+    """The inverse of :func:`parse_spec`: ``butterfly:radix=4``."""
+    return ":".join([algorithm, *(f"{k}={v}" for k, v in options.items())])
+
+
+def _scalar(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _frozen(value: Any) -> Any:

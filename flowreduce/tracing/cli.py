@@ -18,7 +18,8 @@ from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--algorithm", default="butterfly", help="algorithm name (default: butterfly)")
+    parser.add_argument("--algorithm", default="butterfly", help="algorithm name, with options as "
+                        "NAME:OPTION=VALUE[:...], e.g. butterfly:radix=4 (default: butterfly)")
     parser.add_argument("--ranks", type=int, default=4, help="number of ranks = workers (default: 4)")
     parser.add_argument("--size", type=float, default=1e6, help="elements per rank (default: 1e6)")
     parser.add_argument("--chunks", type=int, default=None, help="chunks (default: flowreduce's choice)")
@@ -64,9 +65,11 @@ def run_traced(client: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     if args.straggler:
         r, _, s = args.straggler.partition(":")
         delays[int(r)] = float(s or 0.5)
+    from flowreduce.algorithms import parse_spec
     from flowreduce.bench import model_from_args
 
-    kw: dict[str, Any] = {"algorithm": args.algorithm, "model": model_from_args(args)}
+    name, options = parse_spec(args.algorithm)
+    kw: dict[str, Any] = {"algorithm": name, "model": model_from_args(args), **options}
     if args.chunks:
         kw["chunks"] = args.chunks
     for i in range(args.warmup):
@@ -112,8 +115,13 @@ def write_all(tr: Any, out_dir: str, title: str = "") -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flowreduce.algorithms import parse_spec
     from flowreduce.launch import from_args
 
+    try:
+        parse_spec(args.algorithm)  # a bad name or option fails before any cluster starts
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     with from_args(args, workers=args.ranks) as client:
         tr, _ = run_traced(client, args)
         title = f"{args.algorithm}, {args.ranks} ranks, {args.size:g} x {args.dtype}"

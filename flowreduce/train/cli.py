@@ -19,6 +19,8 @@ import os
 import time
 from typing import Any
 
+from flowreduce.algorithms import format_spec, parse_spec
+
 
 def parse_bucket_bytes(text: str) -> int | None:
     if text.lower() in ("none", "off", "0"):
@@ -33,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from flowreduce.launch import add_cluster_arguments
 
     parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks = workers (default 4)")
-    parser.add_argument("--algorithm", default="auto", help="all-reduce algorithm (default: auto)")
+    parser.add_argument("--algorithm", default="auto", help="all-reduce algorithm, with options as "
+                        "NAME:OPTION=VALUE[:...], e.g. hierarchical:group_size=2 (default: auto)")
     parser.add_argument("--chunks", type=int, default=None, help="all-reduce chunks (default: the cost model's)")
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set (default 20)")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step (default 16; "
@@ -60,9 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> Any:
     from flowreduce.train.config import TrainConfig, parse_straggler
 
+    try:
+        algorithm, options = parse_spec(args.algorithm)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     hidden = tuple(int(h) for h in str(args.hidden).split(",") if h.strip())
     return TrainConfig(ranks=args.ranks, hidden=hidden, batch=args.batch_size, lr=args.lr, momentum=args.momentum,
-                       epochs=args.epochs, seed=args.seed, dtype=args.dtype, algorithm=args.algorithm,
+                       epochs=args.epochs, seed=args.seed, dtype=args.dtype, algorithm=algorithm, options=options,
                        chunks=args.chunks, bucket_bytes=args.bucket_bytes, overlap=not args.no_overlap,
                        straggler=parse_straggler(args.straggler))
 
@@ -83,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--ranks {config.ranks} needs {config.ranks} workers, the cluster has {len(workers)}")
         dp = DataParallel(client, config, workers[:config.ranks])
         console.print(f"training MLP 64-{'-'.join(map(str, config.hidden))}-10 on digits: {config.ranks} ranks x "
-                      f"{config.batch} samples/step, {dp.steps_per_epoch} steps/epoch, algorithm {config.algorithm}, "
+                      f"{config.batch} samples/step, {dp.steps_per_epoch} steps/epoch, algorithm {format_spec(config.algorithm, config.options)}, "
                       f"bucket {config.bucket_bytes or 0} B, overlap {'on' if config.overlap else 'off'}"
                       + (f", straggler rank {config.straggler[0]} +{config.straggler[1] * 1e3:g} ms"
                          if config.straggler else ""), soft_wrap=True)
@@ -172,7 +179,7 @@ class _TraceWindow:
             from flowreduce.train.plot import plot_steps
 
             c = self.trainer.config
-            title = (f"{c.ranks} ranks, {c.algorithm}, bucket {c.bucket_bytes or 0} B, overlap "
+            title = (f"{c.ranks} ranks, {format_spec(c.algorithm, c.options)}, bucket {c.bucket_bytes or 0} B, overlap "
                      f"{'on' if c.overlap else 'off'}" + (f", straggler {c.straggler}" if c.straggler else ""))
             steps = [os.path.join(self.out_dir, f"steps.{ext}") for ext in ("png", "svg")]
             plot_steps(self.trace, self.trainer.workers, steps, title=title)
