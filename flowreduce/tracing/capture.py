@@ -411,7 +411,7 @@ class Trace:
                 for k in e["keys"]:
                     info = keymod.parse(k)
                     groups.setdefault(info["token"] if info else "", []).append((k, info))
-                logged_total = sum(e["keys"].values()) or 1
+                logged_total = sum(v or 0 for v in e["keys"].values()) or 1
                 for token, members in groups.items():
                     if token and not self._see(token, self.calls.get(token) or registry.lookup(token)):
                         continue
@@ -421,7 +421,7 @@ class Trace:
                         meta = {"algorithm": first["algorithm"], "token": token,
                                 "step": first.get("step"), "chunk": first.get("chunk"), "node": first.get("node")}
                     key_bytes = tuple(self._sent_bytes(k, i, e["keys"][k]) for k, i in members)
-                    share = sum(e["keys"][k] for k, _ in members) / logged_total if len(groups) > 1 else 1.0
+                    share = sum(e["keys"][k] or 0 for k, _ in members) / logged_total if len(groups) > 1 else 1.0
                     common = dict(keys=tuple(repr(k) for k, _ in members), key_bytes=key_bytes,
                                   nbytes=sum(key_bytes), source=src, dest=dest, key=repr(members[0][0]),
                                   rank=self._worker_rank.get(dest), **meta)
