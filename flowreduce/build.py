@@ -138,8 +138,7 @@ def build_graph(
     :meth:`flowreduce.ops.Op.accumulator`)."""
     if len(inputs) != plan.ranks or len(workers) != plan.ranks:
         raise ValueError(f"plan is for {plan.ranks} ranks, got {len(inputs)} inputs and {len(workers)} workers")
-    worker_of = [workers[n.rank] for n in plan.nodes]
-    owned = owned_inputs(plan, worker_of, plan.consumers(), in_place)
+    owned = owned_inputs(plan, workers, in_place)
     count = contributions(plan)
 
     def task_for(s: Site) -> Task:
@@ -169,15 +168,17 @@ def contributions(plan: Plan) -> list[int]:
     return count
 
 
-def owned_inputs(plan: Plan, worker_of: list[str], consumers, in_place: bool) -> dict[int, tuple[bool, ...]]:
-    """For each reduce node, which inputs it may overwrite.
+def owned_inputs(plan: Plan, workers: Sequence[str], in_place: bool) -> dict[int, tuple[bool, ...]]:
+    """For each reduce node, which inputs it may overwrite (``workers``: one
+    address per plan rank).
 
     A value that crossed workers arrives as a fresh, private copy. It may be
     reduced into when every task on the receiving worker that reads it is a
     reduce over a range disjoint from the others' (so nobody sees the
     overwrite). Inputs produced on the same worker are never overwritten:
     they may be views of user data or still waiting to be sent."""
-    nodes = plan.nodes
+    nodes, consumers = plan.nodes, plan.consumers()
+    worker_of = [workers[n.rank] for n in nodes]
     out = {}
     for n in nodes:
         if n.kind != REDUCE:

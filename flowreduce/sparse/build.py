@@ -168,8 +168,7 @@ def _lower(plan: SparsePlan, inputs, workers: list[str], kernels, reduce_kernel,
            in_place: bool, codec: str | None, seed: int | None) -> Graph:
     """One task per node and chunk, pinned to its rank's worker (plan ranks
     beyond the inputs are aggregators: ``workers[rank]`` all the same)."""
-    worker_of = [workers[n.rank] for n in plan.nodes]
-    owned = owned_inputs(plan, worker_of, plan.consumers(), in_place)
+    owned = owned_inputs(plan, workers, in_place)
     count = contributions(plan)
     encoded = plan.encoded_nodes() if codec else set()
 
