@@ -254,7 +254,7 @@ def pending_report(c: Any) -> str:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"jobs {', '.join(ids)} ({cmd[0]} failed: {e})"
-    return describe_jobs(ids, parse(out.stdout, out.stderr), complaint=out.stderr if out.returncode else "")
+    return describe_jobs(ids, parse(out.stdout), complaint=out.stderr if out.returncode else "")
 
 
 class JobStatus(NamedTuple):
@@ -283,7 +283,7 @@ def describe_jobs(ids: list[str], status: dict[str, JobStatus], complaint: str =
     return "; ".join(parts)
 
 
-def parse_squeue(out: str, err: str = "") -> dict[str, JobStatus]:
+def parse_squeue(out: str) -> dict[str, JobStatus]:
     """``squeue -h -j IDS -o '%i|%T|%r|%N'``: one line per job."""
     jobs = {}
     for line in out.splitlines():
@@ -302,7 +302,7 @@ _PBS_STATES = {"Q": "QUEUED", "H": "HELD", "W": "WAITING", "R": "RUNNING", "E": 
                "C": "FINISHED", "M": "MOVED"}
 
 
-def parse_pbs_qstat(out: str, err: str = "") -> dict[str, JobStatus]:
+def parse_pbs_qstat(out: str) -> dict[str, JobStatus]:
     """``qstat -f IDS`` (PBS Pro, OpenPBS, Torque): a ``Job Id: ...`` line
     per job, then ``    name = value`` attributes, long values continued on
     lines that start with a tab. Reads ``job_state``, ``comment`` (the
@@ -334,7 +334,7 @@ _SGE_STATES = {"r": "RUNNING", "t": "STARTING", "qw": "PENDING", "hqw": "HELD", 
                "Eqw": "ERROR", "s": "SUSPENDED", "dr": "DELETING"}
 
 
-def parse_sge_qstat(out: str, err: str = "") -> dict[str, JobStatus]:
+def parse_sge_qstat(out: str) -> dict[str, JobStatus]:
     """``qstat -j ID,ID`` (Grid Engine): per job a block of ``key: value``
     lines after a ``=====`` rule, ``scheduling info:`` continued on indented
     lines. A job with ``usage`` (or a ``job_state`` of ``r``) runs; else its
@@ -388,13 +388,13 @@ _LSF_STATES = {"PEND": "PENDING", "PSUSP": "HELD", "RUN": "RUNNING", "USUSP": "S
                "SSUSP": "SUSPENDED", "DONE": "FINISHED", "EXIT": "FAILED", "WAIT": "WAITING"}
 
 
-def parse_lsf_bjobs(out: str, err: str = "") -> dict[str, JobStatus]:
+def parse_lsf_bjobs(out: str) -> dict[str, JobStatus]:
     """``bjobs -UF IDS`` (LSF's long format, one line per event): per job a
     ``Job <12>, ..., Status <PEND>, ...`` line, a ``Started ... on <host>``
     line once it runs, and while it waits a ``PENDING REASONS:`` section of
     indented reasons ending in ``;`` (up to the next blank line or
-    ``SECTION:`` heading). Jobs gone from the queue are named on stderr
-    (``Job <12> is not found``) and left out."""
+    ``SECTION:`` heading). Jobs gone from the queue are only named on
+    stderr (``Job <12> is not found``), so they are left out."""
     status: dict[str, JobStatus] = {}
     reasons: dict[str, list[str]] = {}
     current = None
@@ -424,8 +424,8 @@ def parse_lsf_bjobs(out: str, err: str = "") -> dict[str, JobStatus]:
     return status
 
 
-#: cluster class -> (command for the job ids, parser of its stdout and stderr)
-QUERIES: dict[str, tuple[Callable[[list[str]], list[str]], Callable[[str, str], dict[str, JobStatus]]]] = {
+#: cluster class -> (command for the job ids, parser of its stdout)
+QUERIES: dict[str, tuple[Callable[[list[str]], list[str]], Callable[[str], dict[str, JobStatus]]]] = {
     "SLURMCluster": (lambda ids: ["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%r|%N"], parse_squeue),
     "PBSCluster": (lambda ids: ["qstat", "-f", *ids], parse_pbs_qstat),
     "SGECluster": (lambda ids: ["qstat", "-j", ",".join(ids)], parse_sge_qstat),

@@ -225,7 +225,7 @@ def test_parse_sge_qstat():
 
 
 def test_parse_lsf_bjobs():
-    jobs = launch.parse_lsf_bjobs(BJOBS_UF, "Job <5103> is not found\n")
+    jobs = launch.parse_lsf_bjobs(BJOBS_UF)
     assert jobs == {
         "5101": JobStatus("PENDING", "Job's requirements for resource reservation not satisfied "
                                      "(Resource: mem): 3 hosts; Not specified in job submission: 12 hosts"),
