@@ -260,6 +260,18 @@ def add_cost_model_argument(p) -> None:
                    "(default: the dask config key flowreduce.cost-model, else the built-in constants)")
 
 
+def spec_from_arg(text: str) -> tuple[str, dict]:
+    """An algorithm and its options from the command line
+    (:func:`flowreduce.algorithms.parse_spec`); a bad name or option exits
+    with the message naming it, before any cluster starts."""
+    from flowreduce.algorithms import parse_spec
+
+    try:
+        return parse_spec(text)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
 def model_from_args(args):
     """The :class:`CostModel` named by ``--cost-model``, or None (the configured default)."""
     from flowreduce.cost import CostModel
@@ -269,16 +281,12 @@ def model_from_args(args):
 
 def run(args) -> int:
     import flowreduce
-    from flowreduce.algorithms import parse_spec
     from flowreduce.launch import from_args
 
     sizes = parse_sizes(args.sizes) if args.sizes else sweep_sizes(args.min, args.max, args.factor)
     algorithms = list(flowreduce.ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
     for a in algorithms:
-        try:
-            name, _ = parse_spec(a)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+        name, _ = spec_from_arg(a)
         if name not in flowreduce.ALGORITHMS:  # the sweep's inputs are dense
             raise SystemExit(f"bench runs dense algorithms; {name!r} is not one of {', '.join(flowreduce.ALGORITHMS)}")
     chunks = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]

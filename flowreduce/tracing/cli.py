@@ -65,10 +65,9 @@ def run_traced(client: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     if args.straggler:
         r, _, s = args.straggler.partition(":")
         delays[int(r)] = float(s or 0.5)
-    from flowreduce.algorithms import parse_spec
-    from flowreduce.bench import model_from_args
+    from flowreduce.bench import model_from_args, spec_from_arg
 
-    name, options = parse_spec(args.algorithm)
+    name, options = spec_from_arg(args.algorithm)
     kw: dict[str, Any] = {"algorithm": name, "model": model_from_args(args), **options}
     if args.chunks:
         kw["chunks"] = args.chunks
@@ -115,13 +114,10 @@ def write_all(tr: Any, out_dir: str, title: str = "") -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowreduce.algorithms import parse_spec
+    from flowreduce.bench import spec_from_arg
     from flowreduce.launch import from_args
 
-    try:
-        parse_spec(args.algorithm)  # a bad name or option fails before any cluster starts
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    spec_from_arg(args.algorithm)  # a bad name or option fails before any cluster starts
     with from_args(args, workers=args.ranks) as client:
         tr, _ = run_traced(client, args)
         title = f"{args.algorithm}, {args.ranks} ranks, {args.size:g} x {args.dtype}"

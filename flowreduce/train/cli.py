@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any
 
-from flowreduce.algorithms import format_spec, parse_spec
+from flowreduce.algorithms import format_spec
 
 
 def parse_bucket_bytes(text: str) -> int | None:
@@ -61,12 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from flowreduce.bench import spec_from_arg
     from flowreduce.train.config import TrainConfig, parse_straggler
 
-    try:
-        algorithm, options = parse_spec(args.algorithm)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    algorithm, options = spec_from_arg(args.algorithm)
     hidden = tuple(int(h) for h in str(args.hidden).split(",") if h.strip())
     return TrainConfig(ranks=args.ranks, hidden=hidden, batch=args.batch_size, lr=args.lr, momentum=args.momentum,
                        epochs=args.epochs, seed=args.seed, dtype=args.dtype, algorithm=algorithm, options=options,
