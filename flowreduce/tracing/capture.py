@@ -404,6 +404,14 @@ class Trace:
                     exact = e["stop"] - raw
                 start, stop = dclock.align_interval(e["start"], e["stop"], True, exact)
                 sent = outgoing.get((src, dest, all_keys))
+                s = est.get(src, {}).get("serialise", 0.0)
+                if sent is not None and s > 0 and sent_bytes.get(src):  # the sender's view of the message
+                    sclock = self.clocks[src]
+                    s0, s1 = sclock.align_interval(sent["start"], sent["stop"], True,
+                                                   (sent["start"] + sent["stop"]) / 2 - sent["middle"])
+                else:
+                    sent = None
+                d = est.get(dest, {}).get("deserialise", 0.0)
                 # dask batches every key a worker wants from one peer into one
                 # message, so a message can carry keys of several concurrent
                 # calls: one event per call, each with its own keys and bytes
@@ -427,16 +435,11 @@ class Trace:
                                   rank=self._worker_rank.get(dest), **meta)
                     detail = "transfer_incoming_log" if len(groups) == 1 else "transfer_incoming_log (shared message)"
                     out.append(Event("transfer", start, stop, dest, dclock.host, detail=detail, **common))
-                    d = est.get(dest, {}).get("deserialise", 0.0)
                     if d > 0 and recv_bytes[dest]:
                         dur = min(d * e["total"] * share / recv_bytes[dest], stop - start)
                         out.append(Event("deserialise", stop - dur, stop, dest, dclock.host, estimated=True,
                                          detail="metric:gather-dep.deserialize", **common))
-                    s = est.get(src, {}).get("serialise", 0.0)
-                    if sent is not None and s > 0 and sent_bytes.get(src):
-                        sclock = self.clocks[src]
-                        s0, s1 = sclock.align_interval(sent["start"], sent["stop"], True,
-                                                       (sent["start"] + sent["stop"]) / 2 - sent["middle"])
+                    if sent is not None:
                         dur = min(s * sent["total"] * share / sent_bytes[src], s1 - s0)
                         out.append(Event("serialise", s0, s0 + dur, src, sclock.host, estimated=True,
                                          detail="metric:get-data.serialize",
