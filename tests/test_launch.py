@@ -8,15 +8,24 @@ SLURM are in ``tests/hpc/``."""
 from __future__ import annotations
 
 import io
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from flowreduce import launch
 from flowreduce.launch import JobStatus
+
+
+def _python(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+    """This Python on ``argv``, importing this checkout's flowreduce."""
+    env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env)
 
 # ---------------------------------------------------------------- rank groups
 
@@ -87,17 +96,11 @@ def test_job_script_runs_the_configured_python(tmp_path):
             "jobqueue.slurm.scheduler-options": {"dashboard_address": "127.0.0.1:0", "idle_timeout": "1h"}}
     opts = {"cores": 1, "memory": "1GB", "log_directory": str(tmp_path)}
     with dask.config.set(site):
-        cluster = launch._jobqueue_cluster("slurm", dict(opts))
-        try:
+        with launch._jobqueue_cluster("slurm", dict(opts)) as cluster:
             script = cluster.job_script()
             scheduler = cluster.scheduler_spec["options"]
-        finally:
-            cluster.close()
-        overridden = launch._jobqueue_cluster("slurm", {**opts, "python": "/usr/bin/python3"})
-        try:
+        with launch._jobqueue_cluster("slurm", {**opts, "python": "/usr/bin/python3"}) as overridden:
             explicit_script = overridden.job_script()
-        finally:
-            overridden.close()
     assert "/opt/x/python -m distributed.cli.dask_worker" in script, script
     assert sys.executable not in script
     assert scheduler["dashboard_address"] == "127.0.0.1:0" and scheduler["idle_timeout"] == "1h"
@@ -362,34 +365,36 @@ def test_sigterm_unwinds_with_blocks(tmp_path):
                 print("release finished", flush=True)
         print("unreachable")
     """))
-    import os
-    from pathlib import Path
-
-    env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    out = _python(str(script), timeout=60)
     assert out.returncode == 143, out.stdout + out.stderr
     assert out.stdout.splitlines() == ["released", "release finished"], out.stdout + out.stderr
 
 
 def test_sigterm_unwinds_restores_the_previous_handler():
-    import signal
+    """With Python's default SIGTERM, the block installs its own and puts
+    the default back; a handler somebody else installed is left alone."""
 
-    before = signal.getsignal(signal.SIGTERM)
-    with launch.sigterm_unwinds():
-        if before is signal.SIG_DFL:
-            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    assert signal.getsignal(signal.SIGTERM) is before
+    def theirs(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with launch.sigterm_unwinds():
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, theirs)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        signal.signal(signal.SIGTERM, theirs)
+        with launch.sigterm_unwinds():
+            assert signal.getsignal(signal.SIGTERM) is theirs
+        assert signal.getsignal(signal.SIGTERM) is theirs
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_importing_dask_jobqueue_keeps_ctrl_c_a_keyboard_interrupt():
     """dask_jobqueue's first import makes SIGINT call sys.exit() (exit status
     0 after Ctrl-C); launch imports it and puts Python's handler back."""
     pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
-    import os
-    from pathlib import Path
-
     code = ("import signal; from flowreduce import launch; launch._import_dask_jobqueue('slurm'); "
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
-    env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    out = _python("-c", code, timeout=120)
     assert out.stdout.strip() == "True", out.stdout + out.stderr
