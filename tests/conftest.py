@@ -61,3 +61,19 @@ def transfer_bytes(tr, token) -> dict:
             for k, b in zip(e.keys, e.key_bytes):
                 out[(ast.literal_eval(k), e.dest)] = b
     return out
+
+
+def cli_args(module, *argv):
+    """The parsed command line of a ``flowreduce`` subcommand module."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """Fail the test if the command under test starts or joins a cluster
+    (for errors that must come before that)."""
+    monkeypatch.setattr("flowreduce.launch.from_args", lambda *a, **k: pytest.fail("a cluster was started"))

@@ -3,19 +3,16 @@ for real against the multi-process cluster."""
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 
 import numpy as np
 import pytest
+from conftest import cli_args
 
 from flowreduce import bench
 
-
-def _args(*argv):
-    p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    return p.parse_args(list(argv))
+_args = functools.partial(cli_args, bench)
 
 
 @pytest.mark.parametrize("op", ["sum", "max", "min", "mean"])
@@ -82,9 +79,6 @@ def test_bench_sweeps_rank_counts_and_dtypes(proc_client, tmp_path, capsys):
             assert f"# size 1001 ({p} ranks, {d}): best butterfly" in printed
 
 
-def test_bench_rejects_an_unknown_dtype_before_starting(tmp_path):
-    with pytest.raises(TypeError):
-        bench.run(_args("--sizes", "10", "--dtype", "float64,nodtype", "--no-progress"))
 
 
 def test_bench_runs_algorithm_options(proc_client, tmp_path):
@@ -101,8 +95,11 @@ def test_bench_runs_algorithm_options(proc_client, tmp_path):
     assert "fan_in=3," in rows["tree:fan_in=3"]["plan"]
 
 
-@pytest.mark.parametrize("spec,message", [("butterfly:radx=4", "takes no option radx"),
-                                          ("sparse-recursive-doubling", "bench runs dense algorithms")])
-def test_bench_rejects_a_bad_algorithm_spec_before_starting(spec, message):
-    with pytest.raises(SystemExit, match=message):
-        bench.run(_args("--sizes", "10", "--algorithms", spec, "--no-progress"))
+@pytest.mark.parametrize("argv,error,message", [
+    (["--dtype", "float64,nodtype"], TypeError, "nodtype"),
+    (["--algorithms", "butterfly:radx=4"], SystemExit, "takes no option radx"),
+    (["--algorithms", "sparse-recursive-doubling"], SystemExit, "bench runs dense algorithms"),
+])
+def test_bench_rejects_bad_arguments_before_starting(no_cluster, argv, error, message):
+    with pytest.raises(error, match=message):
+        bench.run(_args("--sizes", "10", "--no-progress", *argv))

@@ -7,7 +7,6 @@ bytes of each key within dask's framing of its segment size.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import csv
 import json
@@ -16,6 +15,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
+from conftest import cli_args
 
 distributed = pytest.importorskip("distributed")
 
@@ -36,7 +36,6 @@ def make_input(n: int, seed: int, delay: float = 0.0) -> np.ndarray:
     return np.random.default_rng(seed).random(n)
 
 
-
 def train_step(n: int, seed: int, seconds: float) -> np.ndarray:
     """A stand-in training step: compute for ``seconds``, return a gradient."""
     t0 = time.perf_counter()
@@ -44,6 +43,7 @@ def train_step(n: int, seed: int, seconds: float) -> np.ndarray:
     while time.perf_counter() - t0 < seconds:
         g = g * 1.0
     return g
+
 
 def _memory_times(key, dask_scheduler=None) -> list[float]:
     """Scheduler times at which ``key`` reached memory (its transition log)."""
@@ -549,10 +549,8 @@ def test_cli_writes_everything(client, tmp_path):
     pytest.importorskip("matplotlib")
     from flowreduce.tracing import cli
 
-    p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    args = p.parse_args(["--ranks", "4", "--size", "2e4", "--scheduler", client.scheduler.address,
-                         "-o", str(tmp_path)])
+    args = cli_args(cli, "--ranks", "4", "--size", "2e4", "--scheduler", client.scheduler.address,
+                    "-o", str(tmp_path))
     assert cli.run(args) == 0
     for name in ("trace.json", "trace.csv", "timeline.png", "timeline.svg", "summary.txt", "summary.json"):
         assert (tmp_path / name).stat().st_size > 0, name
@@ -561,15 +559,17 @@ def test_cli_writes_everything(client, tmp_path):
 def test_cli_passes_algorithm_options(client, tmp_path):
     from flowreduce.tracing import cli
 
-    p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    args = p.parse_args(["--algorithm", "tree:fan_in=3", "--ranks", "4", "--size", "1e3", "--warmup", "0",
-                         "--scheduler", client.scheduler.address, "-o", str(tmp_path)])
+    args = cli_args(cli, "--algorithm", "tree:fan_in=3", "--ranks", "4", "--size", "1e3", "--warmup", "0",
+                    "--scheduler", client.scheduler.address, "-o", str(tmp_path))
     tr, out = cli.run_traced(client, args)
     assert flowreduce.describe(out).plan.options == {"fan_in": 3}
-    bad = p.parse_args(["--algorithm", "tree:fanin=3", "-o", str(tmp_path)])
+
+
+def test_cli_rejects_a_bad_algorithm_option_before_starting(no_cluster, tmp_path):
+    from flowreduce.tracing import cli
+
     with pytest.raises(SystemExit, match="tree takes no option fanin; it takes: fan_in"):
-        cli.run(bad)
+        cli.run(cli_args(cli, "--algorithm", "tree:fanin=3", "-o", str(tmp_path)))
 
 
 def test_transfer_logs_are_read_by_position_not_time():

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import workers_of
+from conftest import cli_args, workers_of
 
 import flowreduce
 from flowreduce.tracing.registry import lookup
@@ -190,13 +190,9 @@ def test_missing_scikit_learn_says_how_to_install():
 
 
 def test_command_line_algorithm_options_reach_the_config():
-    import argparse
-
     from flowreduce.train import cli
 
-    p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    config = cli.config_from_args(p.parse_args(["--algorithm", "hierarchical:group_size=2:inner=ring"]))
+    config = cli.config_from_args(cli_args(cli, "--algorithm", "hierarchical:group_size=2:inner=ring"))
     assert (config.algorithm, config.options) == ("hierarchical", {"group_size": 2, "inner": "ring"})
     with pytest.raises(SystemExit, match="unknown algorithm 'rng'"):
-        cli.config_from_args(p.parse_args(["--algorithm", "rng"]))
+        cli.config_from_args(cli_args(cli, "--algorithm", "rng"))
