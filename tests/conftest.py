@@ -16,13 +16,21 @@ def flowreduce_keys(client) -> list:
     )
 
 
+def wait_until(ready, timeout: float, step: float = 0.1) -> bool:
+    """Poll ``ready()`` every ``step`` s until it is true (True) or
+    ``timeout`` s have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step)
+    return True
+
+
 def assert_clean(client, timeout: float = 10.0) -> None:
     """Poll (bounded) until the scheduler holds no flowreduce key."""
-    deadline = time.monotonic() + timeout
+    wait_until(lambda: not flowreduce_keys(client), timeout, step=0.05)
     left = flowreduce_keys(client)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = flowreduce_keys(client)
     assert not left, f"{len(left)} flowreduce keys leaked, e.g. {left[:3]}"
 
 

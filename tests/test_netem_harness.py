@@ -20,10 +20,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 NETEM_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "netem"
 PROBE = NETEM_DIR / "probe_transfer.py"
@@ -202,21 +202,12 @@ except KeyboardInterrupt:
 EXIT = {"SIGINT": 130, "SIGTERM": 128 + signal.SIGTERM, "atexit": 0}
 
 
-def _poll(ready, timeout: float, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(step)
-    return True
-
-
 def _force_down(netem) -> None:
     """After a failed run: take the harness's lock (so no other user's cluster
     is up), then remove whatever fr-* is left."""
     fd = os.open(netem.LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        if _poll(lambda: _try_lock(fd), timeout=600, step=0.5):
+        if wait_until(lambda: _try_lock(fd), timeout=600, step=0.5):
             subprocess.run(["bash", str(netem.NETNS_SH), "down"], capture_output=True, timeout=120)
     finally:
         os.close(fd)
@@ -246,7 +237,7 @@ def test_teardown_on_signal_or_exit_of_the_driver(netem, tmp_path, how):
     came_up = False
     try:
         # bounded: the lock (another user of the harness) plus startup
-        assert _poll(lambda: state.exists() or proc.poll() is not None, timeout=420), "driver never came up"
+        assert wait_until(lambda: state.exists() or proc.poll() is not None, timeout=420), "driver never came up"
         assert state.exists(), f"driver exited with {proc.returncode} before its cluster was up:\n{err.read_text()}"
         came_up = True
         up = json.loads(state.read_text())

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,10 +78,8 @@ def _jobs(name: str) -> list[tuple[str, str]]:
 def _gone(name: str, timeout: float = 60.0) -> list[tuple[str, str]]:
     """Wait up to ``timeout`` s for jobs named ``name`` to leave squeue;
     return those still queued (empty when all are gone)."""
-    deadline = time.monotonic() + timeout
-    while (jobs := _jobs(name)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return jobs
+    wait_until(lambda: not _jobs(name), timeout, step=0.5)
+    return _jobs(name)
 
 
 def _leftovers_cancelled(name: str) -> list[tuple[str, str]]:
@@ -105,3 +104,9 @@ def _cancelled(log_directory: Path, ids: list[str]) -> dict[str, bool]:
         text = "".join(p.read_text(errors="replace") for p in Path(log_directory).glob(f"*-{jid}.err"))
         out[jid] = re.search(rf"\*\*\* JOB {jid} ON \S+ CANCELLED AT ", text) is not None
     return out
+
+
+def _job_ids_in_logs(log_directory: Path) -> list[str]:
+    """Ids of the jobs that wrote logs there (``<name>-<id>.err``, as
+    :func:`_cancelled` reads them)."""
+    return sorted({p.stem.rsplit("-", 1)[1] for p in Path(log_directory).glob("*.err")})

@@ -19,15 +19,15 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 import flowreduce
 from flowreduce import launch
-from hpc.conftest import REPO_ROOT, _cancelled, _gone, _jobs, _leftovers_cancelled
+from hpc.conftest import REPO_ROOT, _cancelled, _gone, _job_ids_in_logs, _jobs, _leftovers_cancelled
 
 
 def _options(tmp_path, name: str, **extra) -> dict:
@@ -40,7 +40,7 @@ def _assert_released(name: str, ids: list[str], logs, what: str) -> None:
     """The jobs named ``name`` left squeue, and by ``scancel``."""
     left = _gone(name)
     assert left == [], f"jobs left in squeue {what}: {left}"
-    assert ids, "no job of this test was ever seen in squeue"
+    assert ids, "no job id found for this test"
     cancelled = _cancelled(logs, ids)
     assert all(cancelled.values()), f"jobs that ended without being cancelled {what}: {cancelled}"
 
@@ -181,14 +181,18 @@ def test_cli_releases_its_jobs_when_interrupted(dask_jobqueue, tmp_path, signum,
     stdout, stderr = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
     proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=REPO_ROOT)
     try:
-        deadline = time.monotonic() + 180  # both jobs running, then a moment for the workers to connect
-        while (len(jobs := _jobs(name)) < 2 or any(state != "RUNNING" for _, state in jobs)) \
-                and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
+        def running(jobs):
+            return len(jobs) == 2 and all(state == "RUNNING" for _, state in jobs)
+
+        wait_until(lambda: running(_jobs(name)) or proc.poll() is not None, 180, step=0.5)
+        jobs = _jobs(name)
         assert proc.poll() is None, f"the command ended early: {(tmp_path / 'stderr').read_text()[-3000:]}"
-        assert len(jobs) == 2 and all(state == "RUNNING" for _, state in jobs), jobs
+        assert running(jobs), jobs
         ids = [jid for jid, _ in jobs]
-        time.sleep(5)
+        # the workers connected and the sweep started: bench prints its table header (flushed) then
+        wait_until(lambda: "algbw" in (tmp_path / "stdout").read_text() or proc.poll() is not None, 180, step=0.5)
+        assert proc.poll() is None, f"the command ended early: {(tmp_path / 'stderr').read_text()[-3000:]}"
+        assert "algbw" in (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()[-3000:]
         proc.send_signal(signum)
         try:
             rc = proc.wait(timeout=120)
@@ -203,8 +207,3 @@ def test_cli_releases_its_jobs_when_interrupted(dask_jobqueue, tmp_path, signum,
         stdout.close()
         stderr.close()
         _leftovers_cancelled(name)
-
-
-def _job_ids_in_logs(logs) -> list[str]:
-    """Ids of the jobs that wrote logs there (``<name>-<id>.err``)."""
-    return sorted({p.stem.rsplit("-", 1)[1] for p in logs.glob("*.err")})

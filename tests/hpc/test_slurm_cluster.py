@@ -8,12 +8,10 @@ running or ``dask_jobqueue`` is not installed.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 import uuid
 
-from hpc.conftest import REPO_ROOT, _jobs
+from hpc.conftest import REPO_ROOT, _gone, _jobs, _leftovers_cancelled
 
 
 def test_slurm_cluster_runs_tasks_on_two_jobs(dask_jobqueue, tmp_path):
@@ -90,11 +88,9 @@ def test_slurm_cluster_runs_tasks_on_two_jobs(dask_jobqueue, tmp_path):
         cluster.close()
         closed = True
 
-        deadline = time.monotonic() + 60
-        while (jobs := _jobs(job_name)) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        jobs = _gone(job_name)
         assert jobs == [], f"jobs left in squeue after cluster.close(): {jobs}"
     finally:
         if not closed:
             cluster.close()
-            subprocess.run(["scancel", "-n", job_name], check=False, capture_output=True, timeout=30)
+        _leftovers_cancelled(job_name)
