@@ -143,10 +143,11 @@ def test_finish_waits_for_the_step_records(inproc_client):
     from distributed import Future
 
     dp = DataParallel(inproc_client, TrainConfig(ranks=4, algorithm="ring", **SMALL), workers_of(inproc_client)[:4])
-    dp.step(0, 0)
+    inproc_client.submit(int, 0).add_done_callback(lambda f: None)  # dask makes its callback thread on first use
     gate = threading.Event()
-    Future._cb_executor.submit(gate.wait, 10)  # the callbacks queue behind this
+    Future._cb_executor.submit(gate.wait, 10)  # queued before the step: all its callbacks wait behind this
     threading.Timer(1.0, gate.set).start()
+    dp.step(0, 0)
     dp.finish()
     assert dp.steps[0].done > dp.steps[0].submitted
 
