@@ -147,12 +147,10 @@ class CostModel:
             return self.call + card.steps * self.level + card.tasks * self.task + body
         intra = self.intra or Link(self.level, 1.0 / self.bandwidth)
         inter = self.inter or DEFAULT_INTER
-        per_level = [i * inter.beta + a * intra.beta for i, a in zip(loads.inter, loads.intra)]
-        piped = sum(per_level) / chunks + (chunks - 1) / chunks * max(per_level, default=0.0)
-        link = max(piped, loads.host_max * inter.beta)
+        link = link_seconds(loads, chunks, inter.beta, intra.beta)
         latency = sum(inter.alpha if i else intra.alpha if a else self.level
                       for i, a in zip(loads.inter, loads.intra))
-        latency += max(card.steps - len(per_level), 0) * self.level  # levels past the last transfer
+        latency += max(card.steps - len(loads.inter), 0) * self.level  # levels past the last transfer
         if shared:
             body = max(link + copy, work / self.cores)
         else:
@@ -260,6 +258,16 @@ class LinkLoads:
     intra: tuple[float, ...]
     host_max: float
     inter_total: float
+
+
+def link_seconds(loads: LinkLoads, chunks: int, inter_beta: float, intra_beta: float = 0.0) -> float:
+    """Time the links need for ``loads`` (seconds per byte ``inter_beta``
+    across hosts, ``intra_beta`` within one), pipelined over ``chunks``: the
+    levels' sum once per chunk plus the slowest level for the rest, and never
+    less than the busiest host link's bytes."""
+    per_level = [i * inter_beta + a * intra_beta for i, a in zip(loads.inter, loads.intra)]
+    piped = sum(per_level) / chunks + (chunks - 1) / chunks * max(per_level, default=0.0)
+    return max(piped, loads.host_max * inter_beta)
 
 
 def link_loads(plan: Plan, groups: Groups, nbytes: float) -> LinkLoads:

@@ -23,14 +23,7 @@ import os
 import sys
 import time
 
-
-def rate_bytes(text: str) -> float:
-    """'400mbit' -> bytes/s (tc's units: kbit, mbit, gbit)."""
-    t = text.lower()
-    for unit, f in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
-        if t.endswith(unit):
-            return float(t[: -len(unit)]) * f / 8
-    return float(t)
+from cluster import rate_bytes  # benchmarks/netem/cluster.py (this script's directory)
 
 
 def _cpu_seconds(dask_worker=None, dask_scheduler=None) -> float:

@@ -53,6 +53,7 @@ __all__ = [
     "host_ip",
     "fr_namespaces",
     "netns_usable",
+    "rate_bytes",
 ]
 
 logger = logging.getLogger("flowreduce.netem")
@@ -96,6 +97,25 @@ def host_ns(i: int) -> str:
 def host_ip(i: int) -> str:
     """Address of host ``i`` inside the emulated network."""
     return f"{SUBNET}.{BASE_OCTET + i}"
+
+
+def rate_bytes(rate: str) -> float:
+    """A tc rate in bytes/s: ``100mbit`` -> 12.5e6 (k/m/g ``bit``; ``bps``
+    means bytes; a bare number is bits, as tc reads it)."""
+    text = rate.lower().strip()
+    for unit, scale in (
+        ("gbit", 1e9 / 8),
+        ("mbit", 1e6 / 8),
+        ("kbit", 1e3 / 8),
+        ("bit", 1 / 8),
+        ("gbps", 1e9),
+        ("mbps", 1e6),
+        ("kbps", 1e3),
+        ("bps", 1.0),
+    ):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text) / 8
 
 
 def fr_namespaces() -> list[str]:

@@ -49,13 +49,17 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flowreduce.topology import host_of
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent / "netem")]
 
 import train_bench  # noqa: E402  (benchmarks/train/train_bench.py)
+from cluster import rate_bytes  # noqa: E402  (benchmarks/netem/cluster.py)
 
 PARTS = ("probe", "algorithms", "overlap", "trace", "replot")
 FLAT = ["reduce-broadcast", "tree", "recursive-doubling", "butterfly", "ring", "auto"]
@@ -98,33 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- what the network did ------------------------------------------------------------------
-def rate_bytes(rate: str) -> float:
-    """``100mbit`` -> 12.5e6 bytes/s (tc's units: k/m/g, bit or bps = bytes)."""
-    text = rate.lower().strip()
-    for unit, scale in (
-        ("gbit", 1e9 / 8),
-        ("mbit", 1e6 / 8),
-        ("kbit", 1e3 / 8),
-        ("bit", 1 / 8),
-        ("gbps", 1e9),
-        ("mbps", 1e6),
-        ("kbps", 1e3),
-        ("bps", 1.0),
-    ):
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    return float(text) / 8
-
-
-def host_of(address: str) -> str:
-    return address.split("://")[-1].rsplit(":", 1)[0]
-
-
 def link_terms(call: Any, link_rate: float) -> dict[str, float]:
     """The busiest host link's bytes of one bucket all-reduce and the time
     they need at ``link_rate``, pipelined over chunks as the cost model
     does (no latency, no computation): a floor for that bucket."""
-    from flowreduce.cost import link_loads
+    from flowreduce.cost import link_loads, link_seconds
 
     order: dict[str, list[int]] = {}
     for r, w in enumerate(call.workers):
@@ -133,22 +115,18 @@ def link_terms(call: Any, link_rate: float) -> dict[str, float]:
     if len(groups) < 2:
         return {"host_max_bytes": 0.0, "link_seconds": 0.0}
     loads = link_loads(call.plan, groups, call.nbytes)
-    per_level = [b / link_rate for b in loads.inter]
-    chunks = call.plan.chunks
-    piped = sum(per_level) / chunks + (chunks - 1) / chunks * max(per_level, default=0.0)
-    return {"host_max_bytes": loads.host_max, "link_seconds": max(piped, loads.host_max / link_rate)}
+    return {"host_max_bytes": loads.host_max, "link_seconds": link_seconds(loads, call.plan.chunks, 1 / link_rate)}
 
 
-def install_plan_recorder(link_rate: float) -> None:
-    """Make ``train_bench.plans_ran`` (called per configuration and round
-    with the last step's bucket tokens) also record each bucket's plan, the
-    cost model's prediction and the link floor."""
-    original = train_bench.plans_ran
+def plans_with_links(link_rate: float) -> Callable[[tuple[str, ...]], dict[str, Any]]:
+    """What ``train_bench.run`` records of a step's buckets (``describe``):
+    :func:`train_bench.plans_ran`'s fields, and each bucket's plan, the cost
+    model's prediction and the link floor."""
 
-    def plans_ran(tokens: tuple[str, ...]) -> dict[str, Any]:
+    def describe(tokens: tuple[str, ...]) -> dict[str, Any]:
         from flowreduce.tracing.registry import lookup
 
-        out = original(tokens)
+        out = train_bench.plans_ran(tokens)
         calls = [c for c in map(lookup, tokens) if c is not None]
         out["plans"] = [
             {
@@ -168,7 +146,7 @@ def install_plan_recorder(link_rate: float) -> None:
         out["host_max_bytes"] = sum(p["host_max_bytes"] for p in out["plans"])
         return out
 
-    train_bench.plans_ran = plans_ran
+    return describe
 
 
 def _ns_pids() -> list[int]:
@@ -282,7 +260,7 @@ def bench(args: argparse.Namespace, argv: list[str]) -> tuple[list[dict], argpar
         [*argv, "--hidden", args.hidden, "--batch-size", str(args.batch_size), "--scheduler", args.scheduler]
     )
     load0, cpu0, q0 = os.getloadavg(), cpu_snapshot(), qdisc_counters()
-    rows = train_bench.run(bargs)
+    rows = train_bench.run(bargs, describe=plans_with_links(rate_bytes(args.rate)))
     cpu1, q1 = cpu_snapshot(), qdisc_counters()
     train_bench.print_table(rows, bargs)
     extra = {
@@ -530,7 +508,6 @@ def main(argv: list[str] | None = None) -> int:
             Path(d).mkdir(parents=True, exist_ok=True)
     if args.parts == ["replot"]:
         return replot(args)
-    install_plan_recorder(rate_bytes(args.rate))
     env = environment(args)
     print(f"# {json.dumps(env)}", flush=True)
     t_start = time.time()

@@ -40,6 +40,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -80,7 +81,8 @@ def configurations(args: argparse.Namespace) -> list[tuple[dict, Any]]:
     from flowreduce.train.config import TrainConfig
 
     hidden = tuple(int(h) for h in args.hidden.split(","))
-    base = TrainConfig(ranks=args.ranks, hidden=hidden, batch=args.batch_size, dtype=args.dtype, epochs=1000)
+    base = TrainConfig(ranks=args.ranks, hidden=hidden, batch=args.batch_size, dtype=args.dtype, epochs=1000,
+                       algorithm=args.algorithm, options=algorithm_options(args.algorithm, args))
     out = []
     if args.experiment == "grid":
         for a in args.algorithms.split(","):
@@ -90,17 +92,14 @@ def configurations(args: argparse.Namespace) -> list[tuple[dict, Any]]:
     elif args.experiment == "overlap":
         for b in args.bucket_list:
             for ov in (True, False):
-                out.append(({"bucket_bytes": b, "overlap": ov},
-                            replace(base, algorithm=args.algorithm, bucket_bytes=b, overlap=ov,
-                                    options=algorithm_options(args.algorithm, args))))
+                out.append(({"bucket_bytes": b, "overlap": ov}, replace(base, bucket_bytes=b, overlap=ov)))
     else:
         bucket = parse_bucket_bytes(args.bucket)
         for d in (float(x) for x in args.delays.split(",")):
             for ov in (True, False):
                 out.append(({"delay": d, "overlap": ov},
-                            replace(base, algorithm=args.algorithm, bucket_bytes=bucket, overlap=ov,
-                                    straggler=(args.straggler_rank, d) if d else None,
-                                    options=algorithm_options(args.algorithm, args))))
+                            replace(base, bucket_bytes=bucket, overlap=ov,
+                                    straggler=(args.straggler_rank, d) if d else None)))
     return out
 
 
@@ -124,7 +123,10 @@ def plans_ran(tokens: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def run(args: argparse.Namespace, describe: Callable[[tuple[str, ...]], dict] | None = None) -> list[dict]:
+    """Every configuration, ``--steps`` steps per round in a rotating order;
+    each row records what its last step's buckets ran: ``describe(tokens)``
+    (default :func:`plans_ran`)."""
     from flowreduce.launch import cluster, ranked_workers
     from flowreduce.train import timing
     from flowreduce.train.loop import DataParallel
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 ts = timing.read(client, dp, steps, since)[2:]
                 rows[i]["timings"] += [t.as_dict() for t in ts]
                 rows[i]["buckets"] = len(steps[-1].tokens)
-                rows[i].update(plans_ran(steps[-1].tokens))
+                rows[i].update((describe or plans_ran)(steps[-1].tokens))
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
     for row in rows:
         ts = row["timings"]
