@@ -51,10 +51,11 @@ import uuid
 
 import dask
 from dask.task_spec import Task, TaskRef
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 
 import flowreduce
 from flowreduce.bench import make_input, run_baseline
+from flowreduce.launch import cluster
 from flowreduce.schedule import named_graph
 
 
@@ -135,8 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = ["submit", "graph-1", "graph-2", "graph-3", "local-2", "local-3", "run", "run-on-scheduler",
              "replicate", "baseline", "flowreduce", "direct-reads"]
     times: dict[str, list[float]] = {k: [] for k in names}
-    with LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True, memory_limit="2GiB",
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+    with cluster("local", workers=a.workers, memory_limit="2GiB") as client:
         workers = sorted(client.nthreads())
         for it in range(a.warmup + a.reps):
             shift = it % len(names)
