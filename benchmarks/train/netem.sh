@@ -17,12 +17,10 @@ shift || true
 hosts=${HOSTS:-4}
 rate=${RATE:-100mbit}
 export DASK_FLOWREDUCE__COST_MODEL=${DASK_FLOWREDUCE__COST_MODEL:-$PWD/benchmarks/results/netem/cost-model.json}
-# One BLAS thread per worker, as dask's nanny would set (distributed.nanny.pre-spawn-environ): the emulated
-# workers run without a nanny (--no-nanny), and with OpenBLAS's default of one thread per core four workers
-# computing at once on 2 cores spin against each other (a 16x1024 @ 1024x1024 matmul: p90 36-126 ms instead
-# of 1.5-5 ms, measured on this machine), which would be counted as compute.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} \
-    MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+# benchmarks/netem/cluster.py gives every process it starts one BLAS thread unless set, as dask's nanny
+# would (the emulated workers run without one, --no-nanny): with OpenBLAS's default of one thread per core
+# four workers computing at once on 2 cores spin against each other (a 16x1024 @ 1024x1024 matmul: p90
+# 36-126 ms instead of 1.5-5 ms, measured on this machine), which would be counted as compute.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 publish=()
 if [[ "${NETEM_NO_PUBLISH:-0}" != 1 && " $* " != *" --parts probe "* ]]; then
