@@ -55,6 +55,17 @@ def add_run_arguments(ap, name: str, default_size: float, quick: str) -> None:
     ap.add_argument("--name", default=name, help="output files docs/sparse/<name>.*")
 
 
+def parse_run_args(ap, argv, **quick) -> Any:
+    """``ap.parse_args(argv)``; with ``--quick``, 1M elements, 2 runs, the
+    script's own ``quick`` settings and ``-quick`` after the output name."""
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.size, a.repeat, a.name = 1 << 20, 2, a.name + "-quick"
+        for k, v in quick.items():
+            setattr(a, k, v)
+    return a
+
+
 def checksum(x) -> float:
     """Sum of all values in float64 (runs on a worker: nothing moves)."""
     if hasattr(x, "tocoo"):

@@ -29,7 +29,17 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_run_arguments, machine, mb, read_json, report, run_interleaved, speedups, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    add_run_arguments,
+    machine,
+    mb,
+    parse_run_args,
+    read_json,
+    report,
+    run_interleaved,
+    speedups,
+    write_json,
+)
 
 N = 26_214_400
 BLOCK = 256
@@ -69,9 +79,7 @@ def main(argv=None) -> int:
     add_run_arguments(ap, "omnireduce", N, quick="a few densities")
     ap.add_argument("--densities", default=",".join(map(str, DENSITIES)))
     ap.add_argument("--patterns", default=",".join(PATTERNS))
-    a = ap.parse_args(argv)
-    if a.quick:
-        a.size, a.repeat, a.densities, a.name = 1 << 20, 2, "0.01,0.25,1.0", a.name + "-quick"
+    a = parse_run_args(ap, argv, densities="0.01,0.25,1.0")
     if a.render:
         meta, rows = read_json(a.name)
         return report(a.name, meta, rows, render_table, plot)

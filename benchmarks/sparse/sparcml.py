@@ -34,6 +34,7 @@ from _common import (  # noqa: E402
     checksum,
     machine,
     mb,
+    parse_run_args,
     read_json,
     report,
     run_interleaved,
@@ -63,9 +64,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(ap, "sparcml", N, quick="three k")
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="non-zeros per rank")
-    a = ap.parse_args(argv)
-    if a.quick:
-        a.size, a.repeat, a.ks, a.name = 1 << 20, 2, "100,10000,300000", a.name + "-quick"
+    a = parse_run_args(ap, argv, ks="100,10000,300000")
     if a.render:
         meta, rows = read_json(a.name)
         return report(a.name, meta, rows, render_table, plot)
