@@ -54,9 +54,9 @@ from dask.task_spec import Task, TaskRef
 from distributed import wait
 
 import flowreduce
-from flowreduce.bench import make_input, run_baseline
+from flowreduce.cli.bench import make_input, run_baseline
 from flowreduce.launch import cluster
-from flowreduce.schedule import named_graph
+from flowreduce.schedule.call import named_graph
 
 
 def _first(*xs):

@@ -3,7 +3,7 @@
 >>> summed = flowreduce.allreduce(client, parts, op="sum", algorithm="butterfly")  # doctest: +SKIP
 
 The planners (:mod:`flowreduce.algorithms`) are pure Python; the builder
-(:mod:`flowreduce.build`) imports dask only; :mod:`flowreduce.schedule` is
+(:mod:`flowreduce.build.graph`) imports dask only; :mod:`flowreduce.schedule.call` is
 the one module that talks to distributed, imported lazily here so that
 ``import flowreduce`` works without it.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from flowreduce import topology  # callable: flowreduce.topology(client) shows which workers share a host
-from flowreduce._plan import CostCard, Plan
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS, plan
+from flowreduce.algorithms.ir import CostCard, Plan
 from flowreduce.cost import CostModel, choose
 from flowreduce.ops import resolve_op
 from flowreduce.tracing import trace
@@ -25,13 +25,13 @@ __version__ = "0.1.0"
 
 
 def allreduce(client, inputs, **kwargs: Any):
-    from flowreduce.schedule import allreduce as _allreduce
+    from flowreduce.schedule.call import allreduce as _allreduce
 
     return _allreduce(client, inputs, **kwargs)
 
 
 def describe(futures):
-    from flowreduce.schedule import describe as _describe
+    from flowreduce.schedule.call import describe as _describe
 
     return _describe(futures)
 
@@ -43,7 +43,7 @@ describe.__doc__ = "What the allreduce call that made these futures ran; see flo
 
 def __getattr__(name: str) -> Any:
     if name == "WorkerLostError":  # lives beside the scheduler plugin, which needs distributed
-        from flowreduce._guard import WorkerLostError
+        from flowreduce.schedule.guard import WorkerLostError
 
         return WorkerLostError
     raise AttributeError(f"module 'flowreduce' has no attribute {name!r}")

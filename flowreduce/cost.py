@@ -67,9 +67,9 @@ from dataclasses import dataclass, fields, replace
 from itertools import product
 from typing import Any
 
-from flowreduce._plan import CostCard, Plan
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.algorithms._collectives import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
+from flowreduce.algorithms.ir import CostCard, Plan
+from flowreduce.algorithms.patterns import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
 
 logger = logging.getLogger("flowreduce")
 

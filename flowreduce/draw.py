@@ -9,7 +9,7 @@
 The plan drawing has one lane (row) per rank and one column per step. Every
 plan node is a box coloured by phase and labelled with its segment range
 (``seg 2-3`` = segments 2 and 3 of the plan's ``segments``; ``all`` = the
-whole chunk). Every :class:`~flowreduce._plan.Transfer` is one black arrow
+whole chunk). Every :class:`~flowreduce.algorithms.ir.Transfer` is one black arrow
 labelled with the segments it carries; local dependencies are grey, and a
 message read by a second task on the receiving rank is a dotted arrow.
 
@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowreduce import keys
-from flowreduce._plan import VIEW, Plan
 from flowreduce.algorithms import ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
+from flowreduce.algorithms.ir import VIEW, Plan
 
 if TYPE_CHECKING:  # graphviz is optional; imported lazily by _graphviz()
     import graphviz
@@ -290,7 +290,7 @@ def task_graph(plan: Plan, *, size: int | None = None, op: str = "sum") -> dict[
     rank) defaults to one element per segment per chunk."""
     from dask.task_spec import TaskRef
 
-    from flowreduce.build import build_graph
+    from flowreduce.build.graph import build_graph
     from flowreduce.ops import resolve_op
 
     size = plan.segments * plan.chunks if size is None else size

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import cli_args
 
-from flowreduce import bench
+from flowreduce.cli import bench
 
 _args = functools.partial(cli_args, bench)
 

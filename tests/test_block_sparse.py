@@ -15,7 +15,7 @@ from distributed import Client, Scheduler, SpecCluster, Worker
 
 import flowreduce
 from flowreduce import keys as keymod
-from flowreduce.sparse.plan import quantisation_bound
+from flowreduce.algorithms.sparse import quantisation_bound
 
 PATTERNS = ["zero", "one", "disjoint", "identical", "random", "dense"]
 # (shape, block, chunks): short last block, fewer elements than a block, more chunks than blocks

@@ -10,7 +10,7 @@ import pytest
 from conftest import workers_of
 
 from flowreduce import cli
-from flowreduce.calibrate import calibrate, fit_link, worker_pairs
+from flowreduce.cli.calibrate import calibrate, fit_link, worker_pairs
 from flowreduce.cost import CostModel, Link
 
 SIZES = [8, 1_000, 10_000, 1_000_000, 4_000_000, 16_000_000]
@@ -42,7 +42,7 @@ def test_fit_rejects_bad_samples(x, y, match):
 
 
 def test_link_classes_from_faked_hosts(inproc_client, monkeypatch):
-    import flowreduce.schedule as schedule
+    import flowreduce.schedule.call as schedule
 
     client = inproc_client
     ws = workers_of(client)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowreduce.algorithms import butterfly, hierarchical, recursive_doubling, reduce_broadcast, ring
-from flowreduce.algorithms._collectives import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
+from flowreduce.algorithms.patterns import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
 from flowreduce.topology import Topology, by_name_prefix, by_resource, host_of
 
 FLAT = {m.NAME: m for m in (butterfly, ring, recursive_doubling, reduce_broadcast)}
@@ -310,10 +310,10 @@ def _scatter(client, p: int, shape: tuple[int, ...], seed: int):
 
 
 def _run_plan(client, plan, futures, placed, shape):
-    """What flowreduce.schedule does: lower, pin every key, submit."""
+    """What flowreduce.schedule.call does: lower, pin every key, submit."""
     import dask
 
-    from flowreduce.build import build_graph
+    from flowreduce.build.graph import build_graph
     from flowreduce.ops import resolve_op
 
     in_place = not any(w.startswith("inproc://") for w in placed)  # inproc hands over the sender's object
@@ -364,7 +364,7 @@ def test_three_levels_numbers(request, size, cluster):
 def registered(monkeypatch):
     """Register "hierarchical" as the lead will (no-op once it is)."""
     import flowreduce.algorithms as algorithms
-    import flowreduce.schedule as schedule
+    import flowreduce.schedule.call as schedule
 
     if "hierarchical" not in algorithms._PLANNERS:
         monkeypatch.setitem(algorithms._PLANNERS, hierarchical.NAME, hierarchical.plan)
@@ -461,7 +461,7 @@ def twelve_client():
 def fake_hosts(monkeypatch):
     """``fake_hosts({worker: host})``: in-process workers report these hosts
     (what ``allreduce`` learns from each worker's address or batch node)."""
-    import flowreduce.schedule as schedule
+    import flowreduce.schedule.call as schedule
 
     def install(table: dict[str, str]) -> None:
         monkeypatch.setattr(schedule, "place_of", lambda dask_worker=None: (table[dask_worker.address], ""))

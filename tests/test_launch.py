@@ -31,7 +31,7 @@ def _python(*argv: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 def test_groups_are_the_nodes_whatever_the_jobs():
-    from flowreduce.schedule import _groups_by_place
+    from flowreduce.schedule.call import _groups_by_place
 
     # (node, cpus, job, host): jobs 7 and 8 both on node n1, job 9 across n2 and n3
     places = {"a": ("n1", 8, "7", "n1"), "b": ("n1", 8, "8", "n1"), "c": ("n2", 8, "9", "n2"),

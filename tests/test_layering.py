@@ -14,21 +14,21 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
 @pytest.mark.parametrize(
     "blocked,imports",
     [
-        (["distributed", "dask"], "import flowreduce, flowreduce.algorithms, flowreduce.cost, flowreduce._plan; "
+        (["distributed", "dask"], "import flowreduce, flowreduce.algorithms, flowreduce.cost, flowreduce.algorithms.ir; "
                                   "flowreduce.plan('butterfly', 6).check(); flowreduce.choose(6, 1e6)"),
-        (["distributed"], "import flowreduce.build"),
+        (["distributed"], "import flowreduce.build.graph"),
         (["distributed", "dask"], "import flowreduce.topology, flowreduce.cost; "
                                   "flowreduce.choose(6, 1e6, groups=[[0, 1, 2], [3, 4, 5]]); "
                                   "flowreduce.topology.Topology.from_addresses(['tcp://a:1'])"),
-        (["distributed"], "import flowreduce.calibrate, flowreduce.bench"),
+        (["distributed"], "import flowreduce.cli.calibrate, flowreduce.cli.bench"),
         (["distributed", "dask"], "import flowreduce.pytree, flowreduce.fusion; "
                                   "flowreduce.fusion.make_buckets([flowreduce.pytree.spec(3)], 0)"),
-        (["distributed"], "import flowreduce.build_tree, flowreduce.train, flowreduce.train.cli"),
+        (["distributed"], "import flowreduce.build.buckets, flowreduce.train, flowreduce.cli.train"),
         (["distributed", "dask", "scipy"],
-         "import flowreduce.sparse, flowreduce.sparse.inputs; from dataclasses import replace; "
+         "import flowreduce.algorithms.sparse; from dataclasses import replace; "
          "[flowreduce.plan(a, 5).check() for a in flowreduce.SPARSE_ALGORITHMS]; "
-         "flowreduce.sparse.choose_sparse(5, 10**6, 4, [1e-3] * 5).cost(4e6)"),
-        (["distributed"], "import flowreduce.sparse.build"),
+         "flowreduce.algorithms.sparse.choose_sparse(5, 10**6, 4, [1e-3] * 5).cost(4e6)"),
+        (["distributed"], "import flowreduce.build.sparse"),
     ],
     ids=["planners-without-dask", "builder-without-distributed", "topology-and-cost-without-dask",
          "commands-import-distributed-lazily", "fusion-plan-without-dask",
@@ -44,6 +44,6 @@ def test_imports_without(blocked, imports):
 
 def test_blocking_really_blocks():
     """The harness above would pass vacuously if blocking did nothing."""
-    code = BLOCK.format(mods=["distributed"]) + "import flowreduce.schedule"
+    code = BLOCK.format(mods=["distributed"]) + "import flowreduce.schedule.call"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0 and "distributed" in out.stderr

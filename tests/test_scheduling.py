@@ -76,7 +76,7 @@ def test_graph_carries_no_data():
     """The graph sent through the client holds references, not arrays."""
     from dask.task_spec import TaskRef
 
-    from flowreduce.build import build_graph
+    from flowreduce.build.graph import build_graph
     from flowreduce.ops import resolve_op
 
     p = flowreduce.plan("butterfly", 8, chunks=4)
@@ -104,7 +104,7 @@ def test_input_views_count_small_until_they_travel(make):
     is a real copy and counts in full."""
     from dask.sizeof import sizeof
 
-    from flowreduce._kernels import split
+    from flowreduce.build.kernels import split
 
     x = make()
     v = split(x, 100, 600)
@@ -133,7 +133,7 @@ def test_replicated_input_stays_where_it_was_pinned(proc_client):
 
 
 def test_cores_and_groups_come_from_where_workers_run():
-    from flowreduce.schedule import _groups_by_place, _shared_cores
+    from flowreduce.schedule.call import _groups_by_place, _shared_cores
 
     # (node, cpus, job, machine): two SLURM virtual nodes on one 2-CPU machine, two jobs
     places = {"a": ("n1", 2, "7", "box"), "b": ("n1", 2, "7", "box"),
@@ -162,7 +162,7 @@ def test_amm_keeps_the_replica_a_waiting_pinned_task_needs(proc_client):
 
     from distributed import Event
 
-    from flowreduce._guard import ensure_guard
+    from flowreduce.schedule.guard import ensure_guard
 
     ensure_guard(proc_client)
     proc_client.amm.stop()  # run it once, below, when the stage is set

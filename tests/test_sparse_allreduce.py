@@ -13,7 +13,7 @@ import scipy.sparse as sp
 from conftest import assert_clean, scatter_ranks, transfer_bytes
 
 import flowreduce
-from flowreduce.sparse.plan import quantisation_bound
+from flowreduce.algorithms.sparse import quantisation_bound
 
 ALGS = [("sparse-recursive-doubling", {}), ("sparse-split-allgather", {}),
         ("sparse-split-allgather", {"inner": "ring"})]
@@ -314,7 +314,7 @@ def _expected_pieces(plan, owned, threshold, value_bytes=4, index_bytes=4):
     piece, dense iff ``|U| > threshold·W`` (or ``|U| = W``) or an input is
     dense, and then costs ``v·W``, else ``(v + i)·|U|``; a gather forwards
     its inputs' pieces as they are."""
-    from flowreduce._plan import GATHER, VIEW
+    from flowreduce.algorithms.ir import GATHER, VIEW
 
     seg = owned[0].size // plan.segments
     ranks_of, out = {}, {}

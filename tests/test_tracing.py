@@ -21,7 +21,7 @@ distributed = pytest.importorskip("distributed")
 
 import flowreduce  # noqa: E402
 from flowreduce import keys as keymod  # noqa: E402
-from flowreduce.build import chunk_bounds  # noqa: E402
+from flowreduce.build.graph import chunk_bounds  # noqa: E402
 from flowreduce.tracing import PHASES, registry, summarize, to_chrome, to_csv, trace  # noqa: E402
 from flowreduce.tracing.events import COMPUTE_PHASES  # noqa: E402
 
@@ -547,7 +547,7 @@ def test_a_message_carrying_two_calls_keys_is_split_per_call(client):
 # -- the command ----------------------------------------------------------------------
 def test_cli_writes_everything(client, tmp_path):
     pytest.importorskip("matplotlib")
-    from flowreduce.tracing import cli
+    from flowreduce.cli import trace as cli
 
     args = cli_args(cli, "--ranks", "4", "--size", "2e4", "--scheduler", client.scheduler.address,
                     "-o", str(tmp_path))
@@ -557,7 +557,7 @@ def test_cli_writes_everything(client, tmp_path):
 
 
 def test_cli_passes_algorithm_options(client, tmp_path):
-    from flowreduce.tracing import cli
+    from flowreduce.cli import trace as cli
 
     args = cli_args(cli, "--algorithm", "tree:fan_in=3", "--ranks", "4", "--size", "1e3", "--warmup", "0",
                     "--scheduler", client.scheduler.address, "-o", str(tmp_path))
@@ -566,7 +566,7 @@ def test_cli_passes_algorithm_options(client, tmp_path):
 
 
 def test_cli_rejects_a_bad_algorithm_option_before_starting(no_cluster, tmp_path):
-    from flowreduce.tracing import cli
+    from flowreduce.cli import trace as cli
 
     with pytest.raises(SystemExit, match="tree takes no option fanin; it takes: fan_in"):
         cli.run(cli_args(cli, "--algorithm", "tree:fanin=3", "-o", str(tmp_path)))

@@ -191,7 +191,7 @@ def test_missing_scikit_learn_says_how_to_install():
 
 
 def test_command_line_algorithm_options_reach_the_config():
-    from flowreduce.train import cli
+    from flowreduce.cli import train as cli
 
     config = cli.config_from_args(cli_args(cli, "--algorithm", "hierarchical:group_size=2:inner=ring"))
     assert (config.algorithm, config.options) == ("hierarchical", {"group_size": 2, "inner": "ring"})

@@ -5,7 +5,7 @@ Run inside the head namespace with ``DASK_SCHEDULER_ADDRESS`` set, e.g.::
     python benchmarks/netem/cluster.py --hosts 8 --no-nanny --rate 100mbit -- \\
         benchmarks/netem/bench_allreduce.py --rate 100mbit --sizes 1e5,1e6,1e7 --json /tmp/net8.json
 
-One ``flowreduce.bench`` sweep per size: every algorithm at one chunk, the
+One ``flowreduce.cli.bench`` sweep per size: every algorithm at one chunk, the
 ``--chunked`` ones also at ``--chunks`` chunks, against the hand-written
 baseline, interleaved (rotating order, fresh inputs every run). Around each
 size it records the CPU seconds of the cluster's own processes (workers
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     import psutil
     from distributed import Client
 
-    from flowreduce import bench
+    from flowreduce.cli import bench
     from flowreduce.cost import CostModel
     from flowreduce.launch import ranked_workers
     from flowreduce.topology import host_of

@@ -323,7 +323,7 @@ def print_link(r: dict) -> None:
 
 
 def part_trace(args: argparse.Namespace, algorithm: str, bucket: str) -> dict:
-    from flowreduce.train.cli import parse_bucket_bytes
+    from flowreduce.cli.train import parse_bucket_bytes
 
     tag = f"{algorithm}-{bucket}"
     out_dir = Path(args.out) / f"trace-{tag}"

@@ -48,7 +48,7 @@ ALGORITHMS = ["reduce-broadcast", "tree", "recursive-doubling", "butterfly", "ri
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from flowreduce.train.cli import parse_bucket_bytes
+    from flowreduce.cli.train import parse_bucket_bytes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experiment", choices=("grid", "overlap", "straggler"), default="grid")
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def configurations(args: argparse.Namespace) -> list[tuple[dict, Any]]:
-    from flowreduce.train.cli import parse_bucket_bytes
+    from flowreduce.cli.train import parse_bucket_bytes
     from flowreduce.train.config import TrainConfig
 
     hidden = tuple(int(h) for h in args.hidden.split(","))

@@ -1,7 +1,7 @@
 """The registry of all-reduce algorithms: one module each, one ``plan``.
 
 Every planner takes the number of ranks and its own keyword options and
-returns a :class:`~flowreduce._plan.Plan`. Nothing here imports Dask.
+returns a :class:`~flowreduce.algorithms.ir.Plan`. Nothing here imports Dask.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from flowreduce._plan import Plan
 from flowreduce.algorithms import (
     block_sparse,
     butterfly,
@@ -23,6 +22,7 @@ from flowreduce.algorithms import (
     sparse_split_allgather,
     tree,
 )
+from flowreduce.algorithms.ir import Plan
 
 _PLANNERS: dict[str, Callable[..., Plan]] = {
     m.NAME: m.plan for m in (reduce_broadcast, tree, recursive_doubling, butterfly, ring, hierarchical)

@@ -28,8 +28,8 @@ moves what the radix-p butterfly moves, plus one block id per block.
 
 from __future__ import annotations
 
-from flowreduce._plan import Draft
-from flowreduce.sparse.plan import SparsePlan, sparse_plan
+from flowreduce.algorithms.ir import Draft
+from flowreduce.algorithms.sparse import SparsePlan, sparse_plan
 
 NAME = "block-sparse"
 DEFAULT_BLOCK = 256

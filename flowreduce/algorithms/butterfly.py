@@ -23,7 +23,7 @@ an extra task before it is sent.
 
 from __future__ import annotations
 
-from flowreduce._plan import Draft, Plan, digits, folded, mixed_radix, split_range, with_digit
+from flowreduce.algorithms.ir import Draft, Plan, digits, folded, mixed_radix, split_range, with_digit
 
 NAME = "butterfly"
 

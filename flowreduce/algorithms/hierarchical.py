@@ -42,8 +42,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flowreduce._plan import VIEW, Draft, Plan
-from flowreduce.algorithms._collectives import (
+from flowreduce.algorithms.ir import VIEW, Draft, Plan
+from flowreduce.algorithms.patterns import (
     ALLREDUCE_ALGORITHMS,
     SCATTER_ALGORITHMS,
     Shards,

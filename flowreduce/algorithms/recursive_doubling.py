@@ -19,7 +19,7 @@ vectors (MPICH uses it below a few KiB).
 
 from __future__ import annotations
 
-from flowreduce._plan import Draft, Plan, folded, mixed_radix, with_digit
+from flowreduce.algorithms.ir import Draft, Plan, folded, mixed_radix, with_digit
 
 NAME = "recursive-doubling"
 

@@ -13,7 +13,7 @@ the root combines (p-1)·n bytes alone. Tasks: 2p per chunk.
 
 from __future__ import annotations
 
-from flowreduce._plan import Draft, Plan
+from flowreduce.algorithms.ir import Draft, Plan
 
 NAME = "reduce-broadcast"
 

@@ -14,7 +14,7 @@ slowest choice for small vectors on a task scheduler. Tasks ≈ 3p² per chunk.
 
 from __future__ import annotations
 
-from flowreduce._plan import Draft, Plan
+from flowreduce.algorithms.ir import Draft, Plan
 
 NAME = "ring"
 

@@ -23,7 +23,7 @@ data (SparCML), where latency and not bytes sets the time.
 from __future__ import annotations
 
 from flowreduce.algorithms import recursive_doubling
-from flowreduce.sparse.plan import SparsePlan, sparse_plan
+from flowreduce.algorithms.sparse import SparsePlan, sparse_plan
 
 NAME = "sparse-recursive-doubling"
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flowreduce.algorithms import butterfly, ring
-from flowreduce.algorithms._collectives import SCATTER_ALGORITHMS
-from flowreduce.sparse.plan import SparsePlan, sparse_plan
+from flowreduce.algorithms.patterns import SCATTER_ALGORITHMS
+from flowreduce.algorithms.sparse import SparsePlan, sparse_plan
 
 NAME = "sparse-split-allgather"
 

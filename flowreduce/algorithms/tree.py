@@ -15,7 +15,7 @@ bytes; an inner rank's link carries k·n in and k·n out. Tasks ≈ 2p per chunk
 
 from __future__ import annotations
 
-from flowreduce._plan import Draft, Plan
+from flowreduce.algorithms.ir import Draft, Plan
 
 NAME = "tree"
 

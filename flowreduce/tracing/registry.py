@@ -27,7 +27,7 @@ class Call:
 
     token: str
     algorithm: str
-    plan: Any  # flowreduce._plan.Plan
+    plan: Any  # flowreduce.algorithms.ir.Plan
     nbytes: int
     predicted: float
     workers: tuple[str, ...] = ()  # worker of each rank, if known
@@ -43,7 +43,7 @@ def describe_call(futures: Sequence[Any], inputs: Sequence[Any] = ()) -> Call:
     if hasattr(futures, "plan"):  # an AllreduceResult
         info: Any = futures
     else:
-        from flowreduce import schedule
+        from flowreduce.schedule import call as schedule
 
         info = schedule.describe(futures)
     token = getattr(info, "token", None) or keys.parse(futures[0].key)["token"]
@@ -62,7 +62,7 @@ def lookup(token: str) -> Call | None:
     """A call found by its token in flowreduce's own record of recent calls
     (no input keys then), or None."""
     try:
-        from flowreduce import schedule
+        from flowreduce.schedule import call as schedule
     except ImportError:  # pragma: no cover - distributed missing
         return None
     info = getattr(schedule, "_CALLS", {}).get(token)

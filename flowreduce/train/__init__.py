@@ -4,7 +4,7 @@ digits (no download), sharded over ranks, one gradient all-reduce per step.
 * :class:`~flowreduce.train.loop.DataParallel`: the trainer on a Dask cluster;
 * :func:`~flowreduce.train.reference.train_reference`: the same training in
   one process on the global batch (what data-parallel training must equal);
-* ``flowreduce train``: the command (:mod:`flowreduce.train.cli`).
+* ``flowreduce train``: the command (:mod:`flowreduce.cli.train`).
 
 Needs scikit-learn for the data (``pip install 'flowreduce[train]'``),
 imported only when the data is loaded.

@@ -31,8 +31,8 @@ import dask
 from dask.task_spec import List, Task, TaskRef
 
 import flowreduce
-from flowreduce._pending import wait_on
 from flowreduce.pytree import spec
+from flowreduce.schedule.placement import wait_on
 from flowreduce.train import data, mlp
 from flowreduce.train.config import TrainConfig
 from flowreduce.train.reference import CLASSES, INPUTS

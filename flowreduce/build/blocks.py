@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowreduce.ops import Op
-from flowreduce.sparse._payload import BlockPack, Wire, decode_pack, encode_pack
+from flowreduce.build.sparse_payload import BlockPack, Wire, decode_pack, encode_pack
 
 BLOCK_OPS: tuple[str, ...] = ("sum", "mean")
 

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from flowreduce.bench import spec_from_arg
+    from flowreduce.cli.bench import spec_from_arg
     from flowreduce.train.config import TrainConfig, parse_straggler
 
     algorithm, options = spec_from_arg(args.algorithm)

@@ -8,11 +8,11 @@ Two ways to learn what the ranks hold:
   broadcast as the plain all-reduce) and check upfront that the ranks agree
   tensor by tensor;
 * a template (``like=``): place each rank from the scheduler's view of its
-  futures (:mod:`flowreduce._pending`), take shapes and dtypes from the
+  futures (:mod:`flowreduce.schedule.placement`), take shapes and dtypes from the
   template, and let the first task of each rank check its input.
 
 Then buckets (:mod:`flowreduce.fusion`), a plan per bucket, one graph for
-the whole call (:mod:`flowreduce.build_tree`), one submission.
+the whole call (:mod:`flowreduce.build.buckets`), one submission.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 import dask
 import numpy as np
 
-from flowreduce import _pending
-from flowreduce.build_tree import build_tree_graph
+from flowreduce.build.buckets import build_tree_graph
 from flowreduce.fusion import Layout, make_buckets
 from flowreduce.ops import Op
 from flowreduce.pytree import LEAF, TensorSpec, TreeDef, flatten, leaves_as, paths, same_structure, unflatten
+from flowreduce.schedule import placement as _pending
 
 logger = logging.getLogger("flowreduce")
 
@@ -91,7 +91,7 @@ def allreduce_tree(client: Any, outer: TreeDef, ranks: list[list[Any]], like: An
         workers = _pending.place(client, ranks)
         cpus = _pending.worker_places(client, workers)
         return _submit(client, layout, ranks, workers, cpus, settings, check=True)
-    from flowreduce import schedule
+    from flowreduce.schedule import call as schedule
 
     flat = [f for fs in ranks for f in fs]
     _pending.wait_on(client, flat)
@@ -193,8 +193,8 @@ def _check_dtypes(layout: Layout, op: Op) -> None:
 def _submit(client: Any, layout: Layout, ranks: list[list[Any]], workers: list[str], cpus: dict,
             settings: Settings, check: bool) -> list:
     """Buckets, a plan per bucket, one graph, one submission; records."""
-    from flowreduce import schedule
-    from flowreduce._guard import ensure_guard
+    from flowreduce.schedule import call as schedule
+    from flowreduce.schedule.guard import ensure_guard
     from flowreduce.tracing import registry
 
     if not layout.tensors:

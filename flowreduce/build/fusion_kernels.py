@@ -1,7 +1,7 @@
 """What the fusion tasks run on the workers: take tensors out of a rank's
 input (checking them against the template when the call had one), copy a
 bucket's tensors into one flat buffer, and cut the reduced buffer back into
-tensors (views, no copy). numpy only; :mod:`flowreduce.build_tree` decides
+tensors (views, no copy). numpy only; :mod:`flowreduce.build.buckets` decides
 every offset statically.
 """
 

@@ -104,7 +104,7 @@ def run_baseline(client, inputs, workers):
 def _save_trace(tr, trace_dir: str, n: int, alg: str, chunks, plan: str) -> str:
     import os
 
-    from flowreduce.tracing.cli import write_all
+    from flowreduce.cli.trace import write_all
 
     out = os.path.join(trace_dir, f"{n}-{alg}-{chunks or 'auto'}")
     write_all(tr, out, title=f"{plan}, {n:g} elements" if alg != BASELINE else f"baseline: {plan}, {n:g} elements")

@@ -1,7 +1,7 @@
 """Sparse plans: the dense plans, with messages whose bytes depend on density.
 
-A :class:`SparsePlan` is an ordinary :class:`~flowreduce._plan.Plan` (same
-nodes, same :meth:`~flowreduce._plan.Plan.check`) that also knows what its
+A :class:`SparsePlan` is an ordinary :class:`~flowreduce.algorithms.ir.Plan` (same
+nodes, same :meth:`~flowreduce.algorithms.ir.Plan.check`) that also knows what its
 messages carry: index+value pairs (SparCML) or non-zero blocks (OmniReduce),
 values possibly quantised. Pure Python, no dask.
 
@@ -37,7 +37,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from flowreduce._plan import GATHER, REDUCE, VIEW, CostCard, Plan
+from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, CostCard, Plan
 
 #: Value codecs for the wire (``compression=``): None sends values as they are.
 CODECS: tuple[str | None, ...] = (None, "fp16", "int8")

@@ -128,7 +128,7 @@ _PLACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def worker_places(client: Any, workers: list[str]) -> dict[str, tuple]:
     """``worker -> (node, cpus, job, hostname)`` for ``workers``, asked of
     the workers not seen before (one broadcast to those only)."""
-    from flowreduce.schedule import worker_place
+    from flowreduce.schedule.call import worker_place
 
     known = _PLACES.setdefault(client, {})
     missing = sorted(set(workers) - set(known))

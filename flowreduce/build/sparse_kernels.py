@@ -22,7 +22,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from flowreduce.ops import Op
-from flowreduce.sparse._payload import Wire, decode_piece, encode_piece, piece_width
+from flowreduce.build.sparse_payload import Wire, decode_piece, encode_piece, piece_width
 
 #: Ops a sparse all-reduce supports (f(0, 0) = 0, so implicit zeros stay zero).
 SPARSE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")

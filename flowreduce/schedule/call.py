@@ -17,15 +17,15 @@ import dask
 import numpy as np
 from distributed import Client, Future, wait
 
-from flowreduce import _tree_call
-from flowreduce._guard import ensure_guard
-from flowreduce._plan import Plan
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
-from flowreduce.build import build_graph
+from flowreduce.algorithms.ir import Plan
+from flowreduce.build.graph import build_graph
 from flowreduce.cost import CostModel, choose, configured_model, tune
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.ops import resolve_op
-from flowreduce.sparse.inputs import describe_input, is_sparse
+from flowreduce.schedule import pytree_call as _tree_call
+from flowreduce.schedule.guard import ensure_guard
+from flowreduce.schedule.sparse_inputs import describe_input, is_sparse
 from flowreduce.tracing import registry as _trace_registry
 
 logger = logging.getLogger("flowreduce")
@@ -328,8 +328,8 @@ def named_graph(tasks: dict, token: str) -> Any:
 def _allreduce_sparse(client, inputs, workers, metas, cpus, op, algorithm, chunks, chunk_bytes, model,
                       options) -> list[Future]:
     """scipy.sparse inputs (SparCML) or ``block-sparse`` (OmniReduce): plan and
-    lower in :mod:`flowreduce.sparse.build`, submit here."""
-    from flowreduce.sparse import build as sparse_build
+    lower in :mod:`flowreduce.build.sparse`, submit here."""
+    from flowreduce.build import sparse as sparse_build
 
     model = model or configured_model()
     if model.cores is None:

@@ -4,7 +4,7 @@ The flat planners each own their whole plan. A composed algorithm
 (:mod:`~flowreduce.algorithms.hierarchical`) needs the same patterns on a
 *subset* of ranks and a *sub-range* ``[lo, hi)`` of the segments, chained
 into each other, so they live here as functions that add nodes to a
-:class:`~flowreduce._plan.Draft`:
+:class:`~flowreduce.algorithms.ir.Draft`:
 
 * :func:`reduce_scatter` -- every member ends owning a distinct shard of
   ``[lo, hi)`` reduced over all members (``"butterfly"`` or ``"ring"``);
@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from flowreduce._plan import Draft, digits, folded, mixed_radix, split_range, with_digit
+from flowreduce.algorithms.ir import Draft, digits, folded, mixed_radix, split_range, with_digit
 
 #: ``source(rank, a, b) -> [node, ...]``: see the module docstring.
 Source = Callable[[int, int, int], list[int]]

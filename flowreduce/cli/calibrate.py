@@ -101,7 +101,7 @@ def worker_pairs(client: Any) -> dict[str, tuple[str, str]]:
     """One pair of workers per link class the cluster has: ``intra`` (two
     workers of one host), ``inter`` (workers of two hosts)."""
     from flowreduce.launch import ranked_workers
-    from flowreduce.schedule import place_of
+    from flowreduce.schedule.call import place_of
 
     workers = ranked_workers(client)
     places = client.run(place_of)

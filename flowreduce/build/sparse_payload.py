@@ -23,7 +23,7 @@ import numpy as np
 import scipy.sparse as sp
 from dask.sizeof import sizeof
 
-from flowreduce.sparse.plan import INT8_BUCKET
+from flowreduce.algorithms.sparse import INT8_BUCKET
 
 _OVERHEAD = 64  # bytes of Python object around the buffers, as dask counts tuples
 

@@ -23,9 +23,10 @@ from typing import Any
 
 from dask.task_spec import List, Task, TaskRef
 
-from flowreduce import _fusion_kernels, keys
-from flowreduce._plan import Plan
-from flowreduce.build import build_graph
+from flowreduce import keys
+from flowreduce.build import fusion_kernels as _fusion_kernels
+from flowreduce.algorithms.ir import Plan
+from flowreduce.build.graph import build_graph
 from flowreduce.fusion import Bucket, Layout
 from flowreduce.ops import Op
 from flowreduce.pytree import paths

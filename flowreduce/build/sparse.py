@@ -5,7 +5,7 @@ kernels differ: ``pack`` (a rank's non-zeros of a range) in place of the
 zero-copy view, ``merge``/``aggregate`` (scipy.sparse merges with the dense
 switch; block unions) in place of the dense reduction, ``gather`` and
 ``output`` that assemble the rank's result in the user's format. As in
-:mod:`flowreduce.build`, every range is decided here, statically.
+:mod:`flowreduce.build.graph`, every range is decided here, statically.
 
 :func:`lower_sparse` takes scipy.sparse inputs (SparCML's algorithms),
 :func:`lower_blocks` dense numpy inputs (OmniReduce's block-sparse).
@@ -21,15 +21,15 @@ import numpy as np
 from dask.task_spec import Task
 
 from flowreduce import keys
-from flowreduce._plan import REDUCE, VIEW
+from flowreduce.algorithms.ir import REDUCE, VIEW
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.block_sparse import DEFAULT_BLOCK
-from flowreduce.build import Graph, Site, contributions, lower, owned_inputs
+from flowreduce.build.graph import Graph, Site, contributions, lower, owned_inputs
 from flowreduce.ops import Op
-from flowreduce.sparse import _blocks, _kernels
-from flowreduce.sparse._payload import Wire
-from flowreduce.sparse.inputs import check_sparse
-from flowreduce.sparse.plan import CODECS, SparsePlan, choose_sparse
+from flowreduce.build import blocks as _blocks, sparse_kernels as _kernels
+from flowreduce.build.sparse_payload import Wire
+from flowreduce.schedule.sparse_inputs import check_sparse
+from flowreduce.algorithms.sparse import CODECS, SparsePlan, choose_sparse
 
 #: ``allreduce`` options of the sparse algorithms (beside the planners' own).
 SPARSE_CALL_OPTIONS = ("delta", "output", "compression", "seed")
@@ -57,14 +57,14 @@ def lower_sparse(
     """Plan and lower an all-reduce of scipy.sparse inputs.
 
     ``metas`` are the workers' descriptions of the inputs
-    (:func:`flowreduce.sparse.inputs.describe_input`); ``options`` the call's
+    (:func:`flowreduce.schedule.sparse_inputs.describe_input`); ``options`` the call's
     algorithm options (``radix``, ``inner``) and sparse options (``delta``,
     ``output``, ``compression``, ``seed``).
 
     Raises
     ------
     TypeError, ValueError
-        See :func:`flowreduce.sparse.inputs.check_sparse`; also a dense
+        See :func:`flowreduce.schedule.sparse_inputs.check_sparse`; also a dense
         algorithm or ``block-sparse`` for sparse inputs, an op without
         ``f(0, 0) = 0``, bad sparse options.
     """

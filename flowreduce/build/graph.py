@@ -14,8 +14,9 @@ from typing import Any
 
 from dask.task_spec import List, Task, TaskRef
 
-from flowreduce import _kernels, keys
-from flowreduce._plan import GATHER, REDUCE, VIEW, Node, Plan
+from flowreduce import keys
+from flowreduce.build import kernels as _kernels
+from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Node, Plan
 from flowreduce.ops import Op
 
 

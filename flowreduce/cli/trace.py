@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make RANK's input arrive SECONDS late (to see a straggler)")
     parser.add_argument("--align", default="auto", choices=("auto", "host", "dask"), help="clock alignment")
     parser.add_argument("-o", "--output", required=True, help="directory to write into")
-    from flowreduce.bench import add_cost_model_argument
+    from flowreduce.cli.bench import add_cost_model_argument
     from flowreduce.launch import add_cluster_arguments
 
     add_cluster_arguments(parser, workers_default=None)
@@ -65,7 +65,7 @@ def run_traced(client: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     if args.straggler:
         r, _, s = args.straggler.partition(":")
         delays[int(r)] = float(s or 0.5)
-    from flowreduce.bench import model_from_args, spec_from_arg
+    from flowreduce.cli.bench import model_from_args, spec_from_arg
 
     name, options = spec_from_arg(args.algorithm)
     kw: dict[str, Any] = {"algorithm": name, "model": model_from_args(args), **options}
@@ -114,7 +114,7 @@ def write_all(tr: Any, out_dir: str, title: str = "") -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowreduce.bench import spec_from_arg
+    from flowreduce.cli.bench import spec_from_arg
     from flowreduce.launch import from_args
 
     spec_from_arg(args.algorithm)  # a bad name or option fails before any cluster starts
