@@ -17,6 +17,7 @@ import dask
 import numpy as np
 from distributed import Client, Future, wait
 
+from flowreduce import dashboard
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.algorithms.ir import Plan
 from flowreduce.build.graph import build_graph
@@ -277,6 +278,7 @@ def _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, h
         futures = client.get(named_graph(graph.tasks, graph.token), graph.outputs, sync=False)
     _remember(_CALLS, graph.token, CallInfo(plan, nbytes, model.predict(plan, nbytes, hosts), graph.token,
                                             tuple(workers), tuple(shape), dtype.str))
+    dashboard.publish(client, _CALLS[graph.token])
     _trace_registry.note(futures, inputs)
     logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, len(inputs), nbytes, len(graph.tasks))
     return futures

@@ -25,6 +25,7 @@ from typing import Any
 import dask
 import numpy as np
 
+from flowreduce import dashboard
 from flowreduce.build.buckets import build_tree_graph
 from flowreduce.fusion import Layout, make_buckets
 from flowreduce.ops import Op
@@ -225,6 +226,7 @@ def _submit(client: Any, layout: Layout, ranks: list[list[Any]], workers: list[s
                                  tuple(shape), b.dtype)
         schedule._remember(schedule._CALLS, bg.token, info)
         infos.append(info)
+        dashboard.publish(client, info, group=g.buckets[0].token)
         registry.note_call(client, registry.Call(bg.token, plan.algorithm, plan, b.nbytes, info.predicted,
                                                  tuple(workers), tuple(bg.inputs)))
     if not layout.single_array:

@@ -1,0 +1,76 @@
+"""A live flowreduce page in the Dask dashboard, at ``/flowreduce``.
+
+Every all-reduce shows there while it runs: the calls in flight and the
+last ones finished, the selected call's plan as ranks × steps coloured by
+the state of its tasks, bytes per link, progress per rank and the
+straggler (docs/dashboard.md).
+
+The page lives on the scheduler, in a scheduler plugin
+(:class:`~flowreduce.dashboard.store.DashboardStore`). It is there
+
+* as soon as a client has run an all-reduce (``allreduce`` calls
+  :func:`publish`, which installs the plugin once per client), or after
+  :func:`install`;
+* from the scheduler's start with ``--preload flowreduce.dashboard``
+  (``dask scheduler --preload flowreduce.dashboard``, dask-jobqueue's
+  ``scheduler_options={"preload": ["flowreduce.dashboard"]}``, or the config
+  key ``distributed.scheduler.preload``).
+
+The page needs bokeh on the scheduler (``pip install flowreduce[viz]``);
+without it the plugin records calls and serves no page. Nothing here
+imports bokeh until the scheduler serves the page.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from flowreduce.dashboard.record import CALL_STATES, CELL_STATES, CallRecord, record_of
+
+__all__ = ["CALL_STATES", "CELL_STATES", "CallRecord", "dask_setup", "install", "publish", "record_of"]
+
+logger = logging.getLogger("flowreduce.dashboard")
+
+_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def install(client) -> bool:
+    """Install the dashboard's scheduler plugin (and so the page) once per
+    client; a scheduler that has it already keeps its history. False, with a
+    warning logged, when the scheduler cannot take it (the all-reduce goes on)."""
+    ok = _installed.get(client)
+    if ok is None:
+        from flowreduce.dashboard.store import DashboardStore
+
+        try:
+            client.register_plugin(DashboardStore())
+            ok = True
+        except Exception as e:  # never fail an all-reduce for its dashboard
+            logger.warning("flowreduce dashboard not installed on the scheduler: %r", e)
+            ok = False
+        _installed[client] = ok
+    return ok
+
+
+def publish(client, info: Any, *, group: str = "", transport: str | None = None) -> None:
+    """Tell the scheduler's dashboard about one submitted all-reduce.
+
+    ``info`` is what the schedule layer keeps of the call (anything with
+    ``plan``, ``token``, ``nbytes``, ``predicted``, ``workers``); ``group`` the
+    token of the whole call when it ran several buckets. One message on the
+    client's batched stream to the scheduler, after the graph (no round trip)."""
+    if not install(client):
+        return
+    from flowreduce.dashboard.store import OP
+
+    client._send_to_scheduler({"op": OP, "record": record_of(info, group=group, transport=transport).message()})
+
+
+def dask_setup(scheduler) -> None:
+    """``--preload flowreduce.dashboard``: the plugin (and the page) from the scheduler's start."""
+    from flowreduce.dashboard.store import NAME, DashboardStore
+
+    if NAME not in scheduler.plugins:
+        scheduler.add_plugin(DashboardStore(), name=NAME)

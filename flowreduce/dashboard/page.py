@@ -1,0 +1,250 @@
+"""The ``/flowreduce`` page of the Dask dashboard (Bokeh, like the rest of it).
+
+Built the way distributed builds its own pages
+(``distributed.dashboard.components.scheduler``): a component with an
+``update()`` run by the document's periodic callback, the dashboard's
+``simple.html`` template and theme. :func:`serve` adds it to a running
+scheduler's dashboard with distributed's own ``BokehApplication`` (what
+``distributed.dashboard.scheduler.connect`` does for the built-in pages)
+and lists it in the navigation bar (the memoized ``template_variables``
+of the scheduler, shared by every page).
+
+Every data source has a ``name`` (``flowreduce-calls``, ``-grid``,
+``-edges``, ``-ranks``, ``-links``, ``-straggler``) so a browser, or a test,
+can read the page's data: ``Bokeh.documents[0].get_model_by_name(...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from bokeh.layouts import column, row
+from bokeh.models import (
+    ColumnDataSource,
+    DataTable,
+    Div,
+    HoverTool,
+    NumberFormatter,
+    Range1d,
+    StringFormatter,
+    TableColumn,
+)
+from bokeh.plotting import figure
+from distributed.dashboard.components import DashboardComponent, add_periodic_callback
+from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+from distributed.metrics import time
+from distributed.utils import log_errors
+from tornado.ioloop import IOLoop
+
+from flowreduce.dashboard import views
+from flowreduce.dashboard.record import PACK_COLUMN
+from flowreduce.dashboard.store import NAME
+
+logger = logging.getLogger("flowreduce.dashboard")
+
+ROUTE = "/flowreduce"
+#: Milliseconds between refreshes: the cadence of the dashboard's tables (its workers page).
+INTERVAL = 500
+
+#: Fill colour per cell state (done green, failure red, moving warm, waiting grey).
+STATE_COLOURS = {
+    "waiting": "#d9d9d9",
+    "ready": "#fee391",
+    "running": "#fe9929",
+    "transferring": "#6baed6",
+    "done": "#74c476",
+    "erred": "#de2d26",
+}
+
+
+def _columns(**cols: list) -> dict[str, list]:
+    return cols
+
+
+class FlowreducePage(DashboardComponent):
+    """The calls table, the selected call's grid, its links and ranks, and the straggler line."""
+
+    def __init__(self, scheduler, **kwargs: Any):
+        self.scheduler = scheduler
+        self.selected: str | None = None  # token chosen in the table; sticky while in the history
+        self.shown: list[str] = []  # tokens of the table's rows, in order
+        self.calls = ColumnDataSource(_columns(token=[], algorithm=[], ranks=[], nbytes=[], chunks=[],
+                                               transport=[], state=[], elapsed=[], predicted=[], group=[],
+                                               error=[]), name="flowreduce-calls")
+        self.cells = ColumnDataSource(_columns(rank=[], column=[], phase=[], state=[], colour=[], tasks=[],
+                                               done=[], label=[]), name="flowreduce-grid")
+        self.arrows = ColumnDataSource(_columns(x0=[], y0=[], x1=[], y1=[]), name="flowreduce-edges")
+        self.ranks = ColumnDataSource(_columns(rank=[], done=[], tasks=[], fraction=[]), name="flowreduce-ranks")
+        self.link_rows = ColumnDataSource(_columns(source=[], dest=[], source_worker=[], dest_worker=[], bytes=[],
+                                                   rate=[], measured=[]), name="flowreduce-links")
+        self.lag = ColumnDataSource(_columns(token=[], rank=[], column=[], lag=[], text=[]),
+                                    name="flowreduce-straggler")
+
+        fmt = NumberFormatter(format="0.000")
+        self.table = DataTable(source=self.calls, width=1100, height=230, index_position=None, columns=[
+            TableColumn(field="token", title="call", width=90, formatter=StringFormatter()),
+            TableColumn(field="algorithm", title="algorithm", width=150),
+            TableColumn(field="ranks", title="ranks", width=50),
+            TableColumn(field="nbytes", title="bytes/rank", width=90, formatter=NumberFormatter(format="0.0 b")),
+            TableColumn(field="chunks", title="chunks", width=50),
+            TableColumn(field="transport", title="transport", width=70),
+            TableColumn(field="state", title="state", width=80),
+            TableColumn(field="elapsed", title="elapsed s", width=70, formatter=fmt),
+            TableColumn(field="predicted", title="predicted s", width=80, formatter=fmt),
+            TableColumn(field="error", title="error", width=300),
+        ])
+        self.calls.selected.on_change("indices", self._on_select)
+
+        self.title = Div(text="", width=1100)
+        self.straggler = Div(text="", width=1100, styles={"font-size": "15px", "font-weight": "bold"})
+
+        self.grid = figure(title="ranks × steps (cell colour: state)", width=760, height=360, tools="",
+                           x_range=Range1d(-0.5, 0.5), y_range=Range1d(0.5, -0.5), toolbar_location=None)
+        self.grid.segment("x0", "y0", "x1", "y1", source=self.arrows, color="#444444", alpha=0.35, line_width=1)
+        rects = self.grid.rect("column", "rank", width=0.86, height=0.8, source=self.cells, fill_color="colour",
+                               line_color="#555555", legend_field="state")
+        self.grid.text("column", "rank", text="label", source=self.cells, text_align="center",
+                       text_baseline="middle", text_font_size="10px")
+        self.grid.add_tools(HoverTool(renderers=[rects], tooltips=[
+            ("rank", "@rank"), ("column", "@column"), ("phase", "@phase"), ("state", "@state"),
+            ("tasks done", "@done / @tasks")]))
+        self.grid.xaxis.axis_label = "step"
+        self.grid.yaxis.axis_label = "rank"
+        self.grid.legend.location = "top_right"
+        self.grid.legend.label_text_font_size = "9px"
+        self.grid.xgrid.visible = self.grid.ygrid.visible = False
+
+        self.progress = figure(title="per-rank progress (tasks done)", width=330, height=360, tools="",
+                               x_range=Range1d(0, 1), y_range=Range1d(0.5, -0.5), toolbar_location=None)
+        self.progress.hbar(y="rank", right="fraction", height=0.7, source=self.ranks, color="#74c476")
+        self.progress.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("done", "@done / @tasks")]))
+        self.progress.xaxis.axis_label = "fraction of the rank's tasks done"
+
+        self.links = DataTable(source=self.link_rows, width=1100, height=180, index_position=None, columns=[
+            TableColumn(field="source", title="from rank", width=60),
+            TableColumn(field="dest", title="to rank", width=60),
+            TableColumn(field="source_worker", title="from worker", width=200),
+            TableColumn(field="dest_worker", title="to worker", width=200),
+            TableColumn(field="bytes", title="bytes so far", width=100, formatter=NumberFormatter(format="0.0 b")),
+            TableColumn(field="rate", title="bytes/s over the call", width=120,
+                        formatter=NumberFormatter(format="0.0 b")),
+            TableColumn(field="measured", title="bytes/s measured by dask", width=140,
+                        formatter=NumberFormatter(format="0.0 b")),
+        ])
+        self.root = column(self.straggler, self.table, self.title, row(self.grid, self.progress), self.links,
+                           **kwargs)
+
+    def _on_select(self, attr, old, new) -> None:
+        if new and new[0] < len(self.shown):
+            self.selected = self.shown[new[0]]
+
+    def update(self) -> None:
+        with log_errors():
+            store = self.scheduler.plugins.get(NAME)
+            if store is None:
+                self.straggler.text = "flowreduce has not run on this cluster yet"
+                return
+            now = time()
+            rows = views.calls_table(store, now)
+            self.shown = [r["token"] for r in rows]
+            table = {k: [r[k] for r in rows] for k in self.calls.data}
+            table["token"] = [t[:8] for t in table["token"]]
+            _set(self.calls, table)
+            call = store.find(self.selected) if self.selected else None
+            call = call or views.default_selection(store)
+            if call is None:
+                self.straggler.text = "no flowreduce call yet"
+                self.title.text = ""
+                for src in (self.cells, self.arrows, self.ranks, self.link_rows, self.lag):
+                    _set(src, {k: [] for k in src.data})
+                return
+            self._show(call, now)
+
+    def _show(self, call, now: float) -> None:
+        cells = views.grid(call, self.scheduler)
+        _set(self.cells, {
+            "rank": [c.rank for c in cells], "column": [c.column for c in cells], "phase": [c.phase for c in cells],
+            "state": [c.state for c in cells], "colour": [STATE_COLOURS[c.state] for c in cells],
+            "tasks": [c.tasks for c in cells], "done": [c.done for c in cells],
+            "label": [_label(c) for c in cells]})
+        arrows = views.edges(call)
+        _set(self.arrows, {"x0": [a[1] for a, _ in arrows], "y0": [a[0] for a, _ in arrows],
+                           "x1": [b[1] for _, b in arrows], "y1": [b[0] for _, b in arrows]})
+        progress = views.rank_progress(cells)
+        _set(self.ranks, {k: [p[k] for p in progress] for k in self.ranks.data})
+        link_rows = views.links(call, self.scheduler, now)
+        _set(self.link_rows, {k: [r[k] for r in link_rows] for k in self.link_rows.data})
+        lag = views.straggler(call, cells, self.scheduler, now)
+        _set(self.lag, {"token": [call.token], **{k: [lag[k]] for k in ("rank", "column", "lag", "text")}})
+        self.straggler.text = "straggler: " + lag["text"]
+        rec = call.record
+        detail = (f"{rec.ranks} ranks · {rec.nbytes:,} bytes each · {rec.chunks} chunk(s) · {rec.transport}"
+                  if rec else "no record from the client (an older flowreduce): shown from its task keys")
+        error = f" · <span style='color:#de2d26'>{_escape(call.error)}</span>" if call.error else ""
+        self.title.text = (f"<b>{call.algorithm}</b> call {call.token[:8]} · <b>{call.state}</b> · "
+                           f"{call.elapsed(now):.3f} s · {detail}{error}")
+        ranks = sorted({c.rank for c in cells}) or [0]
+        cols = sorted({c.column for c in cells}) or [0]
+        self.grid.x_range.start, self.grid.x_range.end = cols[0] - 0.5, cols[-1] + 0.5
+        for fig in (self.grid, self.progress):
+            fig.y_range.start, fig.y_range.end = ranks[-1] + 0.5, ranks[0] - 0.5
+        self.grid.xaxis.ticker = cols
+        self.grid.xaxis.major_label_overrides = {c: _column_label(c) for c in cols}
+
+
+def _label(c: views.Cell) -> str:
+    short = {"reduce-scatter": "rs", "all-gather": "ag", "output": "out"}.get(c.phase, c.phase)
+    return short if c.tasks == 1 else f"{short} {c.done}/{c.tasks}"
+
+
+def _column_label(column: int) -> str:
+    return "pack" if column == PACK_COLUMN else str(column)
+
+
+def _escape(text: str) -> str:
+    import html
+
+    return html.escape(text[:300])
+
+
+def _set(source: ColumnDataSource, data: dict[str, list]) -> None:
+    """Replace a source's data when it changed (an unchanged page sends nothing to the browser)."""
+    if dict(source.data) != data:
+        source.data = data
+
+
+@log_errors
+def flowreduce_doc(scheduler, extra, doc) -> None:
+    page = FlowreducePage(scheduler, sizing_mode="fixed")
+    page.update()
+    add_periodic_callback(doc, page, INTERVAL)
+    doc.title = "Dask: flowreduce"
+    doc.add_root(page.root)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME
+
+
+def serve(scheduler) -> bool:
+    """Add the page to a running scheduler's dashboard, once; list it in the
+    navigation bar. False when the scheduler runs no dashboard."""
+    from bokeh.server.server import BokehTornado
+    from distributed.dashboard.core import BokehApplication
+    from distributed.dashboard.scheduler import template_variables
+
+    http = getattr(scheduler, "http_application", None)
+    dashboards = [a for a in getattr(http, "applications", ()) if isinstance(a, BokehTornado)]
+    if not dashboards:
+        return False
+    variables = template_variables(scheduler)
+    if "flowreduce" not in variables["pages"]:
+        variables["pages"].append("flowreduce")
+    if any(ROUTE in a.app_paths for a in dashboards):
+        return True
+    prefix = dashboards[0].prefix or ""
+    app = BokehApplication({ROUTE: flowreduce_doc}, scheduler, prefix=prefix, template_variables=variables)
+    http.add_application(app)
+    app.initialize(IOLoop.current())  # as distributed's connect(): we run on the scheduler's loop
+    app.start()
+    return True

@@ -1,0 +1,258 @@
+"""The scheduler side of the dashboard: a scheduler plugin that keeps a
+bounded record of flowreduce calls for the ``/flowreduce`` page.
+
+What it records, and when (everything else is read from the scheduler's
+own task states when the page refreshes, :mod:`flowreduce.dashboard.views`):
+
+* ``update_graph``: a graph with flowreduce keys opens a call per token and
+  files its keys by cell (rank × step, from :func:`flowreduce.keys.parse`),
+  with the cells that feed each other across ranks (the plan's transfers).
+  Graphs without flowreduce keys cost one scan of their requested keys.
+* the client's record (:func:`flowreduce.dashboard.publish`, one message on
+  the client's existing batched stream): bytes, chunks, predicted seconds,
+  transport, workers. A client that sends none (an older flowreduce) still
+  gets its calls shown, from the keys alone.
+* transitions of flowreduce tasks only (one dict lookup rejects the
+  others): the time each cell last finished a task, bytes fetched across
+  ranks, and the end of the call (every output in memory: done; a task
+  erred: failed, with the error; an output forgotten first: cancelled).
+
+Bounded: every call in flight (they hold tasks on the scheduler anyway,
+capped at :data:`MAX_IN_FLIGHT`) and the last :data:`HISTORY` finished, which
+keep per-cell counters only (their keys are dropped), so memory stays flat
+however many calls run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import time
+
+from flowreduce import keys
+from flowreduce.dashboard.record import CallRecord
+
+logger = logging.getLogger("flowreduce.dashboard")
+
+NAME = "flowreduce-dashboard"
+#: The stream message a client publishes a record with (a handler of the scheduler's client streams).
+OP = "flowreduce-dashboard-publish"
+HISTORY = 100
+MAX_IN_FLIGHT = 10_000
+
+#: A cell: (rank, step) for plan nodes, (rank, "out" | "pack" | "unpack") for the other tasks of a call.
+Slot = tuple[int, Any]
+
+
+def slot_of(parts: dict) -> Slot:
+    """The cell of a parsed flowreduce key."""
+    if parts["phase"] in ("output", "pack", "unpack"):
+        return parts["rank"], {"output": "out"}.get(parts["phase"], parts["phase"])
+    return parts["rank"], parts["step"]
+
+
+@dataclass(eq=False)
+class Call:
+    """One call (one token) as the store knows it."""
+
+    token: str
+    algorithm: str
+    submitted: float
+    record: CallRecord | None = None
+    state: str = "submitted"
+    finished: float | None = None
+    error: str = ""
+    blame: str = ""  # the key whose failure failed the call
+    names: set[str] = field(default_factory=set)  # key names of the call's tasks
+    cells: dict[Slot, list] = field(default_factory=dict)  # keys per cell; emptied when the call ends
+    sizes: dict[Slot, int] = field(default_factory=dict)  # tasks per cell
+    phases: dict[Slot, str] = field(default_factory=dict)
+    edges: set[tuple[Slot, Slot]] = field(default_factory=set)  # cells feeding a cell of another rank
+    outputs: set = field(default_factory=set)  # output keys not in memory yet
+    done_keys: set = field(default_factory=set)  # while in flight
+    done_count: dict[Slot, int] = field(default_factory=dict)  # once ended
+    done_at: dict[Slot, float] = field(default_factory=dict)  # when a task of the cell last finished
+    erred: set[Slot] = field(default_factory=set)
+    link_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (source rank, dest rank)
+    fetched: set = field(default_factory=set)  # (key, dest rank) counted in link_bytes, while in flight
+
+    @property
+    def in_flight(self) -> bool:
+        return self.finished is None
+
+    def elapsed(self, now: float) -> float:
+        return (self.finished if self.finished is not None else now) - self.submitted
+
+
+class DashboardStore(SchedulerPlugin):
+    """Bounded record of flowreduce calls; serves the ``/flowreduce`` page."""
+
+    name = NAME
+    idempotent = True  # a second client registering it keeps the first one's history
+
+    def __init__(self, history: int = HISTORY):
+        self.calls: dict[str, Call] = {}  # in flight, oldest first
+        self.history: deque[Call] = deque(maxlen=history)  # finished, oldest first
+        self._by_name: dict[str, Call] = {}  # key name -> call in flight
+        self.malformed = 0  # records that could not be read (a client of another version)
+        self.scheduler: Any = None
+
+    # -- lifecycle -----------------------------------------------------------
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.stream_handlers[OP] = self.publish
+        # calls submitted before the plugin (the first call installs it after submitting)
+        self._file(scheduler, [k for k in scheduler.tasks if _ours(k)])
+        try:
+            from flowreduce.dashboard import page
+        except ImportError as e:  # no bokeh (or a dashboard it does not support): record, serve nothing
+            logger.info("flowreduce dashboard page not served (%s); pip install flowreduce[viz]", e)
+            return
+        page.serve(scheduler)
+
+    # -- recording -----------------------------------------------------------
+    def publish(self, record: Any = None, **_: Any) -> None:
+        """Stream handler: a client's record of one call."""
+        rec = CallRecord.from_message(record)
+        if rec is None:
+            self.malformed += 1
+            logger.debug("flowreduce dashboard: ignored a record it cannot read: %r", record)
+            return
+        call = self.find(rec.token) or self._open(rec.token, rec.algorithm)
+        call.record = rec
+
+    def update_graph(self, scheduler, *, keys: Any = (), tasks: Any = (), **kwargs: Any) -> None:
+        if any(_ours(k) for k in keys):
+            self._file(scheduler, tasks)
+
+    def _file(self, scheduler, tasks: Any) -> None:
+        """Open the calls of flowreduce keys among ``tasks`` and file the keys by cell."""
+        tasks_ = scheduler.tasks
+        found: dict[Any, tuple[Call, Slot]] = {}
+        for k in tasks:
+            parts = keys_parse(k)
+            if parts is None:
+                continue
+            call = self.calls.get(parts["token"]) or self._open(parts["token"], parts["algorithm"])
+            if call.state == "submitted":
+                call.state = "running"
+            slot = slot_of(parts)
+            call.names.add(k[0])
+            self._by_name[k[0]] = call
+            call.cells.setdefault(slot, []).append(k)
+            call.phases.setdefault(slot, parts["phase"])
+            if parts["phase"] == "output":
+                call.outputs.add(k)
+            found[k] = call, slot
+        for k, (call, slot) in found.items():
+            call.sizes[slot] = len(call.cells[slot])
+            ts = tasks_.get(k)
+            for dep in ts.dependencies if ts is not None else ():
+                src = found.get(dep.key)
+                if src is not None and src[1][0] != slot[0]:
+                    call.edges.add((src[1], slot))
+        for k, (call, _) in found.items():  # adopted at start: some may be done already
+            ts = tasks_.get(k)
+            if ts is not None and ts.state == "memory" and call.in_flight:
+                self._done(call, k)
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if type(key) is not tuple or not key:
+            return
+        call = self._by_name.get(key[0]) if isinstance(key[0], str) else None
+        if call is None:
+            return
+        if finish == "memory":
+            self._done(call, key)
+        elif finish == "erred":
+            self._end(call, "failed", blame=key)
+        elif finish == "forgotten" and key in call.outputs:
+            self._end(call, "cancelled")
+
+    def _done(self, call: Call, key) -> None:
+        parts = keys_parse(key)
+        slot = slot_of(parts)
+        now = time()
+        call.done_keys.add(key)
+        call.done_at[slot] = now
+        ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
+        rank = slot[0]
+        for dep in ts.dependencies if ts is not None else ():
+            if not _ours(dep.key) or (dep.key, rank) in call.fetched:
+                continue
+            src = keys_parse(dep.key)
+            if src is not None and src["token"] == call.token and src["rank"] != rank:
+                call.fetched.add((dep.key, rank))
+                link = (src["rank"], rank)
+                call.link_bytes[link] = call.link_bytes.get(link, 0) + max(dep.nbytes, 0)
+        call.outputs.discard(key)
+        if parts["phase"] == "output" and not call.outputs:
+            self._end(call, "done")
+
+    def _end(self, call: Call, state: str, blame: Any = None) -> None:
+        if not call.in_flight:
+            return
+        call.state, call.finished = state, time()
+        if blame is not None:
+            call.blame, call.error = _error_of(self.scheduler, blame)
+            parts = keys_parse(blame)
+            call.erred.add(slot_of(parts))
+        call.done_count = {s: sum(k in call.done_keys for k in ks) for s, ks in call.cells.items()}
+        call.cells, call.done_keys, call.fetched, call.outputs = {}, set(), set(), set()
+        for n in call.names:
+            self._by_name.pop(n, None)
+        self.calls.pop(call.token, None)
+        self.history.append(call)
+
+    def _open(self, token: str, algorithm: str) -> Call:
+        while len(self.calls) >= MAX_IN_FLIGHT:  # the oldest, most likely abandoned
+            oldest = next(iter(self.calls.values()))
+            oldest.error = f"dropped from the dashboard: more than {MAX_IN_FLIGHT} calls in flight"
+            self._end(oldest, "cancelled")
+        call = self.calls[token] = Call(token, algorithm, time())
+        return call
+
+    # -- reading -------------------------------------------------------------
+    def find(self, token: str) -> Call | None:
+        call = self.calls.get(token)
+        if call is None:
+            call = next((c for c in reversed(self.history) if c.token == token), None)
+        return call
+
+    def listing(self) -> list[Call]:
+        """Calls in flight (oldest first), then finished (newest first)."""
+        return [*self.calls.values(), *reversed(self.history)]
+
+
+def keys_parse(key) -> dict | None:
+    """:func:`flowreduce.keys.parse`, tolerant of keys of another flowreduce version."""
+    try:
+        return keys.parse(key)
+    except (ValueError, TypeError, IndexError):
+        return None
+
+
+def _ours(key) -> bool:
+    return type(key) is tuple and bool(key) and isinstance(key[0], str) and key[0].startswith("flowreduce-")
+
+
+def _error_of(scheduler, key) -> tuple[str, str]:
+    """(the key to blame, its error text) for a task of ours that erred."""
+    ts = scheduler.tasks.get(key) if scheduler is not None else None
+    if ts is None:
+        return str(key), "failed"
+    blame = ts.exception_blame or ts
+    text = blame.exception_text or ""
+    if not text and blame.exception is not None:
+        try:
+            from distributed.protocol.pickle import loads
+
+            exc = blame.exception
+            text = repr(loads(exc.data if hasattr(exc, "data") else exc))
+        except Exception:  # an exception that cannot be read back: say so rather than fail the page
+            text = "an exception that cannot be unpickled on the scheduler"
+    return str(blame.key), text
