@@ -29,11 +29,14 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
          "[flowreduce.plan(a, 5).check() for a in flowreduce.SPARSE_ALGORITHMS]; "
          "flowreduce.algorithms.sparse.choose_sparse(5, 10**6, 4, [1e-3] * 5).cost(4e6)"),
         (["distributed"], "import flowreduce.build.sparse"),
+        (["distributed", "dask", "bokeh"], "import flowreduce.dashboard"),
+        (["bokeh"], "import flowreduce.dashboard.store, flowreduce.dashboard.views, flowreduce.schedule.call"),
     ],
     ids=["planners-without-dask", "builder-without-distributed", "topology-and-cost-without-dask",
          "commands-import-distributed-lazily", "fusion-plan-without-dask",
          "fusion-builder-and-trainer-without-distributed", "sparse-planners-without-dask-or-scipy",
-         "sparse-builder-without-distributed"],
+         "sparse-builder-without-distributed", "dashboard-hook-without-distributed-or-bokeh",
+         "dashboard-store-without-bokeh"],
 )
 def test_imports_without(blocked, imports):
     code = BLOCK.format(mods=blocked) + imports + "\nprint('ok')"

@@ -24,6 +24,7 @@ from bokeh.models import (
     ColumnDataSource,
     DataTable,
     Div,
+    FixedTicker,
     HoverTool,
     NumberFormatter,
     Range1d,
@@ -72,7 +73,7 @@ class FlowreducePage(DashboardComponent):
         self.calls = ColumnDataSource(_columns(token=[], algorithm=[], ranks=[], nbytes=[], chunks=[],
                                                transport=[], state=[], elapsed=[], predicted=[], group=[],
                                                error=[]), name="flowreduce-calls")
-        self.cells = ColumnDataSource(_columns(rank=[], column=[], phase=[], state=[], colour=[], tasks=[],
+        self.cells = ColumnDataSource(_columns(token=[], rank=[], column=[], phase=[], state=[], colour=[], tasks=[],
                                                done=[], label=[]), name="flowreduce-grid")
         self.arrows = ColumnDataSource(_columns(x0=[], y0=[], x1=[], y1=[]), name="flowreduce-edges")
         self.ranks = ColumnDataSource(_columns(rank=[], done=[], tasks=[], fraction=[]), name="flowreduce-ranks")
@@ -97,28 +98,36 @@ class FlowreducePage(DashboardComponent):
         self.calls.selected.on_change("indices", self._on_select)
 
         self.title = Div(text="", width=1100)
-        self.straggler = Div(text="", width=1100, styles={"font-size": "15px", "font-weight": "bold"})
+        self.legend = Div(text=" ".join(
+            f"<span style='background:{c};border:1px solid #555;padding:0 6px;margin-left:8px'>&nbsp;</span> {s}"
+            for s, c in STATE_COLOURS.items()), width=1100)
+        # the straggler's source is drawn by no glyph: a tag of its line, so the browser holds it too
+        self.straggler = Div(text="", width=1100, styles={"font-size": "15px", "font-weight": "bold"},
+                             tags=[self.lag])
 
         self.grid = figure(title="ranks × steps (cell colour: state)", width=760, height=360, tools="",
                            x_range=Range1d(-0.5, 0.5), y_range=Range1d(0.5, -0.5), toolbar_location=None)
-        self.grid.segment("x0", "y0", "x1", "y1", source=self.arrows, color="#444444", alpha=0.35, line_width=1)
         rects = self.grid.rect("column", "rank", width=0.86, height=0.8, source=self.cells, fill_color="colour",
-                               line_color="#555555", legend_field="state")
+                               line_color="#555555")
+        # transfers between ranks, from the right edge of the sending cell to the left edge of the receiver
+        self.grid.segment("x0", "y0", "x1", "y1", source=self.arrows, color="#222222", alpha=0.5, line_width=1.2)
         self.grid.text("column", "rank", text="label", source=self.cells, text_align="center",
                        text_baseline="middle", text_font_size="10px")
         self.grid.add_tools(HoverTool(renderers=[rects], tooltips=[
             ("rank", "@rank"), ("column", "@column"), ("phase", "@phase"), ("state", "@state"),
             ("tasks done", "@done / @tasks")]))
+        self.steps, self.rank_ticks = FixedTicker(ticks=[]), FixedTicker(ticks=[])
+        self.grid.xaxis.ticker = self.steps
+        self.grid.yaxis.ticker = self.rank_ticks
         self.grid.xaxis.axis_label = "step"
         self.grid.yaxis.axis_label = "rank"
-        self.grid.legend.location = "top_right"
-        self.grid.legend.label_text_font_size = "9px"
         self.grid.xgrid.visible = self.grid.ygrid.visible = False
 
         self.progress = figure(title="per-rank progress (tasks done)", width=330, height=360, tools="",
                                x_range=Range1d(0, 1), y_range=Range1d(0.5, -0.5), toolbar_location=None)
         self.progress.hbar(y="rank", right="fraction", height=0.7, source=self.ranks, color="#74c476")
         self.progress.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("done", "@done / @tasks")]))
+        self.progress.yaxis.ticker = self.rank_ticks
         self.progress.xaxis.axis_label = "fraction of the rank's tasks done"
 
         self.links = DataTable(source=self.link_rows, width=1100, height=180, index_position=None, columns=[
@@ -132,7 +141,7 @@ class FlowreducePage(DashboardComponent):
             TableColumn(field="measured", title="bytes/s measured by dask", width=140,
                         formatter=NumberFormatter(format="0.0 b")),
         ])
-        self.root = column(self.straggler, self.table, self.title, row(self.grid, self.progress), self.links,
+        self.root = column(self.straggler, self.table, self.title, self.legend, row(self.grid, self.progress), self.links,
                            **kwargs)
 
     def _on_select(self, attr, old, new) -> None:
@@ -164,13 +173,13 @@ class FlowreducePage(DashboardComponent):
     def _show(self, call, now: float) -> None:
         cells = views.grid(call, self.scheduler)
         _set(self.cells, {
-            "rank": [c.rank for c in cells], "column": [c.column for c in cells], "phase": [c.phase for c in cells],
+            "token": [call.token] * len(cells), "rank": [c.rank for c in cells], "column": [c.column for c in cells], "phase": [c.phase for c in cells],
             "state": [c.state for c in cells], "colour": [STATE_COLOURS[c.state] for c in cells],
             "tasks": [c.tasks for c in cells], "done": [c.done for c in cells],
             "label": [_label(c) for c in cells]})
         arrows = views.edges(call)
-        _set(self.arrows, {"x0": [a[1] for a, _ in arrows], "y0": [a[0] for a, _ in arrows],
-                           "x1": [b[1] for _, b in arrows], "y1": [b[0] for _, b in arrows]})
+        _set(self.arrows, {"x0": [a[1] + 0.43 for a, _ in arrows], "y0": [a[0] for a, _ in arrows],
+                           "x1": [b[1] - 0.43 for _, b in arrows], "y1": [b[0] for _, b in arrows]})
         progress = views.rank_progress(cells)
         _set(self.ranks, {k: [p[k] for p in progress] for k in self.ranks.data})
         link_rows = views.links(call, self.scheduler, now)
@@ -189,7 +198,7 @@ class FlowreducePage(DashboardComponent):
         self.grid.x_range.start, self.grid.x_range.end = cols[0] - 0.5, cols[-1] + 0.5
         for fig in (self.grid, self.progress):
             fig.y_range.start, fig.y_range.end = ranks[-1] + 0.5, ranks[0] - 0.5
-        self.grid.xaxis.ticker = cols
+        self.steps.ticks, self.rank_ticks.ticks = cols, ranks
         self.grid.xaxis.major_label_overrides = {c: _column_label(c) for c in cols}
 
 

@@ -21,6 +21,10 @@ CELL_STATES = ("erred", "transferring", "running", "ready", "waiting", "done")
 #: State of one call (one row of the calls table).
 CALL_STATES = ("submitted", "running", "done", "failed", "cancelled")
 
+#: Plans with more nodes than this send no per-node widths (the store then
+#: counts the bytes dask measured, which sees zero-copy views as a few bytes).
+MAX_WIDTHS = 4096
+
 #: Columns of the grid that are not plan steps: tensor fusion's pack before
 #: step 0, its unpack after the outputs.
 PACK_COLUMN = -1
@@ -48,12 +52,19 @@ class CallRecord:
     output_columns: tuple[int, ...] = ()
     shape: tuple[int, ...] = ()
     dtype: str = ""
+    segment_bytes: float = 0.0  # bytes of one segment of one chunk
+    widths: tuple[int, ...] = ()  # segments of each plan node (what a message from it carries)
+
+    def message_bytes(self, node: int) -> float | None:
+        """Bytes a message from plan node ``node`` carries (one chunk), if known."""
+        return self.widths[node] * self.segment_bytes if 0 <= node < len(self.widths) else None
 
     def message(self) -> dict[str, Any]:
         return {"version": VERSION, "token": self.token, "algorithm": self.algorithm, "ranks": self.ranks,
                 "nbytes": self.nbytes, "chunks": self.chunks, "steps": self.steps, "predicted": self.predicted,
                 "workers": list(self.workers), "transport": self.transport, "group": self.group,
-                "output_columns": list(self.output_columns), "shape": list(self.shape), "dtype": self.dtype}
+                "output_columns": list(self.output_columns), "shape": list(self.shape), "dtype": self.dtype,
+                "segment_bytes": self.segment_bytes, "widths": list(self.widths)}
 
     @classmethod
     def from_message(cls, msg: Any) -> CallRecord | None:
@@ -77,6 +88,8 @@ class CallRecord:
                 output_columns=tuple(int(c) for c in msg.get("output_columns", ())),
                 shape=tuple(int(s) for s in msg.get("shape", ())),
                 dtype=str(msg.get("dtype", "")),
+                segment_bytes=float(msg.get("segment_bytes", 0.0)),
+                widths=tuple(int(w) for w in msg.get("widths", ())),
             )
         except (TypeError, ValueError):
             return None
@@ -95,4 +108,6 @@ def record_of(info: Any, *, group: str = "", transport: str | None = None) -> Ca
         chunks=plan.chunks, steps=max(columns, default=last) + 1, predicted=float(info.predicted),
         workers=tuple(info.workers), transport=transport or getattr(info, "transport", "dask"),
         group=group if group != info.token else "", output_columns=columns,
-        shape=tuple(getattr(info, "shape", ()) or ()), dtype=str(getattr(info, "dtype", "") or ""))
+        shape=tuple(getattr(info, "shape", ()) or ()), dtype=str(getattr(info, "dtype", "") or ""),
+        segment_bytes=int(info.nbytes) / max(plan.segments * plan.chunks, 1),
+        widths=tuple(n.width for n in plan.nodes) if len(plan.nodes) <= MAX_WIDTHS else ())

@@ -77,7 +77,7 @@ class Call:
     done_count: dict[Slot, int] = field(default_factory=dict)  # once ended
     done_at: dict[Slot, float] = field(default_factory=dict)  # when a task of the cell last finished
     erred: set[Slot] = field(default_factory=set)
-    link_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (source rank, dest rank)
+    link_bytes: dict[tuple[int, int], float] = field(default_factory=dict)  # (source rank, dest rank)
     fetched: set = field(default_factory=set)  # (key, dest rank) counted in link_bytes, while in flight
 
     @property
@@ -188,7 +188,8 @@ class DashboardStore(SchedulerPlugin):
             if src is not None and src["token"] == call.token and src["rank"] != rank:
                 call.fetched.add((dep.key, rank))
                 link = (src["rank"], rank)
-                call.link_bytes[link] = call.link_bytes.get(link, 0) + max(dep.nbytes, 0)
+                sent = call.record.message_bytes(src["node"]) if call.record and src["node"] is not None else None
+                call.link_bytes[link] = call.link_bytes.get(link, 0) + (max(dep.nbytes, 0) if sent is None else sent)
         call.outputs.discard(key)
         if parts["phase"] == "output" and not call.outputs:
             self._end(call, "done")

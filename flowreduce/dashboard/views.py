@@ -39,11 +39,15 @@ class Cell:
     done: int
 
 
-def task_state(ts) -> str:
-    """One task's cell state (see the module docstring); ``ts`` None: released after use."""
+def task_state(ts, finished_before: bool) -> str:
+    """One task's cell state (see the module docstring). ``finished_before``:
+    the task reached memory once; released since (its data used and
+    dropped, ``ts`` None once forgotten) it still counts as done."""
     if ts is None or ts.state == "memory":
         return "done"
     state = ts.state
+    if state == "released" and finished_before:
+        return "done"
     if state == "erred":
         return "erred"
     if state == "processing":
@@ -90,7 +94,7 @@ def grid(call: Call, scheduler) -> list[Cell]:
     tasks = scheduler.tasks if scheduler is not None else {}
     for slot, n in call.sizes.items():
         if call.in_flight:
-            states = [task_state(tasks.get(k)) for k in call.cells.get(slot, ())]
+            states = [task_state(tasks.get(k), k in call.done_keys) for k in call.cells.get(slot, ())]
         else:
             states = (["erred"] if slot in call.erred else []) + ["done"] * call.done_count.get(slot, 0)
             states += ["waiting"] * (n - len(states))

@@ -1,0 +1,269 @@
+"""The /flowreduce dashboard page: the store on a real scheduler (preload,
+failed call, a client that publishes nothing or garbage), its bounds over
+10,000 calls, and the page in a real headless Chromium showing a held-back
+rank as waiting, then done."""
+
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+import urllib.request
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import assert_clean, wait_until
+from distributed import Client, Event, LocalCluster, wait
+
+import flowreduce
+import flowreduce.dashboard
+from flowreduce import keys
+from flowreduce.dashboard import views
+from flowreduce.dashboard.store import NAME, OP, DashboardStore
+
+N = 64
+
+
+@pytest.fixture(scope="module")
+def dash():
+    """A cluster whose scheduler serves the dashboard, with the page preloaded."""
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0",
+                      scheduler_kwargs={"preload": ["flowreduce.dashboard"]}) as cluster:
+        with Client(cluster) as client:
+            yield cluster, client
+
+
+def _store_view(dask_scheduler, token=None):
+    """What the page would show, computed on the scheduler's loop (as the page is)."""
+    store = dask_scheduler.plugins[NAME]
+    now = time.time()
+    call = store.find(token) if token else views.default_selection(store)
+    cells = views.grid(call, dask_scheduler) if call else []
+    return {"malformed": store.malformed, "rows": views.calls_table(store, now),
+            "state": call.state if call else None, "error": call.error if call else "",
+            "record": call.record is not None if call else None,
+            "cells": [(c.rank, c.column, c.state) for c in cells],
+            "links": views.links(call, dask_scheduler, now) if call else [],
+            "straggler": views.straggler(call, cells, dask_scheduler, now) if call else None}
+
+
+def _page_text(dask_scheduler):
+    """Build the page's Bokeh component on the scheduler and refresh it once."""
+    from flowreduce.dashboard.page import FlowreducePage
+
+    page = FlowreducePage(dask_scheduler)
+    page.update()
+    return {"straggler": page.straggler.text, "title": page.title.text, "grid": dict(page.cells.data)}
+
+
+def _ranks(client, n=N, p=4):
+    ws = sorted(client.nthreads())
+    return [client.submit(np.full, n, r + 1.0, workers=[ws[r % len(ws)]], pure=False) for r in range(p)], ws
+
+
+def _boom():
+    raise ValueError("rank input exploded on purpose")
+
+
+def _held(name, value):
+    Event(name).wait()
+    return value
+
+
+def _url(cluster, page):
+    return cluster.dashboard_link.rsplit("/", 1)[0] + "/" + page
+
+
+def test_preloaded_page_is_served_and_listed_before_any_call(dash):
+    cluster, client = dash
+    with urllib.request.urlopen(_url(cluster, "flowreduce")) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(_url(cluster, "status")) as r:
+        assert 'href="flowreduce"' in r.read().decode()
+    empty = client.run_on_scheduler(lambda dask_scheduler: _page_text(dask_scheduler)
+                                    if not dask_scheduler.plugins[NAME].listing() else None)
+    if empty is not None:  # this test ran first: the page with no call yet
+        assert empty["straggler"] == "no flowreduce call yet" and empty["grid"]["state"] == []
+
+
+def test_a_failed_call_is_shown_failed_with_its_error(dash):
+    cluster, client = dash
+    xs, ws = _ranks(client)
+    xs[1] = client.submit(_boom, workers=[ws[1]], pure=False)
+    out = flowreduce.allreduce(client, xs, algorithm="butterfly", like=np.zeros(N))
+    token = flowreduce.describe(out).token
+    wait(out)
+    assert all(f.status == "error" for f in out)
+    seen = client.run_on_scheduler(_store_view, token=token)
+    assert seen["state"] == "failed"
+    assert "rank input exploded on purpose" in seen["error"]
+    assert any(state == "erred" for *_, state in seen["cells"])
+    page = client.run_on_scheduler(lambda dask_scheduler: _page_text(dask_scheduler))
+    row = next(r for r in seen["rows"] if r["token"] == token)
+    assert row["state"] == "failed" and "exploded" in row["error"]
+    assert page["grid"]["state"]  # the page renders a call (the failed one, or a later one)
+    del out, xs
+    assert_clean(client)
+
+
+def test_a_client_that_publishes_nothing_or_garbage_breaks_nothing(dash, monkeypatch):
+    """An older flowreduce sends no record: the call shows from its keys. A
+    record the scheduler cannot read is counted and dropped."""
+    cluster, client = dash
+    monkeypatch.setattr(flowreduce.dashboard, "publish", lambda *a, **k: None)
+    xs, _ = _ranks(client)
+    out = flowreduce.allreduce(client, xs, algorithm="butterfly")
+    token = flowreduce.describe(out).token
+    np.testing.assert_array_equal(client.gather(out)[0], np.full(N, 10.0))
+    assert wait_until(lambda: client.run_on_scheduler(_store_view, token=token)["state"] == "done", 10)
+    seen = client.run_on_scheduler(_store_view, token=token)
+    assert seen["record"] is False
+    row = next(r for r in seen["rows"] if r["token"] == token)
+    assert (row["algorithm"], row["ranks"], row["transport"]) == ("butterfly", 4, "?")
+    plan = flowreduce.plan("butterfly", 4)
+    assert {r for r, _, _ in seen["cells"]} == set(range(4))
+    assert len({c for _, c, _ in seen["cells"]}) == plan.depth
+    assert all(state == "done" for *_, state in seen["cells"])
+    before = seen["malformed"]
+    for garbage in ({"token": 5}, "not a record", {"token": "x", "ranks": "many"}):
+        client._send_to_scheduler({"op": OP, "record": garbage})
+    assert wait_until(lambda: client.run_on_scheduler(_store_view)["malformed"] == before + 3, 10)
+    monkeypatch.undo()
+    out2 = flowreduce.allreduce(client, xs, algorithm="ring")  # the client's stream still works
+    np.testing.assert_array_equal(client.gather(out2)[1], np.full(N, 10.0))
+    del out, out2, xs
+    assert_clean(client)
+
+
+def test_link_bytes_match_the_plans_transfers(dash):
+    cluster, client = dash
+    xs, _ = _ranks(client, n=4096)
+    out = flowreduce.allreduce(client, xs, algorithm="ring")
+    token = flowreduce.describe(out).token
+    client.gather(out)
+    assert wait_until(lambda: client.run_on_scheduler(_store_view, token=token)["state"] == "done", 10)
+    seen = client.run_on_scheduler(_store_view, token=token)
+    info = flowreduce.describe(out)
+    # every message of the plan counted once, with the bytes the plan says it carries
+    expected: dict = {}
+    for t in info.plan.transfers():
+        link = (t.source, t.dest)
+        expected[link] = expected.get(link, 0) + (t.hi - t.lo) * info.nbytes / info.plan.segments
+    assert {(r["source"], r["dest"]): r["bytes"] for r in seen["links"]} == expected
+    assert sum(expected.values()) == info.bytes_on_wire
+    del out, xs
+
+
+# -- bounds: 10,000 calls through the store's hooks -----------------------------------------------------------
+
+def _fake_call(store, scheduler, i: int) -> None:
+    """One 2-rank call through the hooks distributed calls: update_graph, then each task to memory."""
+    token = f"{i:032x}"
+    ks = [keys.node_key("ring", "split", token, 0, r, 0, r) for r in range(2)]
+    ks += [keys.output_key("ring", token, r) for r in range(2)]
+    deps = {ks[2]: [ks[0], ks[1]], ks[3]: [ks[0], ks[1]]}
+    for k in ks:
+        scheduler.tasks[k] = SimpleNamespace(key=k, state="waiting", nbytes=100, dependencies=[])
+    for k, ds in deps.items():
+        scheduler.tasks[k].dependencies = [scheduler.tasks[d] for d in ds]
+    store.update_graph(scheduler, keys=set(ks[2:]), tasks=ks)
+    store.publish(record={"token": token, "algorithm": "ring", "ranks": 2, "nbytes": 800, "chunks": 1})
+    for k in ks:
+        scheduler.tasks[k].state = "memory"
+        store.transition(k, "processing", "memory")
+    for k in ks:
+        store.transition(k, "memory", "forgotten")
+        del scheduler.tasks[k]
+
+
+def test_store_is_bounded_and_flat_after_10000_calls():
+    scheduler = SimpleNamespace(tasks={})
+    store = DashboardStore(history=100)
+    store.scheduler = scheduler
+    for i in range(1000):
+        _fake_call(store, scheduler, i)
+    gc.collect()
+    tracemalloc.start()
+    for i in range(1000, 2000):
+        _fake_call(store, scheduler, i)
+    gc.collect()
+    at_2000 = tracemalloc.get_traced_memory()[0]
+    for i in range(2000, 10_000):
+        _fake_call(store, scheduler, i)
+    gc.collect()
+    at_10000 = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert len(store.history) == 100 and not store.calls and not store._by_name
+    assert [c.token for c in store.listing()][0] == f"{9999:032x}"  # newest first
+    assert all(c.state == "done" and not c.cells for c in store.history)
+    assert at_10000 - at_2000 < 64 * 1024, f"the store grew by {at_10000 - at_2000} bytes over 8,000 calls"
+    rows = views.calls_table(store, time.time())
+    assert len(rows) == 100
+    cells = views.grid(store.history[-1], scheduler)
+    assert [(c.rank, c.column, c.state) for c in cells] == [(0, 0, "done"), (0, 1, "done"), (1, 0, "done"),
+                                                            (1, 1, "done")]
+
+
+def test_a_failed_fake_call_keeps_its_blame():
+    scheduler = SimpleNamespace(tasks={})
+    store = DashboardStore()
+    store.scheduler = scheduler
+    token = "f" * 32
+    ks = [keys.node_key("tree", "reduce", token, 1, 0, 0, 3), keys.output_key("tree", token, 0)]
+    blame = SimpleNamespace(key="input-0", exception_text="ValueError('bad input')", exception=None,
+                            exception_blame=None)
+    for k in ks:
+        scheduler.tasks[k] = SimpleNamespace(key=k, state="waiting", nbytes=0, dependencies=[],
+                                             exception_blame=blame, exception_text="", exception=None)
+    store.update_graph(scheduler, keys={ks[1]}, tasks=ks)
+    store.transition(ks[0], "waiting", "erred")
+    (call,) = store.history
+    assert (call.state, call.error, call.blame) == ("failed", "ValueError('bad input')", "input-0")
+    assert [c.state for c in views.grid(call, scheduler)] == ["erred", "waiting"]
+
+
+# -- the page in a real browser ---------------------------------------------------------------------------------
+
+def _cells(grid):
+    return {(r, c): s for r, c, s in zip(grid["rank"], grid["column"], grid["state"])}
+
+
+def test_browser_shows_the_held_back_rank_waiting_then_done(dash):
+    from flowreduce.dashboard.browser import chromium, read_source, wait_for
+
+    cluster, client = dash
+    xs, ws = _ranks(client)
+    np.testing.assert_array_equal(client.gather(flowreduce.allreduce(client, xs))[0], np.full(N, 10.0))
+    held = 2
+    ev = Event("flowreduce-dashboard-test-hold", client=client)
+    xs[held] = client.submit(_held, ev.name, np.full(N, held + 1.0), workers=[ws[held % len(ws)]], pure=False)
+    out = flowreduce.allreduce(client, xs, algorithm="butterfly", like=np.zeros(N))
+    token = flowreduce.describe(out).token
+    with chromium() as driver:
+        driver.get(_url(cluster, "flowreduce"))
+
+        def held_back(grid):
+            cells = _cells(grid)
+            first = min(c for _, c in cells) if cells else None
+            return (grid["token"][:1] == [token] and
+                    all(s == "waiting" for (r, _), s in cells.items() if r == held) and
+                    all(cells.get((r, first)) == "done" for r in range(4) if r != held))
+
+        grid = wait_for(driver, "flowreduce-grid", held_back)
+        first = min(grid["column"])
+        lag = read_source(driver, "flowreduce-straggler")
+        assert (lag["token"], lag["rank"], lag["column"]) == ([token], [held], [first])
+        calls = read_source(driver, "flowreduce-calls")
+        assert calls["state"][calls["token"].index(token[:8])] == "running"
+
+        ev.set()
+        np.testing.assert_array_equal(client.gather(out)[held], np.full(N, 10.0))
+        grid = wait_for(driver, "flowreduce-grid",
+                        lambda g: g["token"][:1] == [token] and all(s == "done" for s in g["state"]))
+        assert {r for r in grid["rank"]} == set(range(4))
+        calls = wait_for(driver, "flowreduce-calls", lambda d: d["state"][d["token"].index(token[:8])] == "done")
+        errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors  # the page rendered: Bokeh logs rendering failures here
+    del out, xs
+    assert_clean(client)
