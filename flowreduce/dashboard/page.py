@@ -83,7 +83,7 @@ class FlowreducePage(DashboardComponent):
                                     name="flowreduce-straggler")
 
         fmt = NumberFormatter(format="0.000")
-        self.table = DataTable(source=self.calls, width=1100, height=230, index_position=None, columns=[
+        self.table = DataTable(source=self.calls, width=1100, height=190, index_position=None, columns=[
             TableColumn(field="token", title="call", width=90, formatter=StringFormatter()),
             TableColumn(field="algorithm", title="algorithm", width=150),
             TableColumn(field="ranks", title="ranks", width=50),
