@@ -6,8 +6,9 @@ rank as waiting, then done."""
 from __future__ import annotations
 
 import gc
+import sys
 import time
-import tracemalloc
+import types
 import urllib.request
 from types import SimpleNamespace
 
@@ -177,23 +178,30 @@ def _fake_call(store, scheduler, i: int) -> None:
         del scheduler.tasks[k]
 
 
+def _reachable_bytes(root, skip) -> int:
+    """Bytes of every object reachable from ``root`` (classes, modules, functions and ``skip`` excluded)."""
+    seen, stack, total = {id(skip)}, [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
 def test_store_is_bounded_and_flat_after_10000_calls():
     scheduler = SimpleNamespace(tasks={})
     store = DashboardStore(history=100)
     store.scheduler = scheduler
-    for i in range(1000):
+    for i in range(2000):
         _fake_call(store, scheduler, i)
-    gc.collect()
-    tracemalloc.start()
-    for i in range(1000, 2000):
-        _fake_call(store, scheduler, i)
-    gc.collect()
-    at_2000 = tracemalloc.get_traced_memory()[0]
+    at_2000 = _reachable_bytes(store, scheduler)
     for i in range(2000, 10_000):
         _fake_call(store, scheduler, i)
-    gc.collect()
-    at_10000 = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
+    at_10000 = _reachable_bytes(store, scheduler)
+    assert at_10000 <= at_2000 * 1.02, f"the store grew from {at_2000} to {at_10000} bytes over 8,000 calls"
     assert len(store.history) == 100 and not store.calls and not store._by_name
     assert [c.token for c in store.listing()][0] == f"{9999:032x}"  # newest first
     assert all(c.state == "done" and not c.cells for c in store.history)

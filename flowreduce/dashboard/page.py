@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from bokeh.core.properties import without_property_validation
 from bokeh.layouts import column, row
 from bokeh.models import (
     ColumnDataSource,
@@ -97,12 +98,13 @@ class FlowreducePage(DashboardComponent):
         ])
         self.calls.selected.on_change("indices", self._on_select)
 
-        self.title = Div(text="", width=1100)
+        # fixed sizes: a text that changes does not make the browser lay the whole page out again
+        self.title = Div(text="", width=1100, height=22)
         self.legend = Div(text=" ".join(
             f"<span style='background:{c};border:1px solid #555;padding:0 6px;margin-left:8px'>&nbsp;</span> {s}"
-            for s, c in STATE_COLOURS.items()), width=1100)
+            for s, c in STATE_COLOURS.items()), width=1100, height=22)
         # the straggler's source is drawn by no glyph: a tag of its line, so the browser holds it too
-        self.straggler = Div(text="", width=1100, styles={"font-size": "15px", "font-weight": "bold"},
+        self.straggler = Div(text="", width=1100, height=44, styles={"font-size": "15px", "font-weight": "bold"},
                              tags=[self.lag])
 
         self.grid = figure(title="ranks × steps (cell colour: state)", width=760, height=360, tools="",
@@ -148,11 +150,12 @@ class FlowreducePage(DashboardComponent):
         if new and new[0] < len(self.shown):
             self.selected = self.shown[new[0]]
 
+    @without_property_validation
     def update(self) -> None:
         with log_errors():
             store = self.scheduler.plugins.get(NAME)
             if store is None:
-                self.straggler.text = "flowreduce has not run on this cluster yet"
+                _assign(self.straggler, text="flowreduce has not run on this cluster yet")
                 return
             now = time()
             rows = views.calls_table(store, now)
@@ -163,8 +166,8 @@ class FlowreducePage(DashboardComponent):
             call = store.find(self.selected) if self.selected else None
             call = call or views.default_selection(store)
             if call is None:
-                self.straggler.text = "no flowreduce call yet"
-                self.title.text = ""
+                _assign(self.straggler, text="no flowreduce call yet")
+                _assign(self.title, text="")
                 for src in (self.cells, self.arrows, self.ranks, self.link_rows, self.lag):
                     _set(src, {k: [] for k in src.data})
                 return
@@ -186,20 +189,21 @@ class FlowreducePage(DashboardComponent):
         _set(self.link_rows, {k: [r[k] for r in link_rows] for k in self.link_rows.data})
         lag = views.straggler(call, cells, self.scheduler, now)
         _set(self.lag, {"token": [call.token], **{k: [lag[k]] for k in ("rank", "column", "lag", "text")}})
-        self.straggler.text = "straggler: " + lag["text"]
+        _assign(self.straggler, text="straggler: " + lag["text"])
         rec = call.record
         detail = (f"{rec.ranks} ranks · {rec.nbytes:,} bytes each · {rec.chunks} chunk(s) · {rec.transport}"
                   if rec else "no record from the client (an older flowreduce): shown from its task keys")
         error = f" · <span style='color:#de2d26'>{_escape(call.error)}</span>" if call.error else ""
-        self.title.text = (f"<b>{call.algorithm}</b> call {call.token[:8]} · <b>{call.state}</b> · "
-                           f"{call.elapsed(now):.3f} s · {detail}{error}")
+        _assign(self.title, text=f"<b>{call.algorithm}</b> call {call.token[:8]} · <b>{call.state}</b> · "
+                           f"{call.elapsed(now):.1f} s · {detail}{error}")
         ranks = sorted({c.rank for c in cells}) or [0]
         cols = sorted({c.column for c in cells}) or [0]
-        self.grid.x_range.start, self.grid.x_range.end = cols[0] - 0.5, cols[-1] + 0.5
+        _assign(self.grid.x_range, start=cols[0] - 0.5, end=cols[-1] + 0.5)
         for fig in (self.grid, self.progress):
-            fig.y_range.start, fig.y_range.end = ranks[-1] + 0.5, ranks[0] - 0.5
-        self.steps.ticks, self.rank_ticks.ticks = cols, ranks
-        self.grid.xaxis.major_label_overrides = {c: _column_label(c) for c in cols}
+            _assign(fig.y_range, start=ranks[-1] + 0.5, end=ranks[0] - 0.5)
+        _assign(self.steps, ticks=cols)
+        _assign(self.rank_ticks, ticks=ranks)
+        _assign(self.grid.xaxis[0], major_label_overrides={c: _column_label(c) for c in cols})
 
 
 def _label(c: views.Cell) -> str:
@@ -215,6 +219,13 @@ def _escape(text: str) -> str:
     import html
 
     return html.escape(text[:300])
+
+
+def _assign(model, **values: Any) -> None:
+    """Set the properties that changed (setting a Bokeh property validates it and may send it)."""
+    for name, value in values.items():
+        if getattr(model, name) != value:
+            setattr(model, name, value)
 
 
 def _set(source: ColumnDataSource, data: dict[str, list]) -> None:

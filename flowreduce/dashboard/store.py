@@ -188,7 +188,8 @@ class DashboardStore(SchedulerPlugin):
             if src is not None and src["token"] == call.token and src["rank"] != rank:
                 call.fetched.add((dep.key, rank))
                 link = (src["rank"], rank)
-                sent = call.record.message_bytes(src["node"]) if call.record and src["node"] is not None else None
+                node = src.get("node")  # None for outputs and fusion's pack/unpack: dask's size then
+                sent = call.record.message_bytes(node) if call.record and node is not None else None
                 call.link_bytes[link] = call.link_bytes.get(link, 0) + (max(dep.nbytes, 0) if sent is None else sent)
         call.outputs.discard(key)
         if parts["phase"] == "output" and not call.outputs:

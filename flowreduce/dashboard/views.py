@@ -159,7 +159,7 @@ def straggler(call: Call, cells: list[Cell], scheduler, now: float) -> dict[str,
         others = [t for r, t in last.items() if r != rank]
         lag = last[rank] - statistics.median(others)
         return {"rank": rank, "column": -1, "lag": lag,
-                "text": f"rank {rank} finished last, {lag:.3g} s after the median rank ({call.state})"}
+                "text": f"rank {rank} finished last, {lag:.3f} s after the median rank ({call.state})"}
     frontier = {r: min((c for c in cs if c.state != "done"), key=lambda c: c.column, default=None)
                 for r, cs in by_rank.items()}
     pending = {r: c for r, c in frontier.items() if c is not None}
@@ -178,7 +178,7 @@ def straggler(call: Call, cells: list[Cell], scheduler, now: float) -> dict[str,
     what = _waiting_on(call, rank, cell, cols, scheduler)
     return {"rank": rank, "column": cell.column, "lag": lag,
             "text": f"rank {rank} is behind at {step} ({cell.state}{what}): the first other rank finished "
-                    f"that step {lag:.3g} s ago"}
+                    f"that step {lag:.1f} s ago"}
 
 
 def _waiting_on(call: Call, rank: int, cell: Cell, cols: dict[Slot, int], scheduler) -> str:
@@ -214,7 +214,7 @@ def calls_table(store: DashboardStore, now: float) -> list[dict[str, Any]]:
             "ranks": rec.ranks if rec else len({r for r, _ in call.sizes}),
             "nbytes": rec.nbytes if rec else -1, "chunks": rec.chunks if rec else -1,
             "transport": rec.transport if rec else "?", "state": call.state,
-            "elapsed": call.elapsed(now), "predicted": rec.predicted if rec and rec.predicted is not None else -1.0,
+            "elapsed": round(call.elapsed(now), 1), "predicted": rec.predicted if rec and rec.predicted is not None else -1.0,
             "group": rec.group if rec else "", "error": call.error,
         })
     return rows
