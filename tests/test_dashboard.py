@@ -183,7 +183,7 @@ def _reachable_bytes(root, skip) -> int:
     seen, stack, total = {id(skip)}, [root], 0
     while stack:
         obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
             continue
         seen.add(id(obj))
         total += sys.getsizeof(obj)
