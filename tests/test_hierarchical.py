@@ -461,10 +461,10 @@ def twelve_client():
 def fake_hosts(monkeypatch):
     """``fake_hosts({worker: host})``: in-process workers report these hosts
     (what ``allreduce`` learns from each worker's address or batch node)."""
-    import flowreduce.schedule.call as schedule
+    import flowreduce.schedule.hosts as hosts
 
     def install(table: dict[str, str]) -> None:
-        monkeypatch.setattr(schedule, "place_of", lambda dask_worker=None: (table[dask_worker.address], ""))
+        monkeypatch.setattr(hosts, "place_of", lambda dask_worker=None: (table[dask_worker.address], ""))
 
     return install
 

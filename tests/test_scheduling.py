@@ -133,16 +133,16 @@ def test_replicated_input_stays_where_it_was_pinned(proc_client):
 
 
 def test_cores_and_groups_come_from_where_workers_run():
-    from flowreduce.schedule.call import _groups_by_place, _shared_cores
+    from flowreduce.schedule.hosts import Place, host_groups, shared_cores
 
     # (node, cpus, job, machine): two SLURM virtual nodes on one 2-CPU machine, two jobs
-    places = {"a": ("n1", 2, "7", "box"), "b": ("n1", 2, "7", "box"),
-              "c": ("n2", 2, "8", "box"), "d": ("n2", 2, "8", "box")}
-    assert _groups_by_place(["a", "c", "b", "d"], places) == [[0, 2], [1, 3]]
-    assert _shared_cores(list("abcd"), places) == 2  # the machine's CPUs, not the nodes'
-    apart = {w: (f"n{i}", 8, "", f"box{i}") for i, w in enumerate("abcd")}
-    assert _shared_cores(list("abcd"), apart) is None  # a core each: nothing shared
-    assert _groups_by_place(list("abcd"), apart) == [[0], [1], [2], [3]]
+    places = {"a": Place("n1", 2, "7", "box"), "b": Place("n1", 2, "7", "box"),
+              "c": Place("n2", 2, "8", "box"), "d": Place("n2", 2, "8", "box")}
+    assert host_groups(["a", "c", "b", "d"], places) == [[0, 2], [1, 3]]
+    assert shared_cores(list("abcd"), places) == 2  # the machine's CPUs, not the nodes'
+    apart = {w: Place(f"n{i}", 8, "", f"box{i}") for i, w in enumerate("abcd")}
+    assert shared_cores(list("abcd"), apart) is None  # a core each: nothing shared
+    assert host_groups(list("abcd"), apart) == [[0], [1], [2], [3]]
 
 
 def _wait_for_event(name):

@@ -27,9 +27,7 @@ import weakref
 from distributed.active_memory_manager import ReduceReplicas, Suggestion
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-
-class WorkerLostError(RuntimeError):
-    """A worker holding part of an all-reduce left the cluster."""
+from flowreduce.errors import WorkerLostError
 
 
 class KeepPinnedReplicas(ReduceReplicas):
