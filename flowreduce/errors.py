@@ -9,7 +9,11 @@ to the clients, and this module imports nothing else.
 
 from __future__ import annotations
 
-__all__ = ["FlowreduceError", "InputError", "InputStateError", "InputTypeError", "OptionError", "WorkerLostError"]
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["FlowreduceError", "InputError", "InputStateError", "InputTypeError", "OptionError", "WorkerLostError",
+           "raised_as"]
 
 
 class FlowreduceError(Exception):
@@ -28,8 +32,9 @@ class InputError(FlowreduceError, ValueError):
 
 
 class InputTypeError(FlowreduceError, TypeError):
-    """An input of the wrong kind: not a future, not a numpy array (or a
-    pytree of them, or a scipy.sparse matrix), a dtype that cannot be reduced."""
+    """A value of the wrong kind: an input that is not a future, not a numpy
+    array (or a pytree of them, or a scipy.sparse matrix), a dtype that
+    cannot be reduced; a ``topology=`` that is neither a Topology nor keys."""
 
 
 class InputStateError(FlowreduceError, RuntimeError):
@@ -38,3 +43,19 @@ class InputStateError(FlowreduceError, RuntimeError):
 
 class WorkerLostError(FlowreduceError, RuntimeError):
     """A worker holding part of an all-reduce left the cluster."""
+
+
+@contextmanager
+def raised_as(value_error: type[ValueError], type_error: type[TypeError] = InputTypeError) -> Iterator[None]:
+    """Re-raise the built-in ``ValueError`` and ``TypeError`` of a check made
+    by a layer that knows nothing of these classes (the planners, the
+    template reader) as ``value_error`` and ``type_error``: the same
+    message, still a ValueError or TypeError, and now a FlowreduceError."""
+    try:
+        yield
+    except FlowreduceError:
+        raise
+    except ValueError as e:
+        raise value_error(*e.args) from e
+    except TypeError as e:
+        raise type_error(*e.args) from e

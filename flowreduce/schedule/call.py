@@ -36,7 +36,7 @@ from flowreduce.build.buckets import build_tree_graph
 from flowreduce.build.graph import build_graph
 from flowreduce.build.sparse import SparseInputs, lower_blocks, lower_sparse
 from flowreduce.cost import CostModel, choose, model_for, tune
-from flowreduce.errors import OptionError
+from flowreduce.errors import InputError, OptionError, raised_as
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import parse
 from flowreduce.ops import Op, resolve_op
@@ -206,7 +206,8 @@ class Settings:
         """The settings, or an :class:`~flowreduce.errors.OptionError` naming the bad one."""
         if algorithm not in ALGORITHMS and algorithm not in SPARSE_ALGORITHMS:
             raise OptionError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}")
-        op_ = resolve_op(op)
+        with raised_as(OptionError):
+            op_ = resolve_op(op)
         if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
             raise OptionError(f"chunks must be a positive integer, got {chunks!r}")
         if chunk_bytes is not None and chunk_bytes <= 0:
@@ -257,7 +258,8 @@ def describe_inputs(client: Client, outer: TreeDef, futures: list[list[Future]],
     the workers say what they hold."""
     frozen = tuple(tuple(fs) for fs in futures)
     if like is not None:
-        layout = Layout.from_template(outer, like)
+        with raised_as(InputError):
+            layout = Layout.from_template(outer, like)
         check_dtypes(layout, settings.op)
         workers = placement.place(client, futures)
         return Ranks(outer, frozen, tuple(workers), hosts.worker_places(client, workers), layout, check=True)
@@ -288,10 +290,12 @@ def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostM
     if settings.algorithm == "auto":
         if options:
             raise OptionError(f"options {sorted(options)} need a named algorithm, not 'auto'")
-        return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
+        with raised_as(OptionError):
+            return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
     if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
         options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
-    return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
+    with raised_as(OptionError):
+        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
 
 
 @dataclass(frozen=True)
@@ -325,8 +329,10 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     if isinstance(held, SparseInputs):
         if settings.chunks is None and settings.chunk_bytes is not None:
             raise OptionError("chunk_bytes applies to dense inputs; pass chunks= for sparse ones")
-        low = lower_sparse(inputs, workers, held, op=settings.op, algorithm=settings.algorithm,
-                           chunks=settings.chunks, model=model, in_place=ranks.in_place, options=dict(settings.options))
+        with raised_as(OptionError):
+            low = lower_sparse(inputs, workers, held, op=settings.op, algorithm=settings.algorithm,
+                               chunks=settings.chunks, model=model, in_place=ranks.in_place,
+                               options=dict(settings.options))
         return _single(low.plan, low.graph.tasks, low.graph.placement, low.graph.outputs, low.graph.token,
                        low.nbytes, model.predict(low.plan, low.nbytes, None), workers, low.shape, low.dtype.str, keys)
     shape, dtype = held.shape, np.dtype(held.dtype)
@@ -335,9 +341,10 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     if settings.algorithm == "block-sparse":
         options = dict(settings.options)
         aggregators = _aggregators(client, options.pop("aggregators", None))
-        low = lower_blocks(inputs, workers, shape=shape, dtype=dtype, op=settings.op,
-                           chunks=settings.chunks_for(nbytes), model=model, in_place=ranks.in_place,
-                           aggregators=aggregators, options=options)
+        with raised_as(OptionError):
+            low = lower_blocks(inputs, workers, shape=shape, dtype=dtype, op=settings.op,
+                               chunks=settings.chunks_for(nbytes), model=model, in_place=ranks.in_place,
+                               aggregators=aggregators, options=options)
         return _single(low.plan, low.graph.tasks, low.graph.placement, low.graph.outputs, low.graph.token,
                        low.nbytes, model.predict(low.plan, low.nbytes, None), workers, low.shape, low.dtype.str, keys)
     levels = hosts.rank_levels(client, workers, dict(ranks.places), settings.topology)

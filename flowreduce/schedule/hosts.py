@@ -25,7 +25,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flowreduce.errors import OptionError
+from flowreduce.errors import InputTypeError, OptionError, raised_as
 from flowreduce.topology import GroupKey, Topology, host_of
 
 #: Environment variables naming the batch job a worker runs in, per queue system.
@@ -159,11 +159,10 @@ def rank_levels(client: Any, workers: Sequence[str], places: dict[str, Place],
     if isinstance(topology, Topology):
         topo = topology
     else:
-        keys = [topology] if callable(topology) else list(topology)
+        keys = [topology] if callable(topology) else list(topology) if isinstance(topology, Sequence) else []
         if not keys or not all(callable(k) for k in keys):
-            from flowreduce.errors import InputTypeError
-
             raise InputTypeError(f"topology must be a flowreduce.topology.Topology or key functions "
                                  f"f(address, info) -> label, got {topology!r}")
         topo = cluster_topology(client, sorted(set(workers)), key=keys[0], coarser=keys[1:])
-    return topo.levels_for_ranks(workers)
+    with raised_as(OptionError):
+        return topo.levels_for_ranks(workers)

@@ -248,6 +248,7 @@ def common_layout(outer: TreeDef, metas: Sequence[Sequence[Meta]], op: Op) -> La
         leaves_bad: dict[int, str] = {}
         for r, rank_metas in enumerate(metas):
             m = rank_metas[j]
+            leaf_metas: tuple[ArrayMeta | OtherMeta, ...]
             if isinstance(m, ArrayMeta):
                 tree, leaf_metas = LEAF, (m,)
             elif isinstance(m, TreeMeta):
