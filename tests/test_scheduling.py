@@ -188,3 +188,62 @@ def test_amm_keeps_the_replica_a_waiting_pinned_task_needs(proc_client):
     np.testing.assert_array_equal(waiting.result(), np.arange(1000))
     del x, later, waiting, peer, heavy
     assert_clean(proc_client)
+
+
+# -- one decision in one place --------------------------------------------------------
+
+
+def test_chunk_bytes_give_the_same_chunks_on_every_path(inproc_client):
+    """``chunk_bytes`` -> chunks is one rule for a dense call, each bucket of a
+    pytree call (with a template or not) and block-sparse: ceil(bytes / chunk_bytes)."""
+    client = inproc_client
+    arrays = [np.arange(1000, dtype=np.float64) * (r + 1) for r in range(3)]  # 8000 bytes each
+    parts = scatter_ranks(client, arrays)
+    expected = -(-8000 // 3000)
+    dense = flowreduce.allreduce(client, parts, algorithm="ring", chunk_bytes=3000)
+    blocks = flowreduce.allreduce(client, parts, algorithm="block-sparse", chunk_bytes=3000, block_size=100)
+    trees = [flowreduce.allreduce(client, [[p] for p in parts], algorithm="ring", chunk_bytes=3000, **kw)
+             for kw in ({}, {"like": [np.zeros(1000)]})]
+    for out in (dense, blocks, *trees):
+        assert flowreduce.describe(out).plan.chunks == expected, flowreduce.describe(out).plan
+        for got in client.gather(out):
+            np.testing.assert_allclose(np.ravel(got), np.sum(arrays, axis=0))
+    del dense, blocks, trees, out
+    assert_clean(client)
+
+
+def test_a_model_without_cores_learns_the_shared_cores():
+    from dataclasses import replace
+
+    from flowreduce.cost import CostModel, configured_model, model_for
+
+    assert model_for(None, 2) == replace(configured_model(), cores=2)
+    assert model_for(CostModel(cores=8), 2).cores == 8  # a model naming its cores keeps them
+    assert model_for(CostModel(), None) == CostModel()
+
+
+def test_one_bounded_record_per_call_read_by_describe_and_the_tracer(inproc_client, monkeypatch):
+    """describe() and the tracer's lookup read the same records, and forget a
+    call together once more than MAX_CALLS came after it."""
+    from flowreduce.schedule import records
+    from flowreduce.tracing import registry
+
+    client = inproc_client
+    parts = scatter_ranks(client, [np.full(8, r, dtype=np.int64) for r in range(3)])
+    tree = flowreduce.allreduce(client, [{"a": p, "b": p} for p in parts], bucket_bytes=0)
+    whole = flowreduce.describe(tree)
+    assert len(whole.buckets) == 2 and whole.nbytes == 2 * 64
+    for bucket in whole.buckets:
+        assert registry.lookup(bucket.token).plan == bucket.plan
+    dense = flowreduce.allreduce(client, parts, algorithm="ring")
+    call = flowreduce.describe(dense)
+    assert registry.lookup(call.token) == call.__class__(**{**call.__dict__, "input_keys": ()})
+    assert call.input_keys == tuple(p.key for p in parts)
+    monkeypatch.setattr(records, "MAX_CALLS", 2)  # the two buckets go, the dense calls stay
+    flowreduce.allreduce(client, parts, algorithm="ring")
+    assert registry.lookup(whole.buckets[0].token) is None  # forgotten by both at once
+    with pytest.raises(KeyError):
+        flowreduce.describe(tree)
+    assert flowreduce.describe(dense) == call
+    del tree, dense
+    assert_clean(client)
