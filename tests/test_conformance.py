@@ -152,6 +152,8 @@ def _opname(op):
 def _reference(op, arrays):
     if op == "mean":
         return np.mean(np.stack(arrays), axis=0)
+    if op in ("sum", "prod") and arrays[0].dtype == np.bool_:  # numpy counts booleans in int64
+        return {"sum": np.sum, "prod": np.prod}[op](np.stack(arrays), axis=0)
     f = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}.get(op, op)
     f = getattr(np, f) if isinstance(f, str) else f
     return functools.reduce(f, arrays)
@@ -244,3 +246,17 @@ def test_multiprocess_mean_float(proc_client):
     _, out = _run(proc_client, arrays, algorithm="butterfly", op="mean", chunks=5)
     for o in out:
         np.testing.assert_allclose(o, np.mean(arrays, axis=0), rtol=1e-12, atol=1e-15)
+
+
+def test_boolean_sum_counts_like_numpy_also_in_fused_pytrees(inproc_client):
+    """``np.sum`` over the ranks counts booleans (int64), it is no logical OR:
+    the same for a bool leaf fused into a bucket beside other tensors."""
+    rng = np.random.default_rng(5)
+    trees = [{"mask": rng.integers(0, 2, size=9).astype(bool), "w": rng.integers(0, 9, size=4)} for _ in range(3)]
+    parts = [inproc_client.scatter([t], hash=False)[0] for t in trees]  # a future of the whole dict
+    out = inproc_client.gather(flowreduce.allreduce(inproc_client, parts, op="sum"))
+    expected = np.sum(np.stack([t["mask"] for t in trees]), axis=0)
+    for r, o in enumerate(out):
+        assert o["mask"].dtype == expected.dtype, f"rank {r}: {o['mask'].dtype}"
+        np.testing.assert_array_equal(o["mask"], expected, err_msg=f"rank {r}")
+        np.testing.assert_array_equal(o["w"], sum(t["w"] for t in trees), err_msg=f"rank {r}")
