@@ -33,7 +33,7 @@ from distributed import Client, Future
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.algorithms.ir import Plan
 from flowreduce.build.buckets import build_tree_graph
-from flowreduce.build.graph import build_graph
+from flowreduce.build.graph import Graph, build_graph
 from flowreduce.build.sparse import SparseInputs, lower_blocks, lower_sparse
 from flowreduce.cost import CostModel, choose, model_for, tune
 from flowreduce.errors import InputError, OptionError, raised_as
@@ -57,11 +57,6 @@ from flowreduce.schedule.inputs import (
 from flowreduce.schedule.records import CallRecord, PytreeRecord
 
 logger = logging.getLogger("flowreduce")
-
-# The records describe() returns (the names of earlier versions).
-CallInfo = CallRecord
-TreeCallInfo = PytreeRecord
-
 
 def describe(futures: Sequence[Any]) -> CallRecord | PytreeRecord:
     """The :class:`~flowreduce.schedule.records.CallRecord` of the
@@ -319,13 +314,21 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     """Choose the plans and lower them to one graph for the whole call."""
     workers = list(ranks.workers)
     p = len(workers)
-    model = model_for(settings.model, hosts.shared_cores(workers, dict(ranks.places)))
+    model = model_for(settings.model, hosts.shared_cores(workers, ranks.places))
     held = ranks.held
     if isinstance(held, Layout):
-        levels = hosts.rank_levels(client, workers, dict(ranks.places), settings.topology)
+        levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
         return _lower_tensors(ranks, held, levels, model, settings)
     inputs = [fs[0] for fs in ranks.futures]
     keys = tuple(f.key for f in inputs)
+
+    def job(graph: Graph, plan: Plan, nbytes: int, groups: list[list[int]] | None, shape: tuple[int, ...],
+            dtype: np.dtype) -> Job:
+        record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, groups), tuple(workers),
+                            tuple(shape), dtype.str, keys)
+        summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
+        return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
+
     if isinstance(held, SparseInputs):
         if settings.chunks is None and settings.chunk_bytes is not None:
             raise OptionError("chunk_bytes applies to dense inputs; pass chunks= for sparse ones")
@@ -333,8 +336,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
             low = lower_sparse(inputs, workers, held, op=settings.op, algorithm=settings.algorithm,
                                chunks=settings.chunks, model=model, in_place=ranks.in_place,
                                options=dict(settings.options))
-        return _single(low.plan, low.graph.tasks, low.graph.placement, low.graph.outputs, low.graph.token,
-                       low.nbytes, model.predict(low.plan, low.nbytes, None), workers, low.shape, low.dtype.str, keys)
+        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
     shape, dtype = held.shape, np.dtype(held.dtype)
     size = math.prod(shape)
     nbytes = size * dtype.itemsize
@@ -345,22 +347,12 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
             low = lower_blocks(inputs, workers, shape=shape, dtype=dtype, op=settings.op,
                                chunks=settings.chunks_for(nbytes), model=model, in_place=ranks.in_place,
                                aggregators=aggregators, options=options)
-        return _single(low.plan, low.graph.tasks, low.graph.placement, low.graph.outputs, low.graph.token,
-                       low.nbytes, model.predict(low.plan, low.nbytes, None), workers, low.shape, low.dtype.str, keys)
-    levels = hosts.rank_levels(client, workers, dict(ranks.places), settings.topology)
+        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
+    levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
     plan = choose_plan(p, nbytes, levels, model, settings)
     graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=settings.op, in_place=ranks.in_place,
                         accumulate=settings.op.accumulator(dtype))
-    return _single(plan, graph.tasks, graph.placement, graph.outputs, graph.token, nbytes,
-                   model.predict(plan, nbytes, levels[0]), workers, shape, dtype.str, keys)
-
-
-def _single(plan: Plan, tasks: Mapping[Hashable, Any], where: Mapping[Hashable, str], outputs: list[Hashable],
-            token: str, nbytes: int, predicted: float, workers: list[str], shape: tuple[int, ...], dtype: str,
-            input_keys: tuple[Hashable, ...]) -> Job:
-    record = CallRecord(token, plan, nbytes, predicted, tuple(workers), tuple(shape), dtype, input_keys)
-    summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, len(workers), nbytes, len(tasks))
-    return Job(tasks, where, list(outputs), token, list, (record,), summary=summary)
+    return job(graph, plan, nbytes, levels[0], shape, dtype)
 
 
 def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], model: CostModel,

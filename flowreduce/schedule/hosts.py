@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,13 +81,13 @@ def worker_places(client: Any, workers: Sequence[str], *, fresh: bool = False) -
     return {w: known[w] for w in workers}
 
 
-def node_of(worker: str, places: dict[str, Place]) -> str:
+def node_of(worker: str, places: Mapping[str, Place]) -> str:
     """The node of ``worker``; a worker missing from ``places`` is a node of its own."""
     place = places.get(worker)
     return place.node if place is not None else worker
 
 
-def host_groups(workers: Sequence[str], places: dict[str, Place]) -> list[list[int]]:
+def host_groups(workers: Sequence[str], places: Mapping[str, Place]) -> list[list[int]]:
     """Ranks (rank ``r`` on ``workers[r]``) grouped by node, groups in order
     of their first rank and ranks in rank order: what the hierarchical
     algorithm reduces inside before crossing hosts."""
@@ -97,7 +97,7 @@ def host_groups(workers: Sequence[str], places: dict[str, Place]) -> list[list[i
     return list(groups.values())
 
 
-def shared_cores(workers: Sequence[str], places: dict[str, Place]) -> int | None:
+def shared_cores(workers: Sequence[str], places: Mapping[str, Place]) -> int | None:
     """CPU cores the ranks run on: per machine, the fewer of its CPUs and its
     ranks. None when every rank has a core of its own (the model's default)."""
     per_machine: dict[str, list[int]] = {}
@@ -140,7 +140,7 @@ def cluster_topology(client: Any, workers: Sequence[str] | None = None, *, key: 
     return Topology.from_info(info, key, *coarser)
 
 
-def rank_levels(client: Any, workers: Sequence[str], places: dict[str, Place],
+def rank_levels(client: Any, workers: Sequence[str], places: Mapping[str, Place],
                 topology: Topology | GroupKey | Sequence[GroupKey] | None) -> list[list[list[int]]]:
     """Groups of ranks at every level (innermost first) for ranks placed on
     ``workers``: by node (``topology`` None), from a :class:`Topology`, or
