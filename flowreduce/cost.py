@@ -68,8 +68,8 @@ from itertools import product
 from typing import Any
 
 from flowreduce.algorithms import plan as make_plan
+from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
 from flowreduce.algorithms.ir import CostCard, Plan
-from flowreduce.algorithms.patterns import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
 
 logger = logging.getLogger("flowreduce")
 
