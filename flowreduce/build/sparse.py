@@ -29,7 +29,8 @@ from flowreduce.ops import Op
 from flowreduce.build import blocks as _blocks, sparse_kernels as _kernels
 from flowreduce.build.sparse_payload import Wire
 from flowreduce.schedule.sparse_inputs import check_sparse
-from flowreduce.algorithms.sparse import CODECS, SparsePlan, choose_sparse
+from flowreduce.algorithms.sparse import CODECS, SparsePlan
+from flowreduce.cost import choose_sparse
 
 #: ``allreduce`` options of the sparse algorithms (beside the planners' own).
 SPARSE_CALL_OPTIONS = ("delta", "output", "compression", "seed")
