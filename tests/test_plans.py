@@ -177,6 +177,53 @@ def test_parse_spec_names_what_is_wrong(text, message):
         parse_spec(text)
 
 
+# -- one phase vocabulary -----------------------------------------------------------------------
+
+PHASE_OPTIONS = {
+    **OPTIONS,
+    "hierarchical": [*OPTIONS["hierarchical"], *({"group_size": 2, "inner": i, "outer": o}
+                                                 for i in ("butterfly", "ring")
+                                                 for o in ("butterfly", "ring", "recursive-doubling", "reduce-broadcast"))],
+    "sparse-recursive-doubling": [{"radix": 2}, {"radix": 3}],
+    "sparse-split-allgather": [{"inner": "butterfly"}, {"inner": "ring"}],
+    "block-sparse": [{"aggregators": 0}, {"aggregators": 2}],
+}
+
+
+def emitted_phases() -> dict[str, set[str]]:
+    """Phase -> the algorithms whose plans give a node that phase (every
+    dense, sparse, block-sparse and hierarchical planner, p = 1..9)."""
+    out: dict[str, set[str]] = {}
+    for algorithm in (*DENSE, *flowreduce.SPARSE_ALGORITHMS):
+        for options in PHASE_OPTIONS[algorithm]:
+            for p in range(1, 10):
+                if options.get("root", 0) < p:
+                    for n in plan(algorithm, p, **options).nodes:
+                        out.setdefault(n.phase, set()).add(algorithm)
+    return out
+
+
+def test_every_phase_a_planner_emits_is_known_to_keys_tracer_and_drawer():
+    from flowreduce import draw, keys, phases
+    from flowreduce.tracing import events
+
+    emitted = emitted_phases()
+    unknown = {ph: sorted(a) for ph, a in emitted.items() if ph not in phases.PLAN_PHASES}
+    assert not unknown, f"phases missing from flowreduce.phases.PLAN_PHASES: {unknown}"
+    assert set(emitted) == set(phases.PLAN_PHASES), "a plan phase no planner emits"
+    token = keys.new_token()
+    made = {ph: (a, keys.node_key(a, ph, token, 1, 0, 0, 3)) for ph, algs in emitted.items() for a in algs}
+    made[phases.OUTPUT] = ("ring", keys.output_key("ring", token, 2))
+    made[phases.PACK] = ("butterfly", keys.pack_key("butterfly", token, 1))
+    made[phases.UNPACK] = ("butterfly", keys.unpack_key("butterfly", token, 1, 4))
+    assert set(made) == set(phases.KEY_PHASES)
+    for ph, (algorithm, key) in made.items():
+        parsed = keys.parse(key)
+        assert parsed is not None and (parsed["algorithm"], parsed["phase"], parsed["token"]) == (algorithm, ph, token)
+        assert events.KEY_PHASE.get(ph) in events.PHASES, f"the tracer drops key phase {ph!r}"
+        assert ph in draw.PHASE_COLOURS, f"the drawer has no colour for phase {ph!r}"
+
+
 # -- fingerprints: proof that a refactoring changed no plan ------------------------------------------
 
 #: Hashes of every plan of :func:`fingerprint_cases` (nodes, finals, segments,

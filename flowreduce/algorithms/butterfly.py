@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flowreduce import phases
 from flowreduce.algorithms.ir import Draft, Plan, digits, folded, mixed_radix, split_range, with_digit
 from flowreduce.algorithms.patterns import (
     Shards,
@@ -111,7 +112,7 @@ def reduce_scatter(d: Draft, members: Sequence[int], lo: int, hi: int, source: S
         for q in range(b.core):
             mine = digits(q, b.factors)[s]
             inputs = [n for g in b.group(q, s) for n in pieces[g][mine]]
-            new[q] = [[d.reduce(members[q], x, y, inputs, step + s + 1, "reduce-scatter")]
+            new[q] = [[d.reduce(members[q], x, y, inputs, step + s + 1, phases.REDUCE_SCATTER)]
                       for x, y in split_range(*b.ranges[s + 1][q], b.factors[s + 1])]
         pieces = new
     last = {
@@ -141,10 +142,10 @@ def all_gather(d: Draft, members: Sequence[int], lo: int, hi: int, held: Tiles, 
         for q in range(b.core):
             inputs = [n for g in b.group(q, s) for n in cur[g]]
             x, y = b.ranges[s][q]
-            nxt[q] = [d.gather(members[q], x, y, inputs, st, "all-gather")]
+            nxt[q] = [d.gather(members[q], x, y, inputs, st, phases.ALL_GATHER)]
             if s == 0:
                 for e in b.riders[q]:
-                    out[members[e]] = [d.gather(members[e], x, y, inputs, st, "all-gather")]
+                    out[members[e]] = [d.gather(members[e], x, y, inputs, st, phases.ALL_GATHER)]
         cur = nxt
     out.update({members[q]: cur[q] for q in range(b.core)})
     return out, step + m

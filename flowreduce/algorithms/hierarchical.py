@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import ModuleType
 
+from flowreduce import phases
 from flowreduce.algorithms import butterfly, recursive_doubling, reduce_broadcast, ring
 from flowreduce.algorithms.ir import Draft, Plan
 from flowreduce.algorithms.patterns import Shards, Source, Tiles, check_members, finish, lcm, view_source
@@ -282,5 +283,5 @@ def all_reduce(d: Draft, members: Sequence[int], lo: int, hi: int, source: Sourc
         nodes = source(r, lo, hi)
         if len(nodes) == 1:
             return {r: list(nodes)}, step
-        return {r: [d.reduce(r, lo, hi, nodes, step + 1, "reduce")]}, step + 1
+        return {r: [d.reduce(r, lo, hi, nodes, step + 1, phases.REDUCE)]}, step + 1
     return m.all_reduce(d, members, lo, hi, source, step=step, **_radix(m, radix))

@@ -40,6 +40,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from flowreduce import phases
 from flowreduce.algorithms.ir import VIEW, Draft, Plan
 
 #: ``source(rank, a, b) -> [node, ...]``: see the module docstring.
@@ -100,7 +101,7 @@ def lazy_shards(d: Draft, owned: dict[int, tuple[int, int]], inputs: dict[int, l
         lo, hi = owned.get(rank, (0, 0))
         if not lo <= a < b <= hi:
             raise ValueError(f"rank {rank} owns no shard covering segments [{a}, {b})")
-        return [d.reduce(rank, a, b, inputs[rank], step, "reduce-scatter")]
+        return [d.reduce(rank, a, b, inputs[rank], step, phases.REDUCE_SCATTER)]
 
     return Shards(members, owned, memoized(source), step)
 
@@ -116,9 +117,9 @@ def finish(d: Draft, tiles: Tiles, step: int) -> Plan:
         if len(t) == 1 and node.kind != VIEW and (node.lo, node.hi) == (0, d.segments):
             finals.append(t[0])
         elif len(t) == 1:
-            finals.append(d.reduce(r, 0, d.segments, t, step + 1, "reduce"))
+            finals.append(d.reduce(r, 0, d.segments, t, step + 1, phases.REDUCE))
         else:
-            finals.append(d.gather(r, 0, d.segments, t, step + 1, "all-gather"))
+            finals.append(d.gather(r, 0, d.segments, t, step + 1, phases.ALL_GATHER))
     return d.finish(finals)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flowreduce import phases
 from flowreduce.algorithms.ir import Draft, Plan, folded, mixed_radix, with_digit
 from flowreduce.algorithms.patterns import Source, Tiles, finish, view_source
 
@@ -48,17 +49,17 @@ def all_reduce(d: Draft, members: Sequence[int], lo: int, hi: int, source: Sourc
     riders = folded(len(members), core)
     holding = {q: [n for r in [q, *riders[q]] for n in source(members[r], lo, hi)] for q in range(core)}
     if not factors:  # one member: a fresh copy
-        return {members[0]: [d.reduce(members[0], lo, hi, holding[0], step + 1, "exchange")]}, step + 1
+        return {members[0]: [d.reduce(members[0], lo, hi, holding[0], step + 1, phases.EXCHANGE)]}, step + 1
     last = dict(holding)
     for s, f in enumerate(factors):
         nxt = {}
         for q in range(core):
             last[q] = [n for g in (with_digit(q, factors, s, j) for j in range(f)) for n in holding[g]]
-            nxt[q] = [d.reduce(members[q], lo, hi, last[q], step + s + 1, "exchange")]
+            nxt[q] = [d.reduce(members[q], lo, hi, last[q], step + s + 1, phases.EXCHANGE)]
         holding = nxt
     end = step + len(factors)
     out: Tiles = {members[q]: holding[q] for q in range(core)}
     for q in range(core):
         for e in riders[q]:  # a folded member repeats its partner's last combine
-            out[members[e]] = [d.reduce(members[e], lo, hi, last[q], end, "exchange")]
+            out[members[e]] = [d.reduce(members[e], lo, hi, last[q], end, phases.EXCHANGE)]
     return out, end

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flowreduce import phases
 from flowreduce.algorithms.ir import Draft, Plan
 from flowreduce.algorithms.patterns import Source, Tiles, finish, view_source
 
@@ -40,9 +41,9 @@ def all_reduce(d: Draft, members: Sequence[int], lo: int, hi: int, source: Sourc
     ``[lo, hi)`` and sends the result back to each (2 steps)."""
     members = tuple(members)
     root = members[0] if root is None else root
-    total = d.reduce(root, lo, hi, [n for r in members for n in source(r, lo, hi)], step + 1, "reduce")
+    total = d.reduce(root, lo, hi, [n for r in members for n in source(r, lo, hi)], step + 1, phases.REDUCE)
     out: Tiles = {root: [total]}
     for r in members:
         if r != root:
-            out[r] = [d.gather(r, lo, hi, [total], step + 2, "broadcast")]
+            out[r] = [d.gather(r, lo, hi, [total], step + 2, phases.BROADCAST)]
     return out, step + 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flowreduce import phases
 from flowreduce.algorithms.ir import Draft, Plan, split_range
 from flowreduce.algorithms.patterns import (
     Shards,
@@ -74,7 +75,7 @@ def reduce_scatter(d: Draft, members: Sequence[int], lo: int, hi: int, source: S
         partial = [
             [d.reduce(members[r], *parts[(r - t) % g],
                       [*source(members[r], *parts[(r - t) % g]), *partial[(r - 1) % g]],
-                      step + t, "reduce-scatter")]
+                      step + t, phases.REDUCE_SCATTER)]
             for r in range(g)
         ]
     t = g - 1
@@ -95,7 +96,7 @@ def all_gather(d: Draft, members: Sequence[int], lo: int, hi: int, held: Tiles, 
     have = [{(r + 1) % g: list(held[members[r]])} for r in range(g)]  # part -> tiles
     moving = [list(held[members[r]]) for r in range(g)]
     for t in range(1, g - 1):
-        moving = [[d.gather(members[r], *parts[(r + 1 - t) % g], moving[(r - 1) % g], step + t, "all-gather")]
+        moving = [[d.gather(members[r], *parts[(r + 1 - t) % g], moving[(r - 1) % g], step + t, phases.ALL_GATHER)]
                   for r in range(g)]
         for r in range(g):
             have[r][(r + 1 - t) % g] = moving[r]
@@ -104,5 +105,5 @@ def all_gather(d: Draft, members: Sequence[int], lo: int, hi: int, held: Tiles, 
         pieces = dict(have[r])
         pieces[(r + 2) % g] = moving[(r - 1) % g]
         inputs = [n for j in range(g) for n in pieces[j]]
-        out[members[r]] = [d.gather(members[r], lo, hi, inputs, step + g - 1, "all-gather")]
+        out[members[r]] = [d.gather(members[r], lo, hi, inputs, step + g - 1, phases.ALL_GATHER)]
     return out, step + g - 1

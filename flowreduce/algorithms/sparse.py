@@ -36,6 +36,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from flowreduce import phases
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, CostCard, Plan
 
 #: Value codecs for the wire (``compression=``): None sends values as they are.
@@ -259,6 +260,6 @@ def quantisation_bound(codec: str | None, encodings: int, magnitude):
 def sparse_plan(base: Plan, name: str, **fields) -> SparsePlan:
     """``base``'s nodes as a :class:`SparsePlan` called ``name``; its views
     become ``pack`` nodes (they select the non-zeros of a range)."""
-    nodes = tuple(replace(n, phase="compact") if n.kind == VIEW else n for n in base.nodes)
+    nodes = tuple(replace(n, phase=phases.COMPACT) if n.kind == VIEW else n for n in base.nodes)
     return SparsePlan(name, base.ranks, base.segments, nodes, base.finals, base.chunks,
                       dict(base.options), **fields)

@@ -15,6 +15,7 @@ bytes; an inner rank's link carries k·n in and k·n out. Tasks ≈ 2p per chunk
 
 from __future__ import annotations
 
+from flowreduce import phases
 from flowreduce.algorithms.ir import Draft, Plan
 
 NAME = "tree"
@@ -33,7 +34,7 @@ def plan(ranks: int, *, fan_in: int = 2) -> Plan:
         kids = children[i]
         if kids or i == 0:  # the root always makes a fresh result
             height[i] = 1 + max((height[c] for c in kids), default=0)
-            partial[i] = d.reduce(i, 0, 1, [views[i]] + [partial[c] for c in kids], height[i], "reduce")
+            partial[i] = d.reduce(i, 0, 1, [views[i]] + [partial[c] for c in kids], height[i], phases.REDUCE)
         else:
             height[i], partial[i] = 0, views[i]
     final = {0: partial[0]}
@@ -41,5 +42,5 @@ def plan(ranks: int, *, fan_in: int = 2) -> Plan:
     for i in range(ranks):  # parents before children
         for c in children[i]:
             depth[c] = depth[i] + 1
-            final[c] = d.gather(c, 0, 1, [final[i]], depth[c], "broadcast")
+            final[c] = d.gather(c, 0, 1, [final[i]], depth[c], phases.BROADCAST)
     return d.finish([final[r] for r in range(ranks)])
