@@ -28,7 +28,8 @@ from flowreduce.build.graph import Graph, Site, contributions, lower, owned_inpu
 from flowreduce.ops import Op
 from flowreduce.build import blocks as _blocks, sparse_kernels as _kernels
 from flowreduce.build.sparse_payload import Wire
-from flowreduce.algorithms.sparse import CODECS, SparsePlan, choose_sparse
+from flowreduce.algorithms.sparse import CODECS, SparsePlan
+from flowreduce.cost import choose_sparse
 
 #: ``allreduce`` options of the sparse algorithms (beside the planners' own).
 SPARSE_CALL_OPTIONS = ("delta", "output", "compression", "seed")
