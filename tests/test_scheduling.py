@@ -3,6 +3,7 @@ user keys never transferred, unique keys per call, nothing leaked."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 
 import numpy as np
@@ -246,4 +247,5 @@ def test_one_bounded_record_per_call_read_by_describe_and_the_tracer(inproc_clie
         flowreduce.describe(tree)
     assert flowreduce.describe(dense) == call
     del tree, dense
+    gc.collect()  # the KeyError's traceback held the futures in a cycle
     assert_clean(client)
