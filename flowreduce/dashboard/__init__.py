@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from flowreduce.dashboard.record import CALL_STATES, CELL_STATES, CallRecord, record_of
@@ -54,18 +55,20 @@ def install(client) -> bool:
     return ok
 
 
-def publish(client, info: Any, *, group: str = "", transport: str | None = None) -> None:
-    """Tell the scheduler's dashboard about one submitted all-reduce.
+def publish(client, calls: Sequence[Any], *, group: str = "", transport: str | None = None) -> None:
+    """Tell the scheduler's dashboard about the all-reduces one call just submitted.
 
-    ``info`` is what the schedule layer keeps of the call (anything with
-    ``plan``, ``token``, ``nbytes``, ``predicted``, ``workers``); ``group`` the
-    token of the whole call when it ran several buckets. One message on the
-    client's batched stream to the scheduler, after the graph (no round trip)."""
+    ``calls`` are the schedule layer's records of them (one, or one per
+    bucket of a pytree call; anything with ``plan``, ``token``, ``nbytes``,
+    ``predicted``, ``workers``), ``group`` the token of the whole call. One
+    message each on the client's batched stream to the scheduler, after the
+    graph (no round trip)."""
     if not install(client):
         return
     from flowreduce.dashboard.store import OP
 
-    client._send_to_scheduler({"op": OP, "record": record_of(info, group=group, transport=transport).message()})
+    for call in calls:
+        client._send_to_scheduler({"op": OP, "record": record_of(call, group=group, transport=transport).message()})
 
 
 def dask_setup(scheduler) -> None:
