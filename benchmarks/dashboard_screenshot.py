@@ -24,7 +24,10 @@ def _held(name: str, value):
     return value
 
 
-def _boom():
+def _boom(name: str):
+    from distributed import Event
+
+    Event(name).wait()  # fail once the call is submitted
     raise ValueError("rank 3's input failed (on purpose, for the screenshot)")
 
 
@@ -51,8 +54,10 @@ def main(argv: list[str] | None = None) -> str:
         for algorithm in ("ring", "butterfly", "tree"):
             client.gather(flowreduce.allreduce(client, inputs(), algorithm=algorithm))
         xs = inputs()
-        xs[3] = client.submit(_boom, workers=[ws[3 % len(ws)]], pure=False)
+        boom = Event("flowreduce-screenshot-boom", client=client)
+        xs[3] = client.submit(_boom, boom.name, workers=[ws[3 % len(ws)]], pure=False)
         failed = flowreduce.allreduce(client, xs, algorithm="butterfly", like=np.zeros(n))
+        boom.set()
         wait(failed)
         del failed
         ev = Event("flowreduce-screenshot-hold", client=client)

@@ -63,7 +63,8 @@ def _ranks(client, n=N, p=4):
     return [client.submit(np.full, n, r + 1.0, workers=[ws[r % len(ws)]], pure=False) for r in range(p)], ws
 
 
-def _boom():
+def _boom(name):
+    Event(name).wait()  # fail once the call is submitted
     raise ValueError("rank input exploded on purpose")
 
 
@@ -91,9 +92,11 @@ def test_preloaded_page_is_served_and_listed_before_any_call(dash):
 def test_a_failed_call_is_shown_failed_with_its_error(dash):
     cluster, client = dash
     xs, ws = _ranks(client)
-    xs[1] = client.submit(_boom, workers=[ws[1]], pure=False)
+    ev = Event("flowreduce-dashboard-test-boom", client=client)
+    xs[1] = client.submit(_boom, ev.name, workers=[ws[1]], pure=False)
     out = flowreduce.allreduce(client, xs, algorithm="butterfly", like=np.zeros(N))
     token = flowreduce.describe(out).token
+    ev.set()
     wait(out)
     assert all(f.status == "error" for f in out)
     seen = client.run_on_scheduler(_store_view, token=token)
