@@ -77,16 +77,22 @@ def _url(cluster, page):
     return cluster.dashboard_link.rsplit("/", 1)[0] + "/" + page
 
 
-def test_preloaded_page_is_served_and_listed_before_any_call(dash):
-    cluster, client = dash
-    with urllib.request.urlopen(_url(cluster, "flowreduce")) as r:
-        assert r.status == 200
-    with urllib.request.urlopen(_url(cluster, "status")) as r:
-        assert 'href="flowreduce"' in r.read().decode()
-    empty = client.run_on_scheduler(lambda dask_scheduler: _page_text(dask_scheduler)
-                                    if not dask_scheduler.plugins[NAME].listing() else None)
-    if empty is not None:  # this test ran first: the page with no call yet
-        assert empty["straggler"] == "no flowreduce call yet" and empty["grid"]["state"] == []
+def test_preloaded_page_is_served_and_listed_before_any_call():
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0",
+                      scheduler_kwargs={"preload": ["flowreduce.dashboard"]}) as cluster, Client(cluster) as client:
+        assert client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[NAME].listing()) == []
+        with urllib.request.urlopen(_url(cluster, "flowreduce")) as r:
+            assert r.status == 200
+        with urllib.request.urlopen(_url(cluster, "status")) as r:
+            assert 'href="flowreduce"' in r.read().decode()
+
+
+@pytest.mark.parametrize("plugins,says", [({}, "flowreduce has not run on this cluster yet"),
+                                          ({NAME: DashboardStore()}, "no flowreduce call yet")],
+                         ids=["no-plugin", "no-call"])
+def test_page_renders_with_nothing_to_show(plugins, says):
+    page = _page_text(SimpleNamespace(plugins=plugins, tasks={}))
+    assert page["straggler"] == says and page["grid"]["state"] == []
 
 
 def test_a_failed_call_is_shown_failed_with_its_error(dash):

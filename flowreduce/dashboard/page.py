@@ -229,9 +229,20 @@ def _assign(model, **values: Any) -> None:
 
 
 def _set(source: ColumnDataSource, data: dict[str, list]) -> None:
-    """Replace a source's data when it changed (an unchanged page sends nothing to the browser)."""
-    if dict(source.data) != data:
-        source.data = data
+    """Give a source new data, sending the browser only what changed: nothing
+    when nothing did, a patch of the changed cells when the rows are the same
+    and few changed (a running call's elapsed time, a cell's state), else all."""
+    old = source.data
+    if list(old) == list(data) and all(len(old[k]) == len(v) for k, v in data.items()):
+        patches = {k: [(i, b) for i, (a, b) in enumerate(zip(old[k], v)) if a != b] for k, v in data.items()}
+        patches = {k: p for k, p in patches.items() if p}
+        if not patches:
+            return
+        cells = sum(len(v) for v in data.values())
+        if sum(len(p) for p in patches.values()) * 4 < cells:
+            source.patch(patches)
+            return
+    source.data = data
 
 
 @log_errors
