@@ -71,6 +71,7 @@ class FlowreducePage(DashboardComponent):
         self.scheduler = scheduler
         self.selected: str | None = None  # token chosen in the table; sticky while in the history
         self.shown: list[str] = []  # tokens of the table's rows, in order
+        self.seen: tuple | None = None  # (store generation, selection) last shown
         self.calls = ColumnDataSource(_columns(token=[], algorithm=[], ranks=[], nbytes=[], chunks=[],
                                                transport=[], state=[], elapsed=[], predicted=[], group=[],
                                                error=[]), name="flowreduce-calls")
@@ -157,6 +158,10 @@ class FlowreducePage(DashboardComponent):
             if store is None:
                 _assign(self.straggler, text="flowreduce has not run on this cluster yet")
                 return
+            seen = (store.generation, self.selected)
+            if seen == self.seen and not store.calls:  # nothing in flight and nothing new: nothing moves
+                return
+            self.seen = seen
             now = time()
             rows = views.calls_table(store, now)
             self.shown = [r["token"] for r in rows]

@@ -99,6 +99,7 @@ class DashboardStore(SchedulerPlugin):
         self.history: deque[Call] = deque(maxlen=history)  # finished, oldest first
         self._by_name: dict[str, Call] = {}  # key name -> call in flight
         self.malformed = 0  # records that could not be read (a client of another version)
+        self.generation = 0  # bumped by every change: a page with nothing in flight skips unchanged refreshes
         self.scheduler: Any = None
 
     # -- lifecycle -----------------------------------------------------------
@@ -124,6 +125,7 @@ class DashboardStore(SchedulerPlugin):
             return
         call = self.find(rec.token) or self._open(rec.token, rec.algorithm)
         call.record = rec
+        self.generation += 1
 
     def update_graph(self, scheduler, *, keys: Any = (), tasks: Any = (), **kwargs: Any) -> None:
         if any(_ours(k) for k in keys):
@@ -148,6 +150,7 @@ class DashboardStore(SchedulerPlugin):
             if parts["phase"] == "output":
                 call.outputs.add(k)
             found[k] = call, slot
+        self.generation += bool(found)
         for k, (call, slot) in found.items():
             call.sizes[slot] = len(call.cells[slot])
             ts = tasks_.get(k)
@@ -179,6 +182,7 @@ class DashboardStore(SchedulerPlugin):
         now = time()
         call.done_keys.add(key)
         call.done_at[slot] = now
+        self.generation += 1
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
         rank = slot[0]
         for dep in ts.dependencies if ts is not None else ():
@@ -199,6 +203,7 @@ class DashboardStore(SchedulerPlugin):
         if not call.in_flight:
             return
         call.state, call.finished = state, time()
+        self.generation += 1
         if blame is not None:
             call.blame, call.error = _error_of(self.scheduler, blame)
             parts = keys_parse(blame)
