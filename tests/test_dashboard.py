@@ -247,7 +247,7 @@ def _cells(grid):
 
 
 def test_browser_shows_the_held_back_rank_waiting_then_done(dash):
-    from flowreduce.dashboard.browser import chromium, read_source, wait_for
+    from flowreduce.dashboard.browser import chromium, read_source, table_text, wait_for
 
     cluster, client = dash
     xs, ws = _ranks(client)
@@ -280,6 +280,14 @@ def test_browser_shows_the_held_back_rank_waiting_then_done(dash):
                         lambda g: g["token"][:1] == [token] and all(s == "done" for s in g["state"]))
         assert {r for r in grid["rank"]} == set(range(4))
         calls = wait_for(driver, "flowreduce-calls", lambda d: d["state"][d["token"].index(token[:8])] == "done")
+        # and the table as drawn says so too (a source the browser holds but does not redraw would not)
+        deadline = time.monotonic() + 30
+        while (drawn := table_text(driver)) and time.monotonic() < deadline:
+            row = drawn.index(token[:8]) if token[:8] in drawn else None
+            if row is not None and "done" in drawn[row:row + 10]:
+                break
+            time.sleep(0.2)
+        assert token[:8] in drawn and "done" in drawn[drawn.index(token[:8]):drawn.index(token[:8]) + 10], drawn
         errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors  # the page rendered: Bokeh logs rendering failures here
     del out, xs

@@ -35,6 +35,19 @@ return Object.fromEntries(Object.entries(data).map(([k, v]) => [k, Array.from(v)
 """
 
 
+#: The text of every cell of the page's tables as drawn (inside Bokeh's shadow roots).
+_TABLE_TEXT = """
+const out = [];
+function walk(node) {
+  if (node.shadowRoot) walk(node.shadowRoot);
+  for (const child of node.children || []) walk(child);
+  if (node.tagName === "TD") out.push(node.textContent);
+}
+walk(document.body);
+return out;
+"""
+
+
 def binaries() -> tuple[str, str] | None:
     """(chromium, chromedriver) found on the PATH, or None."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -71,6 +84,11 @@ def chromium(width: int = 1400, height: int = 1000) -> Iterator[Any]:
 def read_source(driver, name: str) -> dict[str, list] | None:
     """The data of the page's data source ``name`` as the browser holds it, or None before it loaded."""
     return driver.execute_script(_READ, name)
+
+
+def table_text(driver) -> list[str]:
+    """The text of every table cell the page draws, in document order (what the user sees)."""
+    return driver.execute_script(_TABLE_TEXT)
 
 
 def wait_for(driver, name: str, predicate, timeout: float = 60.0) -> dict[str, list]:

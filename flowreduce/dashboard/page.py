@@ -23,16 +23,14 @@ from bokeh.core.properties import without_property_validation
 from bokeh.layouts import column, row
 from bokeh.models import (
     ColumnDataSource,
-    DataTable,
     Div,
     FixedTicker,
     HoverTool,
-    NumberFormatter,
     Range1d,
-    StringFormatter,
-    TableColumn,
+    Select,
 )
 from bokeh.plotting import figure
+from dask.utils import format_bytes
 from distributed.dashboard.components import DashboardComponent, add_periodic_callback
 from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 from distributed.metrics import time
@@ -84,20 +82,11 @@ class FlowreducePage(DashboardComponent):
         self.lag = ColumnDataSource(_columns(token=[], rank=[], column=[], lag=[], text=[]),
                                     name="flowreduce-straggler")
 
-        fmt = NumberFormatter(format="0.000")
-        self.table = DataTable(source=self.calls, width=1100, height=190, index_position=None, columns=[
-            TableColumn(field="token", title="call", width=90, formatter=StringFormatter()),
-            TableColumn(field="algorithm", title="algorithm", width=150),
-            TableColumn(field="ranks", title="ranks", width=50),
-            TableColumn(field="nbytes", title="bytes/rank", width=90, formatter=NumberFormatter(format="0.0 b")),
-            TableColumn(field="chunks", title="chunks", width=50),
-            TableColumn(field="transport", title="transport", width=70),
-            TableColumn(field="state", title="state", width=80),
-            TableColumn(field="elapsed", title="elapsed s", width=70, formatter=fmt),
-            TableColumn(field="predicted", title="predicted s", width=80, formatter=fmt),
-            TableColumn(field="error", title="error", width=300),
-        ])
-        self.calls.selected.on_change("indices", self._on_select)
+        # Tables are HTML drawn by the server (a Div): Bokeh's DataTable, in the headless Chromium
+        # of the tests at least, kept its first drawing while its source changed.
+        self.table = Div(text="", width=1100, height=190, styles={"overflow-y": "auto"}, tags=[self.calls])
+        self.choose = Select(title="show call", value="", options=[], width=400)
+        self.choose.on_change("value", self._on_select)
 
         # fixed sizes: a text that changes does not make the browser lay the whole page out again
         self.title = Div(text="", width=1100, height=22)
@@ -133,23 +122,13 @@ class FlowreducePage(DashboardComponent):
         self.progress.yaxis.ticker = self.rank_ticks
         self.progress.xaxis.axis_label = "fraction of the rank's tasks done"
 
-        self.links = DataTable(source=self.link_rows, width=1100, height=180, index_position=None, columns=[
-            TableColumn(field="source", title="from rank", width=60),
-            TableColumn(field="dest", title="to rank", width=60),
-            TableColumn(field="source_worker", title="from worker", width=200),
-            TableColumn(field="dest_worker", title="to worker", width=200),
-            TableColumn(field="bytes", title="bytes so far", width=100, formatter=NumberFormatter(format="0.0 b")),
-            TableColumn(field="rate", title="bytes/s over the call", width=120,
-                        formatter=NumberFormatter(format="0.0 b")),
-            TableColumn(field="measured", title="bytes/s measured by dask", width=140,
-                        formatter=NumberFormatter(format="0.0 b")),
-        ])
-        self.root = column(self.straggler, self.table, self.title, self.legend, row(self.grid, self.progress), self.links,
+        self.links = Div(text="", width=1100, height=180, styles={"overflow-y": "auto"}, tags=[self.link_rows])
+        self.root = column(self.straggler, self.table, self.choose, self.title, self.legend, row(self.grid, self.progress), self.links,
                            **kwargs)
 
     def _on_select(self, attr, old, new) -> None:
-        if new and new[0] < len(self.shown):
-            self.selected = self.shown[new[0]]
+        if new in self.shown:
+            self.selected = new
 
     @without_property_validation
     def update(self) -> None:
@@ -167,7 +146,10 @@ class FlowreducePage(DashboardComponent):
             self.shown = [r["token"] for r in rows]
             table = {k: [r[k] for r in rows] for k in self.calls.data}
             table["token"] = [t[:8] for t in table["token"]]
-            _set(self.calls, table)
+            _set(self.calls, table, patch=False)
+            _assign(self.table, text=_html_table(CALL_COLUMNS, rows))
+            _assign(self.choose, options=[("", "the oldest in flight, else the latest")] + [
+                (r["token"], f"{r['token'][:8]} {r['algorithm']} {r['state']}") for r in rows])
             call = store.find(self.selected) if self.selected else None
             call = call or views.default_selection(store)
             if call is None:
@@ -191,7 +173,8 @@ class FlowreducePage(DashboardComponent):
         progress = views.rank_progress(cells)
         _set(self.ranks, {k: [p[k] for p in progress] for k in self.ranks.data})
         link_rows = views.links(call, self.scheduler, now)
-        _set(self.link_rows, {k: [r[k] for r in link_rows] for k in self.link_rows.data})
+        _set(self.link_rows, {k: [r[k] for r in link_rows] for k in self.link_rows.data}, patch=False)
+        _assign(self.links, text=_html_table(LINK_COLUMNS, link_rows))
         lag = views.straggler(call, cells, self.scheduler, now)
         _set(self.lag, {"token": [call.token], **{k: [lag[k]] for k in ("rank", "column", "lag", "text")}})
         _assign(self.straggler, text="straggler: " + lag["text"])
@@ -209,6 +192,31 @@ class FlowreducePage(DashboardComponent):
         _assign(self.steps, ticks=cols)
         _assign(self.rank_ticks, ticks=ranks)
         _assign(self.grid.xaxis[0], major_label_overrides={c: _column_label(c) for c in cols})
+
+
+#: (field, title, format) of the calls table and the links table.
+CALL_COLUMNS = [("token", "call", "{:.8}"), ("algorithm", "algorithm", "{}"), ("ranks", "ranks", "{}"),
+                ("nbytes", "bytes/rank", "bytes"), ("chunks", "chunks", "{}"), ("transport", "transport", "{}"),
+                ("state", "state", "{}"), ("elapsed", "elapsed s", "{:.1f}"), ("predicted", "predicted s", "{:.3f}"),
+                ("error", "error", "{}")]
+LINK_COLUMNS = [("source", "from rank", "{}"), ("dest", "to rank", "{}"), ("source_worker", "from worker", "{}"),
+                ("dest_worker", "to worker", "{}"), ("bytes", "bytes so far", "bytes"),
+                ("rate", "bytes/s over the call", "bytes"), ("measured", "bytes/s measured by dask", "bytes")]
+
+
+def _html_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
+    import html
+
+    def cell(value, fmt: str) -> str:
+        if fmt == "bytes":
+            text = "?" if value is None or value < 0 else format_bytes(value)
+        else:
+            text = "?" if value in (None, -1, -1.0) else fmt.format(value)
+        return f"<td style='padding:2px 10px 2px 0;white-space:nowrap'>{html.escape(text[:120])}</td>"
+
+    head = "".join(f"<th style='text-align:left;padding-right:10px'>{html.escape(t)}</th>" for _, t, _ in columns)
+    body = "".join("<tr>" + "".join(cell(r[f], fmt) for f, _, fmt in columns) + "</tr>" for r in rows)
+    return f"<table style='border-collapse:collapse;font-size:12px'><tr>{head}</tr>{body}</table>"
 
 
 def _label(c: views.Cell) -> str:
@@ -233,10 +241,11 @@ def _assign(model, **values: Any) -> None:
             setattr(model, name, value)
 
 
-def _set(source: ColumnDataSource, data: dict[str, list]) -> None:
+def _set(source: ColumnDataSource, data: dict[str, list], patch: bool = True) -> None:
     """Give a source new data, sending the browser only what changed: nothing
     when nothing did, a patch of the changed cells when the rows are the same
-    and few changed (a running call's elapsed time, a cell's state), else all."""
+    and few changed (a cell's state), else all. ``patch=False`` for a table's
+    source: Bokeh's DataTable does not redraw on a patch."""
     old = source.data
     if list(old) == list(data) and all(len(old[k]) == len(v) for k, v in data.items()):
         patches = {k: [(i, b) for i, (a, b) in enumerate(zip(old[k], v)) if a != b] for k, v in data.items()}
@@ -244,7 +253,7 @@ def _set(source: ColumnDataSource, data: dict[str, list]) -> None:
         if not patches:
             return
         cells = sum(len(v) for v in data.values())
-        if sum(len(p) for p in patches.values()) * 4 < cells:
+        if patch and sum(len(p) for p in patches.values()) * 4 < cells:
             source.patch(patches)
             return
     source.data = data
