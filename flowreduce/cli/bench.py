@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from flowreduce.cli.args import add_cost_model_argument, model_from_args, spec_from_arg
+
 BASELINE = "baseline"
 
 
@@ -104,7 +106,7 @@ def run_baseline(client, inputs, workers):
 def _save_trace(tr, trace_dir: str, n: int, alg: str, chunks, plan: str) -> str:
     import os
 
-    from flowreduce.cli.trace import write_all
+    from flowreduce.cli.trace_files import write_all
 
     out = os.path.join(trace_dir, f"{n}-{alg}-{chunks or 'auto'}")
     write_all(tr, out, title=f"{plan}, {n:g} elements" if alg != BASELINE else f"baseline: {plan}, {n:g} elements")
@@ -253,30 +255,6 @@ def add_arguments(p) -> None:
     p.add_argument("--trace", metavar="DIR", help="save a trace (JSON, CSV, summary, timeline) of the last "
                    "repetition of each row under DIR/<size>-<algorithm>-<chunks>/")
     add_cost_model_argument(p)
-
-
-def add_cost_model_argument(p) -> None:
-    p.add_argument("--cost-model", metavar="PATH", help="a cost model file written by `flowreduce calibrate` "
-                   "(default: the dask config key flowreduce.cost-model, else the built-in constants)")
-
-
-def spec_from_arg(text: str) -> tuple[str, dict]:
-    """An algorithm and its options from the command line
-    (:func:`flowreduce.algorithms.parse_spec`); a bad name or option exits
-    with the message naming it, before any cluster starts."""
-    from flowreduce.algorithms import parse_spec
-
-    try:
-        return parse_spec(text)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-
-
-def model_from_args(args):
-    """The :class:`CostModel` named by ``--cost-model``, or None (the configured default)."""
-    from flowreduce.cost import CostModel
-
-    return CostModel.from_file(args.cost_model) if getattr(args, "cost_model", None) else None
 
 
 def run(args) -> int:
