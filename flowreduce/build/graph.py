@@ -8,15 +8,16 @@ slicing is decided here, statically, from the element boundaries of every
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dask.task_spec import List, Task, TaskRef
+from dask.typing import Key
 
 from flowreduce import keys
-from flowreduce.build import kernels as _kernels
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Node, Plan
+from flowreduce.build import kernels as _kernels
 from flowreduce.ops import Op
 
 
@@ -25,9 +26,9 @@ class Graph:
     """A lowered all-reduce: the tasks, the output key per rank, and the
     worker every key must run on."""
 
-    tasks: dict[Hashable, Task]
-    outputs: list[Hashable]
-    placement: dict[Hashable, str]
+    tasks: dict[Key, Task]
+    outputs: list[Key]
+    placement: dict[Key, str]
     token: str
 
 
@@ -41,7 +42,7 @@ class Site:
 
     node: Node
     chunk: int
-    key: Hashable
+    key: Key
     deps: List  # TaskRefs of the node's inputs, in order
     picks: tuple  # per input: the element slices of its pieces that cover this node's range
     start: int  # the node's range in elements of the whole vector (views slice the input there)
@@ -56,7 +57,7 @@ def lower(
     size: int,
     token: str,
     task_for: Callable[[Site], Task],
-    output_for: Callable[[Hashable, List, int], Task],
+    output_for: Callable[[Key, List, int], Task],
 ) -> Graph:
     """The skeleton every lowering shares: keys, pieces, element slices.
 
@@ -76,8 +77,8 @@ def lower(
         else:
             layout.append([(n.lo, n.hi)])
 
-    tasks: dict[Hashable, Task] = {}
-    placement: dict[Hashable, str] = {}
+    tasks: dict[Key, Task] = {}
+    placement: dict[Key, str] = {}
     outputs = [keys.output_key(plan.algorithm, token, r) for r in range(plan.ranks)]
     merged = {plan.finals[r]: r for r in range(plan.ranks) if not plan.output_is_separate(r)}
     finals_by_rank: dict[int, list] = defaultdict(list)
@@ -88,16 +89,16 @@ def lower(
         def elem(s: int) -> int:
             return c0 + width * s // S
 
-        def picks(src: int, lo: int, hi: int):
+        def picks(src: int, lo: int, hi: int) -> tuple[_kernels.Pick, ...]:
             """Element slices of node ``src``'s pieces that cover [lo, hi)."""
-            out = []
+            out: list[_kernels.Pick] = []
             for idx, (a, b) in enumerate(layout[src]):
                 x, y = max(a, lo), min(b, hi)
                 if x < y:
                     out.append((idx, elem(x) - elem(a), elem(y) - elem(a)))
             return tuple(out)
 
-        key_of: dict[int, Hashable] = {}
+        key_of: dict[int, Key] = {}
         for n in nodes:
             final_rank = merged.get(n.id)
             key = (outputs[final_rank] if final_rank is not None

@@ -13,23 +13,25 @@ switch; block unions) in place of the dense reduction, ``gather`` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from types import ModuleType
+from typing import Any, cast
 
 import numpy as np
 from dask.task_spec import Task
 
 from flowreduce import keys
-from flowreduce.algorithms.ir import REDUCE, VIEW
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.block_sparse import DEFAULT_BLOCK
-from flowreduce.build.graph import Graph, Site, contributions, lower, owned_inputs
-from flowreduce.ops import Op
-from flowreduce.build import blocks as _blocks, sparse_kernels as _kernels
-from flowreduce.build.sparse_payload import Wire
-from flowreduce.schedule.sparse_inputs import check_sparse
+from flowreduce.algorithms.ir import REDUCE, VIEW
 from flowreduce.algorithms.sparse import CODECS, SparsePlan, choose_sparse
+from flowreduce.build import blocks as _blocks
+from flowreduce.build import sparse_kernels as _kernels
+from flowreduce.build.graph import Graph, Site, contributions, lower, owned_inputs
+from flowreduce.build.sparse_payload import Wire
+from flowreduce.ops import Op
+from flowreduce.schedule.sparse_inputs import check_sparse
 
 #: ``allreduce`` options of the sparse algorithms (beside the planners' own).
 SPARSE_CALL_OPTIONS = ("delta", "output", "compression", "seed")
@@ -84,14 +86,15 @@ def lower_sparse(
         raise ValueError("output='csc' needs 2-D inputs: scipy has no 1-D CSC")
     itemsize = np.dtype(info.dtype).itemsize
     p = len(inputs)
-    fields = dict(density=info.density, value_bytes=itemsize, delta=delta, codec=codec)
+    fields: dict[str, Any] = dict(density=info.density, value_bytes=itemsize, delta=delta, codec=codec)
     if algorithm == "auto":
         if options:
             raise ValueError(f"options {sorted(options)} need a named algorithm, not 'auto'")
         plan = replace(choose_sparse(p, info.size, itemsize, info.density, model=model, delta=delta, codec=codec),
                        chunks=chunks or 1)
     else:
-        plan = replace(make_plan(algorithm, p, chunks=chunks or 1, **options), **fields)
+        # a sparse algorithm's name plans a SparsePlan
+        plan = replace(cast(SparsePlan, make_plan(algorithm, p, chunks=chunks or 1, **options)), **fields)
     dtype = np.dtype(info.dtype)
     accumulate = op.accumulator(dtype)
     spec = _kernels.SegmentSpec(
@@ -130,7 +133,8 @@ def lower_blocks(
         raise TypeError(f"block-sparse needs a numeric dtype, got {dtype}")
     size = int(np.prod(shape))
     p = len(inputs)
-    plan = make_plan("block-sparse", p, chunks=chunks or 1, aggregators=len(aggregators), block_size=block)
+    plan = cast(SparsePlan, make_plan("block-sparse", p, chunks=chunks or 1, aggregators=len(aggregators),
+                                      block_size=block))
     plan = replace(plan, value_bytes=dtype.itemsize, codec=codec)
     accumulate = op.accumulator(dtype)
     spec = _blocks.BlockSpec(block=block, size=size, shape=tuple(shape), dtype=_result_dtype(op, dtype).str,
@@ -149,7 +153,7 @@ def _check_op(op: Op, valid: tuple[str, ...], what: str) -> Op:
     return op if name == op.name else replace(op, name=name)
 
 
-def _check_wire(codec, seed, dtype: np.dtype):
+def _check_wire(codec: str | None, seed: Any, dtype: np.dtype) -> tuple[str | None, int | np.integer | None]:
     if codec not in CODECS:
         raise ValueError(f"compression must be one of {', '.join(map(str, CODECS))}; got {codec!r}")
     if codec is not None and dtype.kind != "f":
@@ -164,8 +168,9 @@ def _result_dtype(op: Op, dtype: np.dtype) -> np.dtype:
     return np.true_divide(np.zeros(1, acc), 1).dtype if op.mean else acc
 
 
-def _lower(plan: SparsePlan, inputs, workers: list[str], kernels, reduce_kernel, spec, *, size: int, op: Op,
-           in_place: bool, codec: str | None, seed: int | None) -> Graph:
+def _lower(plan: SparsePlan, inputs: Sequence[Any], workers: list[str], kernels: ModuleType,
+           reduce_kernel: Callable[..., Any], spec: _kernels.SegmentSpec | _blocks.BlockSpec, *, size: int, op: Op,
+           in_place: bool, codec: str | None, seed: int | np.integer | None) -> Graph:
     """One task per node and chunk, pinned to its rank's worker (plan ranks
     beyond the inputs are aggregators: ``workers[rank]`` all the same)."""
     owned = owned_inputs(plan, workers, in_place)
@@ -174,7 +179,7 @@ def _lower(plan: SparsePlan, inputs, workers: list[str], kernels, reduce_kernel,
 
     def task_for(s: Site) -> Task:
         n = s.node
-        wire = Wire(codec, None if seed is None else (int(seed), s.chunk, n.id)) if n.id in encoded else None
+        wire = Wire(codec, None if seed is None else (int(seed), s.chunk, n.id)) if codec and n.id in encoded else None
         if n.kind == VIEW:
             if s.final:
                 raise ValueError(f"plan {plan.algorithm!r}: rank {n.rank}'s result is its own input")
