@@ -438,7 +438,8 @@ def wait_for_workers(client: Any, c: Any, n: int, *, timeout: float = 300.0, pro
     says; raise TimeoutError with the queue's reasons after ``timeout``."""
     deadline = time.monotonic() + timeout
     with ExitStack() as stack:
-        bar = task = None
+        bar = None
+        task: Any = None  # rich's TaskID, with a bar
         if progress:
             from rich.progress import Progress
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +105,7 @@ def run_baseline(client, inputs, workers):
     return [total]
 
 
-def _save_trace(tr, trace_dir: str, n: int, alg: str, chunks, plan: str) -> str:
+def _save_trace(tr: Any, trace_dir: str, n: int, alg: str, chunks: int | None, plan: str) -> str:
     import os
 
     from flowreduce.cli.trace_files import write_all
@@ -118,7 +120,7 @@ def bench(
     sizes: list[int],
     algorithms: list[str],
     *,
-    chunks: list[int | None] = (None,),
+    chunks: Sequence[int | None] = (None,),
     dtype: str = "float64",
     op: str = "sum",
     ranks: int | None = None,
@@ -129,7 +131,7 @@ def bench(
     on_row=None,
     trace_dir: str | None = None,
     model=None,
-    extra: list[tuple[str, int | None]] = (),
+    extra: Sequence[tuple[str, int | None]] = (),
     workers: list[str] | None = None,
 ) -> list[dict]:
     """Run the sweep and return one dict per (size, algorithm, chunks).
@@ -154,7 +156,7 @@ def bench(
 
     workers = list(workers) if workers else ranked_workers(client)
     ranks = ranks or len(workers)
-    configs = [(a, c) for a in algorithms for c in chunks] + [tuple(e) for e in extra]
+    configs: list[tuple[str, int | None]] = [(a, c) for a in algorithms for c in chunks] + [(a, c) for a, c in extra]
     total = len(sizes) * (warmup + repeat) * (len(configs) + baseline)
     rows_out = []
     with ExitStack() as stack:
@@ -197,7 +199,7 @@ def bench(
                     elapsed = time.perf_counter() - t0
                     key = (alg, c)
                     row = rows.setdefault(key, Row(n, nbytes, dtype, ranks, alg, c or "auto", plan))
-                    if tr is not None:
+                    if tr is not None and trace_dir:  # a trace is taken only with trace_dir
                         row.trace = _save_trace(tr.stop(), trace_dir, n, alg, c, plan)
                     # checked where each result lives: every replica of the baseline's
                     ok = all(client.gather(
@@ -267,7 +269,7 @@ def run(args) -> int:
         name, _ = spec_from_arg(a)
         if name not in flowreduce.ALGORITHMS:  # the sweep's inputs are dense
             raise SystemExit(f"bench runs dense algorithms; {name!r} is not one of {', '.join(flowreduce.ALGORITHMS)}")
-    chunks = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]
+    chunks: list[int | None] = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]
     model = model_from_args(args)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     for d in dtypes:

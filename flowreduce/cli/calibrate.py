@@ -139,7 +139,7 @@ def calibrate(client: Any, *, small: Sequence[int] = SMALL, large: Sequence[int]
         raise ValueError("calibrating needs at least two workers (one pair per link class)")
     samples: list[dict] = []
     fits: dict[str, dict] = {}
-    links: dict[str, Link] = {}
+    links: dict[str, Any] = {}  # CostModel fields: intra, inter
     for cls, (a, b) in pairs.items():
         ping_pong(client, a, b, 8, 2)  # warm up the connection
         for size in [*small, *large]:

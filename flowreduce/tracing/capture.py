@@ -462,7 +462,7 @@ class Trace:
         Dask's memory manager does not count the input twice: see
         ``_kernels.Views``), so a view's size comes from the plan instead."""
         call = self.calls.get(info["token"]) if info and info.get("phase") == "split" else None
-        if call is None or call.plan is None:
+        if info is None or call is None or call.plan is None:
             return int(logged or 0)
         node = call.plan.nodes[info["node"]]
         return int(round(node.width * call.nbytes / call.plan.segments / call.plan.chunks))
