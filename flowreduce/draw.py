@@ -48,7 +48,6 @@ from flowreduce.algorithms.ir import VIEW, Plan
 
 if TYPE_CHECKING:  # graphviz is optional; imported lazily by _graphviz()
     import graphviz
-    from dask.typing import Key
 
 __all__ = ["CANONICAL", "Drawing", "draw_plan", "draw_tasks", "regenerate", "segment_label"]
 
@@ -283,7 +282,7 @@ def draw_plan(plan: Plan, path: str | Path | None = None, fmt: str | None = None
 # -- the task graph --------------------------------------------------------------------------------
 
 
-def task_graph(plan: Plan, *, size: int | None = None, op: str = "sum") -> dict[Key, Any]:
+def task_graph(plan: Plan, *, size: int | None = None, op: str = "sum") -> dict[Hashable, Any]:
     """The Dask tasks ``plan`` lowers to, built on stand-in inputs
     ``TaskRef(("input", rank))`` and workers ``"worker-<rank>"`` with a fixed
     token, so the keys are the same on every call. ``size`` (elements per
@@ -310,7 +309,7 @@ def _task_label(key: Hashable) -> tuple[str, str, int]:
     return part["phase"], f"{part['phase']}\\nstep {part['step']} · chunk {part['chunk']}", part["rank"]
 
 
-def _stand_in(tasks: dict[Key, Any]) -> dict[int, Any]:
+def _stand_in(tasks: dict[Hashable, Any]) -> dict[int, Any]:
     """The same graph keyed by position. dask.dot names nodes by ``hash(key)``
     and lists dependencies from a set, both of which change between processes
     for string keys; integer keys hash to themselves, so the drawing (and its

@@ -17,9 +17,9 @@ still waiting for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from dask.task_spec import List, Task, TaskRef
@@ -41,8 +41,8 @@ class BucketGraph:
     bucket: Bucket
     plan: Plan
     token: str
-    inputs: list[Key]  # per rank: the key whose value is the bucket's input (a user key or a pack key)
-    outputs: list[Key]  # per rank: the reduced bucket
+    inputs: list[Hashable]  # per rank: the key whose value is the bucket's input (a user key or a pack key)
+    outputs: list[Hashable]  # per rank: the reduced bucket
 
 
 @dataclass
@@ -51,9 +51,9 @@ class TreeGraph:
     rank's result per input future (``outputs[rank][j]``), where every task
     runs, and the buckets."""
 
-    tasks: dict[Key, Task] = field(default_factory=dict)
-    placement: dict[Key, str] = field(default_factory=dict)
-    outputs: list[list[Key]] = field(default_factory=list)
+    tasks: dict[Hashable, Task] = field(default_factory=dict)
+    placement: dict[Hashable, str] = field(default_factory=dict)
+    outputs: list[list[Hashable]] = field(default_factory=list)
     buckets: list[BucketGraph] = field(default_factory=list)
 
 
@@ -132,7 +132,7 @@ def build_tree_graph(
         for r in range(p):
             key = keys.unpack_key(bg.plan.algorithm, bg.token, r, j)
             g.tasks[key] = Task(key, _fusion_kernels.unpack, tree,
-                                List(*(TaskRef(g.buckets[b].outputs[r]) for b in used)), parts)
+                                List(*(TaskRef(cast(Key, g.buckets[b].outputs[r])) for b in used)), parts)
             g.placement[key] = workers[r]
             g.outputs[r].append(key)
     return g

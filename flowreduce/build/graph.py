@@ -8,7 +8,7 @@ slicing is decided here, statically, from the element boundaries of every
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,9 @@ class Graph:
     """A lowered all-reduce: the tasks, the output key per rank, and the
     worker every key must run on."""
 
-    tasks: dict[Key, Task]
-    outputs: list[Key]
-    placement: dict[Key, str]
+    tasks: dict[Hashable, Task]
+    outputs: list[Hashable]
+    placement: dict[Hashable, str]
     token: str
 
 
@@ -42,7 +42,7 @@ class Site:
 
     node: Node
     chunk: int
-    key: Key
+    key: Hashable
     deps: List  # TaskRefs of the node's inputs, in order
     picks: tuple  # per input: the element slices of its pieces that cover this node's range
     start: int  # the node's range in elements of the whole vector (views slice the input there)
@@ -57,7 +57,7 @@ def lower(
     size: int,
     token: str,
     task_for: Callable[[Site], Task],
-    output_for: Callable[[Key, List, int], Task],
+    output_for: Callable[[Hashable, List, int], Task],
 ) -> Graph:
     """The skeleton every lowering shares: keys, pieces, element slices.
 
@@ -77,8 +77,8 @@ def lower(
         else:
             layout.append([(n.lo, n.hi)])
 
-    tasks: dict[Key, Task] = {}
-    placement: dict[Key, str] = {}
+    tasks: dict[Hashable, Task] = {}
+    placement: dict[Hashable, str] = {}
     outputs = [keys.output_key(plan.algorithm, token, r) for r in range(plan.ranks)]
     merged = {plan.finals[r]: r for r in range(plan.ranks) if not plan.output_is_separate(r)}
     finals_by_rank: dict[int, list] = defaultdict(list)
@@ -98,7 +98,7 @@ def lower(
                     out.append((idx, elem(x) - elem(a), elem(y) - elem(a)))
             return tuple(out)
 
-        key_of: dict[int, Key] = {}
+        key_of: dict[int, Key] = {}  # dask keys, for TaskRef
         for n in nodes:
             final_rank = merged.get(n.id)
             key = (outputs[final_rank] if final_rank is not None
