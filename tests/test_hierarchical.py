@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowreduce.algorithms import butterfly, hierarchical, recursive_doubling, reduce_broadcast, ring
-from flowreduce.algorithms.patterns import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
+from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
 from flowreduce.topology import Topology, by_name_prefix, by_resource, host_of
 
 FLAT = {m.NAME: m for m in (butterfly, ring, recursive_doubling, reduce_broadcast)}

@@ -25,11 +25,12 @@ from flowreduce import keys
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.block_sparse import DEFAULT_BLOCK
 from flowreduce.algorithms.ir import REDUCE, VIEW
-from flowreduce.algorithms.sparse import CODECS, SparsePlan, choose_sparse
+from flowreduce.algorithms.sparse import CODECS, SparsePlan
 from flowreduce.build import blocks as _blocks
 from flowreduce.build import sparse_kernels as _kernels
 from flowreduce.build.graph import Graph, Site, contributions, lower, owned_inputs
 from flowreduce.build.sparse_payload import Wire
+from flowreduce.cost import choose_sparse
 from flowreduce.ops import Op
 from flowreduce.schedule.sparse_inputs import check_sparse
 

@@ -41,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from flowreduce import keys as keymod
+from flowreduce.phases import TASK_PHASES
 from flowreduce.tracing import registry
 from flowreduce.tracing.clocks import WorkerClock, choose_mode
 from flowreduce.tracing.events import KEY_PHASE, Event
@@ -518,7 +519,7 @@ class Trace:
             for r, w in enumerate(call.workers):
                 out.setdefault(w, r)
         for e in self.iter_events(token):
-            if e.rank is not None and e.phase in ("split", "fusion", "reduce", "copy"):
+            if e.rank is not None and e.phase in TASK_PHASES:
                 out[e.worker] = min(out.get(e.worker, e.rank), e.rank)
         return out
 
