@@ -246,6 +246,13 @@ def configured_model() -> CostModel:
     return _LOADED[key]
 
 
+def model_for(model: CostModel | None, cores: int | None) -> CostModel:
+    """The model a call is judged by: ``model`` (default: :func:`configured_model`)
+    knowing the CPU cores its ranks share, unless it names its own ``cores``."""
+    model = model or configured_model()
+    return replace(model, cores=cores) if model.cores is None else model
+
+
 @dataclass(frozen=True)
 class LinkLoads:
     """Bytes a plan puts on each link class, per dependent level (whole

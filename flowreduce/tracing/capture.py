@@ -586,8 +586,7 @@ def trace(client: Any, **options: Any) -> Trace:
     Examples
     --------
     >>> with flowreduce.trace(client) as tr:                  # doctest: +SKIP
-    ...     out = flowreduce.allreduce(client, parts, algorithm="butterfly")
-    ...     tr.add(out, parts)   # not needed once schedule.py notes calls
+    ...     out = flowreduce.allreduce(client, parts, algorithm="butterfly")  # noted by itself
     ...     client.gather(out)
     >>> flowreduce.tracing.to_chrome(tr, "trace.json")        # doctest: +SKIP
     """
