@@ -128,21 +128,20 @@ class CostModel:
     def predict(self, plan: Plan, nbytes: float, groups: Groups | None = None) -> float:
         """Predicted seconds of ``plan`` on ``nbytes`` per rank; ``groups``
         lists the ranks of each host (default: all on one host)."""
-        hosts = groups is not None and len(groups) > 1
-        loads = link_loads(plan, groups, nbytes) if hosts else None
+        loads = link_loads(plan, groups, nbytes) if groups is not None and len(groups) > 1 else None
         return self._time(plan.ranks, plan.chunks, plan.cost(nbytes), loads, nbytes)
 
     def _time(self, ranks: int, chunks: int, card: CostCard, loads: LinkLoads | None, nbytes: float) -> float:
         copy = (nbytes if card.copy_bytes else 0.0) / self.copy_rate
-        shared = bool(self.cores and self.cores < ranks)
+        cores = self.cores if self.cores and self.cores < ranks else None  # set when the ranks share cores
         # every byte costs CPU at both ends and all of it queues on the shared cores
         work = (2 * card.bytes_on_wire / self.bandwidth + card.total_reduce_bytes / self.reduce_rate
                 + card.copy_bytes / self.copy_rate)
         compute = card.reduce_bytes / self.reduce_rate
         if loads is None:  # one host
             comm = card.max_rank_bytes / self.bandwidth
-            if shared:  # a chain of dependent transfers cannot go faster than one stream
-                body = max(work / self.cores, card.critical_bytes / self.bandwidth + copy)
+            if cores:  # a chain of dependent transfers cannot go faster than one stream
+                body = max(work / cores, card.critical_bytes / self.bandwidth + copy)
             else:
                 body = max(comm, compute) + min(comm, compute) / chunks + copy
             return self.call + card.steps * self.level + card.tasks * self.task + body
@@ -152,8 +151,8 @@ class CostModel:
         latency = sum(inter.alpha if i else intra.alpha if a else self.level
                       for i, a in zip(loads.inter, loads.intra))
         latency += max(card.steps - len(loads.inter), 0) * self.level  # levels past the last transfer
-        if shared:
-            body = max(link + copy, work / self.cores)
+        if cores:
+            body = max(link + copy, work / cores)
         else:
             body = max(link, compute) + min(link, compute) / chunks + copy
         return self.call + card.tasks * self.task + latency + body
@@ -516,19 +515,23 @@ def choose_sparse(
     """
     model = model or configured_model()
     nbytes = size * itemsize
-    fields = dict(density=tuple(density), value_bytes=itemsize, delta=delta, codec=codec)
+    density = tuple(density)
     cands: list[tuple[str, dict]] = []
     for k in sorted({2, 4, ranks}):
         if 2 <= k <= max(ranks, 2):
             cands.append(("sparse-recursive-doubling", {"radix": k}))
             cands.append(("sparse-split-allgather", {"inner": "butterfly", "radix": k}))
     cands.append(("sparse-split-allgather", {"inner": "ring"}))
-    best, best_t = None, math.inf
+    best: SparsePlan | None = None
+    best_t = math.inf
     for name, opts in cands:
-        p = replace(make_plan(name, ranks, **opts), **fields)
+        p = make_plan(name, ranks, **opts)
+        assert isinstance(p, SparsePlan)
+        p = replace(p, density=density, value_bytes=itemsize, delta=delta, codec=codec)
         t = model.predict(p, nbytes)
         if t < best_t:
             best, best_t = p, t
     logger.info("auto chose %r (predicted %.3g s for %d elements at density %s on %d ranks)",
                 best, best_t, size, "/".join(f"{d:.3g}" for d in density), ranks)
+    assert best is not None  # there is always a candidate
     return best
