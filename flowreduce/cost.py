@@ -359,7 +359,7 @@ def chunk_choices(nbytes: float, max_chunks: int = 64, min_chunk_bytes: float = 
 
 def best_chunks(plan: Plan, nbytes: float, model: CostModel | None = None, groups: Groups | None = None) -> Plan:
     """``plan`` with the chunk count the model predicts fastest for it."""
-    model = model or configured_model()
+    model = model_for(model, None)
     return min((plan.with_chunks(c) for c in chunk_choices(nbytes)),
                key=lambda p: model.predict(p, nbytes, groups))
 
@@ -369,7 +369,7 @@ def _base(name: str, ranks: int, options: str) -> Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def _unit_price(name: str, ranks: int, options: str, groups: str | None) -> tuple[CostCard, CostCard, LinkLoads | None]:
+def unit_price(name: str, ranks: int, options: str, groups: str | None) -> tuple[CostCard, CostCard, LinkLoads | None]:
     """A base plan's cost cards at 1 and 2 chunks and its link loads, for
     one byte per rank (every byte count is linear in the vector's bytes)."""
     base = _base(name, ranks, options)
@@ -384,7 +384,7 @@ def _scaled(card: CostCard, n: float) -> CostCard:
                              "copy_bytes", "critical_bytes")})
 
 
-def _card_at(one: CostCard, two: CostCard, chunks: int, nodes: int, nbytes: float) -> CostCard:
+def card_at(one: CostCard, two: CostCard, chunks: int, nodes: int, nbytes: float) -> CostCard:
     """:meth:`Plan.cost` at ``chunks`` chunks from the cards at 1 and 2:
     chunks repeat the plan (tasks and messages scale, each chunk's chain
     carries 1/chunks of the bytes); from 2 chunks on every rank's output is
@@ -403,12 +403,12 @@ def _fastest(model: CostModel, variants: list[tuple[str, dict]], ranks: int, nby
     for name, opts in variants:
         okey = json.dumps(opts, sort_keys=True)
         base = _base(name, ranks, okey)
-        one, two, unit_loads = _unit_price(name, ranks, okey, gkey)
+        one, two, unit_loads = unit_price(name, ranks, okey, gkey)
         loads = None if unit_loads is None else LinkLoads(
             tuple(x * nbytes for x in unit_loads.inter), tuple(x * nbytes for x in unit_loads.intra),
             unit_loads.host_max * nbytes, unit_loads.inter_total * nbytes)
         for c in [chunks] if chunks else chunk_choices(nbytes):
-            t = model._time(ranks, c, _card_at(one, two, c, len(base.nodes), nbytes), loads, nbytes)
+            t = model._time(ranks, c, card_at(one, two, c, len(base.nodes), nbytes), loads, nbytes)
             if t < best_t:
                 best, best_t = base.with_chunks(c), t
     if best is None:
@@ -431,7 +431,7 @@ def tune(
     ``hosts``, unless ``groups``/``group_size``/``levels`` are given) and
     the ``inner`` algorithm of every level and the ``outer`` one, priced
     with the intra-host and inter-host links."""
-    model = model or configured_model()
+    model = model_for(model, None)
     variants = [options]
     if algorithm == "hierarchical":
         if not {"groups", "group_size", "levels"} & set(options) and hosts is not None:
@@ -477,7 +477,7 @@ def choose(
     -------
     Plan
     """
-    model = model or configured_model()
+    model = model_for(model, None)
     if groups is not None and len(groups) < 2:
         groups = None
     variants = [(n, o) for n, o in candidates(ranks, groups) if not algorithms or n in algorithms]
@@ -513,7 +513,7 @@ def choose_sparse(
     larger ones to split-allgather (each rank merges and sends only its
     share of the index space).
     """
-    model = model or configured_model()
+    model = model_for(model, None)
     nbytes = size * itemsize
     density = tuple(density)
     cands: list[tuple[str, dict]] = []

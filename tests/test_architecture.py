@@ -74,3 +74,40 @@ def test_types(request, tmp_path):
     stdout, stderr, status = api.run(["--config-file", str(PYPROJECT), "--cache-dir", str(cache),
                                       "--no-error-summary", str(ROOT / "flowreduce")])
     assert status == 0, stdout + stderr
+
+
+def _private_names_reached(source: str) -> list[str]:
+    """``flowreduce`` names starting with ``_`` that a test module imports or
+    reads off a flowreduce module it imported (``mod._name``)."""
+    import ast
+
+    tree = ast.parse(source)
+    modules: set[str] = set()  # local names bound to flowreduce modules
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flowreduce"):
+            for a in node.names:
+                if a.name.startswith("_"):
+                    found.append(f"{node.module}.{a.name}")
+                modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("flowreduce"):
+                    modules.add((a.asname or a.name).split(".")[0])
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in modules):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_test_reaches_a_private_name():
+    """Tests use flowreduce as its packages export it: a private name is free
+    to change without a test noticing."""
+    tests = Path(__file__).parent
+    reached = {str(p.relative_to(tests)): names for p in sorted(tests.rglob("*.py"))
+               if (names := _private_names_reached(p.read_text()))}
+    assert not reached, f"tests reach private names: {reached}"
+    assert _private_names_reached("from flowreduce.tracing.capture import _since") == [
+        "flowreduce.tracing.capture._since"]
+    assert _private_names_reached("import flowreduce.schedule.call as c\nc._locate(1)") == ["c._locate"]

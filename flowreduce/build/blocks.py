@@ -31,7 +31,7 @@ class BlockSpec:
     accumulate: str | None = None  # dtype to add in, if not the input's
 
 
-def _nonzero_blocks(seg: np.ndarray, block: int, nblocks: int) -> np.ndarray:
+def nonzero_blocks(seg: np.ndarray, block: int, nblocks: int) -> np.ndarray:
     """Which of the ``nblocks`` blocks of ``seg`` hold a non-zero bit pattern
     (a negative zero counts: it merely travels). Dense data is recognised from
     the first element of every block, without reading the rest."""
@@ -73,7 +73,7 @@ def pack(x: Any, start: int, stop: int, spec: BlockSpec, wire: Wire | None) -> t
     if spec.accumulate is not None:
         seg = seg.astype(spec.accumulate)
     nblocks = stop - start
-    nz = _nonzero_blocks(seg, spec.block, nblocks)
+    nz = nonzero_blocks(seg, spec.block, nblocks)
     if nz.all():
         p = BlockPack(nblocks, None, seg)
     else:
