@@ -23,19 +23,29 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import dask
 import numpy as np
 from distributed import Client, Future
 
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
+from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
+from flowreduce.algorithms.sparse import SparsePlan
 from flowreduce.build.buckets import build_tree_graph
 from flowreduce.build.graph import Graph, build_graph
-from flowreduce.build.sparse import SparseInputs, lower_blocks, lower_sparse
-from flowreduce.cost import CostModel, choose, model_for, tune
+from flowreduce.build.sparse import (
+    BlockCall,
+    SparseCall,
+    SparseInputs,
+    block_call,
+    lower_blocks,
+    lower_sparse,
+    sparse_call,
+)
+from flowreduce.cost import CostModel, choose, choose_sparse, model_for, tune
 from flowreduce.errors import InputError, OptionError, raised_as
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import parse
@@ -275,21 +285,34 @@ def describe_inputs(client: Client, outer: TreeDef, futures: list[list[Future]],
     return Ranks(outer, frozen, tuple(workers), places, held)
 
 
-def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings) -> Plan:
+def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings,
+                wire: SparseCall | BlockCall | None = None, aggregators: int = 0) -> Plan:
     """The plan for ``p`` ranks of ``nbytes`` each, judged by ``model``, the
     ranks grouped by host (and coarser levels) as in ``levels``: ``auto``
-    chooses among all algorithms; a named one is tuned in what the call
-    leaves open (chunks; hierarchical's groups, inner and outer)."""
+    chooses among all algorithms (among the sparse ones for scipy.sparse
+    inputs, ``wire``); a named one is tuned in what the call leaves open
+    (chunks; hierarchical's groups, inner and outer). Block-sparse calls
+    (``wire``) have one plan, over ``aggregators`` aggregating workers."""
     chunks = settings.chunks_for(nbytes)
     options = dict(settings.options)
-    if settings.algorithm == "auto":
-        if options:
-            raise OptionError(f"options {sorted(options)} need a named algorithm, not 'auto'")
-        with raised_as(OptionError):
-            return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
-    if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
-        options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
     with raised_as(OptionError):
+        if isinstance(wire, BlockCall):
+            blocks = make_plan("block-sparse", p, chunks=chunks or 1, aggregators=aggregators, block_size=wire.block)
+            return replace(cast(SparsePlan, blocks), value_bytes=wire.dtype.itemsize, codec=wire.codec)
+        if isinstance(wire, SparseCall):
+            fields = wire.plan_fields()
+            if settings.algorithm == "auto":
+                chosen = choose_sparse(p, wire.info.size, fields["value_bytes"], wire.info.density, model=model,
+                                       delta=wire.delta, codec=wire.codec)
+                return replace(chosen, chunks=chunks or 1)
+            named = make_plan(settings.algorithm, p, chunks=chunks or 1, **wire.planner)
+            return replace(cast(SparsePlan, named), **fields)  # a sparse algorithm's name plans a SparsePlan
+        if settings.algorithm == "auto":
+            if options:
+                raise OptionError(f"options {sorted(options)} need a named algorithm, not 'auto'")
+            return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
+        if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
+            options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
         return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
 
 
@@ -333,9 +356,9 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         if settings.chunks is None and settings.chunk_bytes is not None:
             raise OptionError("chunk_bytes applies to dense inputs; pass chunks= for sparse ones")
         with raised_as(OptionError):
-            low = lower_sparse(inputs, workers, held, op=settings.op, algorithm=settings.algorithm,
-                               chunks=settings.chunks, model=model, in_place=ranks.in_place,
-                               options=dict(settings.options))
+            sparse = sparse_call(held, op=settings.op, algorithm=settings.algorithm, options=settings.options)
+        plan = choose_plan(p, held.size * np.dtype(held.dtype).itemsize, [], model, settings, sparse)
+        low = lower_sparse(cast(SparsePlan, plan), inputs, workers, sparse, in_place=ranks.in_place)
         return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
     shape, dtype = held.shape, np.dtype(held.dtype)
     size = math.prod(shape)
@@ -344,9 +367,10 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         options = dict(settings.options)
         aggregators = _aggregators(client, options.pop("aggregators", None))
         with raised_as(OptionError):
-            low = lower_blocks(inputs, workers, shape=shape, dtype=dtype, op=settings.op,
-                               chunks=settings.chunks_for(nbytes), model=model, in_place=ranks.in_place,
-                               aggregators=aggregators, options=options)
+            blocks = block_call(shape=shape, dtype=dtype, op=settings.op, options=options)
+        plan = choose_plan(p, nbytes, [], model, settings, blocks, aggregators=len(aggregators))
+        low = lower_blocks(cast(SparsePlan, plan), inputs, workers, blocks, in_place=ranks.in_place,
+                           aggregators=aggregators)
         return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
     levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
     plan = choose_plan(p, nbytes, levels, model, settings)
