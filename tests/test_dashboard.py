@@ -211,7 +211,7 @@ def test_store_is_bounded_and_flat_after_10000_calls():
         _fake_call(store, scheduler, i)
     at_10000 = _reachable_bytes(store, scheduler)
     assert at_10000 <= at_2000 * 1.02, f"the store grew from {at_2000} to {at_10000} bytes over 8,000 calls"
-    assert len(store.history) == 100 and not store.calls and not store._by_name
+    assert len(store.history) == 100 and not store.calls
     assert [c.token for c in store.listing()][0] == f"{9999:032x}"  # newest first
     assert all(c.state == "done" and not c.cells for c in store.history)
     assert at_10000 - at_2000 < 64 * 1024, f"the store grew by {at_10000 - at_2000} bytes over 8,000 calls"

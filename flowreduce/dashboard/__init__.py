@@ -6,7 +6,7 @@ the state of its tasks, bytes per link, progress per rank and the
 straggler (docs/dashboard.md).
 
 The page lives on the scheduler, in a scheduler plugin
-(:class:`~flowreduce.dashboard.store.DashboardStore`). It is there
+(:class:`~flowreduce.dashboard.plugin.DashboardPlugin`). It is there
 
 * as soon as a client has run an all-reduce (``allreduce`` calls
   :func:`publish`, which installs the plugin once per client), or after
@@ -43,10 +43,10 @@ def install(client) -> bool:
     warning logged, when the scheduler cannot take it (the all-reduce goes on)."""
     ok = _installed.get(client)
     if ok is None:
-        from flowreduce.dashboard.store import DashboardStore
+        from flowreduce.dashboard.plugin import DashboardPlugin
 
         try:
-            client.register_plugin(DashboardStore())
+            client.register_plugin(DashboardPlugin())
             ok = True
         except Exception as e:  # never fail an all-reduce for its dashboard
             logger.warning("flowreduce dashboard not installed on the scheduler: %r", e)
@@ -73,7 +73,8 @@ def publish(client, calls: Sequence[Any], *, group: str = "", transport: str | N
 
 def dask_setup(scheduler) -> None:
     """``--preload flowreduce.dashboard``: the plugin (and the page) from the scheduler's start."""
-    from flowreduce.dashboard.store import NAME, DashboardStore
+    from flowreduce.dashboard.plugin import DashboardPlugin
+    from flowreduce.dashboard.store import NAME
 
     if NAME not in scheduler.plugins:
-        scheduler.add_plugin(DashboardStore(), name=NAME)
+        scheduler.add_plugin(DashboardPlugin(), name=NAME)

@@ -23,12 +23,11 @@ from bokeh.core.properties import without_property_validation
 from bokeh.layouts import column, row
 from bokeh.models import (
     ColumnDataSource,
-    Div,
     FixedTicker,
     HoverTool,
     Range1d,
-    Select,
 )
+from bokeh.models.widgets import Div, Select
 from bokeh.plotting import figure
 from dask.utils import format_bytes
 from distributed.dashboard.components import DashboardComponent, add_periodic_callback
@@ -98,7 +97,7 @@ class FlowreducePage(DashboardComponent):
                              tags=[self.lag])
 
         self.grid = figure(title="ranks × steps (cell colour: state)", width=760, height=360, tools="",
-                           x_range=Range1d(-0.5, 0.5), y_range=Range1d(0.5, -0.5), toolbar_location=None)
+                           x_range=Range1d(start=-0.5, end=0.5), y_range=Range1d(start=0.5, end=-0.5), toolbar_location=None)
         rects = self.grid.rect("column", "rank", width=0.86, height=0.8, source=self.cells, fill_color="colour",
                                line_color="#555555")
         # transfers between ranks, from the right edge of the sending cell to the left edge of the receiver
@@ -116,7 +115,7 @@ class FlowreducePage(DashboardComponent):
         self.grid.xgrid.visible = self.grid.ygrid.visible = False
 
         self.progress = figure(title="per-rank progress (tasks done)", width=330, height=360, tools="",
-                               x_range=Range1d(0, 1), y_range=Range1d(0.5, -0.5), toolbar_location=None)
+                               x_range=Range1d(start=0, end=1), y_range=Range1d(start=0.5, end=-0.5), toolbar_location=None)
         self.progress.hbar(y="rank", right="fraction", height=0.7, source=self.ranks, color="#74c476")
         self.progress.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("done", "@done / @tasks")]))
         self.progress.yaxis.ticker = self.rank_ticks
@@ -279,6 +278,8 @@ def serve(scheduler) -> bool:
     from distributed.dashboard.scheduler import template_variables
 
     http = getattr(scheduler, "http_application", None)
+    if http is None:
+        return False
     dashboards = [a for a in getattr(http, "applications", ()) if isinstance(a, BokehTornado)]
     if not dashboards:
         return False

@@ -106,7 +106,7 @@ def record_of(info: Any, *, group: str = "", transport: str | None = None) -> Ca
     return CallRecord(
         token=info.token, algorithm=plan.algorithm, ranks=plan.ranks, nbytes=int(info.nbytes),
         chunks=plan.chunks, steps=max(columns, default=last) + 1, predicted=float(info.predicted),
-        workers=tuple(info.workers), transport=transport or getattr(info, "transport", "dask"),
+        workers=tuple(info.workers), transport=transport or str(getattr(info, "transport", "dask")),
         group=group if group != info.token else "", output_columns=columns,
         shape=tuple(getattr(info, "shape", ()) or ()), dtype=str(getattr(info, "dtype", "") or ""),
         segment_bytes=int(info.nbytes) / max(plan.segments * plan.chunks, 1),

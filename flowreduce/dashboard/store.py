@@ -108,12 +108,6 @@ class DashboardStore(SchedulerPlugin):
         scheduler.stream_handlers[OP] = self.publish
         # calls submitted before the plugin (the first call installs it after submitting)
         self._file(scheduler, [k for k in scheduler.tasks if _ours(k)])
-        try:
-            from flowreduce.dashboard import page
-        except ImportError as e:  # no bokeh (or a dashboard it does not support): record, serve nothing
-            logger.info("flowreduce dashboard page not served (%s); pip install flowreduce[viz]", e)
-            return
-        page.serve(scheduler)
 
     # -- recording -----------------------------------------------------------
     def publish(self, record: Any = None, **_: Any) -> None:
@@ -178,6 +172,8 @@ class DashboardStore(SchedulerPlugin):
 
     def _done(self, call: Call, key) -> None:
         parts = keys_parse(key)
+        if parts is None:  # filed under a call, so ours: never
+            return
         slot = slot_of(parts)
         now = time()
         call.done_keys.add(key)
@@ -207,7 +203,8 @@ class DashboardStore(SchedulerPlugin):
         if blame is not None:
             call.blame, call.error = _error_of(self.scheduler, blame)
             parts = keys_parse(blame)
-            call.erred.add(slot_of(parts))
+            if parts is not None:
+                call.erred.add(slot_of(parts))
         call.done_count = {s: sum(k in call.done_keys for k in ks) for s, ks in call.cells.items()}
         call.cells, call.done_keys, call.fetched, call.outputs = {}, set(), set(), set()
         for n in call.names:

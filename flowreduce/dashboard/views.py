@@ -169,7 +169,7 @@ def straggler(call: Call, cells: list[Cell], scheduler, now: float) -> dict[str,
     cell = pending[rank]
     ahead = [call.done_at[r, s] for (r, s), col in cols.items()
              if col == cell.column and r != rank and (r, s) in call.done_at
-             and (frontier.get(r) is None or frontier[r].column > cell.column)]
+             and ((f := frontier.get(r)) is None or f.column > cell.column)]
     step = _column_name(cell.column, cell.phase)
     if not ahead:
         return {"rank": rank, "column": cell.column, "lag": 0.0,
