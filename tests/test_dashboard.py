@@ -114,6 +114,7 @@ def test_a_failed_call_is_shown_failed_with_its_error(dash):
     assert row["state"] == "failed" and "exploded" in row["error"]
     assert page["grid"]["state"]  # the page renders a call (the failed one, or a later one)
     del out, xs
+    gc.collect()  # the failed futures' exceptions hold tracebacks in cycles that keep the futures alive
     assert_clean(client)
 
 
@@ -143,6 +144,7 @@ def test_a_client_that_publishes_nothing_or_garbage_breaks_nothing(dash, monkeyp
     out2 = flowreduce.allreduce(client, xs, algorithm="ring")  # the client's stream still works
     np.testing.assert_array_equal(client.gather(out2)[1], np.full(N, 10.0))
     del out, out2, xs
+    gc.collect()  # futures held by reference cycles (exceptions, frames) go first
     assert_clean(client)
 
 
@@ -291,4 +293,5 @@ def test_browser_shows_the_held_back_rank_waiting_then_done(dash):
         errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors  # the page rendered: Bokeh logs rendering failures here
     del out, xs
+    gc.collect()  # futures held by reference cycles (exceptions, frames) go first
     assert_clean(client)
