@@ -15,7 +15,7 @@ from typing import Any
 
 import dask
 import numpy as np
-from distributed import Client, Future, wait
+from distributed import Client, Future
 
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.algorithms.ir import Plan
@@ -23,8 +23,8 @@ from flowreduce.build.graph import build_graph
 from flowreduce.cost import CostModel, choose, configured_model, tune
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.ops import resolve_op
+from flowreduce.schedule import guard as _guard
 from flowreduce.schedule import pytree_call as _tree_call
-from flowreduce.schedule.guard import ensure_guard
 from flowreduce.schedule.sparse_inputs import describe_input, is_sparse
 from flowreduce.tracing import registry as _trace_registry
 
@@ -137,6 +137,7 @@ def allreduce(
     topology: Any = None,
     like: Any = None,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    timeout: float | str | None = None,
     **options: Any,
 ) -> list[Any]:
     """All-reduce numpy arrays held by futures: one array, or a pytree of
@@ -187,6 +188,12 @@ def allreduce(
         bytes (per dtype, last tensors first) and each bucket is reduced as
         one vector. Default 25 MiB (PyTorch DDP's). ``0`` or ``None``: each
         tensor is reduced on its own.
+    timeout : float or str, optional
+        Seconds (or a Dask time string, ``"5min"``) the call may wait for
+        its inputs (when it waits for them), and then its results for the
+        reduction (default: the dask config key ``flowreduce.timeout``, else
+        no limit). Past it the call raises, or the pending results fail, with :class:`flowreduce.schedule.guard.AllreduceTimeoutError`
+        saying what they wait for (docs/failures.md).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
         the file named by the dask config key ``flowreduce.cost-model``,
@@ -242,18 +249,20 @@ def allreduce(
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
     if bucket_bytes is not None and bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be >= 0 (0 or None: no fusion), got {bucket_bytes!r}")
-    settings = _tree_call.Settings(op_, algorithm, chunks, chunk_bytes, model, options, bucket_bytes, topology)
+    timeout = _guard.resolve_timeout(timeout)
+    settings = _tree_call.Settings(op_, algorithm, chunks, chunk_bytes, model, options, bucket_bytes, topology,
+                                   timeout)
     if like is not None or not outer.is_leaf:
         return _tree_call.allreduce_tree(client, outer, ranks, like, settings)
 
-    located, cpus = _locate(client, inputs)
+    located, cpus = _locate(client, inputs, timeout)
     workers = [w for w, _ in located]
     metas = [m for _, m in located]
     if any(m is not None and m[0] == "pytree" for m in metas):
         return _tree_call.allreduce_located(client, outer, ranks, workers, metas, cpus, settings)
     if algorithm in SPARSE_ALGORITHMS or any(is_sparse(m) for m in metas):
         return _allreduce_sparse(client, inputs, workers, metas, cpus, op_, algorithm, chunks, chunk_bytes,
-                                 model, options)
+                                 model, options, timeout)
     shape, dtype = _check_inputs(metas)
     if op_.mean and dtype == np.bool_:
         raise TypeError("op='mean' of boolean arrays is ambiguous; cast them to a number type first")
@@ -266,15 +275,17 @@ def allreduce(
     in_place = not any(w.startswith("inproc://") for w in workers)
     graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place,
                         accumulate=op_.accumulator(dtype))
-    return _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, levels[0])
+    return _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, levels[0], timeout)
 
 
-def _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, hosts=None) -> list[Future]:
+def _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, hosts=None,
+            timeout=None) -> list[Future]:
     """Submit a lowered graph with every task pinned, and remember the call
     (with the time ``model`` predicts for it, ranks grouped by ``hosts``)."""
-    ensure_guard(client)
+    _guard.ensure_guard(client)
     with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
         futures = client.get(named_graph(graph.tasks, graph.token), graph.outputs, sync=False)
+    _guard.watch(client, graph.token, graph.outputs, [[f.key] for f in inputs], timeout)
     _remember(_CALLS, graph.token, CallInfo(plan, nbytes, model.predict(plan, nbytes, hosts), graph.token,
                                             tuple(workers), tuple(shape), dtype.str))
     _trace_registry.note(futures, inputs)
@@ -326,7 +337,7 @@ def named_graph(tasks: dict, token: str) -> Any:
 
 
 def _allreduce_sparse(client, inputs, workers, metas, cpus, op, algorithm, chunks, chunk_bytes, model,
-                      options) -> list[Future]:
+                      options, timeout=None) -> list[Future]:
     """scipy.sparse inputs (SparCML) or ``block-sparse`` (OmniReduce): plan and
     lower in :mod:`flowreduce.build.sparse`, submit here."""
     from flowreduce.build import sparse as sparse_build
@@ -348,7 +359,8 @@ def _allreduce_sparse(client, inputs, workers, metas, cpus, op, algorithm, chunk
             raise ValueError("chunk_bytes applies to dense inputs; pass chunks= for sparse ones")
         low = sparse_build.lower_sparse(inputs, workers, metas, op=op, algorithm=algorithm, chunks=chunks,
                                         model=model, in_place=in_place, options=options)
-    return _submit(client, inputs, low.plan, low.graph, low.nbytes, model, workers, low.shape, low.dtype)
+    return _submit(client, inputs, low.plan, low.graph, low.nbytes, model, workers, low.shape, low.dtype,
+                   timeout=timeout)
 
 
 def _aggregators(client: Client, option) -> list[str]:
@@ -412,15 +424,15 @@ def _shared_cores(workers: list[str], cpus: dict[str, tuple]) -> int | None:
     return cores if cores < len(workers) else None
 
 
-def _locate(client: Client, inputs: list[Future]) -> tuple[list[tuple[str, tuple | None]], dict]:
+def _locate(client: Client, inputs: list[Future], timeout: float | None = None
+            ) -> tuple[list[tuple[str, tuple | None]], dict]:
     """For each rank, the worker holding its input and what it holds there
     (type, shape, dtype), once all inputs are in memory; and each worker's
     host and usable CPUs (for the cost model). One broadcast."""
     for r, f in enumerate(inputs):  # wait() would raise a CancelledError that names no rank
         if f.cancelled():
             raise RuntimeError(f"input of rank {r} was cancelled (key {f.key!r}); nothing to reduce")
-    with client.as_current():  # distributed.wait runs on the default client's loop, not theirs
-        wait(inputs)
+    _guard.wait_inputs(client, [[f] for f in inputs], timeout)
     for r, f in enumerate(inputs):
         if f.status == "error":
             raise RuntimeError(f"input of rank {r} failed: {f.exception()!r}") from f.exception()

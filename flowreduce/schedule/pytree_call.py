@@ -29,6 +29,7 @@ from flowreduce.build.buckets import build_tree_graph
 from flowreduce.fusion import Layout, make_buckets
 from flowreduce.ops import Op
 from flowreduce.pytree import LEAF, TensorSpec, TreeDef, flatten, leaves_as, paths, same_structure, unflatten
+from flowreduce.schedule import guard
 from flowreduce.schedule import placement as _pending
 
 logger = logging.getLogger("flowreduce")
@@ -46,6 +47,7 @@ class Settings:
     options: dict
     bucket_bytes: int | None
     topology: Any = None
+    timeout: float | None = None
 
 
 def rank_futures(inputs: list[Any]) -> tuple[TreeDef, list[list[Any]]]:
@@ -94,7 +96,7 @@ def allreduce_tree(client: Any, outer: TreeDef, ranks: list[list[Any]], like: An
     from flowreduce.schedule import call as schedule
 
     flat = [f for fs in ranks for f in fs]
-    _pending.wait_on(client, flat)
+    guard.wait_inputs(client, ranks, settings.timeout)
     _pending._check_status(ranks)
     located, cpus = schedule._locate(client, flat)
     per_rank, workers, i = [], [], 0
@@ -194,7 +196,6 @@ def _submit(client: Any, layout: Layout, ranks: list[list[Any]], workers: list[s
             settings: Settings, check: bool) -> list:
     """Buckets, a plan per bucket, one graph, one submission; records."""
     from flowreduce.schedule import call as schedule
-    from flowreduce.schedule.guard import ensure_guard
     from flowreduce.tracing import registry
 
     if not layout.tensors:
@@ -207,13 +208,14 @@ def _submit(client: Any, layout: Layout, ranks: list[list[Any]], workers: list[s
     in_place = not any(w.startswith("inproc://") for w in workers)
     g = build_tree_graph(layout, buckets, [plan for plan, _ in chosen], ranks, workers, op=settings.op,
                          check=check, in_place=in_place)
-    ensure_guard(client)
+    guard.ensure_guard(client)
     keys = [k for row in g.outputs for k in row]
     # priority: a rank's single thread runs a bucket's pack and reductions as soon as they are
     # ready, ahead of the backward tasks submitted before (dask favours older graphs otherwise),
     # so the reduction of the last layers' bucket overlaps the first layers' backward pass
     with dask.annotate(workers=g.placement.get, allow_other_workers=False):
         futures = client.get(schedule.named_graph(g.tasks, g.buckets[0].token), keys, sync=False, priority=1)
+    guard.watch(client, g.buckets[0].token, keys, [[f.key for f in fs] for fs in ranks], settings.timeout)
     n = len(layout.inner)
     results = [unflatten(layout.outer, futures[r * n:(r + 1) * n]) for r in range(p)]
 
