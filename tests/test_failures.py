@@ -262,12 +262,13 @@ def test_retire_returns_while_a_user_task_holds_the_worker(client):
     holder = client.submit(_wait_for_event, name, 0, workers=[ws[1]], pure=False)
     assert wait_until(lambda: client.processing(workers=[ws[1]])[ws[1]], HANG)
     out = flowreduce.allreduce(client, parts, algorithm="ring")
-    with ThreadPoolExecutor(1) as pool:
+    pool = ThreadPoolExecutor(1)
+    try:
         retiring = pool.submit(client.retire_workers, workers=[ws[1]], close_workers=True)
-        try:
-            retiring.result(timeout=HANG)
-        finally:
-            event.set()
+        retiring.result(timeout=HANG)  # a regression fails here instead of hanging
+    finally:
+        event.set()
+        pool.shutdown(wait=False)
     for x in _results(client, out):
         np.testing.assert_array_equal(x, expected())
     del out, parts, holder
@@ -275,6 +276,46 @@ def test_retire_returns_while_a_user_task_holds_the_worker(client):
 
 def _pids(client) -> dict[str, int]:
     return client.run(os.getpid)
+
+
+def _set_status(name, dask_worker=None):
+    from distributed.core import Status
+
+    dask_worker.status = Status[name]  # the worker tells the scheduler, as retire_workers' own change does
+
+
+def test_replica_guard_lets_a_retiring_worker_give_its_data_away(client):
+    """The replica guard keeps a rank's value on the worker where a waiting
+    flowreduce task is pinned, except when that worker is retiring: there
+    Dask replicates the value away and drops the retiring copy, and keeping
+    it made retire_workers replicate and drop forever (issue #15)."""
+    from flowreduce.schedule.guard import ensure_guard
+
+    ensure_guard(client)
+    client.amm.stop()  # run it once, below, when the stage is set
+    a, b, c = sorted(client.nthreads())[:3]
+    token, name = uuid.uuid4().hex, f"flowreduce-test-{uuid.uuid4().hex}"
+    event = Event(name, client=client)
+    x = client.submit(np.arange, 1000, key=(f"flowreduce-test-split-{token}", 0, 0, 0, 0), workers=[a])
+    later = client.submit(_wait_for_event, name, 0, workers=[c], pure=False)
+    waiting = client.submit(lambda v, _: v, x, later, key=(f"flowreduce-test-reduce-{token}", 1, 0, 0, 1),
+                            workers=[a], allow_other_workers=False)
+    peer = client.submit(np.sum, x, workers=[b], pure=False)  # the replica Dask made on b
+    heavy = client.scatter(np.ones(20_000_000), workers=[a])  # a is the worker AMM drops from
+    wait([peer, heavy])
+    assert set(client.who_has([x])[x.key]) == {a, b}
+    try:
+        client.run(_set_status, "closing_gracefully", workers=[a])
+        assert wait_until(lambda: client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.workers[a].status.name) == "closing_gracefully", HANG)
+        client.amm.run_once()
+        assert wait_until(lambda f=x: client.who_has([f])[f.key] == (b,), HANG), "the retiring worker kept its copy"
+    finally:
+        client.run(_set_status, "running", workers=[a])
+        event.set()
+        client.amm.start()
+    np.testing.assert_array_equal(waiting.result(), np.arange(1000))
+    del x, later, waiting, peer, heavy
 
 
 def _kill(client, worker: str) -> None:
@@ -306,10 +347,12 @@ def test_timeout_names_a_held_back_upstream_task(client):
     name = f"flowreduce-test-{uuid.uuid4().hex}"
     event = Event(name, client=client)
     parts.append(client.submit(_wait_for_event, name, 3, workers=[ws[3]], pure=False))
+    pool = ThreadPoolExecutor(1)  # a regression fails below instead of hanging
     try:
-        with pytest.raises(AllreduceTimeoutError, match=rf"input of rank 3 \(key {parts[3].key!r}\), computed by "
-                                                        rf"your own task: processing on worker {ws[3]}"):
-            flowreduce.allreduce(client, parts, algorithm="ring", timeout=1)
+        call = pool.submit(flowreduce.allreduce, client, parts, algorithm="ring", timeout=1)
+        with pytest.raises(AllreduceTimeoutError, match=rf"input of rank 3 \(key {parts[3].key!r}\), computed "
+                                                        rf"by your own task: processing on worker {ws[3]}"):
+            call.result(timeout=HANG)
         out = flowreduce.allreduce(client, parts, algorithm="ring", like=np.zeros(N, np.int64), timeout="1s")
         wait(out, timeout=HANG)
         with pytest.raises(AllreduceTimeoutError, match=r"did not finish within 1 s \(4 of 4 results pending\); "
@@ -321,6 +364,7 @@ def test_timeout_names_a_held_back_upstream_task(client):
         del out, caught
     finally:
         event.set()
+        pool.shutdown()
     del parts
 
 

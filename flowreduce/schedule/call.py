@@ -192,8 +192,10 @@ def allreduce(
         Seconds (or a Dask time string, ``"5min"``) the call may wait for
         its inputs (when it waits for them), and then its results for the
         reduction (default: the dask config key ``flowreduce.timeout``, else
-        no limit). Past it the call raises, or the pending results fail, with :class:`flowreduce.schedule.guard.AllreduceTimeoutError`
-        saying what they wait for (docs/failures.md).
+        no limit). Past it the call raises, or the pending results fail,
+        with :class:`flowreduce.schedule.guard.AllreduceTimeoutError` saying
+        what they wait for (docs/failures.md). A worker that dies or leaves
+        mid-call does not fail the call: it recovers (docs/failures.md).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
         the file named by the dask config key ``flowreduce.cost-model``,
@@ -235,6 +237,10 @@ def allreduce(
         An input that is not a future or not a numpy array (or pytree of them).
     RuntimeError
         An input future that failed, was cancelled or whose data was lost.
+    AllreduceTimeoutError
+        The inputs were not ready within ``timeout`` (the results fail with
+        it when the reduction is what takes too long; a lost worker whose
+        rank cannot recover fails them with ``WorkerLostError``).
     """
     inputs = list(inputs)
     if not inputs:
