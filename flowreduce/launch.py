@@ -96,7 +96,7 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
             with cluster("local", workers=args.workers or workers, memory_limit=args.memory_limit) as client:
                 yield client
             return
-        options = {kw: getattr(args, dest) for dest, kw in _PASSED.items() if getattr(args, dest, None) is not None}
+        options = jobqueue_arguments(args)
         with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress, **options) as client:
             yield client
 
@@ -151,7 +151,7 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
                 memory_limit=_memory_limit(memory_limit)))
             yield stack.enter_context(Client(c))
             return
-        c = _jobqueue_cluster(kind, options)
+        c = jobqueue_cluster(kind, options)
         stack.callback(_release, c)  # runs on error and Ctrl-C too
         client = stack.enter_context(Client(c))
         c.scale(jobs=jobs)
@@ -160,15 +160,22 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
         yield client
 
 
-def _jobqueue_cluster(kind: str, options: dict) -> Any:
+def jobqueue_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The dask-jobqueue keywords the command line gives (only those given)."""
+    return {kw: getattr(args, dest) for dest, kw in _PASSED.items() if getattr(args, dest, None) is not None}
+
+
+def jobqueue_cluster(kind: str, options: dict) -> Any:
+    """A dask-jobqueue cluster of ``kind`` (slurm, pbs, ...) built from
+    ``options`` over jobqueue.yaml's settings; jobs are not started yet."""
     if kind not in JOBQUEUE:
         raise ValueError(f"unknown cluster kind {kind!r}; valid: local, {', '.join(JOBQUEUE)}")
-    dask_jobqueue = _import_dask_jobqueue(kind)
+    dask_jobqueue = import_dask_jobqueue(kind)
     cls = getattr(dask_jobqueue, JOBQUEUE[kind])
     return cls(**jobqueue_options(options.get("config_name") or cls.job_cls.default_config_name(), options))
 
 
-def _import_dask_jobqueue(kind: str) -> Any:
+def import_dask_jobqueue(kind: str) -> Any:
     """``import dask_jobqueue``, keeping Ctrl-C a KeyboardInterrupt.
 
     Its first import replaces Python's SIGINT handler with ``sys.exit()``
@@ -246,7 +253,7 @@ def ranked_workers(client: Any) -> list[str]:
     """The cluster's workers in rank order: those sharing a node (and a job)
     next to each other, so consecutive ranks share a node and the
     hierarchical algorithm's groups follow the jobs."""
-    from flowreduce.schedule.call import place_of
+    from flowreduce.schedule.hosts import place_of
 
     places = client.run(place_of)
     return sorted(places, key=lambda w: (places[w], w))
@@ -457,7 +464,8 @@ def wait_for_workers(client: Any, c: Any, n: int, *, timeout: float = 300.0, pro
     says; raise TimeoutError with the queue's reasons after ``timeout``."""
     deadline = time.monotonic() + timeout
     with ExitStack() as stack:
-        bar = task = None
+        bar = None
+        task: Any = None  # rich's TaskID, with a bar
         if progress:
             from rich.progress import Progress
 

@@ -18,13 +18,14 @@ from flowreduce.cost import (
     DEFAULT_INTER,
     CostModel,
     Link,
-    _card_at,
-    _unit_price,
     candidates,
+    card_at,
     choose,
+    choose_sparse,
     configured_model,
     link_loads,
     tune,
+    unit_price,
 )
 
 DENSE = [a for a in flowreduce.ALGORITHMS if a != "auto"]
@@ -72,9 +73,9 @@ def test_one_host_predictions_unchanged(algorithm, chunks, cores):
 def test_cards_derived_for_any_chunk_count_match_the_plan(algorithm, opts, chunks):
     """``auto`` prices chunk counts from the cards at 1 and 2 chunks."""
     key = json.dumps(opts, sort_keys=True)
-    one, two, _ = _unit_price(algorithm, 5, key, None)
+    one, two, _ = unit_price(algorithm, 5, key, None)
     base = flowreduce.plan(algorithm, 5, **opts)
-    assert _card_at(one, two, chunks, len(base.nodes), 3e6).as_dict() == pytest.approx(
+    assert card_at(one, two, chunks, len(base.nodes), 3e6).as_dict() == pytest.approx(
         replace(base, chunks=chunks).cost(3e6).as_dict())
 
 
@@ -239,6 +240,21 @@ def test_dask_config_names_the_model_for_every_call(tmp_path):
         assert configured_model() == CALIBRATED
         configured_pick = choose(8, 8e6, groups=groups)
     assert configured_pick == choose(8, 8e6, groups=groups, model=CALIBRATED)
+    assert (configured_pick.algorithm, configured_pick.options) != (default_pick.algorithm, default_pick.options)
+
+
+def test_dask_config_names_the_model_for_sparse_auto_too(tmp_path):
+    """``choose_sparse`` (sparse ``auto``) reads the configured model as ``choose`` does."""
+    import dask
+
+    path = tmp_path / "model.json"
+    slow_levels = CostModel(level=1.0)  # a level costs a second: the fewest levels win
+    slow_levels.to_file(path)
+    args = (8, 10**8, 4, [0.5] * 8)
+    default_pick = choose_sparse(*args)
+    with dask.config.set({CONFIG_KEY: str(path)}):
+        configured_pick = choose_sparse(*args)
+    assert configured_pick == choose_sparse(*args, model=slow_levels)
     assert (configured_pick.algorithm, configured_pick.options) != (default_pick.algorithm, default_pick.options)
 
 

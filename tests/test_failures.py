@@ -22,9 +22,10 @@ from conftest import assert_clean, wait_until
 from distributed import Client, Event, LocalCluster, wait
 
 import flowreduce
+from flowreduce.errors import AllreduceTimeoutError, WorkerLostError
 from flowreduce.keys import parse
 from flowreduce.schedule import faults
-from flowreduce.schedule.guard import AllreduceTimeoutError, PinGuard, WorkerLostError
+from flowreduce.schedule.guard import PinGuard
 
 N = 10**5  # elements per rank
 HANG = 60  # s: past this a wait counts as a hang

@@ -32,11 +32,13 @@ def _python(*argv: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 def test_groups_are_the_nodes_whatever_the_jobs():
-    from flowreduce.schedule.call import _groups_by_place
+    from flowreduce.schedule.hosts import Place
+    from flowreduce.schedule.hosts import host_groups as _groups_by_place
 
     # (node, cpus, job, host): jobs 7 and 8 both on node n1, job 9 across n2 and n3
-    places = {"a": ("n1", 8, "7", "n1"), "b": ("n1", 8, "8", "n1"), "c": ("n2", 8, "9", "n2"),
-              "d": ("n3", 8, "9", "n3"), "e": ("n1", 8, "7", "n1"), "f": ("n2", 8, "9", "n2")}
+    places = {w: Place(*p) for w, p in {
+        "a": ("n1", 8, "7", "n1"), "b": ("n1", 8, "8", "n1"), "c": ("n2", 8, "9", "n2"),
+        "d": ("n3", 8, "9", "n3"), "e": ("n1", 8, "7", "n1"), "f": ("n2", 8, "9", "n2")}.items()}
     # two jobs on one node: one group; one job on two nodes: two groups
     assert _groups_by_place(["a", "b"], places) == [[0, 1]]
     assert _groups_by_place(["c", "d"], places) == [[0], [1]]
@@ -97,10 +99,10 @@ def test_job_script_runs_the_configured_python(tmp_path):
             "jobqueue.slurm.scheduler-options": {"dashboard_address": "127.0.0.1:0", "idle_timeout": "1h"}}
     opts = {"cores": 1, "memory": "1GB", "log_directory": str(tmp_path)}
     with dask.config.set(site):
-        with launch._jobqueue_cluster("slurm", dict(opts)) as cluster:
+        with launch.jobqueue_cluster("slurm", dict(opts)) as cluster:
             script = cluster.job_script()
             scheduler = cluster.scheduler_spec["options"]
-        with launch._jobqueue_cluster("slurm", {**opts, "python": "/usr/bin/python3"}) as overridden:
+        with launch.jobqueue_cluster("slurm", {**opts, "python": "/usr/bin/python3"}) as overridden:
             explicit_script = overridden.job_script()
     assert "/opt/x/python -m distributed.cli.dask_worker" in script, script
     assert sys.executable not in script
@@ -395,7 +397,7 @@ def test_importing_dask_jobqueue_keeps_ctrl_c_a_keyboard_interrupt():
     """dask_jobqueue's first import makes SIGINT call sys.exit() (exit status
     0 after Ctrl-C); launch imports it and puts Python's handler back."""
     pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
-    code = ("import signal; from flowreduce import launch; launch._import_dask_jobqueue('slurm'); "
+    code = ("import signal; from flowreduce import launch; launch.import_dask_jobqueue('slurm'); "
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
     out = _python("-c", code, timeout=120)
     assert out.stdout.strip() == "True", out.stdout + out.stderr
@@ -411,9 +413,9 @@ def test_tls_and_dashboard_options_reach_the_scheduler_and_the_job_script(tmp_pa
 
     args = cli_args(bench, "--cluster", "slurm", "--cores", "1", "--memory", "1GB", "--interface", "lo",
                     "--tls", "--tls-directory", str(tmp_path), "--log-directory", str(tmp_path))
-    options = {kw: getattr(args, dest) for dest, kw in launch._PASSED.items() if getattr(args, dest, None) is not None}
+    options = launch.jobqueue_arguments(args)
     assert options["security"] is True and options["shared_temp_directory"] == str(tmp_path)
-    with launch._jobqueue_cluster("slurm", options) as cluster:
+    with launch.jobqueue_cluster("slurm", options) as cluster:
         script = cluster.job_script()
         address = cluster.scheduler_address
         dashboard = cluster.scheduler_spec["options"]["dashboard_address"]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Hashable
+from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -41,12 +43,12 @@ class FailAt(SchedulerPlugin):
         if action not in ACTIONS:
             raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
         self.rank, self.step, self.action, self.algorithm = rank, step, action, algorithm
-        self.fired: list[tuple] = []
+        self.fired: list[tuple[Hashable, str]] = []
 
-    def start(self, scheduler) -> None:
+    async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
 
-    def transition(self, key, start, finish, *args, **kwargs) -> None:
+    def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if self.fired or start != "waiting" or finish not in ("processing", "no-worker"):
             return
         info = parse(key)
@@ -66,26 +68,26 @@ class FailAt(SchedulerPlugin):
             os.kill(ws.pid, signal.SIGKILL if self.action == "kill" else signal.SIGSTOP)
 
 
-def fail_at(client, rank: int, step: int, action: str = "kill", algorithm: str | None = None) -> None:
+def fail_at(client: Any, rank: int, step: int, action: str = "kill", algorithm: str | None = None) -> None:
     """Arm :class:`FailAt` on ``client``'s scheduler (replacing one armed before)."""
     client.register_plugin(FailAt(rank, step, action, algorithm))
 
 
-def fired(client) -> list[tuple]:
+def fired(client: Any) -> list[tuple[Hashable, str]]:
     """``(key, worker)`` of the armed injector's action, empty if it did not act (yet)."""
     return client.run_on_scheduler(_fired)
 
 
-def disarm(client) -> None:
+def disarm(client: Any) -> None:
     """Remove the injector, if one is armed."""
     client.run_on_scheduler(_disarm)
 
 
-def _disarm(dask_scheduler=None) -> None:
+def _disarm(dask_scheduler: Any = None) -> None:
     if FailAt.name in dask_scheduler.plugins:
         dask_scheduler.remove_plugin(name=FailAt.name)
 
 
-def _fired(dask_scheduler=None) -> list[tuple]:
+def _fired(dask_scheduler: Any = None) -> list[tuple[Hashable, str]]:
     plugin = dask_scheduler.plugins.get(FailAt.name)
     return list(plugin.fired) if plugin is not None else []

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,18 +42,14 @@ from distributed.active_memory_manager import ReduceReplicas, Suggestion
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import monotonic
+from distributed.scheduler import WorkerState
+
+from flowreduce.errors import AllreduceTimeoutError, WorkerLostError
+
+__all__ = ["AllreduceTimeoutError", "KeepPinnedReplicas", "PinGuard", "WorkerLostError", "ensure_guard",
+           "resolve_timeout", "wait_inputs", "watch"]
 
 logger = logging.getLogger("flowreduce")
-
-
-class WorkerLostError(RuntimeError):
-    """A worker holding part of an all-reduce left the cluster and the call
-    could not recover (an input without lineage, or too many attempts)."""
-
-
-class AllreduceTimeoutError(TimeoutError):
-    """An all-reduce did not finish within its timeout; the message says
-    what it waits for (rank, plan step, key, state on the scheduler, worker)."""
 
 
 #: Default attempts of a call after worker losses before it fails (dask config ``flowreduce.recovery.attempts``).
@@ -77,7 +74,7 @@ def resolve_timeout(timeout: Any) -> float | None:
 class KeepPinnedReplicas(ReduceReplicas):
     """``ReduceReplicas`` that keeps the replicas pinned flowreduce tasks wait for."""
 
-    def run(self):
+    def run(self) -> Generator[Suggestion, WorkerState | None, None]:
         workers = self.manager.scheduler.workers
         for s in super().run():
             keep = {ws for waiter in s.ts.waiters or () if _ours(waiter.key)
@@ -96,10 +93,10 @@ class Watch:
     """A call the guard watches until its results are done."""
 
     token: str
-    outputs: set
-    inputs: dict  # input key -> the ranks reading it
+    outputs: set[Hashable]
+    inputs: dict[Hashable, list[int]]  # input key -> the ranks reading it
     timer: Any = None
-    patched: list = field(default_factory=list)  # scattered inputs given a run_spec that names them when lost
+    patched: list[Any] = field(default_factory=list)  # scattered inputs given a run_spec that names them when lost
 
 
 class PinGuard(SchedulerPlugin):
@@ -109,12 +106,12 @@ class PinGuard(SchedulerPlugin):
     def __init__(self, attempts: int = DEFAULT_ATTEMPTS):
         self.attempts = attempts
 
-    def start(self, scheduler) -> None:
+    async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self.watches: dict[str, Watch] = {}
-        self.watch_of: dict = {}  # output key -> token
-        self.input_ranks: dict = {}  # input key of a watched call -> ranks
-        self.since: dict = {}  # key (ours or a watched input) -> when it started processing
+        self.watch_of: dict[Hashable, str] = {}  # output key -> token
+        self.input_ranks: dict[Hashable, list[int]] = {}  # input key of a watched call -> ranks
+        self.since: dict[Hashable, float] = {}  # key (ours or a watched input) -> when it started processing
         self.tries: OrderedDict[str, int] = OrderedDict()  # token -> recoveries so far
         scheduler.stream_handlers["flowreduce-watch"] = self.watch
         amm = scheduler.extensions.get("amm")
@@ -126,10 +123,11 @@ class PinGuard(SchedulerPlugin):
 
     # -- the client's message at submission ------------------------------------------------------------
 
-    def watch(self, token=None, outputs=(), inputs=(), timeout=None, client=None, **_) -> None:
+    def watch(self, token: str = "", outputs: Sequence[Hashable] = (), inputs: Sequence[Sequence[Hashable]] = (),
+              timeout: float | None = None, client: Any = None, **_: Any) -> None:
         """Watch call ``token``: its ``outputs`` keys, ``inputs[r]`` the input keys of rank ``r``."""
         s = self.scheduler
-        ranks: dict = {}
+        ranks: dict[Hashable, list[int]] = {}
         for r, keys in enumerate(inputs):
             for k in keys:
                 ranks.setdefault(k, []).append(r)
@@ -191,7 +189,7 @@ class PinGuard(SchedulerPlugin):
 
     # -- scheduler hooks -------------------------------------------------------------------------------
 
-    def transition(self, key, start, finish, *args, **kwargs) -> None:
+    def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "no-worker":  # rare: decide later, once the transition batch is done
             self.scheduler.loop.add_callback(self._no_worker, key)
         if finish == "processing":
@@ -205,12 +203,12 @@ class PinGuard(SchedulerPlugin):
             if all(k not in s.tasks or s.tasks[k].state in ("memory", "erred") for k in self.watches[token].outputs):
                 self._unwatch(token)
 
-    def remove_worker(self, scheduler, worker, **kwargs) -> None:
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         from flowreduce.schedule.recovery import recover
 
         recover(self, {worker}, f"flowreduce-recover-{worker}")
 
-    def _no_worker(self, key) -> None:
+    def _no_worker(self, key: Hashable) -> None:
         s = self.scheduler
         ts = s.tasks.get(key)
         if ts is None or ts.state != "no-worker":
@@ -246,14 +244,14 @@ class PinGuard(SchedulerPlugin):
         return n
 
 
-def _ours(key) -> bool:
+def _ours(key: Hashable) -> bool:
     return isinstance(key, tuple) and str(key[0]).startswith("flowreduce-")
 
 
-_guarded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
-def ensure_guard(client) -> None:
+def ensure_guard(client: Any) -> None:
     """Install the guard once per client (and so per scheduler)."""
     if client not in _guarded:
         attempts = int(dask.config.get("flowreduce.recovery.attempts", DEFAULT_ATTEMPTS))
@@ -261,7 +259,7 @@ def ensure_guard(client) -> None:
         _guarded[client] = True
 
 
-def wait_inputs(client, ranks: list[list], timeout: float | None) -> None:
+def wait_inputs(client: Any, ranks: Sequence[Sequence[Any]], timeout: float | None) -> None:
     """Wait (on ``client``'s loop) until the futures ``ranks[r]`` of every
     rank are done; past ``timeout`` s raise :class:`AllreduceTimeoutError`
     saying which inputs are still computing, where and for how long."""
@@ -273,7 +271,7 @@ def wait_inputs(client, ranks: list[list], timeout: float | None) -> None:
         with client.as_current():  # distributed.wait runs on the default client's loop, not theirs
             wait(flat, timeout=timeout)
     except (DaskTimeout, TimeoutError):
-        pending = {}
+        pending: dict[Hashable, list[int]] = {}
         for r, fs in enumerate(ranks):
             for f in fs:
                 if not f.done():
@@ -282,14 +280,15 @@ def wait_inputs(client, ranks: list[list], timeout: float | None) -> None:
         raise AllreduceTimeoutError(f"all-reduce inputs not ready within {timeout:g} s; {detail}") from None
 
 
-def _explain_inputs(keys, ranks, dask_scheduler=None) -> str:
+def _explain_inputs(keys: list[Hashable], ranks: dict[Hashable, list[int]], dask_scheduler: Any = None) -> str:
     from flowreduce.schedule.stuck import explain
 
     guard = dask_scheduler.plugins.get(PinGuard.name)
     return explain(dask_scheduler, keys, ranks, guard.since if guard is not None else {})
 
 
-def watch(client, token: str, outputs: list, inputs: list[list], timeout: float | None) -> None:
+def watch(client: Any, token: str, outputs: Sequence[Hashable], inputs: Sequence[Sequence[Hashable]],
+          timeout: float | None) -> None:
     """Tell the guard about a call just submitted: its result keys, each
     rank's input keys, and how long it may take (None: forever). Sent on the
     client's stream after the graph, so the scheduler knows the keys by then."""

@@ -34,7 +34,7 @@ import copy
 import logging
 import pickle
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from dask.task_spec import Task
@@ -42,14 +42,14 @@ from dask.task_spec import Task
 logger = logging.getLogger("flowreduce")
 
 
-def token_of(key) -> str | None:
+def token_of(key: Hashable) -> str | None:
     """The call token in a flowreduce key, None for anybody else's key."""
     if isinstance(key, tuple) and key and isinstance(key[0], str) and key[0].startswith("flowreduce-"):
         return key[0].rpartition("-")[2]
     return None
 
 
-def private_copies(func, *args, **kwargs):
+def private_copies(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``func`` on deep copies of its (resolved) arguments: a task run
     again after a worker loss never writes into a value another task reads."""
     return func(*copy.deepcopy(args), **copy.deepcopy(kwargs))
@@ -61,13 +61,13 @@ def _on_private_copies(spec: Any) -> Any:
     return Task(spec.key, private_copies, spec.func, *spec.args, **spec.kwargs)
 
 
-def _raise_lost(key, ranks, message):
-    from flowreduce.schedule.guard import WorkerLostError
+def _raise_lost(key: Hashable, ranks: tuple[int, ...], message: str) -> None:
+    from flowreduce.errors import WorkerLostError
 
     raise WorkerLostError(message)
 
 
-def lost_input_spec(key, ranks: list[int]) -> Task:
+def lost_input_spec(key: Hashable, ranks: list[int]) -> Task:
     """The run_spec given to a scattered input while a call reads it: if
     its only copy dies, "recomputing" it fails the call naming the rank and
     the key (Dask would otherwise forget it and cancel the results)."""
@@ -82,7 +82,7 @@ def is_lost_input_spec(spec: Any) -> bool:
     return isinstance(spec, Task) and spec.func is _raise_lost
 
 
-def fail(s, keys: Iterable, exc: BaseException, stimulus_id: str) -> None:
+def fail(s: Any, keys: Iterable[Hashable], exc: BaseException, stimulus_id: str) -> None:
     """Fail tasks ``keys`` (and so everything downstream) with ``exc``,
     whatever state they wait in."""
     payload = pickle.dumps(exc)
@@ -103,9 +103,9 @@ def fail(s, keys: Iterable, exc: BaseException, stimulus_id: str) -> None:
         s.transitions(recs, stimulus_id=stimulus_id)
 
 
-def _calls_on(s, gone: set[str]) -> dict[str, list]:
+def _calls_on(s: Any, gone: set[str]) -> dict[str, list[Any]]:
     """The tasks, by call token, of every call with a task pinned to a worker in ``gone``."""
-    by_token: dict[str, list] = defaultdict(list)
+    by_token: dict[str, list[Any]] = defaultdict(list)
     hit = set()
     for key, ts in s.tasks.items():
         token = token_of(key)
@@ -117,13 +117,13 @@ def _calls_on(s, gone: set[str]) -> dict[str, list]:
     return {t: by_token[t] for t in hit}
 
 
-def _replacement(s, tasks: list, lost: str) -> str | None:
+def _replacement(s: Any, tasks: list[Any], lost: str) -> str | None:
     """A running worker for the tasks pinned to ``lost``: where most of their
     inputs now are, else the one with the fewest of the call's tasks."""
     running = {ws.address for ws in s.running}
     if not running:
         return None
-    held: Counter = Counter()
+    held: Counter[str] = Counter()
     for ts in tasks:
         if ts.worker_restrictions == {lost}:
             for dts in ts.dependencies:
@@ -139,9 +139,9 @@ def _replacement(s, tasks: list, lost: str) -> str | None:
     return min(sorted(load), key=lambda w: load[w])
 
 
-def recover(guard, gone: set[str], stimulus_id: str) -> None:
+def recover(guard: Any, gone: set[str], stimulus_id: str) -> None:
     """Re-pin and re-run every call with tasks pinned to workers ``gone``."""
-    from flowreduce.schedule.guard import WorkerLostError
+    from flowreduce.errors import WorkerLostError
 
     s = guard.scheduler
     gone = {w for w in gone if w not in s.workers}

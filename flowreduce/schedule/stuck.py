@@ -4,6 +4,9 @@ waits for, each with its rank, plan step, key, state and worker."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import Any
+
 from distributed.metrics import monotonic, time
 
 from flowreduce.keys import parse
@@ -12,11 +15,12 @@ from flowreduce.keys import parse
 MAX_LINES = 4
 
 
-def explain(s, pending: list, input_ranks: dict, since: dict) -> str:
+def explain(s: Any, pending: list[Hashable], input_ranks: dict[Hashable, list[int]], since: dict[Hashable, float]
+            ) -> str:
     """What results ``pending`` wait for: the tasks at the frontier of what
     is not computed yet (nothing below them is missing)."""
-    frontier: list = []
-    seen: set = set()
+    frontier: list[Any] = []
+    seen: set[Hashable] = set()
     stack = [s.tasks[k] for k in pending if k in s.tasks]
     while stack:
         ts = stack.pop()
@@ -34,7 +38,7 @@ def explain(s, pending: list, input_ranks: dict, since: dict) -> str:
     return "waiting for " + "; ".join(lines) + more
 
 
-def describe(s, ts, input_ranks: dict, since: dict) -> str:
+def describe(s: Any, ts: Any, input_ranks: dict[Hashable, list[int]], since: dict[Hashable, float]) -> str:
     """One task: whose it is (rank, plan step, key) and what it is doing."""
     info = parse(ts.key)
     if info is None:
@@ -48,7 +52,7 @@ def describe(s, ts, input_ranks: dict, since: dict) -> str:
     return f"{who}: {_state(s, ts, since)}"
 
 
-def _state(s, ts, since: dict) -> str:
+def _state(s: Any, ts: Any, since: dict[Hashable, float]) -> str:
     if ts.state == "processing":
         ws = ts.processing_on
         started = since.get(ts.key)
