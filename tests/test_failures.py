@@ -124,6 +124,7 @@ def test_fail_at_kills_the_worker_of_rank_r_when_step_s_starts(client):
     ("ring", 3, "kill"),
     ("reduce-broadcast", "last", "kill"),
     ("butterfly", "last", "kill"),
+    ("ring", None, "kill"),  # when a rank's result task starts
     ("ring", 2, "retire"),
 ])
 def test_worker_lost_mid_call_recovers(client, algorithm, step, action):

@@ -6,7 +6,9 @@ rank ``r`` at the moment step ``s`` of an all-reduce reaches it.
 (``("flowreduce-<algorithm>-<phase>-<token>", step, rank, chunk, node)``,
 :mod:`flowreduce.keys`). When the first task of plan step ``step`` on rank
 ``rank`` leaves ``waiting`` (dispatched to its worker, or found unrunnable
-there because the worker is paused), the plugin acts on that worker, once:
+there because the worker is paused), the plugin acts on that worker, once
+(``step=None``: when the rank's result task starts; with one chunk a
+rank's last plan node *is* its result, keyed without a step):
 
 * ``"kill"``: SIGKILL the worker process (a node failure; a nanny restarts it);
 * ``"stop"``: SIGSTOP it (a worker that stops responding; SIGCONT it after);
@@ -39,7 +41,7 @@ class FailAt(SchedulerPlugin):
 
     name = "flowreduce-fail-at"
 
-    def __init__(self, rank: int, step: int, action: str = "kill", algorithm: str | None = None):
+    def __init__(self, rank: int, step: int | None, action: str = "kill", algorithm: str | None = None):
         if action not in ACTIONS:
             raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
         self.rank, self.step, self.action, self.algorithm = rank, step, action, algorithm
@@ -52,8 +54,8 @@ class FailAt(SchedulerPlugin):
         if self.fired or start != "waiting" or finish not in ("processing", "no-worker"):
             return
         info = parse(key)
-        if (info is None or info.get("step") != self.step or info["rank"] != self.rank
-                or self.algorithm not in (None, info["algorithm"])):
+        if (info is None or info["rank"] != self.rank or self.algorithm not in (None, info["algorithm"])
+                or (info["phase"] != "output" if self.step is None else info.get("step") != self.step)):
             return
         ts = self.scheduler.tasks[key]
         ws = ts.processing_on or next((self.scheduler.workers[w] for w in sorted(ts.worker_restrictions or ())
@@ -68,7 +70,7 @@ class FailAt(SchedulerPlugin):
             os.kill(ws.pid, signal.SIGKILL if self.action == "kill" else signal.SIGSTOP)
 
 
-def fail_at(client: Any, rank: int, step: int, action: str = "kill", algorithm: str | None = None) -> None:
+def fail_at(client: Any, rank: int, step: int | None, action: str = "kill", algorithm: str | None = None) -> None:
     """Arm :class:`FailAt` on ``client``'s scheduler (replacing one armed before)."""
     client.register_plugin(FailAt(rank, step, action, algorithm))
 
