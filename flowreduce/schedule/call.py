@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import dask
+import dask.utils
 import numpy as np
 from distributed import Client, Future
 
+from flowreduce import config
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
@@ -56,6 +59,7 @@ from flowreduce.schedule.inputs import (
     ArrayMeta,
     SparseMeta,
     TreeMeta,
+    check_cluster,
     check_dtype,
     check_dtypes,
     common_array,
@@ -88,11 +92,11 @@ def allreduce(
     op: Any = "sum",
     algorithm: str = "auto",
     chunks: int | None = None,
-    chunk_bytes: int | None = None,
+    chunk_bytes: int | str | None = None,
     model: CostModel | None = None,
     topology: Any = None,
     like: Any = None,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     timeout: float | str | None = None,
     **options: Any,
 ) -> list[Any]:
@@ -127,8 +131,10 @@ def allreduce(
         ``"block-sparse"`` takes numpy inputs with zero blocks (docs/sparse.md).
     chunks, chunk_bytes : int, optional
         Split each vector (each bucket) into this many independent
-        pipelines, or into pieces of about this many bytes. Default: chosen
-        by the cost model.
+        pipelines, or into pieces of about this many bytes (an int, or a
+        string dask reads: ``"4MiB"``). Default: chosen by the cost model.
+        At most ``flowreduce.max-chunks`` chunks per vector (dask config,
+        default 1024): each chunk is a task per plan node.
     like : array, pytree, optional
         A template of one rank's input: the same structure with, for each
         future, what it resolves to (arrays, or
@@ -139,9 +145,9 @@ def allreduce(
         rank's result with an error naming the rank and the tensor).
         Without it, the call waits until the inputs are in memory and checks
         them first.
-    bucket_bytes : int or None
+    bucket_bytes : int, str or None
         Tensor fusion: tensors are copied into buckets of about this many
-        bytes (per dtype, last tensors first) and each bucket is reduced as
+        bytes (``"25MiB"`` works too; per dtype, last tensors first) and each bucket is reduced as
         one vector. Default 25 MiB (PyTorch DDP's). ``0`` or ``None``: each
         tensor is reduced on its own.
     timeout : float or str, optional
@@ -199,6 +205,7 @@ def allreduce(
         rank cannot recover fails them with ``WorkerLostError``).
     """
     outer, futures = rank_futures(list(inputs))
+    check_cluster(client, futures)
     settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, timeout)
     ranks = describe_inputs(client, outer, futures, like, settings)
     return submit(client, lower(client, ranks, settings), ranks, settings.timeout)
@@ -219,19 +226,20 @@ class Settings:
     timeout: float | None = None
 
     @classmethod
-    def check(cls, op: Any, algorithm: str, chunks: int | None, chunk_bytes: int | None, model: CostModel | None,
-              topology: Any, bucket_bytes: int | None, options: Mapping[str, Any], timeout: Any = None) -> Settings:
+    def check(cls, op: Any, algorithm: str, chunks: Any, chunk_bytes: Any, model: CostModel | None,
+              topology: Any, bucket_bytes: Any, options: Mapping[str, Any], timeout: Any = None) -> Settings:
         """The settings, or an :class:`~flowreduce.errors.OptionError` naming the bad one."""
         if algorithm not in ALGORITHMS and algorithm not in SPARSE_ALGORITHMS:
             raise OptionError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}")
         with raised_as(OptionError):
             op_ = resolve_op(op)
-        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
-            raise OptionError(f"chunks must be a positive integer, got {chunks!r}")
-        if chunk_bytes is not None and chunk_bytes <= 0:
-            raise OptionError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
-        if bucket_bytes is not None and bucket_bytes < 0:
-            raise OptionError(f"bucket_bytes must be >= 0 (0 or None: no fusion), got {bucket_bytes!r}")
+        chunks = _count("chunks", chunks)
+        if chunks is not None:
+            _check_cap("chunks", chunks)
+        chunk_bytes = _byte_count(chunk_bytes, smallest=1, what="chunk_bytes must be positive (bytes: an int or a "
+                                  "string like '1MiB')")
+        bucket_bytes = _byte_count(bucket_bytes, smallest=0, what="bucket_bytes must be >= 0 (0 or None: no fusion; "
+                                   "bytes: an int or a string like '25MiB')")
         return cls(op_, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, dict(options),
                    guard.resolve_timeout(timeout))
 
@@ -239,8 +247,53 @@ class Settings:
         """The chunk count of a vector of ``nbytes``: ``chunks`` if given,
         else from ``chunk_bytes``, else None (the cost model chooses)."""
         if self.chunks is None and self.chunk_bytes is not None:
-            return max(1, math.ceil(nbytes / self.chunk_bytes))
+            chunks = max(1, math.ceil(nbytes / self.chunk_bytes))
+            _check_cap(f"chunk_bytes={self.chunk_bytes} on a vector of {nbytes} bytes", chunks)
+            return chunks
         return self.chunks
+
+
+def _count(name: str, value: Any) -> int | None:
+    """A positive integer option: ints and integer-likes (``np.int64(2)``),
+    not booleans, not floats."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise OptionError(f"{name} must be a positive integer, got the boolean {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise OptionError(f"{name} must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise OptionError(f"{name} must be a positive integer, got {value!r}")
+    return n
+
+
+def _byte_count(value: Any, *, smallest: int, what: str) -> int | None:
+    """A number of bytes: an integer (or integer-like) or a string dask reads
+    (``"1MiB"``, ``"25 MB"``: :func:`dask.utils.parse_bytes`); not a boolean.
+    ``what`` says what is expected, naming the parameter."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise OptionError(f"{what}, got the boolean {value!r}")
+    try:
+        n = dask.utils.parse_bytes(value) if isinstance(value, str) else operator.index(value)
+    except (TypeError, ValueError) as e:
+        raise OptionError(f"{what}, got {value!r}") from e
+    if n < smallest:
+        raise OptionError(f"{what}, got {value!r}")
+    return n
+
+
+def _check_cap(what: str, chunks: int) -> None:
+    """Every chunk is a task per plan node: refuse counts that would build
+    tasks until memory runs out (the cap is the dask config key
+    ``flowreduce.max-chunks``)."""
+    cap = int(config.get("max-chunks"))
+    if chunks > cap:
+        raise OptionError(f"{what} asks for {chunks} chunks per vector; at most {cap} (each chunk is a task per "
+                          "plan node; the dask config key 'flowreduce.max-chunks' sets the cap)")
 
 
 #: What a call's ranks hold, agreed by all: one numpy array each, scipy.sparse
