@@ -36,7 +36,6 @@ from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import dask
 from dask.utils import parse_timedelta
 from distributed.active_memory_manager import ReduceReplicas, Suggestion
 from distributed.core import Status
@@ -44,6 +43,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import monotonic
 from distributed.scheduler import WorkerState
 
+from flowreduce import config
 from flowreduce.errors import AllreduceTimeoutError, WorkerLostError
 
 __all__ = ["AllreduceTimeoutError", "KeepPinnedReplicas", "PinGuard", "WorkerLostError", "ensure_guard",
@@ -52,15 +52,11 @@ __all__ = ["AllreduceTimeoutError", "KeepPinnedReplicas", "PinGuard", "WorkerLos
 logger = logging.getLogger("flowreduce")
 
 
-#: Default attempts of a call after worker losses before it fails (dask config ``flowreduce.recovery.attempts``).
-DEFAULT_ATTEMPTS = 3
-
-
 def resolve_timeout(timeout: Any) -> float | None:
     """Seconds of ``timeout`` (a number or a Dask time string like ``"30s"``),
     else the dask config key ``flowreduce.timeout``; None: wait forever."""
     if timeout is None:
-        timeout = dask.config.get("flowreduce.timeout", None)
+        timeout = config.get("timeout")
     if timeout is None:
         return None
     if isinstance(timeout, bool):
@@ -103,7 +99,9 @@ class PinGuard(SchedulerPlugin):
     name = "flowreduce-pin-guard"
     idempotent = True  # one guard per scheduler, whichever client comes first: its watches survive
 
-    def __init__(self, attempts: int = DEFAULT_ATTEMPTS):
+    def __init__(self, attempts: int | None = None):
+        if attempts is None:
+            attempts = int(config.get("recovery.attempts"))
         self.attempts = attempts
 
     async def start(self, scheduler: Any) -> None:
@@ -254,8 +252,7 @@ _guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 def ensure_guard(client: Any) -> None:
     """Install the guard once per client (and so per scheduler)."""
     if client not in _guarded:
-        attempts = int(dask.config.get("flowreduce.recovery.attempts", DEFAULT_ATTEMPTS))
-        client.register_plugin(PinGuard(attempts))
+        client.register_plugin(PinGuard())  # attempts from the dask config of the first client
         _guarded[client] = True
 
 
