@@ -30,6 +30,15 @@ def _rss(dask_worker=None, dask_scheduler=None) -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
+def _guard_state(dask_scheduler=None) -> dict:
+    """How much the guard holds: watched calls, keys it tracks, recovery counters."""
+    from flowreduce.schedule.guard import PinGuard
+
+    g = dask_scheduler.plugins[PinGuard.name]
+    return {"watches": len(g.watches), "outputs": len(g.watch_of), "inputs": len(g.input_ranks),
+            "processing": len(g.since), "tries": len(g.tries)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     from distributed import Client, LocalCluster, wait
 
@@ -53,15 +62,16 @@ def main(argv: list[str] | None = None) -> dict:
             workers = client.run(_rss)
             samples.append({"call": i, "scheduler_rss": client.run_on_scheduler(_rss),
                             "worker_rss": sorted(workers.values()),
-                            "scheduler_tasks": client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))})
+                            "scheduler_tasks": client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)),
+                            "guard_state": client.run_on_scheduler(_guard_state)})
 
         kills, start = 0, time.perf_counter()
         for i in range(args.calls):
             parts = [client.submit(rank_input, r, n, pure=False) for r in range(ranks)]
             wait(parts)
             if i % args.every == args.every - 1:
-                step = kills % (depth + 1)  # every plan step, and the result (None)
-                faults.fail_at(client, rank=kills % ranks, step=None if step == depth else step, action="kill")
+                step = kills % depth  # every plan step; the last one is the result (one chunk: no step key)
+                faults.fail_at(client, rank=kills % ranks, step=None if step == depth - 1 else step, action="kill")
             out = flowreduce.allreduce(client, parts, algorithm=args.algorithm)
             for r, x in enumerate(client.gather(out)):
                 if not np.array_equal(x, want):

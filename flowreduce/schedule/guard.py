@@ -91,6 +91,7 @@ class Watch:
     token: str
     outputs: set[Hashable]
     inputs: dict[Hashable, list[int]]  # input key -> the ranks reading it
+    pending: set[Hashable] = field(default_factory=set)  # results not done yet
     timer: Any = None
     patched: list[Any] = field(default_factory=list)  # scattered inputs given a run_spec that names them when lost
 
@@ -130,7 +131,8 @@ class PinGuard(SchedulerPlugin):
             for k in keys:
                 ranks.setdefault(k, []).append(r)
         w = Watch(token, {k for k in outputs if k in s.tasks}, ranks)
-        if not w.outputs:
+        w.pending = {k for k in w.outputs if s.tasks[k].state not in ("memory", "erred")}
+        if not w.pending:
             return
         self.watches[token] = w
         for k in w.outputs:
@@ -197,8 +199,9 @@ class PinGuard(SchedulerPlugin):
             self.since.pop(key, None)
         if finish in ("memory", "erred", "forgotten") and key in self.watch_of:
             token = self.watch_of[key]
-            s = self.scheduler
-            if all(k not in s.tasks or s.tasks[k].state in ("memory", "erred") for k in self.watches[token].outputs):
+            pending = self.watches[token].pending
+            pending.discard(key)
+            if not pending:
                 self._unwatch(token)
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
