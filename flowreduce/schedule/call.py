@@ -495,7 +495,8 @@ def worker_place(dask_worker=None) -> tuple[str, int, str, str]:
 
 
 def _describe(keys, dask_worker=None):
-    from flowreduce.pytree import describe_value
+    from flowreduce.arrays import is_foreign
+    from flowreduce.pytree import describe_value, is_node
 
     out = {}
     for k in keys:
@@ -503,7 +504,7 @@ def _describe(keys, dask_worker=None):
             x = dask_worker.data[k]
             if isinstance(x, (np.ndarray, np.generic)):  # a numpy scalar is a 0-d array
                 out[k] = ("ndarray", np.shape(x), x.dtype.str)
-            elif isinstance(x, (dict, list, tuple)):  # a pytree of arrays: structure and leaf specs
+            elif is_node(x) or is_foreign(x):  # a pytree, or a tensor (converted by the tree path's tasks)
                 out[k] = ("pytree", *describe_value(x))
             else:
                 out[k] = describe_input(x) or (type(x).__name__, None, None)

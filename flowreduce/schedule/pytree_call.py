@@ -165,16 +165,16 @@ def layout_from_metas(outer: TreeDef, metas: list[list[tuple | None]]) -> Layout
         tree = trees[0][1]
         leaf_specs = []
         for p in paths(tree):
-            seen: dict[tuple, list[int]] = {}
+            seen: dict[TensorSpec, list[int]] = {}
             for r, d in by_path:
-                _, shape, dt = d[p]
-                seen.setdefault((tuple(shape), dt), []).append(r)
+                _, shape, *dt_native = d[p]  # native: a tensor's library, dtype and device (flowreduce.arrays)
+                seen.setdefault(TensorSpec(tuple(shape), *dt_native), []).append(r)
             if len(seen) > 1:
-                what = "shapes" if len({s for s, _ in seen}) > 1 else "dtypes"
-                detail = "; ".join(f"ranks {rs}: shape {s}, dtype {np.dtype(d)}" for (s, d), rs in seen.items())
+                what = "shapes" if len({s.shape for s in seen}) > 1 else "dtypes"
+                detail = "; ".join(f"ranks {rs}: {s}" for s, rs in seen.items())
                 raise ValueError(f"ranks disagree on {what} of tensor {opaths[j] + p}: {detail}")
-            (shape, dt), = seen
-            leaf_specs.append(TensorSpec(shape, dt))
+            (leaf_spec,) = seen
+            leaf_specs.append(leaf_spec)
         inner.append(tree)
         specs.append(leaf_specs)
     return Layout.from_specs(outer, inner, specs)
