@@ -95,7 +95,15 @@ def template(replica: Replica) -> dict:
     from flowreduce.pytree import spec_of
 
     return {"grads": OrderedDict((n, spec_of(p)) for n, p in zip(replica.names(), replica.params())),
-            "used": spec_of(torch.zeros(len(replica.params()), dtype=torch.int32))}
+            "used": spec_of(_used(replica.params()))}
+
+
+def _used(params: list, flags: Any = None) -> torch.Tensor:
+    """Which parameters a rank used, as 0/1 in the first parameter's dtype:
+    the flags join the gradients' bucket (one all-reduce per step, not two);
+    their mean is > 0 exactly when some rank used the parameter."""
+    dtype = params[0].dtype if params else torch.float32
+    return torch.tensor(flags if flags is not None else [0] * len(params), dtype=dtype)
 
 
 def backward(replica: Replica, after: Any = None) -> tuple[float, float, float]:
@@ -117,8 +125,7 @@ def gradients(replica: Replica, after: Any = None) -> dict:
     params = replica.params()
     grads = OrderedDict((n, p.grad if p.grad is not None else torch.zeros_like(p))
                         for n, p in zip(replica.names(), params))
-    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    return {"grads": grads, "used": used}
+    return {"grads": grads, "used": _used(params, [p.grad is not None for p in params])}
 
 
 def update(replica: Replica, reduced: dict) -> tuple[float, float]:
