@@ -23,13 +23,12 @@ def run(args: argparse.Namespace) -> int:
 
     algorithm, options = spec_from_arg(args.algorithm)
     console = Console()
-    lr = args.lr if args.lr != 0.1 else 0.05  # the numpy MLP's default is too large a step for the CNN
     with from_args(args, workers=args.ranks) as client:
         workers = ranked_workers(client)
         if len(workers) < args.ranks:
             raise SystemExit(f"--ranks {args.ranks} needs {args.ranks} workers, the cluster has {len(workers)}")
         steps = digits.steps_per_epoch(args.ranks, args.batch_size, args.seed)
-        with Trainer(client, model=digits.DigitsCNN, optimizer=digits.SGD(lr, args.momentum),
+        with Trainer(client, model=digits.DigitsCNN, optimizer=digits.SGD(args.lr, args.momentum),
                      loss=torch.nn.functional.cross_entropy, data=digits.Shards(args.batch_size, args.seed),
                      workers=workers[:args.ranks], algorithm=algorithm, bucket_bytes=args.bucket_bytes,
                      seed=args.seed, threads=1, options=options) as trainer:
