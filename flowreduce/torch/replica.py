@@ -5,9 +5,10 @@ its dependencies, so the replica is only ever touched by one task at a time).
 
 A step is ``backward`` once per micro-batch (forward, loss, ``.backward()``;
 gradients accumulate in ``.grad`` as in plain PyTorch, so the steps of
-gradient accumulation need no communication), then ``gradients`` (the
+gradient accumulation need no communication; the last one returns the
 payload the all-reduce averages), then ``update`` (the averaged gradients
-into ``.grad``, ``optimizer.step()``, ``zero_grad``).
+into ``.grad``, ``optimizer.step()``, ``zero_grad``; it returns the step's
+losses and timestamps, so nothing else of a step comes back).
 
 Unused parameters follow DistributedDataParallel with
 ``find_unused_parameters=True``: a parameter a rank did not use (its
@@ -39,6 +40,8 @@ class Replica:
     loss: Callable[..., torch.Tensor]
     batches: Any
     epoch: int = 0
+    #: this step's micro-batches so far: (loss, start, stop) each
+    stats: list[tuple[float, float, float]] = field(default_factory=list)
     _it: Iterator | None = field(default=None, repr=False)
 
     def names(self) -> list[str]:
@@ -106,18 +109,20 @@ def _used(params: list, flags: Any = None) -> torch.Tensor:
     return torch.tensor(flags if flags is not None else [0] * len(params), dtype=dtype)
 
 
-def backward(replica: Replica, after: Any = None) -> tuple[float, float, float]:
+def backward(replica: Replica, after: Any = None, last: bool = True) -> dict | None:
     """One micro-batch: forward, loss, backward (``after``: the previous
-    task of this rank, only to order them). Returns (loss, start, stop)."""
+    task of this rank, only to order them). The last micro-batch of a step
+    returns :func:`gradients`, the payload of the step's all-reduce."""
     t0 = time.time()
     replica.model.train()
     inputs, target = replica.next_batch()
     loss = replica.loss(_call(replica.model, inputs), target)
     loss.backward()
-    return float(loss.detach()), t0, time.time()
+    replica.stats.append((float(loss.detach()), t0, time.time()))
+    return gradients(replica) if last else None
 
 
-def gradients(replica: Replica, after: Any = None) -> dict:
+def gradients(replica: Replica) -> dict:
     """The payload of the step's all-reduce: every parameter's accumulated
     gradient (zeros where this rank did not use it) in registration order,
     and which parameters it used. The gradients are the ``.grad`` tensors
@@ -128,16 +133,19 @@ def gradients(replica: Replica, after: Any = None) -> dict:
     return {"grads": grads, "used": _used(params, [p.grad is not None for p in params])}
 
 
-def update(replica: Replica, reduced: dict) -> tuple[float, float]:
+def update(replica: Replica, reduced: dict) -> dict:
     """The averaged gradients into ``.grad`` (None where no rank used the
-    parameter), one optimizer step, gradients cleared. Returns (start, stop)."""
+    parameter), one optimizer step, gradients cleared. Returns the step's
+    ``backward`` stats (loss, start, stop per micro-batch) and ``update``
+    (start, stop)."""
     t0 = time.time()
     used = reduced["used"]
     for p, g, u in zip(replica.params(), reduced["grads"].values(), used.tolist()):
         p.grad = g.view_as(p) if u > 0 else None
     replica.optimizer.step()
     replica.optimizer.zero_grad(set_to_none=True)
-    return t0, time.time()
+    stats, replica.stats = replica.stats, []
+    return {"backward": stats, "update": (t0, time.time())}
 
 
 def evaluate(replica: Replica, fn: Callable[[torch.nn.Module], Any]) -> Any:

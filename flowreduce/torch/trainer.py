@@ -8,9 +8,9 @@ Each rank is one worker holding one :class:`~flowreduce.torch.replica.Replica`
 step submits, without waiting:
 
 1. per rank, ``accumulate`` backward tasks (forward + backward of one
-   micro-batch each; gradients accumulate locally, no communication), then a
-   ``gradients`` task (the payload: every gradient, and which parameters the
-   rank used);
+   micro-batch each; gradients accumulate locally, no communication); the
+   last returns the payload: every gradient, and which parameters the rank
+   used;
 2. ``flowreduce.allreduce(payloads, op="mean", like=template)``: fused into
    buckets of ``bucket_bytes`` (DDP's 25 MiB), last layers first, one plan per
    bucket;
@@ -40,16 +40,16 @@ from flowreduce.schedule.placement import wait_on
 from flowreduce.torch import replica as _replica
 
 #: Key prefixes of the trainer's tasks: ``("torch-<phase>-<token>", step[, micro], rank)``.
-PHASES = ("build", "backward", "gradients", "update")
+PHASES = ("build", "backward", "update")
 
 
 @dataclass
 class StepRecord:
-    """One step's futures (small values: losses and worker timestamps)."""
+    """One step's futures: per rank, its update (small values: the step's
+    losses and worker timestamps, see :func:`flowreduce.torch.replica.update`)."""
 
     step: int
-    backward: list[list[Any]]  # [rank][micro] -> (loss, start, stop)
-    update: list[Any]  # [rank] -> (start, stop)
+    update: list[Any]
     tokens: tuple[str, ...] = ()  # the all-reduce's bucket tokens
 
 
@@ -156,23 +156,16 @@ class Trainer:
         Returns at once unless two steps are in flight (then it waits for the older)."""
         n, p, k = len(self.steps), self.ranks, self.accumulate
         tasks: dict = {}
-        back_keys, grad_keys = [], []
+        payload_keys = []
         for r in range(p):
             rep = TaskRef(self.replicas[r].key)
             prev: Any = TaskRef(self._last[r].key)
-            mine = []
             for m in range(k):
                 b = self.key("backward", n, m, r)
-                tasks[b] = Task(b, _replica.backward, rep, prev)
+                tasks[b] = Task(b, _replica.backward, rep, prev, m == k - 1)
                 prev = TaskRef(b)
-                mine.append(b)
-            g = self.key("gradients", n, r)
-            tasks[g] = Task(g, _replica.gradients, rep, prev)
-            back_keys.append(mine)
-            grad_keys.append(g)
-        futs = self._on_ranks(tasks, [b for bs in back_keys for b in bs] + grad_keys)
-        backward = [futs[r * k:(r + 1) * k] for r in range(p)]
-        payloads = futs[p * k:]
+            payload_keys.append(b)
+        payloads = self._on_ranks(tasks, payload_keys)
         reduced = flowreduce.allreduce(self.client, payloads, op="mean", like=self.template,
                                        algorithm=self.algorithm, bucket_bytes=self.bucket_bytes, **self.options)
         info = flowreduce.describe(reduced)
@@ -181,7 +174,7 @@ class Trainer:
               for r in range(p)}
         update = self._on_ranks(up, list(up))
         self._last = update
-        rec = StepRecord(n, backward, update, tuple(b.token for b in getattr(info, "buckets", (info,))))
+        rec = StepRecord(n, update, tuple(b.token for b in getattr(info, "buckets", (info,))))
         self.steps.append(rec)
         self._inflight.append(update)
         if len(self._inflight) > 2:
@@ -212,9 +205,11 @@ class Trainer:
 
     def timings(self) -> list[StepTiming]:
         """:class:`StepTiming` of every finished step (one gather of small tuples)."""
-        back, up = self.client.gather([[r.backward for r in self.steps], [r.update for r in self.steps]])
+        per_step = self.client.gather([r.update for r in self.steps])
         out, prev = [], None
-        for s, (bw, uw) in enumerate(zip(back, up)):
+        for s, ranks in enumerate(per_step):
+            bw = [u["backward"] for u in ranks]
+            uw = [u["update"] for u in ranks]
             end = max(u[1] for u in uw)
             start = prev if prev is not None else min(b[0][1] for b in bw)
             compute = max(sum(t1 - t0 for _, t0, t1 in bs) + (u[1] - u[0]) for bs, u in zip(bw, uw))
