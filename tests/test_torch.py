@@ -50,7 +50,8 @@ def reference(name, op, p, shape=(3, 5)):
     xs = [rank_tensor(name, r, shape) for r in range(p)]
     a = np.stack([(x.float() if x.dtype == torch.bfloat16 else x).numpy() for x in xs])
     ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}[op]
-    out = ufunc.reduce(a, axis=0, dtype=a.dtype)  # no upcast: a sum of int8 is an int8, of bools their "or"
+    # no upcast (a sum of int8 is an int8), but bools are counted, as np.sum over the ranks does
+    out = ufunc.reduce(a, axis=0, dtype=np.int64 if a.dtype == np.bool_ and op == "sum" else a.dtype)
     if op == "mean":
         out = out / p
     return torch.from_numpy(np.asarray(out)).to(DTYPES[name]) if out.dtype == a.dtype else torch.from_numpy(out)
