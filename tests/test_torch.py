@@ -271,3 +271,22 @@ def test_save_load_and_evaluate(proc_client, tmp_path):
         assert set(on_disk) == {"model", "optimizer", "step", "epoch"} and on_disk["step"] == 3
         assert on_disk["optimizer"]["state"]  # momentum buffers saved
     assert_clean(proc_client)
+
+
+def test_a_trace_holds_backward_update_and_every_buckets_allreduce(proc_client):
+    """flowreduce.trace puts the trainer's own tasks and each bucket's
+    all-reduce of a step on one timeline, rank by rank."""
+    ws = workers_of(proc_client)[:2]
+    with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                 data=shard, workers=ws, bucket_bytes=4096, algorithm="ring", threads=1) as trainer:
+        trainer.train(1)
+        with flowreduce.trace(proc_client) as tr:
+            trainer.train(1)
+        tokens = set(trainer.steps[-1].tokens)
+    assert len(tokens) > 1  # several buckets at 4 kB
+    for w in ws:
+        mine = [e for e in tr.events if e.worker == w]
+        user = {e.key.split(",", 1)[0].strip("('").rsplit("-", 1)[0] for e in mine if e.phase == "user-compute"}
+        assert {"torch-backward", "torch-update"} <= user, user
+        assert tokens <= {e.token for e in mine if e.phase in ("reduce", "copy", "split", "fusion")}
+    assert_clean(proc_client)

@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--framework", choices=("numpy", "torch"), default="numpy",
                         help="numpy: the MLP study; torch: a CNN trained by flowreduce.torch.Trainer "
                              "(needs pip install 'flowreduce[torch]'; uses --ranks, --algorithm, --epochs, "
-                             "--batch-size, --lr, --momentum, --seed, --bucket-bytes, --json, cluster options)")
+                             "--batch-size, --lr, --momentum, --seed, --bucket-bytes, --trace, --trace-steps, --json, "
+                             "cluster options)")
     parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks = workers (default 4)")
     parser.add_argument("--algorithm", default="auto", help="all-reduce algorithm, with options as "
                         "NAME:OPTION=VALUE[:...], e.g. hierarchical:group_size=2 (default: auto)")

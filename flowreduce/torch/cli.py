@@ -37,7 +37,10 @@ def run(args: argparse.Namespace) -> int:
                           f"bucket {args.bucket_bytes or 0} B", soft_wrap=True)
             report: dict[str, Any] = {"framework": "torch", "epochs": []}
             for epoch in range(args.epochs):
-                ts = trainer.train(steps, progress=True)
+                if epoch == 0 and args.trace:
+                    ts = _traced_epoch(client, trainer, steps, args, console)
+                else:
+                    ts = trainer.train(steps, progress=True)
                 warm = ts[2:] if epoch == 0 and len(ts) > 4 else ts
                 m = {k: statistics.median(getattr(t, k) for t in warm) for k in ("seconds", "compute", "comm")}
                 metrics = trainer.evaluate(digits.Accuracy(args.seed))
@@ -52,3 +55,34 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def _traced_epoch(client: Any, trainer: Any, steps: int, args: argparse.Namespace, console: Any) -> list:
+    """The first epoch with steps ``[2, 2 + --trace-steps)`` traced (after two
+    warm-up steps): ``trace.json`` (Perfetto) and ``steps.png/svg`` (one lane
+    per rank: backward, update and each bucket's all-reduce) in ``--trace``."""
+    import os
+
+    import flowreduce
+    from flowreduce.tracing.export import to_chrome
+
+    first = min(2, steps)
+    count = max(0, min(args.trace_steps, steps - first))
+    ts = trainer.train(first)
+    with flowreduce.trace(client) as tr:
+        ts += trainer.train(count)
+    ts += trainer.train(steps - first - count)
+    os.makedirs(args.trace, exist_ok=True)
+    written = [to_chrome(tr, os.path.join(args.trace, "trace.json"))]
+    try:
+        from flowreduce.train.plot import plot_steps
+
+        pictures = [os.path.join(args.trace, f"steps.{ext}") for ext in ("png", "svg")]
+        plot_steps(tr, trainer.workers, pictures,
+                   title=f"flowreduce.torch, digits CNN, {trainer.ranks} ranks, {count} steps")
+        written += pictures
+    except ImportError as e:
+        console.print(f"no pictures: {e}")
+    for path in written:
+        console.print(f"wrote {path}")
+    return ts
