@@ -112,6 +112,36 @@ def test_a_library_plugs_in_with_a_converter():
         arrays._CONVERTERS.pop("boxed")
 
 
+def test_an_array_api_library_plugs_in_through_dlpack():
+    """Any array with ``__array_namespace__`` and ``__dlpack__`` (cupy, jax;
+    array-api-strict here) is read without a copy and rebuilt in its library."""
+    xp = pytest.importorskip("array_api_strict", reason="in the test extra: pip install -e '.[test]'")
+    a = xp.asarray([[1.0, 2.0], [3.0, 4.0]], dtype=xp.float32)
+    shape, wire, kind = arrays.describe(a)
+    assert (shape, wire) == ((2, 2), "<f4") and kind.library == "array-api:array_api_strict"
+    n = arrays.to_numpy(a)
+    assert isinstance(n, np.ndarray) and n.tolist() == [[1, 2], [3, 4]]
+    back = arrays.from_numpy(n * 2, kind)
+    assert type(back) is type(a) and back.dtype == xp.float32 and np.from_dlpack(back).tolist() == [[2, 4], [6, 8]]
+
+
+def test_an_array_api_allreduce_comes_back_in_its_library(inproc_client):
+    xp = pytest.importorskip("array_api_strict", reason="in the test extra: pip install -e '.[test]'")
+    import flowreduce
+
+    ws = sorted(inproc_client.nthreads())
+    parts = [inproc_client.submit(_api_array, r, workers=[ws[r]], pure=False) for r in range(3)]
+    got = inproc_client.gather(flowreduce.allreduce(inproc_client, parts, op="sum", algorithm="ring"))
+    for g in got:
+        assert type(g) is type(xp.asarray(0)) and np.from_dlpack(g).tolist() == [3.0, 6.0, 9.0]
+
+
+def _api_array(r):
+    import array_api_strict as xp
+
+    return xp.asarray([1.0, 2.0, 3.0], dtype=xp.float64) * (r + 1) / 2
+
+
 # -- pytrees as users hold them -------------------------------------------------------------------
 Pair = collections.namedtuple("Pair", "w b")
 
