@@ -62,6 +62,11 @@ class Replica:
             return next(self._it)
 
 
+@sizeof.register(torch.Tensor)
+def _sizeof_tensor(t: torch.Tensor) -> int:  # dask counts ~80 bytes otherwise: a step's gradients would weigh nothing
+    return t.numel() * t.element_size()
+
+
 @sizeof.register(Replica)
 def _sizeof_replica(r: Replica) -> int:  # dask's memory accounting: the parameters (optimizer state aside)
     return sum(p.numel() * p.element_size() for p in r.model.parameters())
