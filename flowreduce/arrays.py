@@ -83,6 +83,11 @@ def register(converter: Converter) -> None:
     _CONVERTERS[converter.name] = converter
 
 
+def unregister(name: str) -> None:
+    """Remove the converter called ``name`` (no error if there is none)."""
+    _CONVERTERS.pop(name, None)
+
+
 def converter_of(x: Any) -> Converter | None:
     """The converter of ``x``; None for numpy arrays and scalars, and for
     anything no converter claims."""

@@ -294,8 +294,8 @@ def spec(shape: Any, dtype: Any = "float64") -> TensorSpec:
     -------
     TensorSpec
     """
-    shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
-    return TensorSpec(shape, np.dtype(dtype).str)
+    dims = np.atleast_1d(np.asarray(shape))  # a bare length is a 1-d shape
+    return TensorSpec(tuple(int(d) for d in dims), np.dtype(dtype).str)
 
 
 def spec_of(x: Any) -> TensorSpec:
@@ -320,20 +320,13 @@ def spec_of(x: Any) -> TensorSpec:
 
 def describe_value(tree: Any) -> tuple[TreeDef, tuple[tuple, ...]]:
     """Structure of a pytree and, per leaf, ``("ndarray", shape, dtype)``
-    (numpy scalars count as 0-d arrays), ``("ndarray", shape, dtype, kind)``
-    for an array of another library (:class:`~flowreduce.arrays.ArrayKind`;
-    ``dtype`` is what it is reduced in), or ``(type name, None, None)``:
+    (numpy scalars count as 0-d arrays) or ``(type name, None, None)``:
     what a worker reports about a value without sending it."""
     leaves, treedef = flatten(tree)
-    metas = []
+    metas: list[tuple[str, tuple[int, ...] | None, str | None]] = []
     for x in leaves:
         if isinstance(x, (np.ndarray, np.generic)):
             metas.append(("ndarray", tuple(np.shape(x)), x.dtype.str))
-        elif arrays.is_foreign(x):
-            try:
-                metas.append(("ndarray", *arrays.describe(x)))
-            except TypeError as e:  # an array whose dtype cannot be reduced: named, not sent
-                metas.append((f"{type(x).__name__} ({e})", None, None))
         else:
             metas.append((type(x).__name__, None, None))
     return treedef, tuple(metas)

@@ -109,7 +109,7 @@ def test_a_library_plugs_in_with_a_converter():
         assert arrays.is_foreign(b) and spec_of(b).native == arrays.ArrayKind("boxed", "int64")
         assert isinstance(arrays.from_numpy(arrays.to_numpy(b), spec_of(b).native), Boxed)
     finally:
-        arrays._CONVERTERS.pop("boxed")
+        arrays.unregister("boxed")
 
 
 def test_an_array_api_library_plugs_in_through_dlpack():

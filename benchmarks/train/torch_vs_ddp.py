@@ -5,7 +5,7 @@ Models (``--models``):
 
 ``digits``
     the CNN of ``flowreduce train --framework torch`` (39k parameters,
-    155 kB of gradients), 16 digits per rank and step;
+    153 kB of gradients), 16 digits per rank and step;
 ``wide``
     an MLP 64-2560-2560-10 (6.75M parameters, ~27 MB of gradients, so
     about one DDP bucket of 25 MiB), 16 random samples per rank and step.

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from flowreduce.algorithms import format_spec
+from flowreduce.cli.args import spec_from_arg
 
 
 def parse_bucket_bytes(text: str) -> int | None:
@@ -66,7 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from flowreduce.cli.bench import spec_from_arg
     from flowreduce.train.config import TrainConfig, parse_straggler
 
     algorithm, options = spec_from_arg(args.algorithm)
@@ -79,7 +79,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     if args.framework == "torch":
-        from flowreduce.torch.cli import run as run_torch
+        from flowreduce.cli.train_torch import run as run_torch
 
         return run_torch(args)
     from rich.console import Console

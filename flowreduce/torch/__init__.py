@@ -7,7 +7,7 @@
 * :class:`~flowreduce.torch.trainer.Trainer`: the trainer (client side);
 * :mod:`flowreduce.torch.replica`: what runs on each rank's worker;
 * :mod:`flowreduce.torch.digits`: a small CNN on scikit-learn's digits
-  (``flowreduce train --framework torch``).
+  (``flowreduce train --framework torch``, :mod:`flowreduce.cli.train_torch`).
 
 Needs PyTorch (``pip install 'flowreduce[torch]'``). Plain ``allreduce`` of
 tensors does not: :mod:`flowreduce.arrays` converts them without importing

@@ -126,27 +126,31 @@ class Trainer:
             n = len(ws) if self.ranks is None else self.ranks
             if n > len(ws):
                 raise ValueError(f"{n} ranks need {n} workers, the cluster has {len(ws)}")
-            self.workers = ws[:n]
-        self.workers = list(self.workers)
-        self.ranks = len(self.workers)
+            ws = ws[:n]
+        else:
+            ws = list(self.workers)
+        # the workers and rank count as decided (typed, never None), and the fields for the caller
+        self._ws: list[str] = ws
+        self._p = len(ws)
+        self.workers, self.ranks = ws, len(ws)
         self.token = uuid.uuid4().hex
         submit = self.client.submit
-        self.replicas = [submit(_replica.build, r, self.ranks, self.model, self.optimizer, self.loss, self.data,
+        self.replicas = [submit(_replica.build, r, self._p, self.model, self.optimizer, self.loss, self.data,
                                 self.seed, self.threads, workers=[w], allow_other_workers=False, pure=False,
-                                key=self.key("build", r)) for r, w in enumerate(self.workers)]
-        state0 = submit(_replica.model_state, self.replicas[0], workers=[self.workers[0]], pure=False)
+                                key=self.key("build", r)) for r, w in enumerate(self._ws)]
+        state0 = submit(_replica.model_state, self.replicas[0], workers=[self._ws[0]], pure=False)
         # the last task of each rank: the next one depends on it, so tasks on a replica never overlap
         self._last = [submit(_replica.load_state, rep, state0, workers=[w], allow_other_workers=False, pure=False)
-                      for rep, w in zip(self.replicas, self.workers)]
+                      for rep, w in zip(self.replicas, self._ws)]
         self.template = submit(_after, _replica.template, self.replicas[0], self._last[0],
-                               workers=[self.workers[0]], pure=False).result()
+                               workers=[self._ws[0]], pure=False).result()
         self._inflight: list[list[Any]] = []
 
     def key(self, phase: str, *index: int) -> tuple:
         return (f"torch-{phase}-{self.token}", *index)
 
     def _on_ranks(self, tasks: dict, wanted: list) -> list:
-        place = {k: self.workers[k[-1]] for k in tasks}  # every key ends with its rank
+        place = {k: self._ws[k[-1]] for k in tasks}  # every key ends with its rank
         with dask.annotate(workers=place.get, allow_other_workers=False):
             return self.client.get(tasks, wanted, sync=False)
 
@@ -154,7 +158,7 @@ class Trainer:
     def step(self) -> StepRecord:
         """Submit one optimizer step (``accumulate`` micro-batches per rank).
         Returns at once unless two steps are in flight (then it waits for the older)."""
-        n, p, k = len(self.steps), self.ranks, self.accumulate
+        n, p, k = len(self.steps), self._p, self.accumulate
         tasks: dict = {}
         payload_keys = []
         for r in range(p):
@@ -224,7 +228,7 @@ class Trainer:
         """``fn(replica, *args)`` on ``rank``'s worker after its last task; the result."""
         self.finish()
         f = self.client.submit(_after, fn, self.replicas[rank], self._last[rank], *args,
-                               workers=[self.workers[rank]], allow_other_workers=False, pure=False)
+                               workers=[self._ws[rank]], allow_other_workers=False, pure=False)
         return f.result()
 
     def evaluate(self, fn: Callable[[Any], Any]) -> Any:
@@ -248,7 +252,7 @@ class Trainer:
         self.finish()
         self._last = [self.client.submit(_after, _replica.load, rep, last, path, workers=[w],
                                          allow_other_workers=False, pure=False)
-                      for rep, last, w in zip(self.replicas, self._last, self.workers)]
+                      for rep, last, w in zip(self.replicas, self._last, self._ws)]
         self.finish()
 
     def close(self) -> None:
