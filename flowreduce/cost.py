@@ -107,6 +107,9 @@ class Link:
 
 #: The inter-host class when none is calibrated: 10 Gbit/s Ethernet, 4 ms per hop.
 DEFAULT_INTER = Link(alpha=4e-3, beta=8 / 10e9)
+#: The shared-memory class when none is calibrated: a scheduler level per hop,
+#: memory copies at 4 GB/s (a core's copy rate between processes, fresh pages).
+DEFAULT_SHM = Link(alpha=4e-3, beta=1 / 4e9)
 
 
 @dataclass(frozen=True)
@@ -123,10 +126,13 @@ class CostModel:
     cores: int | None = None  # CPU cores shared by the ranks (None: one each)
     intra: Link | None = None  # between ranks of one host (None: level and bandwidth above)
     inter: Link | None = None  # through a host's network link (None: DEFAULT_INTER)
+    shm: Link | None = None  # shared memory between workers of one host (None: DEFAULT_SHM)
 
     def predict(self, plan: Plan, nbytes: float, groups: Groups | None = None) -> float:
         """Predicted seconds of ``plan`` on ``nbytes`` per rank; ``groups``
         lists the ranks of each host (default: all on one host)."""
+        if plan.algorithm == "shm-direct" and plan.chunks == 1:
+            return self.shm_direct_time(plan, nbytes)
         hosts = groups is not None and len(groups) > 1
         loads = link_loads(plan, groups, nbytes) if hosts else None
         return self._time(plan.ranks, plan.chunks, plan.cost(nbytes), loads, nbytes)
@@ -157,6 +163,24 @@ class CostModel:
             body = max(link, compute) + min(link, compute) / chunks + copy
         return self.call + card.tasks * self.task + latency + body
 
+    def shm_direct_time(self, plan: Plan, nbytes: float) -> float:
+        """The one-level intra-host collective over shared memory: 3 levels,
+        2 tasks per worker and one per rank; each worker writes its ranks'
+        sum into its segment and reduces its slice reading every peer's, each
+        rank copies the whole result out of the segments (fresh pages).
+        Ranks sharing C cores share the CPU work."""
+        link = self.shm or DEFAULT_SHM
+        workers, p = plan.segments, plan.ranks
+        per_worker = math.ceil(p / workers)
+        write = nbytes * link.beta + (per_worker - 1) * nbytes / self.reduce_rate
+        scatter = (workers - 1) * nbytes / workers * (link.beta + 1 / self.reduce_rate)
+        gather = nbytes * link.beta + nbytes / self.copy_rate
+        if self.cores and self.cores < workers:
+            body = (workers * (write + scatter) + p * gather) / self.cores
+        else:
+            body = write + scatter + per_worker * gather
+        return self.call + 3 * link.alpha + (2 * workers + p) * self.task + body
+
     # -- files ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The model's constants as plain data (links as ``{"alpha", "beta"}``)."""
@@ -183,7 +207,7 @@ class CostModel:
             raise ValueError(f"unknown cost model keys {unknown}; valid: {sorted(known)}")
         kw: dict[str, Any] = {}
         for k, v in data.items():
-            if k in ("intra", "inter"):
+            if k in ("intra", "inter", "shm"):
                 if not isinstance(v, dict) or set(v) != {"alpha", "beta"}:
                     raise ValueError(f"link {k!r} must be {{'alpha': seconds, 'beta': seconds per byte}}, got {v!r}")
                 kw[k] = Link(float(v["alpha"]), float(v["beta"]))

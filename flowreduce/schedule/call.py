@@ -19,12 +19,13 @@ from distributed import Client, Future, wait
 
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.algorithms.ir import Plan
-from flowreduce.build.graph import build_graph
 from flowreduce.cost import CostModel, choose, configured_model, tune
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.ops import resolve_op
 from flowreduce.schedule import pytree_call as _tree_call
+from flowreduce.schedule import transport as _transport
 from flowreduce.schedule.guard import ensure_guard
+from flowreduce.schedule.shm_plugin import ensure_shm
 from flowreduce.schedule.sparse_inputs import describe_input, is_sparse
 from flowreduce.tracing import registry as _trace_registry
 
@@ -43,6 +44,7 @@ class CallInfo:
     workers: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: str
+    transport: str = "dask"  # how links between workers moved bytes ("shared memory", ...)
 
     @property
     def algorithm(self) -> str:
@@ -137,6 +139,7 @@ def allreduce(
     topology: Any = None,
     like: Any = None,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    transport: str = "auto",
     **options: Any,
 ) -> list[Any]:
     """All-reduce numpy arrays held by futures: one array, or a pytree of
@@ -187,6 +190,11 @@ def allreduce(
         bytes (per dtype, last tensors first) and each bucket is reduced as
         one vector. Default 25 MiB (PyTorch DDP's). ``0`` or ``None``: each
         tensor is reduced on its own.
+    transport : str
+        ``"auto"`` (default): between worker processes of one host, payloads
+        go through shared memory (Dask moves a small handle), and ``auto``
+        may pick the one-level intra-host collective ``"shm-direct"``;
+        ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.transport`).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
         the file named by the dask config key ``flowreduce.cost-model``,
@@ -240,6 +248,7 @@ def allreduce(
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     if chunk_bytes is not None and chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
+    _transport.check(transport)
     if bucket_bytes is not None and bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be >= 0 (0 or None: no fusion), got {bucket_bytes!r}")
     settings = _tree_call.Settings(op_, algorithm, chunks, chunk_bytes, model, options, bucket_bytes, topology)
@@ -261,22 +270,31 @@ def allreduce(
     nbytes = size * dtype.itemsize
     p = len(inputs)
     levels = rank_groups(client, workers, cpus, settings.topology)
+    domains = _transport.memory_domains(workers, cpus, transport)
+    if algorithm == _transport.DIRECT:  # its groups: the ranks of each worker; one chunk unless asked
+        settings = replace(settings, options=_transport.direct_options(options, workers),
+                           chunks=chunks if chunks or chunk_bytes else 1)
     plan, model = choose_plan(p, nbytes, workers, cpus, settings, levels)
+    if algorithm == "auto" and chunks is None and chunk_bytes is None:
+        plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
     # inproc:// (in-process clusters) passes objects by reference: no private copies to reduce into
     in_place = not any(w.startswith("inproc://") for w in workers)
-    graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op_, in_place=in_place,
-                        accumulate=op_.accumulator(dtype))
-    return _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, levels[0])
+    graph, how = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype, op=op_,
+                                  in_place=in_place, accumulate=op_.accumulator(dtype))
+    if how != "dask":
+        ensure_shm(client)
+    return _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, levels[0], how)
 
 
-def _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, hosts=None) -> list[Future]:
+def _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, hosts=None,
+            transport="dask") -> list[Future]:
     """Submit a lowered graph with every task pinned, and remember the call
     (with the time ``model`` predicts for it, ranks grouped by ``hosts``)."""
     ensure_guard(client)
     with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
         futures = client.get(named_graph(graph.tasks, graph.token), graph.outputs, sync=False)
     _remember(_CALLS, graph.token, CallInfo(plan, nbytes, model.predict(plan, nbytes, hosts), graph.token,
-                                            tuple(workers), tuple(shape), dtype.str))
+                                            tuple(workers), tuple(shape), dtype.str, transport))
     _trace_registry.note(futures, inputs)
     logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, len(inputs), nbytes, len(graph.tasks))
     return futures
