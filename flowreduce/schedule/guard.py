@@ -15,8 +15,10 @@ with two guards.
   worker still waits for it (the rank's final gather, say), the AMM may drop
   the *owner's* copy, and the owner fetches its own data back. The guard
   swaps the AMM's ``ReduceReplicas`` policy for one that never drops the
-  replica on a worker where a waiting flowreduce task is pinned; every other
-  key is treated exactly as before.
+  replica on a worker where a waiting flowreduce task is pinned, nor a
+  flowreduce value's replica on the worker it was computed on (a
+  shared-memory payload's lease lives there while peers read it); every
+  other key is treated exactly as before.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class KeepPinnedReplicas(ReduceReplicas):
         for s in super().run():
             keep = {workers[w] for waiter in s.ts.waiters or () if _ours(waiter.key)
                     for w in waiter.worker_restrictions or () if w in workers}
+            if _ours(s.ts.key):  # its own worker keeps it: a shared-memory payload's lease lives there
+                keep |= {workers[w] for w in s.ts.worker_restrictions or () if w in workers}
             if not keep:
                 yield s
                 continue
