@@ -68,8 +68,9 @@ from itertools import product
 from typing import Any
 
 from flowreduce.algorithms import plan as make_plan
+from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
 from flowreduce.algorithms.ir import CostCard, Plan
-from flowreduce.algorithms.patterns import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
+from flowreduce.algorithms.sparse import SparsePlan
 
 logger = logging.getLogger("flowreduce")
 
@@ -270,6 +271,13 @@ def configured_model() -> CostModel:
     if key not in _LOADED:
         _LOADED[key] = CostModel.from_file(path)
     return _LOADED[key]
+
+
+def model_for(model: CostModel | None, cores: int | None) -> CostModel:
+    """The model a call is judged by: ``model`` (default: :func:`configured_model`)
+    knowing the CPU cores its ranks share, unless it names its own ``cores``."""
+    model = model or configured_model()
+    return replace(model, cores=cores) if model.cores is None else model
 
 
 @dataclass(frozen=True)
@@ -507,4 +515,47 @@ def choose(
     best, best_t = _fastest(model, variants, ranks, nbytes, chunks, groups)
     logger.info("auto chose %r (predicted %.3g s for %d bytes on %d ranks%s)", best, best_t, nbytes, ranks,
                 f", {len(groups)} hosts" if groups else "")
+    return best
+
+
+def choose_sparse(
+    ranks: int,
+    size: int,
+    itemsize: int,
+    density: Sequence[float],
+    *,
+    model: CostModel | None = None,
+    delta: float | None = None,
+    codec: str | None = None,
+) -> SparsePlan:
+    """``auto`` for sparse inputs: the sparse plan the cost model predicts
+    fastest for ``size`` elements of ``itemsize`` bytes at each rank's
+    ``density``.
+
+    Candidates: ``sparse-recursive-doubling`` (radix 2, 4, p) and
+    ``sparse-split-allgather`` over a butterfly (radix 2, 4, p) or a ring,
+    one chunk each. The model (default: :func:`configured_model`, as for
+    :func:`choose`) prices every card as it prices dense ones (levels,
+    tasks, bytes), so very sparse or small inputs go to recursive doubling
+    (fewest levels; each step's message grows with the union) and denser,
+    larger ones to split-allgather (each rank merges and sends only its
+    share of the index space).
+    """
+    model = model or configured_model()
+    nbytes = size * itemsize
+    fields = dict(density=tuple(density), value_bytes=itemsize, delta=delta, codec=codec)
+    cands: list[tuple[str, dict]] = []
+    for k in sorted({2, 4, ranks}):
+        if 2 <= k <= max(ranks, 2):
+            cands.append(("sparse-recursive-doubling", {"radix": k}))
+            cands.append(("sparse-split-allgather", {"inner": "butterfly", "radix": k}))
+    cands.append(("sparse-split-allgather", {"inner": "ring"}))
+    best, best_t = None, math.inf
+    for name, opts in cands:
+        p = replace(make_plan(name, ranks, **opts), **fields)
+        t = model.predict(p, nbytes)
+        if t < best_t:
+            best, best_t = p, t
+    logger.info("auto chose %r (predicted %.3g s for %d elements at density %s on %d ranks)",
+                best, best_t, size, "/".join(f"{d:.3g}" for d in density), ranks)
     return best

@@ -42,7 +42,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flowreduce import keys
+from flowreduce import keys, phases
 from flowreduce.algorithms import ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import VIEW, Plan
@@ -61,15 +61,20 @@ GALLERY_FORMATS = ("dot", "svg")
 #: The gallery's record of which DOT text each rendered file was made from.
 MANIFEST = "manifest.json"
 
-#: Fill colour per phase (reductions warm, data movement cool).
+#: Fill colour per key phase (:data:`flowreduce.phases.KEY_PHASES`; reductions
+#: warm, data movement cool), in legend order.
 PHASE_COLOURS: dict[str, str] = {
-    "split": "#e0e0e0",
-    "reduce-scatter": "#fdae6b",
-    "reduce": "#fd8d3c",
-    "exchange": "#fdd0a2",
-    "all-gather": "#9ecae1",
-    "broadcast": "#a1d99b",
-    "output": "#bcbddc",
+    phases.SPLIT: "#e0e0e0",
+    phases.REDUCE_SCATTER: "#fdae6b",
+    phases.REDUCE: "#fd8d3c",
+    phases.EXCHANGE: "#fdd0a2",
+    phases.ALL_GATHER: "#9ecae1",
+    phases.BROADCAST: "#a1d99b",
+    phases.OUTPUT: "#bcbddc",
+    phases.COMPACT: "#c8c8c8",
+    phases.AGGREGATE: "#f16913",
+    phases.PACK: "#e7ba52",
+    phases.UNPACK: "#f3d98c",
 }
 _OTHER_PHASE = "#ffffff"
 TRANSFER_COLOUR = "#222222"
@@ -305,8 +310,8 @@ def _task_label(key: Hashable) -> tuple[str, str, int]:
     part = keys.parse(key)
     if part is None:
         raise ValueError(f"not a flowreduce key: {key!r}")
-    if part["phase"] == "output":
-        return "output", f"output\\nrank {part['rank']}", part["rank"]
+    if part["phase"] == phases.OUTPUT:
+        return phases.OUTPUT, f"output\\nrank {part['rank']}", part["rank"]
     return part["phase"], f"{part['phase']}\\nstep {part['step']} · chunk {part['chunk']}", part["rank"]
 
 

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import uuid
 
+from flowreduce.phases import KEY_PHASES, OUTPUT, PACK, UNPACK
+
+#: Longest first, so no phase is mistaken for the tail of a longer one.
+_BY_LENGTH = sorted(KEY_PHASES, key=len, reverse=True)
+
 
 def new_token() -> str:
     return uuid.uuid4().hex
@@ -24,17 +29,17 @@ def node_key(algorithm: str, phase: str, token: str, step: int, rank: int, chunk
 
 
 def output_key(algorithm: str, token: str, rank: int):
-    return (name(algorithm, "output", token), rank)
+    return (name(algorithm, OUTPUT, token), rank)
 
 
 def pack_key(algorithm: str, token: str, rank: int):
     """A rank's copy of a bucket's tensors into one buffer (tensor fusion)."""
-    return (name(algorithm, "pack", token), rank)
+    return (name(algorithm, PACK, token), rank)
 
 
 def unpack_key(algorithm: str, token: str, rank: int, leaf: int):
     """A rank's result for its ``leaf``-th input future, cut from reduced buckets."""
-    return (name(algorithm, "unpack", token), rank, leaf)
+    return (name(algorithm, UNPACK, token), rank, leaf)
 
 
 def parse(key) -> dict | None:
@@ -43,18 +48,17 @@ def parse(key) -> dict | None:
         return None
     head, _, token = key[0].rpartition("-")
     rest = head[len("flowreduce-"):]
-    for phase in ("reduce-scatter", "all-gather", "split", "reduce", "broadcast", "exchange", "output", "pack",
-                  "unpack", "compact", "aggregate"):
+    for phase in _BY_LENGTH:
         if rest.endswith("-" + phase):
             algorithm = rest[: -len(phase) - 1]
             break
     else:
         return None
-    if phase == "output":
+    if phase == OUTPUT:
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1]}
-    if phase in ("pack", "unpack"):
+    if phase in (PACK, UNPACK):
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1],
-                "leaf": key[2] if phase == "unpack" else None, "step": None, "chunk": None, "node": None}
+                "leaf": key[2] if phase == UNPACK else None, "step": None, "chunk": None, "node": None}
     step, rank, chunk, node = key[1:]
     return {"algorithm": algorithm, "phase": phase, "token": token,
             "step": step, "rank": rank, "chunk": chunk, "node": node}

@@ -227,7 +227,7 @@ def ranked_workers(client: Any) -> list[str]:
     """The cluster's workers in rank order: those sharing a node (and a job)
     next to each other, so consecutive ranks share a node and the
     hierarchical algorithm's groups follow the jobs."""
-    from flowreduce.schedule.call import place_of
+    from flowreduce.schedule.hosts import place_of
 
     places = client.run(place_of)
     return sorted(places, key=lambda w: (places[w], w))

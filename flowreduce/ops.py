@@ -46,11 +46,17 @@ class Op:
         return self.func(a, b)
 
     def accumulator(self, dtype: np.dtype) -> np.dtype | None:
-        """The dtype to combine in, if not the input's: integer means sum in
-        64-bit integers (exact, like ``np.mean``'s result) before dividing."""
+        """The dtype to combine in, if not the input's (it is then the
+        result's dtype too, before ``finish``): integer means sum in 64-bit
+        integers (exact, like ``np.mean``'s result) before dividing; the sum
+        and product of booleans count in ``int64``, as ``np.sum`` and
+        ``np.prod`` over the ranks do (``np.add`` alone would be a logical
+        OR; ``op="max"`` or ``"logical_or"`` is that)."""
         dtype = np.dtype(dtype)
         if self.mean and dtype.kind in "iu" and dtype.itemsize < 8:
             return np.dtype(np.int64 if dtype.kind == "i" else np.uint64)
+        if dtype == np.bool_ and self.name in ("sum", "prod"):
+            return np.dtype(np.int64)
         return None
 
     def finish(self, x: np.ndarray, ranks: int, owned: bool) -> np.ndarray:

@@ -11,14 +11,16 @@ groupings (each a union of host groups). Build one
 * from worker information (what ``client.scheduler_info()["workers"]``
   holds): ``Topology.from_info(info, key=by_name_prefix())`` for
   dask-jobqueue job names, ``by_resource("host-")`` for a resource label;
-* from a running cluster: ``flowreduce.topology(client)`` (imports
-  distributed lazily; the module itself is callable for this).
+* from a running cluster: ``flowreduce.topology(client)`` (the module
+  itself is callable for this), grouped by node as ``allreduce`` groups
+  ranks; the part talking to the cluster is :mod:`flowreduce.schedule.hosts`,
+  imported on first use.
 
 Then ``topo.for_ranks(rank_workers)`` turns it into groups of ranks for
 ``flowreduce.plan("hierarchical", p, groups=...)`` and
 ``topo.levels_for_ranks(...)`` into ``levels=...``; or pass the topology
 (or a key function) to ``flowreduce.allreduce(..., topology=...)``.
-Nothing here imports distributed at module import.
+Nothing here imports dask or distributed at module import.
 """
 
 from __future__ import annotations
@@ -193,76 +195,40 @@ def _labelled(groups: Sequence[Sequence[str]] | Mapping[Hashable, Sequence[str]]
     return out
 
 
-def _workers_info(dask_scheduler=None) -> dict:
-    return dask_scheduler.identity(n_workers=-1)["workers"]
-
-
-def topology(client: Any, workers: Sequence[str] | None = None, *, key: GroupKey = by_host,
+def topology(client: Any, workers: Sequence[str] | None = None, *, key: GroupKey | None = None,
              coarser: Sequence[GroupKey] = ()) -> Topology:
     """The topology of a (synchronous) client's workers, or of ``workers``
-    among them, grouped by ``key`` (default: the host each worker reports).
+    among them, grouped by ``key`` (default: the node each worker runs on,
+    the rule ``allreduce`` groups ranks by: :mod:`flowreduce.schedule.hosts`).
 
     Raises
     ------
     ValueError
         A worker in ``workers`` that the scheduler does not know.
     """
-    # asked of the scheduler directly: client.scheduler_info() returns a cache
-    # that its periodic refresh may replace by one without workers
-    info = client.run_on_scheduler(_workers_info)
-    if workers is not None:
-        unknown = [w for w in workers if w not in info]
-        if unknown:
-            raise ValueError(f"workers {unknown} are not in the cluster; known: {sorted(info)}")
-        info = {w: info[w] for w in dict.fromkeys(workers)}
-    return Topology.from_info(info, key, *coarser)
+    from flowreduce.schedule.hosts import cluster_topology  # the part that talks to the cluster
+
+    return cluster_topology(client, workers, key=key, coarser=coarser)
 
 
-def rank_groups(client: Any, inputs: Sequence[Any], *, key: GroupKey = by_host) -> list[list[int]]:
-    """``groups=`` for an all-reduce of the futures ``inputs``: ranks grouped
-    by the host (or ``key``) of a worker holding each input."""
-    from distributed import wait
+def rank_groups(client: Any, inputs: Sequence[Any], *, key: GroupKey | None = None) -> list[list[int]]:
+    """``groups=`` for an all-reduce of the futures ``inputs``: ranks placed
+    where ``allreduce`` would place them (the worker holding each input,
+    once in memory), grouped by node (or by ``key``)."""
+    from flowreduce.schedule import hosts, placement
 
-    wait(list(inputs))
-    who_has = client.who_has(list(inputs))
-    rank_workers = []
-    for r, f in enumerate(inputs):
-        holders = sorted(who_has.get(f.key, ()))
-        if not holders:
-            raise RuntimeError(f"input of rank {r} (key {f.key!r}) is held by no worker")
-        rank_workers.append(holders[0])
+    located, _ = placement.locate(client, [[f] for f in inputs])
+    rank_workers = [ws[0] for ws in located]
+    if key is None:
+        return hosts.host_groups(rank_workers, hosts.worker_places(client, rank_workers))
     return topology(client, sorted(set(rank_workers)), key=key).for_ranks(rank_workers)
-
-
-def rank_levels(client: Any, rank_workers: Sequence[str],
-                topology_or_key: Topology | GroupKey | Sequence[GroupKey]) -> list[list[list[int]]]:
-    """Groups of ranks at every level (innermost first) for ranks placed on
-    ``rank_workers``, from a :class:`Topology`, or from one key function (or
-    several, innermost first) applied to the workers' information.
-
-    Raises
-    ------
-    TypeError
-        Something that is neither a Topology nor key functions.
-    ValueError
-        A worker the topology does not know.
-    """
-    if isinstance(topology_or_key, Topology):
-        topo = topology_or_key
-    else:
-        keys = [topology_or_key] if callable(topology_or_key) else list(topology_or_key)
-        if not keys or not all(callable(k) for k in keys):
-            raise TypeError(f"topology must be a flowreduce.topology.Topology or key functions "
-                            f"f(address, info) -> label, got {topology_or_key!r}")
-        topo = topology(client, sorted(set(rank_workers)), key=keys[0], coarser=keys[1:])
-    return topo.levels_for_ranks(rank_workers)
 
 
 class _CallableModule(types.ModuleType):
     """``flowreduce.topology(client)`` is :func:`topology`; the module's
     names (``flowreduce.topology.Topology``...) stay where they are."""
 
-    def __call__(self, client: Any, workers: Sequence[str] | None = None, *, key: GroupKey = by_host,
+    def __call__(self, client: Any, workers: Sequence[str] | None = None, *, key: GroupKey | None = None,
                  coarser: Sequence[GroupKey] = ()) -> Topology:
         return topology(client, workers, key=key, coarser=coarser)
 

@@ -42,12 +42,12 @@ def test_fit_rejects_bad_samples(x, y, match):
 
 
 def test_link_classes_from_faked_hosts(inproc_client, monkeypatch):
-    import flowreduce.schedule.call as schedule
+    import flowreduce.schedule.hosts as hosts
 
     client = inproc_client
     ws = workers_of(client)
     table = {ws[0]: "a", ws[1]: "b", ws[2]: "a", ws[3]: "b"}
-    monkeypatch.setattr(schedule, "place_of", lambda dask_worker=None: (table[dask_worker.address], ""))
+    monkeypatch.setattr(hosts, "place_of", lambda dask_worker=None: (table[dask_worker.address], ""))
     pairs = worker_pairs(client)
     assert set(pairs) == {"intra", "inter"}
     a, b = pairs["intra"]

@@ -22,6 +22,7 @@ from flowreduce.cost import (
     _unit_price,
     candidates,
     choose,
+    choose_sparse,
     configured_model,
     link_loads,
     tune,
@@ -239,6 +240,21 @@ def test_dask_config_names_the_model_for_every_call(tmp_path):
         assert configured_model() == CALIBRATED
         configured_pick = choose(8, 8e6, groups=groups)
     assert configured_pick == choose(8, 8e6, groups=groups, model=CALIBRATED)
+    assert (configured_pick.algorithm, configured_pick.options) != (default_pick.algorithm, default_pick.options)
+
+
+def test_dask_config_names_the_model_for_sparse_auto_too(tmp_path):
+    """``choose_sparse`` (sparse ``auto``) reads the configured model as ``choose`` does."""
+    import dask
+
+    path = tmp_path / "model.json"
+    slow_levels = CostModel(level=1.0)  # a level costs a second: the fewest levels win
+    slow_levels.to_file(path)
+    args = (8, 10**8, 4, [0.5] * 8)
+    default_pick = choose_sparse(*args)
+    with dask.config.set({CONFIG_KEY: str(path)}):
+        configured_pick = choose_sparse(*args)
+    assert configured_pick == choose_sparse(*args, model=slow_levels)
     assert (configured_pick.algorithm, configured_pick.options) != (default_pick.algorithm, default_pick.options)
 
 

@@ -129,3 +129,56 @@ def test_worker_death_mid_call_is_a_clear_error():
         del futures, parts, caught
         gc.collect()
         assert_clean(client)
+
+
+def test_cancelled_input_is_named_the_same_on_every_path(inproc_client):
+    """One status check for every kind of call: a template (``like=``, which
+    does not wait) and a pytree of futures say what a plain call says."""
+    good = scatter_ranks(inproc_client, [np.ones(3)] * 2)
+    gone = inproc_client.submit(np.ones, 3, pure=False)
+    gone.cancel()
+    with pytest.raises(RuntimeError, match=r"input of rank 2 was cancelled \(key "):
+        flowreduce.allreduce(inproc_client, [*good, gone], like=np.ones(3))
+    with pytest.raises(RuntimeError, match=r"input of rank 2 was cancelled \(key "):
+        flowreduce.allreduce(inproc_client, [[g] for g in good] + [[gone]])
+    del good, gone
+    assert_clean(inproc_client)
+
+
+def _bad_calls(client):
+    parts = scatter_ranks(client, [np.ones(4), np.ones(4), np.ones(5)])
+    good = parts[:2]
+    failed = client.submit(_boom, 1, pure=False)
+    return {
+        "empty": (ValueError, lambda: flowreduce.allreduce(client, [])),
+        "not-a-future": (TypeError, lambda: flowreduce.allreduce(client, [np.ones(3)])),
+        "unknown-algorithm": (ValueError, lambda: flowreduce.allreduce(client, good, algorithm="nope")),
+        "unknown-op": (ValueError, lambda: flowreduce.allreduce(client, good, op="nope")),
+        "bad-chunks": (ValueError, lambda: flowreduce.allreduce(client, good, chunks=0)),
+        "planner-option": (ValueError, lambda: flowreduce.allreduce(client, good, algorithm="butterfly", radix=1)),
+        "shapes": (ValueError, lambda: flowreduce.allreduce(client, parts)),
+        "template": (ValueError, lambda: flowreduce.allreduce(client, [[g] for g in good],
+                                                              like=[np.ones(4), np.ones(4)])),
+        "failed-input": (RuntimeError, lambda: flowreduce.allreduce(client, [*good, failed])),
+        "topology": (TypeError, lambda: flowreduce.allreduce(client, good, algorithm="hierarchical", topology=3)),
+    }
+
+
+@pytest.mark.parametrize("case", ["empty", "not-a-future", "unknown-algorithm", "unknown-op", "bad-chunks",
+                                  "planner-option", "shapes", "template", "failed-input", "topology"])
+def test_errors_are_flowreduce_errors_and_the_builtins(inproc_client, case):
+    builtin, call = _bad_calls(inproc_client)[case]
+    with pytest.raises(builtin) as caught:
+        call()
+    assert isinstance(caught.value, flowreduce.FlowreduceError), repr(caught.value)
+    assert_clean(inproc_client)
+
+
+def test_worker_lost_error_is_a_flowreduce_runtime_error():
+    import pickle
+
+    from flowreduce import WorkerLostError
+
+    exc = pickle.loads(pickle.dumps(WorkerLostError("worker tcp://a:1 left")))  # the plugin pickles it
+    assert isinstance(exc, flowreduce.FlowreduceError) and isinstance(exc, RuntimeError)
+    assert str(exc) == "worker tcp://a:1 left"

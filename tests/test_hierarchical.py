@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowreduce.algorithms import butterfly, hierarchical, recursive_doubling, reduce_broadcast, ring
-from flowreduce.algorithms.patterns import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
+from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
 from flowreduce.topology import Topology, by_name_prefix, by_resource, host_of
 
 FLAT = {m.NAME: m for m in (butterfly, ring, recursive_doubling, reduce_broadcast)}
@@ -461,10 +461,10 @@ def twelve_client():
 def fake_hosts(monkeypatch):
     """``fake_hosts({worker: host})``: in-process workers report these hosts
     (what ``allreduce`` learns from each worker's address or batch node)."""
-    import flowreduce.schedule.call as schedule
+    import flowreduce.schedule.hosts as hosts
 
     def install(table: dict[str, str]) -> None:
-        monkeypatch.setattr(schedule, "place_of", lambda dask_worker=None: (table[dask_worker.address], ""))
+        monkeypatch.setattr(hosts, "place_of", lambda dask_worker=None: (table[dask_worker.address], ""))
 
     return install
 
@@ -495,6 +495,36 @@ def test_hierarchical_groups_ranks_by_faked_host(twelve_client, fake_hosts, p, k
     holders = client.who_has(out)
     assert [sorted(holders[f.key]) for f in out] == [[w] for w in workers]
     del out
+    assert_clean(client)
+
+
+def test_topology_and_rank_groups_group_ranks_as_allreduce_does(twelve_client, fake_hosts):
+    """One rule decides which ranks share a host (the node each worker runs
+    on): ``flowreduce.topology(client)``, ``topology.rank_groups`` and
+    ``allreduce`` agree, a replicated input counting where it was pinned."""
+    from distributed import wait
+
+    import flowreduce
+    from flowreduce.topology import rank_groups
+
+    client = twelve_client
+    ws = workers_of(client)
+    table = {w: f"node-{i % 3}" for i, w in enumerate(ws)}
+    fake_hosts(table)
+    topo = flowreduce.topology(client)
+    assert sorted(map(sorted, topo.groups().values())) == sorted(
+        sorted(w for w in ws if table[w] == node) for node in set(table.values()))
+    # rank 1's input is pinned to ws[4] (node-1) with a replica on ws[2] (node-2), which sorts first
+    pins = [ws[0], ws[4], ws[1], ws[3]]  # nodes 0, 1, 1, 0
+    xs = [client.submit(np.full, 4, r, workers=[w], pure=False) for r, w in enumerate(pins)]
+    wait(xs)
+    client.submit(len, xs[1], workers=[ws[2]], pure=False).result()
+    assert sorted(client.who_has([xs[1]])[xs[1].key]) == sorted([ws[2], ws[4]])
+    assert rank_groups(client, xs) == [[0, 3], [1, 2]]
+    out = flowreduce.allreduce(client, xs, algorithm="hierarchical")
+    assert flowreduce.describe(out).plan.options["groups"] == [[0, 3], [1, 2]]
+    np.testing.assert_array_equal(client.gather(out[1]), np.full(4, 6))
+    del out, xs
     assert_clean(client)
 
 

@@ -31,11 +31,13 @@ def _python(*argv: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 def test_groups_are_the_nodes_whatever_the_jobs():
-    from flowreduce.schedule.call import _groups_by_place
+    from flowreduce.schedule.hosts import Place
+    from flowreduce.schedule.hosts import host_groups as _groups_by_place
 
     # (node, cpus, job, host): jobs 7 and 8 both on node n1, job 9 across n2 and n3
-    places = {"a": ("n1", 8, "7", "n1"), "b": ("n1", 8, "8", "n1"), "c": ("n2", 8, "9", "n2"),
-              "d": ("n3", 8, "9", "n3"), "e": ("n1", 8, "7", "n1"), "f": ("n2", 8, "9", "n2")}
+    places = {w: Place(*p) for w, p in {
+        "a": ("n1", 8, "7", "n1"), "b": ("n1", 8, "8", "n1"), "c": ("n2", 8, "9", "n2"),
+        "d": ("n3", 8, "9", "n3"), "e": ("n1", 8, "7", "n1"), "f": ("n2", 8, "9", "n2")}.items()}
     # two jobs on one node: one group; one job on two nodes: two groups
     assert _groups_by_place(["a", "b"], places) == [[0, 1]]
     assert _groups_by_place(["c", "d"], places) == [[0], [1]]

@@ -25,9 +25,9 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
                                   "flowreduce.fusion.make_buckets([flowreduce.pytree.spec(3)], 0)"),
         (["distributed"], "import flowreduce.build.buckets, flowreduce.train, flowreduce.cli.train"),
         (["distributed", "dask", "scipy"],
-         "import flowreduce.algorithms.sparse; from dataclasses import replace; "
+         "import flowreduce.algorithms.sparse, flowreduce.cost; from dataclasses import replace; "
          "[flowreduce.plan(a, 5).check() for a in flowreduce.SPARSE_ALGORITHMS]; "
-         "flowreduce.algorithms.sparse.choose_sparse(5, 10**6, 4, [1e-3] * 5).cost(4e6)"),
+         "flowreduce.cost.choose_sparse(5, 10**6, 4, [1e-3] * 5).cost(4e6)"),
         (["distributed"], "import flowreduce.build.sparse"),
     ],
     ids=["planners-without-dask", "builder-without-distributed", "topology-and-cost-without-dask",

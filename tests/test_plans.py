@@ -3,7 +3,12 @@ ranks exactly once, and the cost cards say what the docstrings promise."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -170,3 +175,171 @@ def test_parse_spec_names_what_is_wrong(text, message):
 
     with pytest.raises(ValueError, match=message):
         parse_spec(text)
+
+
+# -- one phase vocabulary -----------------------------------------------------------------------
+
+PHASE_OPTIONS = {
+    **OPTIONS,
+    "hierarchical": [*OPTIONS["hierarchical"], *({"group_size": 2, "inner": i, "outer": o}
+                                                 for i in ("butterfly", "ring")
+                                                 for o in ("butterfly", "ring", "recursive-doubling", "reduce-broadcast"))],
+    "sparse-recursive-doubling": [{"radix": 2}, {"radix": 3}],
+    "sparse-split-allgather": [{"inner": "butterfly"}, {"inner": "ring"}],
+    "block-sparse": [{"aggregators": 0}, {"aggregators": 2}],
+}
+
+
+def emitted_phases() -> dict[str, set[str]]:
+    """Phase -> the algorithms whose plans give a node that phase (every
+    dense, sparse, block-sparse and hierarchical planner, p = 1..9)."""
+    out: dict[str, set[str]] = {}
+    for algorithm in (*DENSE, *flowreduce.SPARSE_ALGORITHMS):
+        for options in PHASE_OPTIONS[algorithm]:
+            for p in range(1, 10):
+                if options.get("root", 0) < p:
+                    for n in plan(algorithm, p, **options).nodes:
+                        out.setdefault(n.phase, set()).add(algorithm)
+    return out
+
+
+def test_every_phase_a_planner_emits_is_known_to_keys_tracer_and_drawer():
+    from flowreduce import draw, keys, phases
+    from flowreduce.tracing import events
+
+    emitted = emitted_phases()
+    unknown = {ph: sorted(a) for ph, a in emitted.items() if ph not in phases.PLAN_PHASES}
+    assert not unknown, f"phases missing from flowreduce.phases.PLAN_PHASES: {unknown}"
+    assert set(emitted) == set(phases.PLAN_PHASES), "a plan phase no planner emits"
+    token = keys.new_token()
+    made = {ph: (a, keys.node_key(a, ph, token, 1, 0, 0, 3)) for ph, algs in emitted.items() for a in algs}
+    made[phases.OUTPUT] = ("ring", keys.output_key("ring", token, 2))
+    made[phases.PACK] = ("butterfly", keys.pack_key("butterfly", token, 1))
+    made[phases.UNPACK] = ("butterfly", keys.unpack_key("butterfly", token, 1, 4))
+    assert set(made) == set(phases.KEY_PHASES)
+    for ph, (algorithm, key) in made.items():
+        parsed = keys.parse(key)
+        assert parsed is not None and (parsed["algorithm"], parsed["phase"], parsed["token"]) == (algorithm, ph, token)
+        assert events.KEY_PHASE.get(ph) in events.PHASES, f"the tracer drops key phase {ph!r}"
+        assert ph in draw.PHASE_COLOURS, f"the drawer has no colour for phase {ph!r}"
+
+
+# -- fingerprints: proof that a refactoring changed no plan ------------------------------------------
+
+#: Hashes of every plan of :func:`fingerprint_cases` (nodes, finals, segments,
+#: options, cost cards at 1..3 chunks) and of its DOT drawing, by family
+#: (algorithm and options) and rank count. Rewrite with
+#: ``PYTHONPATH=$PWD python tests/test_plans.py --write`` only when a plan is meant to change.
+FINGERPRINTS = Path(__file__).resolve().parent / "data" / "plan_fingerprints.json"
+RANKS = range(1, 25)
+KNOBS = range(2, 9)  # radix / fan_in
+HIERARCHICAL_RANKS = [*range(1, 13), 16, 24]
+HIERARCHICAL_PAIRS = [(i, o, 2) for i in ("butterfly", "ring")
+                      for o in ("butterfly", "ring", "recursive-doubling", "reduce-broadcast")]
+HIERARCHICAL_PAIRS += [("butterfly", "butterfly", 3), ("butterfly", "recursive-doubling", 3)]
+
+
+def _blocks(sizes: list[int]) -> list[list[int]]:
+    out, r = [], 0
+    for s in sizes:
+        out.append(list(range(r, r + s)))
+        r += s
+    return out
+
+
+def _groupings(p: int) -> list[tuple[str, dict]]:
+    """(family name, options) of the hierarchical groupings tried at ``p`` ranks."""
+    out = [("flat", {})] + [(f"group_size={g}", {"group_size": g}) for g in (2, 3, 4) if g < p]
+    out += [(f"blocks{s}", {"groups": _blocks(s)}) for s in ([p - p // 2, p // 2], [1, p - 1], [p - 3, 2, 1])
+            if min(s) > 0]
+    out = [(name.replace(str([p - p // 2, p // 2]), "[halves]").replace(str([1, p - 1]), "[1,rest]")
+            .replace(str([p - 3, 2, 1]), "[rest,2,1]"), o) for name, o in out]
+    if p % 2 == 0 and p >= 4:
+        out.append(("interleaved", {"groups": [list(range(0, p, 2)), list(range(1, p, 2))]}))
+    if p % 4 == 0 and p >= 8:
+        out.append(("levels=2,4", {"levels": [_blocks([2] * (p // 2)), _blocks([4] * (p // 4))]}))
+    return out
+
+
+def fingerprint_cases():
+    """(family, algorithm, ranks, options, drawn): every flat algorithm at
+    p = 1..24 with radix / fan_in 2..8, hierarchical with several groupings
+    (even, uneven, interleaved, two levels) and inner/outer pairs, and the
+    sparse plans. ``drawn``: the plan's DOT is fingerprinted too."""
+    for p in RANKS:
+        yield "ring", "ring", p, {}, True
+        yield "reduce-broadcast root=0", "reduce-broadcast", p, {"root": 0}, True
+        yield "reduce-broadcast root=last", "reduce-broadcast", p, {"root": p - 1}, True
+        for k in KNOBS:
+            yield f"tree fan_in={k}", "tree", p, {"fan_in": k}, True
+            yield f"recursive-doubling radix={k}", "recursive-doubling", p, {"radix": k}, True
+            yield f"butterfly radix={k}", "butterfly", p, {"radix": k}, True
+        for k in (2, 3, 4, 8):
+            yield f"sparse-recursive-doubling radix={k}", "sparse-recursive-doubling", p, {"radix": k}, False
+            yield (f"sparse-split-allgather butterfly radix={k}", "sparse-split-allgather", p,
+                   {"inner": "butterfly", "radix": k}, False)
+        yield "sparse-split-allgather ring", "sparse-split-allgather", p, {"inner": "ring"}, False
+        for a in range(3):
+            yield f"block-sparse aggregators={a}", "block-sparse", p, {"aggregators": a}, False
+    for p in HIERARCHICAL_RANKS:
+        for name, g in _groupings(p):
+            for inner, outer, radix in HIERARCHICAL_PAIRS:
+                yield (f"hierarchical {name} {inner}/{outer} radix={radix}", "hierarchical", p,
+                       {**g, "inner": inner, "outer": outer, "radix": radix}, p <= 6)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _card(p) -> dict[str, str]:
+    return {k: repr(v) for k, v in p.cost(1e6).as_dict().items()}
+
+
+def _plan_text(p) -> str:
+    doc = {
+        "algorithm": p.algorithm, "ranks": p.ranks, "segments": p.segments, "options": p.options,
+        "nodes": [[n.kind, n.rank, n.lo, n.hi, list(n.inputs), n.step, n.phase] for n in p.nodes],
+        "finals": list(p.finals),
+        "cost": [_card(p.with_chunks(c)) for c in (1, 2, 3)],
+    }
+    if hasattr(p, "density"):  # sparse: the card at a density, where message bytes depend on it
+        doc["sparse-cost"] = _card(replace(p, density=tuple(0.001 * (r + 1) for r in range(p.ranks)), value_bytes=4))
+    return json.dumps(doc, sort_keys=True)
+
+
+def fingerprints(dot: bool = True) -> dict[str, dict[str, dict[str, str]]]:
+    """``{"plans"|"dot": {family: {ranks: hash}}}`` of :func:`fingerprint_cases`
+    (``dot=False``: the plans only, no graphviz needed)."""
+    out: dict[str, dict[str, dict[str, str]]] = {"plans": {}, "dot": {}}
+    if dot:
+        from flowreduce.draw import plan_graph
+    for family, algorithm, ranks, options, drawn in fingerprint_cases():
+        p = plan(algorithm, ranks, **options)
+        out["plans"].setdefault(family, {})[str(ranks)] = _digest(_plan_text(p))
+        if dot and drawn:  # more chunks change only the subtitle, read off the cards above
+            out["dot"].setdefault(family, {})[str(ranks)] = _digest(plan_graph(p).source)
+    return out
+
+
+def test_no_plan_changed():
+    """Every plan, cost card and plan drawing is what it was when the
+    fingerprints were written (the proof a refactoring changed nothing)."""
+    try:
+        import graphviz  # noqa: F401
+        dot = True
+    except ImportError:  # the plans alone
+        dot = False
+    want = json.loads(FINGERPRINTS.read_text())
+    got = fingerprints(dot=dot)
+    for kind in ("plans", "dot") if dot else ("plans",):
+        changed = sorted(f"{family} p={r}" for family in want[kind].keys() | got[kind].keys()
+                         for r in want[kind].get(family, {}).keys() | got[kind].get(family, {}).keys()
+                         if want[kind].get(family, {}).get(r) != got[kind].get(family, {}).get(r))
+        assert not changed, (f"{len(changed)} {kind} fingerprints changed (if meant: "
+                             f"PYTHONPATH=$PWD python tests/test_plans.py --write), e.g. {changed[:5]}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    FINGERPRINTS.write_text(json.dumps(fingerprints(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {FINGERPRINTS}")

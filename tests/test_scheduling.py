@@ -3,6 +3,7 @@ user keys never transferred, unique keys per call, nothing leaked."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 
 import numpy as np
@@ -133,16 +134,16 @@ def test_replicated_input_stays_where_it_was_pinned(proc_client):
 
 
 def test_cores_and_groups_come_from_where_workers_run():
-    from flowreduce.schedule.call import _groups_by_place, _shared_cores
+    from flowreduce.schedule.hosts import Place, host_groups, shared_cores
 
     # (node, cpus, job, machine): two SLURM virtual nodes on one 2-CPU machine, two jobs
-    places = {"a": ("n1", 2, "7", "box"), "b": ("n1", 2, "7", "box"),
-              "c": ("n2", 2, "8", "box"), "d": ("n2", 2, "8", "box")}
-    assert _groups_by_place(["a", "c", "b", "d"], places) == [[0, 2], [1, 3]]
-    assert _shared_cores(list("abcd"), places) == 2  # the machine's CPUs, not the nodes'
-    apart = {w: (f"n{i}", 8, "", f"box{i}") for i, w in enumerate("abcd")}
-    assert _shared_cores(list("abcd"), apart) is None  # a core each: nothing shared
-    assert _groups_by_place(list("abcd"), apart) == [[0], [1], [2], [3]]
+    places = {"a": Place("n1", 2, "7", "box"), "b": Place("n1", 2, "7", "box"),
+              "c": Place("n2", 2, "8", "box"), "d": Place("n2", 2, "8", "box")}
+    assert host_groups(["a", "c", "b", "d"], places) == [[0, 2], [1, 3]]
+    assert shared_cores(list("abcd"), places) == 2  # the machine's CPUs, not the nodes'
+    apart = {w: Place(f"n{i}", 8, "", f"box{i}") for i, w in enumerate("abcd")}
+    assert shared_cores(list("abcd"), apart) is None  # a core each: nothing shared
+    assert host_groups(list("abcd"), apart) == [[0], [1], [2], [3]]
 
 
 def _wait_for_event(name):
@@ -188,3 +189,63 @@ def test_amm_keeps_the_replica_a_waiting_pinned_task_needs(proc_client):
     np.testing.assert_array_equal(waiting.result(), np.arange(1000))
     del x, later, waiting, peer, heavy
     assert_clean(proc_client)
+
+
+# -- one decision in one place --------------------------------------------------------
+
+
+def test_chunk_bytes_give_the_same_chunks_on_every_path(inproc_client):
+    """``chunk_bytes`` -> chunks is one rule for a dense call, each bucket of a
+    pytree call (with a template or not) and block-sparse: ceil(bytes / chunk_bytes)."""
+    client = inproc_client
+    arrays = [np.arange(1000, dtype=np.float64) * (r + 1) for r in range(3)]  # 8000 bytes each
+    parts = scatter_ranks(client, arrays)
+    expected = -(-8000 // 3000)
+    dense = flowreduce.allreduce(client, parts, algorithm="ring", chunk_bytes=3000)
+    blocks = flowreduce.allreduce(client, parts, algorithm="block-sparse", chunk_bytes=3000, block_size=100)
+    trees = [flowreduce.allreduce(client, [[p] for p in parts], algorithm="ring", chunk_bytes=3000, **kw)
+             for kw in ({}, {"like": [np.zeros(1000)]})]
+    for out in (dense, blocks, *trees):
+        assert flowreduce.describe(out).plan.chunks == expected, flowreduce.describe(out).plan
+        for got in client.gather(out):
+            np.testing.assert_allclose(np.ravel(got), np.sum(arrays, axis=0))
+    del dense, blocks, trees, out
+    assert_clean(client)
+
+
+def test_a_model_without_cores_learns_the_shared_cores():
+    from dataclasses import replace
+
+    from flowreduce.cost import CostModel, configured_model, model_for
+
+    assert model_for(None, 2) == replace(configured_model(), cores=2)
+    assert model_for(CostModel(cores=8), 2).cores == 8  # a model naming its cores keeps them
+    assert model_for(CostModel(), None) == CostModel()
+
+
+def test_one_bounded_record_per_call_read_by_describe_and_the_tracer(inproc_client, monkeypatch):
+    """describe() and the tracer's lookup read the same records, and forget a
+    call together once more than MAX_CALLS came after it."""
+    from flowreduce.schedule import records
+    from flowreduce.tracing import registry
+
+    client = inproc_client
+    parts = scatter_ranks(client, [np.full(8, r, dtype=np.int64) for r in range(3)])
+    tree = flowreduce.allreduce(client, [{"a": p, "b": p} for p in parts], bucket_bytes=0)
+    whole = flowreduce.describe(tree)
+    assert len(whole.buckets) == 2 and whole.nbytes == 2 * 64
+    for bucket in whole.buckets:
+        assert registry.lookup(bucket.token).plan == bucket.plan
+    dense = flowreduce.allreduce(client, parts, algorithm="ring")
+    call = flowreduce.describe(dense)
+    assert registry.lookup(call.token) == call.__class__(**{**call.__dict__, "input_keys": ()})
+    assert call.input_keys == tuple(p.key for p in parts)
+    monkeypatch.setattr(records, "MAX_CALLS", 2)  # the two buckets go, the dense calls stay
+    flowreduce.allreduce(client, parts, algorithm="ring")
+    assert registry.lookup(whole.buckets[0].token) is None  # forgotten by both at once
+    with pytest.raises(KeyError):
+        flowreduce.describe(tree)
+    assert flowreduce.describe(dense) == call
+    del tree, dense
+    gc.collect()  # the KeyError's traceback held the futures in a cycle
+    assert_clean(client)

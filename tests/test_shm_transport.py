@@ -23,7 +23,7 @@ from flowreduce.algorithms import plan as make_plan
 from flowreduce.build import shm_pool
 from flowreduce.build.shm_direct import build_direct
 from flowreduce.ops import resolve_op
-from flowreduce.schedule.call import describe
+from flowreduce import describe
 from flowreduce.schedule.shm_plugin import usage
 
 IDLE = 0.5  # seconds before free segments are unlinked in these clusters

@@ -13,10 +13,11 @@ from dask.sizeof import sizeof
 
 import flowreduce
 from flowreduce.algorithms import SPARSE_ALGORITHMS
-from flowreduce.algorithms.sparse import INT8_BUCKET, choose_sparse, quantisation_bound, switch_density
+from flowreduce.algorithms.sparse import INT8_BUCKET, quantisation_bound, switch_density
 from flowreduce.build import blocks as _blocks
 from flowreduce.build import sparse_kernels as _kernels
 from flowreduce.build.sparse_payload import BlockPack, Encoded, Wire, decode_piece, encode_piece, quantize
+from flowreduce.cost import choose_sparse
 from flowreduce.ops import resolve_op
 
 # -- plans ---------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 Every planner takes the number of ranks and its own keyword options and
 returns a :class:`~flowreduce.algorithms.ir.Plan`. Nothing here imports Dask.
+The k-ary tree algorithm lives in :mod:`~flowreduce.algorithms.kary_tree`
+(registered as ``"tree"``), so that "tree" in a module name never means a
+pytree (:mod:`flowreduce.pytree`).
 """
 
 from __future__ import annotations
@@ -15,18 +18,18 @@ from flowreduce.algorithms import (
     block_sparse,
     butterfly,
     hierarchical,
+    kary_tree,
     recursive_doubling,
     reduce_broadcast,
     ring,
     shm_direct,
     sparse_recursive_doubling,
     sparse_split_allgather,
-    tree,
 )
 from flowreduce.algorithms.ir import Plan
 
 _PLANNERS: dict[str, Callable[..., Plan]] = {
-    m.NAME: m.plan for m in (reduce_broadcast, tree, recursive_doubling, butterfly, ring, hierarchical, shm_direct)
+    m.NAME: m.plan for m in (reduce_broadcast, kary_tree, recursive_doubling, butterfly, ring, hierarchical, shm_direct)
 }
 _SPARSE_PLANNERS: dict[str, Callable[..., Plan]] = {
     m.NAME: m.plan for m in (sparse_recursive_doubling, sparse_split_allgather, block_sparse)

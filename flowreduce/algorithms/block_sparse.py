@@ -28,6 +28,7 @@ moves what the radix-p butterfly moves, plus one block id per block.
 
 from __future__ import annotations
 
+from flowreduce import phases
 from flowreduce.algorithms.ir import Draft
 from flowreduce.algorithms.sparse import SparsePlan, sparse_plan
 
@@ -44,7 +45,7 @@ def plan(ranks: int, *, aggregators: int = 0, block_size: int = DEFAULT_BLOCK) -
     k = len(owners)
     d = Draft(NAME, ranks, k, aggregators=aggregators, block_size=block_size)
     packs = [[d.view(r, a, a + 1) for a in range(k)] for r in range(ranks)]
-    sums = [d.reduce(owners[a], a, a + 1, [packs[r][a] for r in range(ranks)], 1, "aggregate")
+    sums = [d.reduce(owners[a], a, a + 1, [packs[r][a] for r in range(ranks)], 1, phases.AGGREGATE)
             for a in range(k)]
-    finals = [d.gather(r, 0, k, sums, 2, "all-gather") for r in range(ranks)]
+    finals = [d.gather(r, 0, k, sums, 2, phases.ALL_GATHER) for r in range(ranks)]
     return sparse_plan(d.finish(finals), NAME, block=block_size)

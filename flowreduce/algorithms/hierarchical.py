@@ -41,26 +41,25 @@ algorithm's per host, plus the outer's per shard range.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
-from flowreduce.algorithms.ir import VIEW, Draft, Plan
-from flowreduce.algorithms.patterns import (
-    ALLREDUCE_ALGORITHMS,
-    SCATTER_ALGORITHMS,
-    Shards,
-    Source,
-    Tiles,
-    all_gather,
-    all_reduce,
-    divisor,
-    lcm,
-    reduce_scatter,
-    shard_count,
-    view_source,
-)
+from flowreduce import phases
+from flowreduce.algorithms import butterfly, recursive_doubling, reduce_broadcast, ring
+from flowreduce.algorithms.ir import Draft, Plan
+from flowreduce.algorithms.patterns import Shards, Source, Tiles, check_members, finish, lcm, view_source
 
 NAME = "hierarchical"
 
 Grouping = list[list[int]]
+
+#: The patterns that split into a reduce-scatter and an all-gather (``inner``).
+_SCATTER: dict[str, ModuleType] = {m.NAME: m for m in (butterfly, ring)}
+#: The patterns that all-reduce a range among a subset of ranks (``outer``).
+_ALLREDUCE: dict[str, ModuleType] = {m.NAME: m for m in (butterfly, ring, recursive_doubling, reduce_broadcast)}
+#: Algorithms that split into a reduce-scatter and an all-gather.
+SCATTER_ALGORITHMS: tuple[str, ...] = tuple(_SCATTER)
+#: Algorithms :func:`all_reduce` runs on a subset of ranks.
+ALLREDUCE_ALGORITHMS: tuple[str, ...] = tuple(_ALLREDUCE)
 
 
 def plan(
@@ -134,17 +133,7 @@ def plan(
     d = Draft(NAME, ranks, segments, **options)
     tiles, step = allreduce_levels(d, everyone, 0, segments, view_source(d), nested,
                                    inner=inners, outer=outer, radix=radix)
-    finals = []
-    for r in everyone:
-        t = tiles[r]
-        node = d.nodes[t[0]]
-        if len(t) == 1 and node.kind != VIEW and (node.lo, node.hi) == (0, segments):
-            finals.append(t[0])
-        elif len(t) == 1:  # one rank alone: a fresh copy, never the input itself
-            finals.append(d.reduce(r, 0, segments, t, step + 1, "reduce"))
-        else:  # the rank's pieces side by side (zero-copy, local)
-            finals.append(d.gather(r, 0, segments, t, step + 1, "all-gather"))
-    return d.finish(finals)
+    return finish(d, tiles, step)
 
 
 def normalize_levels(ranks: int, levels: Sequence[Sequence[Sequence[int]]]) -> list[Grouping]:
@@ -234,3 +223,65 @@ def allreduce_levels(
         out.update(tiles)
         final = max(final, last)
     return out, final
+
+
+# -- the flat patterns, by name ----------------------------------------------------
+
+
+def _radix(module: ModuleType, radix: int) -> dict[str, int]:
+    """The ``radix`` keyword for the patterns that take one."""
+    return {"radix": radix} if module in (butterfly, recursive_doubling) else {}
+
+
+def _pattern(algorithm: str, valid: dict[str, ModuleType], what: str) -> ModuleType:
+    if algorithm not in valid:
+        raise ValueError(f"{algorithm!r} cannot run as a {what}; valid: {', '.join(valid)}")
+    return valid[algorithm]
+
+
+def shard_count(algorithm: str, members: int, radix: int = 2) -> int:
+    """How many members own a shard after a reduce-scatter (butterfly folds
+    the ranks beyond its largest factorable core into partners)."""
+    m = _pattern(algorithm, _SCATTER, "reduce-scatter")
+    return m.shard_count(members, **_radix(m, radix))
+
+
+def divisor(algorithm: str, members: int, radix: int = 2) -> int:
+    """The number of segments a range handed to :func:`all_reduce` (or a
+    reduce-scatter) must be a multiple of."""
+    _pattern(algorithm, _ALLREDUCE, "all-reduce")
+    return shard_count(algorithm, members, radix) if algorithm in _SCATTER else 1
+
+
+def reduce_scatter(d: Draft, members: Sequence[int], lo: int, hi: int, source: Source, *,
+                   algorithm: str = "butterfly", radix: int = 2, step: int = 0) -> Shards:
+    """``algorithm``'s reduce-scatter of ``[lo, hi)`` among ``members``."""
+    m = _pattern(algorithm, _SCATTER, "reduce-scatter")
+    members = tuple(members)
+    check_members(d, members)
+    return m.reduce_scatter(d, members, lo, hi, source, step=step, **_radix(m, radix))
+
+
+def all_gather(d: Draft, members: Sequence[int], lo: int, hi: int, held: Tiles, *,
+               algorithm: str = "butterfly", radix: int = 2, step: int = 0) -> tuple[Tiles, int]:
+    """The inverse of :func:`reduce_scatter` with the same arguments."""
+    m = _pattern(algorithm, _SCATTER, "all-gather")
+    members = tuple(members)
+    check_members(d, members)
+    return m.all_gather(d, members, lo, hi, held, step=step, **_radix(m, radix))
+
+
+def all_reduce(d: Draft, members: Sequence[int], lo: int, hi: int, source: Source, *,
+               algorithm: str = "butterfly", radix: int = 2, step: int = 0) -> tuple[Tiles, int]:
+    """``algorithm``'s all-reduce of ``[lo, hi)`` among ``members``; a
+    lone member keeps its contribution (reduced to one node if several)."""
+    m = _pattern(algorithm, _ALLREDUCE, "all-reduce")
+    members = tuple(members)
+    check_members(d, members)
+    if len(members) == 1:
+        r = members[0]
+        nodes = source(r, lo, hi)
+        if len(nodes) == 1:
+            return {r: list(nodes)}, step
+        return {r: [d.reduce(r, lo, hi, nodes, step + 1, phases.REDUCE)]}, step + 1
+    return m.all_reduce(d, members, lo, hi, source, step=step, **_radix(m, radix))

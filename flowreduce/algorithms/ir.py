@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+from flowreduce import phases
+
 VIEW, REDUCE, GATHER = "view", "reduce", "gather"
 
 
@@ -253,12 +255,12 @@ class Draft:
         return n.id
 
     def view(self, rank: int, lo: int = 0, hi: int | None = None) -> int:
-        return self._add(VIEW, rank, lo, self.segments if hi is None else hi, (), 0, "split")
+        return self._add(VIEW, rank, lo, self.segments if hi is None else hi, (), 0, phases.SPLIT)
 
-    def reduce(self, rank, lo, hi, inputs, step, phase="reduce") -> int:
+    def reduce(self, rank, lo, hi, inputs, step, phase=phases.REDUCE) -> int:
         return self._add(REDUCE, rank, lo, hi, inputs, step, phase)
 
-    def gather(self, rank, lo, hi, inputs, step, phase="all-gather") -> int:
+    def gather(self, rank, lo, hi, inputs, step, phase=phases.ALL_GATHER) -> int:
         return self._add(GATHER, rank, lo, hi, inputs, step, phase)
 
     def range_of(self, node: int) -> tuple[int, int]:

@@ -26,17 +26,17 @@ density 1 (an index per block is ``i/b`` bytes per element: a rounding error).
 :meth:`SparsePlan.cost` is the dense card with these bytes in place of
 ``width·nbytes/segments`` (and sparse merges weighted by
 :data:`SPARSE_MERGE_COST` in the bytes reduced); :class:`~flowreduce.cost.CostModel` reads it as it
-reads any card, so ``auto`` (:func:`choose_sparse`) compares sparse plans
-with the same model as dense ones.
+reads any card, so ``auto`` (:func:`flowreduce.cost.choose_sparse`, next to
+``choose``) compares sparse plans with the same model as dense ones.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from flowreduce import phases
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, CostCard, Plan
 
 #: Value codecs for the wire (``compression=``): None sends values as they are.
@@ -260,52 +260,6 @@ def quantisation_bound(codec: str | None, encodings: int, magnitude):
 def sparse_plan(base: Plan, name: str, **fields) -> SparsePlan:
     """``base``'s nodes as a :class:`SparsePlan` called ``name``; its views
     become ``pack`` nodes (they select the non-zeros of a range)."""
-    nodes = tuple(replace(n, phase="compact") if n.kind == VIEW else n for n in base.nodes)
+    nodes = tuple(replace(n, phase=phases.COMPACT) if n.kind == VIEW else n for n in base.nodes)
     return SparsePlan(name, base.ranks, base.segments, nodes, base.finals, base.chunks,
                       dict(base.options), **fields)
-
-
-def choose_sparse(
-    ranks: int,
-    size: int,
-    itemsize: int,
-    density: list[float] | tuple[float, ...],
-    *,
-    model=None,
-    delta: float | None = None,
-    codec: str | None = None,
-) -> SparsePlan:
-    """``auto`` for sparse inputs: the sparse plan the cost model predicts
-    fastest for ``size`` elements of ``itemsize`` bytes at each rank's
-    ``density``.
-
-    Candidates: ``sparse-recursive-doubling`` (radix 2, 4, p) and
-    ``sparse-split-allgather`` over a butterfly (radix 2, 4, p) or a ring,
-    one chunk each. The model prices every card as it prices dense ones
-    (levels, tasks, bytes), so very sparse or small inputs go to recursive
-    doubling (fewest levels; each step's message grows with the union) and
-    denser, larger ones to split-allgather (each rank merges and sends only
-    its share of the index space).
-    """
-    from flowreduce.algorithms import plan as make_plan
-    from flowreduce.cost import DEFAULT_MODEL
-
-    model = model or DEFAULT_MODEL
-    nbytes = size * itemsize
-    fields = dict(density=tuple(density), value_bytes=itemsize, delta=delta, codec=codec)
-    cands = []
-    for k in sorted({2, 4, ranks}):
-        if 2 <= k <= max(ranks, 2):
-            cands.append(("sparse-recursive-doubling", {"radix": k}))
-            cands.append(("sparse-split-allgather", {"inner": "butterfly", "radix": k}))
-    cands.append(("sparse-split-allgather", {"inner": "ring"}))
-    best, best_t = None, math.inf
-    for name, opts in cands:
-        p = replace(make_plan(name, ranks, **opts), **fields)
-        t = model.predict(p, nbytes)
-        if t < best_t:
-            best, best_t = p, t
-    logging.getLogger("flowreduce").info(
-        "auto chose %r (predicted %.3g s for %d elements at density %s on %d ranks)",
-        best, best_t, size, "/".join(f"{d:.3g}" for d in density), ranks)
-    return best

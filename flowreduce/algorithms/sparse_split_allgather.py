@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flowreduce.algorithms import butterfly, ring
-from flowreduce.algorithms.patterns import SCATTER_ALGORITHMS
+from flowreduce.algorithms.hierarchical import SCATTER_ALGORITHMS
 from flowreduce.algorithms.sparse import SparsePlan, sparse_plan
 
 NAME = "sparse-split-allgather"

@@ -28,14 +28,43 @@ from flowreduce.build.graph import Graph, Site, contributions, lower, owned_inpu
 from flowreduce.ops import Op
 from flowreduce.build import blocks as _blocks, sparse_kernels as _kernels
 from flowreduce.build.sparse_payload import Wire
-from flowreduce.schedule.sparse_inputs import check_sparse
-from flowreduce.algorithms.sparse import CODECS, SparsePlan, choose_sparse
+from flowreduce.algorithms.sparse import CODECS, SparsePlan
+from flowreduce.cost import choose_sparse
 
 #: ``allreduce`` options of the sparse algorithms (beside the planners' own).
 SPARSE_CALL_OPTIONS = ("delta", "output", "compression", "seed")
 BLOCK_CALL_OPTIONS = ("compression", "seed")
 OUTPUTS = (None, "dense", "csr", "csc", "coo")
 _UFUNC_NAMES = {"add": "sum", "maximum": "max", "minimum": "min", "multiply": "prod"}
+
+
+@dataclass(frozen=True)
+class SparseInputs:
+    """What every rank holds, checked to agree by the caller: the same
+    format, container (``"array"`` or ``"matrix"``), shape and dtype;
+    ``nnz`` per rank (stored entries)."""
+
+    format: str
+    container: str
+    shape: tuple[int, ...]
+    dtype: str
+    nnz: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def density(self) -> tuple[float, ...]:
+        return tuple(min(k / self.size, 1.0) if self.size else 0.0 for k in self.nnz)
+
+    @property
+    def order(self) -> str:
+        """How the index space numbers elements: column-major for CSC."""
+        return "F" if self.format == "csc" else "C"
 
 
 @dataclass(frozen=True)
@@ -51,24 +80,22 @@ class Lowered:
 
 
 def lower_sparse(
-    inputs: Sequence[Any], workers: Sequence[str], metas: list, *, op: Op, algorithm: str,
+    inputs: Sequence[Any], workers: Sequence[str], info: SparseInputs, *, op: Op, algorithm: str,
     chunks: int | None, model: Any, in_place: bool, options: dict,
 ) -> Lowered:
     """Plan and lower an all-reduce of scipy.sparse inputs.
 
-    ``metas`` are the workers' descriptions of the inputs
-    (:func:`flowreduce.schedule.sparse_inputs.describe_input`); ``options`` the call's
+    ``info`` describes the ranks' inputs (checked to agree by
+    :func:`flowreduce.schedule.inputs.common_sparse`); ``options`` the call's
     algorithm options (``radix``, ``inner``) and sparse options (``delta``,
     ``output``, ``compression``, ``seed``).
 
     Raises
     ------
     TypeError, ValueError
-        See :func:`flowreduce.schedule.sparse_inputs.check_sparse`; also a dense
-        algorithm or ``block-sparse`` for sparse inputs, an op without
-        ``f(0, 0) = 0``, bad sparse options.
+        A dense algorithm or ``block-sparse`` for sparse inputs, an op
+        without ``f(0, 0) = 0``, bad sparse options.
     """
-    info = check_sparse(metas)
     if algorithm not in ("auto", "sparse-recursive-doubling", "sparse-split-allgather"):
         raise ValueError(f"scipy.sparse inputs need a sparse algorithm, not {algorithm!r}; valid: auto, "
                          "sparse-recursive-doubling, sparse-split-allgather (or pass x.toarray() to a dense one)")

@@ -101,14 +101,10 @@ def worker_pairs(client: Any) -> dict[str, tuple[str, str]]:
     """One pair of workers per link class the cluster has: ``intra`` (two
     workers of one host), ``inter`` (workers of two hosts)."""
     from flowreduce.launch import ranked_workers
-    from flowreduce.schedule.call import place_of
+    from flowreduce.schedule.hosts import host_groups, worker_places
 
     workers = ranked_workers(client)
-    places = client.run(place_of)
-    hosts: dict[Any, list[str]] = {}
-    for w in workers:
-        hosts.setdefault(places[w], []).append(w)
-    groups = list(hosts.values())
+    groups = [[workers[r] for r in g] for g in host_groups(workers, worker_places(client, workers, fresh=True))]
     pairs = {}
     shared = next((g for g in groups if len(g) > 1), None)
     if shared:

@@ -1,9 +1,15 @@
 """Run plans on a dask.distributed cluster: the only layer that talks to
 the scheduler to place, submit, guard and record a call.
 
+One module per concept: :mod:`~flowreduce.schedule.call` (the front door:
+``allreduce``, ``describe``), :mod:`~flowreduce.schedule.inputs` (what each
+rank holds, and the checks that the ranks agree), :mod:`~flowreduce.schedule.placement`
+(which worker runs each rank), :mod:`~flowreduce.schedule.hosts` (which
+ranks share a host), :mod:`~flowreduce.schedule.records` (one record per
+call), :mod:`~flowreduce.schedule.guard` (the lost-worker plugin).
+
 The package itself imports nothing heavy: ``allreduce`` and ``describe``
-are loaded on first use, so a module here that needs no distributed at
-import (``placement``) stays importable without it.
+are loaded on first use.
 """
 
 from __future__ import annotations

@@ -1,130 +1,77 @@
-"""Run a plan on a dask.distributed cluster: the only module that imports
-distributed. It finds where each rank's input lives, checks the inputs
-agree, lowers the plan with every task pinned to its rank's worker, and
-submits the graph. Nothing but the graph passes through the client.
+"""The front door of an all-reduce on a dask.distributed cluster.
+
+One path for every kind of call (dense arrays, pytrees, ``like=``
+templates, scipy.sparse and block-sparse inputs):
+
+1. :class:`Settings` checks the call's options; :func:`~flowreduce.schedule.inputs.rank_futures`
+   the structure of the ranks' futures;
+2. :func:`describe_inputs` places the ranks (:mod:`~flowreduce.schedule.placement`)
+   and checks once that their inputs agree (:mod:`~flowreduce.schedule.inputs`),
+   into one typed :class:`Ranks`;
+3. :func:`lower` chooses the plans (:func:`choose_plan`, the cost model of
+   :func:`~flowreduce.cost.model_for`, the hosts of :mod:`~flowreduce.schedule.hosts`)
+   and lowers them (:mod:`flowreduce.build`) into one :class:`Job`;
+4. :func:`submit` hands the graph to the scheduler with every task pinned,
+   and keeps the call's records (:mod:`~flowreduce.schedule.records`).
+
+Nothing but the graph passes through the client.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import dask
 import numpy as np
-from distributed import Client, Future, wait
+from distributed import Client, Future
 
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.algorithms.ir import Plan
-from flowreduce.cost import CostModel, choose, configured_model, tune
-from flowreduce.fusion import DEFAULT_BUCKET_BYTES
-from flowreduce.ops import resolve_op
-from flowreduce.schedule import pytree_call as _tree_call
+from flowreduce.build.buckets import build_tree_graph
+from flowreduce.build.graph import Graph
+from flowreduce.build.sparse import SparseInputs, lower_blocks, lower_sparse
+from flowreduce.cost import CostModel, choose, model_for, tune
+from flowreduce.errors import InputError, OptionError, raised_as
+from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
+from flowreduce.keys import parse
+from flowreduce.ops import Op, resolve_op
+from flowreduce.pytree import TreeDef, flatten, unflatten
+from flowreduce.schedule import hosts, placement, records
 from flowreduce.schedule import transport as _transport
 from flowreduce.schedule.guard import ensure_guard
+from flowreduce.schedule.inputs import (
+    ArrayMeta,
+    SparseMeta,
+    TreeMeta,
+    check_dtype,
+    check_dtypes,
+    common_array,
+    common_layout,
+    common_sparse,
+    rank_futures,
+)
+from flowreduce.schedule.records import CallRecord, PytreeRecord
 from flowreduce.schedule.shm_plugin import ensure_shm
-from flowreduce.schedule.sparse_inputs import describe_input, is_sparse
-from flowreduce.tracing import registry as _trace_registry
 
 logger = logging.getLogger("flowreduce")
 
-
-@dataclass(frozen=True)
-class CallInfo:
-    """What one ``allreduce`` call ran: its plan, bytes per rank, the cost
-    model's predicted seconds, its key token and each rank's worker."""
-
-    plan: Plan
-    nbytes: int
-    predicted: float
-    token: str
-    workers: tuple[str, ...]
-    shape: tuple[int, ...]
-    dtype: str
-    transport: str = "dask"  # how links between workers moved bytes ("shared memory", ...)
-
-    @property
-    def algorithm(self) -> str:
-        return self.plan.algorithm
-
-    @property
-    def bytes_on_wire(self) -> float:
-        """Bytes the plan moves between ranks, all messages (for sparse plans
-        the expected bytes at the inputs' density; a trace measures them:
-        ``flowreduce.tracing.summarize(tr).bytes_moved``)."""
-        return self.plan.cost(self.nbytes).bytes_on_wire
-
-
-@dataclass(frozen=True)
-class TreeCallInfo:
-    """What one ``allreduce`` call over pytrees ran: one dense all-reduce
-    per bucket of fused tensors (:mod:`flowreduce.fusion`).
-
-    ``tensors`` are ``(path, shape, dtype)`` in registration order,
-    ``bucket_of[i]`` the bucket of tensor ``i``. ``plan`` is the first
-    bucket's (the last layers'); ``nbytes`` and ``predicted`` add up the
-    buckets (as if they ran one after another)."""
-
-    buckets: tuple[CallInfo, ...]
-    tensors: tuple[tuple[str, tuple[int, ...], str], ...]
-    bucket_of: tuple[int, ...]
-    bucket_bytes: int | None
-    workers: tuple[str, ...]
-
-    @property
-    def plan(self) -> Plan:
-        return self.buckets[0].plan
-
-    @property
-    def token(self) -> str:
-        return self.buckets[0].token
-
-    @property
-    def algorithm(self) -> str:
-        return ", ".join(dict.fromkeys(b.algorithm for b in self.buckets))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
-
-    @property
-    def predicted(self) -> float:
-        return sum(b.predicted for b in self.buckets)
-
-
-# Recent calls by token, so describe() can answer from the futures alone
-# (_TREES: every bucket token of a pytree call -> the whole call).
-# Bounded: a training loop makes one call per step.
-_CALLS: OrderedDict[str, CallInfo] = OrderedDict()
-_TREES: OrderedDict[str, TreeCallInfo] = OrderedDict()
-_MAX_CALLS = 1024
-
-
-def _remember(store: OrderedDict, token: str, info: Any) -> None:
-    store[token] = info
-    while len(store) > _MAX_CALLS:
-        store.popitem(last=False)
-
-
-def describe(futures: Sequence[Any]) -> CallInfo | TreeCallInfo:
-    """The :class:`CallInfo` of the ``allreduce`` call that made ``futures``
-    (for example, which algorithm ``"auto"`` picked); a
-    :class:`TreeCallInfo` (one :class:`CallInfo` per bucket) when the call
-    reduced pytrees. ``futures`` may be the call's result or any rank's part
-    of it, down to one future."""
-    from flowreduce.keys import parse
-    from flowreduce.pytree import flatten
-
+def describe(futures: Sequence[Any]) -> CallRecord | PytreeRecord:
+    """The :class:`~flowreduce.schedule.records.CallRecord` of the
+    ``allreduce`` call that made ``futures`` (for example, which algorithm
+    ``"auto"`` picked); a :class:`~flowreduce.schedule.records.PytreeRecord`
+    (one record per bucket) when the call reduced pytrees. ``futures`` may be
+    the call's result or any rank's part of it, down to one future."""
     leaves = flatten(futures)[0]
     info = parse(leaves[0].key) if leaves and hasattr(leaves[0], "key") else None
-    if info is not None and info["token"] in _TREES:
-        return _TREES[info["token"]]
-    if info is None or info["token"] not in _CALLS:
+    found = records.find(info["token"]) if info is not None else None
+    if found is None:
         raise KeyError("these futures do not come from a recent flowreduce.allreduce call")
-    return _CALLS[info["token"]]
+    return found
 
 
 def allreduce(
@@ -167,8 +114,8 @@ def allreduce(
         Assumed associative and commutative.
     algorithm : str
         One of :data:`flowreduce.ALGORITHMS` or :data:`flowreduce.SPARSE_ALGORITHMS`;
-        ``"auto"`` asks the cost model (the pick is logged at INFO and kept in
-        ``result.plan``). scipy.sparse inputs (CSR, CSC, COO) take
+        ``"auto"`` asks the cost model (the pick is logged at INFO and
+        :func:`describe` tells it). scipy.sparse inputs (CSR, CSC, COO) take
         ``"sparse-recursive-doubling"``, ``"sparse-split-allgather"`` or ``"auto"``;
         ``"block-sparse"`` takes numpy inputs with zero blocks (docs/sparse.md).
     chunks, chunk_bytes : int, optional
@@ -205,7 +152,7 @@ def allreduce(
         ``f(address, worker_info) -> label`` such as ``by_name_prefix()``
         (dask-jobqueue jobs) or ``by_resource("host-")``. Default: the node
         each worker runs on (the batch system's node name, else the host of
-        its address). ``auto`` prices transfers between hosts on the
+        its address; not the batch job: :mod:`flowreduce.schedule.hosts`). ``auto`` prices transfers between hosts on the
         model's inter-host link and considers ``hierarchical``.
     **options
         Algorithm options: ``radix`` (butterfly, recursive-doubling),
@@ -228,110 +175,255 @@ def allreduce(
 
     Raises
     ------
-    ValueError
+    ValueError (flowreduce.errors.InputError, OptionError)
         No inputs, unknown algorithm or op, ranks disagreeing on structure,
         shape or dtype (the message names the ranks), bad chunk or bucket
         settings, a template that does not fit the inputs.
-    TypeError
+    TypeError (flowreduce.errors.InputTypeError)
         An input that is not a future or not a numpy array (or pytree of them).
-    RuntimeError
+    RuntimeError (flowreduce.errors.InputStateError)
         An input future that failed, was cancelled or whose data was lost.
     """
-    inputs = list(inputs)
-    if not inputs:
-        raise ValueError("allreduce needs one input future per rank; got an empty list")
-    outer, ranks = _tree_call.rank_futures(inputs)
-    if algorithm not in ALGORITHMS and algorithm not in SPARSE_ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}")
-    op_ = resolve_op(op)
-    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    if chunk_bytes is not None and chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
-    _transport.check(transport)
-    if bucket_bytes is not None and bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes must be >= 0 (0 or None: no fusion), got {bucket_bytes!r}")
-    settings = _tree_call.Settings(op_, algorithm, chunks, chunk_bytes, model, options, bucket_bytes, topology)
-    if like is not None or not outer.is_leaf:
-        return _tree_call.allreduce_tree(client, outer, ranks, like, settings)
+    outer, futures = rank_futures(list(inputs))
+    settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, transport)
+    ranks = describe_inputs(client, outer, futures, like, settings)
+    return submit(client, lower(client, ranks, settings))
 
-    located, cpus = _locate(client, inputs)
-    workers = [w for w, _ in located]
-    metas = [m for _, m in located]
-    if any(m is not None and m[0] == "pytree" for m in metas):
-        return _tree_call.allreduce_located(client, outer, ranks, workers, metas, cpus, settings)
-    if algorithm in SPARSE_ALGORITHMS or any(is_sparse(m) for m in metas):
-        return _allreduce_sparse(client, inputs, workers, metas, cpus, op_, algorithm, chunks, chunk_bytes,
-                                 model, options)
-    shape, dtype = _check_inputs(metas)
-    if op_.mean and dtype == np.bool_:
-        raise TypeError("op='mean' of boolean arrays is ambiguous; cast them to a number type first")
+
+@dataclass(frozen=True)
+class Settings:
+    """A call's options, checked: what decides its plans and buckets."""
+
+    op: Op
+    algorithm: str
+    chunks: int | None
+    chunk_bytes: int | None
+    model: CostModel | None
+    topology: Any
+    bucket_bytes: int | None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    transport: str = "auto"
+
+    @classmethod
+    def check(cls, op: Any, algorithm: str, chunks: int | None, chunk_bytes: int | None, model: CostModel | None,
+              topology: Any, bucket_bytes: int | None, options: Mapping[str, Any],
+              transport: str = "auto") -> Settings:
+        """The settings, or an :class:`~flowreduce.errors.OptionError` naming the bad one."""
+        if algorithm not in ALGORITHMS and algorithm not in SPARSE_ALGORITHMS:
+            raise OptionError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}")
+        with raised_as(OptionError):
+            op_ = resolve_op(op)
+        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+            raise OptionError(f"chunks must be a positive integer, got {chunks!r}")
+        if chunk_bytes is not None and chunk_bytes <= 0:
+            raise OptionError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
+        if bucket_bytes is not None and bucket_bytes < 0:
+            raise OptionError(f"bucket_bytes must be >= 0 (0 or None: no fusion), got {bucket_bytes!r}")
+        with raised_as(OptionError):
+            _transport.check(transport)
+        return cls(op_, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, dict(options), transport)
+
+    def chunks_for(self, nbytes: int) -> int | None:
+        """The chunk count of a vector of ``nbytes``: ``chunks`` if given,
+        else from ``chunk_bytes``, else None (the cost model chooses)."""
+        if self.chunks is None and self.chunk_bytes is not None:
+            return max(1, math.ceil(nbytes / self.chunk_bytes))
+        return self.chunks
+
+
+#: What a call's ranks hold, agreed by all: one numpy array each, scipy.sparse
+#: inputs, or tensors (pytrees, or arrays described by a template).
+Held = ArrayMeta | SparseInputs | Layout
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """A call's inputs, placed and checked: rank ``r``'s futures
+    ``futures[r]`` (in the order of ``outer``'s leaves) run on
+    ``workers[r]``; ``held`` is what every rank holds. ``check``: the first
+    task of each rank checks its input against ``held`` (from a template:
+    nothing was waited for)."""
+
+    outer: TreeDef
+    futures: tuple[tuple[Future, ...], ...]
+    workers: tuple[str, ...]
+    places: Mapping[str, hosts.Place]
+    held: Held
+    check: bool = False
+
+    @property
+    def in_place(self) -> bool:
+        """Whether received buffers may be reduced into: inproc:// (in-process
+        clusters) passes objects by reference, leaving no private copies."""
+        return not any(w.startswith("inproc://") for w in self.workers)
+
+
+def describe_inputs(client: Client, outer: TreeDef, futures: list[list[Future]], like: Any,
+                    settings: Settings) -> Ranks:
+    """Place the ranks and check what they hold, once. With a template
+    (``like``) nothing is waited for; else the inputs are waited for and
+    the workers say what they hold."""
+    frozen = tuple(tuple(fs) for fs in futures)
+    if like is not None:
+        with raised_as(InputError):
+            layout = Layout.from_template(outer, like)
+        check_dtypes(layout, settings.op)
+        workers = placement.place(client, futures)
+        return Ranks(outer, frozen, tuple(workers), hosts.worker_places(client, workers), layout, check=True)
+    located, metas = placement.locate(client, futures)
+    # a rank whose futures sit on several workers runs where most of them are
+    workers = [Counter(ws).most_common(1)[0][0] for ws in located]
+    places = hosts.worker_places(client, workers)  # just learnt by locate
+    held: Held
+    if not outer.is_leaf or any(isinstance(m[0], TreeMeta) for m in metas):
+        held = common_layout(outer, metas, settings.op)
+    elif settings.algorithm == "block-sparse":
+        held = common_array([m[0] for m in metas])
+    elif settings.algorithm in SPARSE_ALGORITHMS or any(isinstance(m[0], SparseMeta) for m in metas):
+        held = common_sparse([m[0] for m in metas])
+    else:
+        held = common_array([m[0] for m in metas])
+        check_dtype(np.dtype(held.dtype), settings.op)
+    return Ranks(outer, frozen, tuple(workers), places, held)
+
+
+def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings) -> Plan:
+    """The plan for ``p`` ranks of ``nbytes`` each, judged by ``model``, the
+    ranks grouped by host (and coarser levels) as in ``levels``: ``auto``
+    chooses among all algorithms; a named one is tuned in what the call
+    leaves open (chunks; hierarchical's groups, inner and outer)."""
+    chunks = settings.chunks_for(nbytes)
+    options = dict(settings.options)
+    if settings.algorithm == "auto":
+        if options:
+            raise OptionError(f"options {sorted(options)} need a named algorithm, not 'auto'")
+        with raised_as(OptionError):
+            return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
+    if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
+        options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
+    with raised_as(OptionError):
+        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A call lowered and ready to submit: its tasks, where each runs, the
+    keys of the results, how the result futures are arranged per rank, and
+    the call's records."""
+
+    tasks: Mapping[Hashable, Any]
+    placement: Mapping[Hashable, str]
+    keys: list[Hashable]
+    token: str
+    arrange: Callable[[list[Future]], list[Any]]
+    calls: tuple[CallRecord, ...]
+    whole: PytreeRecord | None = None
+    priority: int = 0
+    summary: tuple[Any, ...] = ()  # what the log says of it: a format and its arguments
+
+
+def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
+    """Choose the plans and lower them to one graph for the whole call."""
+    workers = list(ranks.workers)
+    p = len(workers)
+    model = model_for(settings.model, hosts.shared_cores(workers, ranks.places))
+    held = ranks.held
+    if isinstance(held, Layout):
+        levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
+        return _lower_tensors(ranks, held, levels, model, settings)
+    inputs = [fs[0] for fs in ranks.futures]
+    keys = tuple(f.key for f in inputs)
+
+    def job(graph: Graph, plan: Plan, nbytes: int, groups: list[list[int]] | None, shape: tuple[int, ...],
+            dtype: np.dtype, how: str = "dask") -> Job:
+        record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, groups), tuple(workers),
+                            tuple(shape), dtype.str, keys, how)
+        summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
+        return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
+
+    if isinstance(held, SparseInputs):
+        if settings.chunks is None and settings.chunk_bytes is not None:
+            raise OptionError("chunk_bytes applies to dense inputs; pass chunks= for sparse ones")
+        with raised_as(OptionError):
+            low = lower_sparse(inputs, workers, held, op=settings.op, algorithm=settings.algorithm,
+                               chunks=settings.chunks, model=model, in_place=ranks.in_place,
+                               options=dict(settings.options))
+        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
+    shape, dtype = held.shape, np.dtype(held.dtype)
     size = math.prod(shape)
     nbytes = size * dtype.itemsize
-    p = len(inputs)
-    levels = rank_groups(client, workers, cpus, settings.topology)
-    domains = _transport.memory_domains(workers, cpus, transport)
-    if algorithm == _transport.DIRECT:  # its groups: the ranks of each worker; one chunk unless asked
-        settings = replace(settings, options=_transport.direct_options(options, workers),
-                           chunks=chunks if chunks or chunk_bytes else 1)
-    plan, model = choose_plan(p, nbytes, workers, cpus, settings, levels)
-    if algorithm == "auto" and chunks is None and chunk_bytes is None:
+    if settings.algorithm == "block-sparse":
+        options = dict(settings.options)
+        aggregators = _aggregators(client, options.pop("aggregators", None))
+        with raised_as(OptionError):
+            low = lower_blocks(inputs, workers, shape=shape, dtype=dtype, op=settings.op,
+                               chunks=settings.chunks_for(nbytes), model=model, in_place=ranks.in_place,
+                               aggregators=aggregators, options=options)
+        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
+    levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
+    domains = _transport.memory_domains(workers, ranks.places, settings.transport)
+    if settings.algorithm == _transport.DIRECT:  # its groups: the ranks of each worker; one chunk unless asked
+        settings = replace(settings, options=_transport.direct_options(dict(settings.options), workers),
+                           chunks=settings.chunks_for(nbytes) or 1)
+    plan = choose_plan(p, nbytes, levels, model, settings)
+    if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
         plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
-    # inproc:// (in-process clusters) passes objects by reference: no private copies to reduce into
-    in_place = not any(w.startswith("inproc://") for w in workers)
-    graph, how = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype, op=op_,
-                                  in_place=in_place, accumulate=op_.accumulator(dtype))
+    graph, how = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
+                                  op=settings.op, in_place=ranks.in_place, accumulate=settings.op.accumulator(dtype))
     if how != "dask":
         ensure_shm(client)
-    return _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, levels[0], how)
+    return job(graph, plan, nbytes, levels[0], shape, dtype, how)
 
 
-def _submit(client, inputs, plan, graph, nbytes, model, workers, shape, dtype, hosts=None,
-            transport="dask") -> list[Future]:
-    """Submit a lowered graph with every task pinned, and remember the call
-    (with the time ``model`` predicts for it, ranks grouped by ``hosts``)."""
+def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], model: CostModel,
+                   settings: Settings) -> Job:
+    """Buckets of the tensors (:mod:`flowreduce.fusion`), a plan per bucket,
+    one graph for them all (:mod:`flowreduce.build.buckets`)."""
+    workers = list(ranks.workers)
+    p = len(workers)
+    buckets = make_buckets([t.spec for t in layout.tensors], settings.bucket_bytes)
+    plans = [choose_plan(p, b.nbytes, levels, model, settings) for b in buckets]
+    g = build_tree_graph(layout, buckets, plans, [list(fs) for fs in ranks.futures], workers, op=settings.op,
+                         check=ranks.check, in_place=ranks.in_place)
+    calls = []
+    for bg, plan in zip(g.buckets, plans):
+        b = bg.bucket
+        shape = (b.size,) if b.fused else layout.tensors[b.tensors[0]].spec.shape
+        calls.append(CallRecord(bg.token, plan, b.nbytes, model.predict(plan, b.nbytes, levels[0]), tuple(workers),
+                                tuple(shape), b.dtype, tuple(bg.inputs)))
+    whole = None
+    if not layout.single_array:
+        bucket_of = [0] * len(layout.tensors)
+        for i, b in enumerate(buckets):
+            for t in b.tensors:
+                bucket_of[t] = i
+        whole = PytreeRecord(tuple(calls), tuple((t.path, t.spec.shape, t.spec.dtype) for t in layout.tensors),
+                             tuple(bucket_of), settings.bucket_bytes, tuple(workers))
+    n = len(layout.inner)
+
+    def arrange(futures: list[Future]) -> list[Any]:
+        return [unflatten(layout.outer, futures[r * n:(r + 1) * n]) for r in range(p)]
+
+    # priority: a rank's single thread runs a bucket's pack and reductions as soon as they are
+    # ready, ahead of the backward tasks submitted before (dask favours older graphs otherwise),
+    # so the reduction of the last layers' bucket overlaps the first layers' backward pass
+    summary = ("allreduce of %d tensors in %d buckets: %d ranks, %d bytes each, %d tasks", len(layout.tensors),
+               len(buckets), p, sum(b.nbytes for b in buckets), len(g.tasks))
+    return Job(g.tasks, g.placement, [k for row in g.outputs for k in row], g.buckets[0].token, arrange,
+               tuple(calls), whole, priority=1, summary=summary)
+
+
+def submit(client: Client, job: Job) -> list[Any]:
+    """Submit a lowered call with every task pinned to its worker, and keep its records."""
     ensure_guard(client)
-    with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
-        futures = client.get(named_graph(graph.tasks, graph.token), graph.outputs, sync=False)
-    _remember(_CALLS, graph.token, CallInfo(plan, nbytes, model.predict(plan, nbytes, hosts), graph.token,
-                                            tuple(workers), tuple(shape), dtype.str, transport))
-    _trace_registry.note(futures, inputs)
-    logger.info("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, len(inputs), nbytes, len(graph.tasks))
-    return futures
+    with dask.annotate(workers=job.placement.get, allow_other_workers=False):
+        futures = client.get(named_graph(job.tasks, job.token), job.keys, sync=False, priority=job.priority)
+    records.remember(client, job.calls, job.whole)
+    logger.info(*job.summary)
+    return job.arrange(futures)
 
 
-def rank_groups(client: Client, workers: list[str], cpus: dict, topology: Any) -> list[list[list[int]]]:
-    """Ranks grouped by host (and coarser levels): from ``topology`` when
-    given, else by the node each rank's worker runs on (two jobs on one node are one group)."""
-    if topology is None:
-        return [_groups_by_place(workers, cpus)]
-    from flowreduce.topology import rank_levels
-
-    return rank_levels(client, workers, topology)
-
-
-def choose_plan(p: int, nbytes: int, workers: list[str], cpus: dict, settings: Any,
-                levels: list[list[list[int]]]) -> tuple[Plan, CostModel]:
-    """The plan for ``p`` ranks of ``nbytes`` each (and the cost model that
-    judged it, knowing the workers' cores and the hosts in ``levels``)."""
-    chunks, options, algorithm = settings.chunks, settings.options, settings.algorithm
-    if chunks is None and settings.chunk_bytes is not None:
-        chunks = max(1, math.ceil(nbytes / settings.chunk_bytes))
-    model = settings.model or configured_model()
-    if model.cores is None:
-        model = replace(model, cores=_shared_cores(workers, cpus))
-    if algorithm == "hierarchical" and not {"groups", "group_size", "levels"} & set(options):
-        options = {**options, **({"levels": levels} if len(levels) > 1 else {"groups": levels[0]})}
-    if algorithm == "auto":
-        if options:
-            raise ValueError(f"options {sorted(options)} need a named algorithm, not 'auto'")
-        plan = choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
-    else:  # what the call leaves open (chunks; hierarchical's inner/outer) chosen by the model
-        plan = tune(algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
-    return plan, model
-
-
-def named_graph(tasks: dict, token: str) -> Any:
+def named_graph(tasks: Mapping[Hashable, Any], token: str) -> Any:
     """The graph as dask's low-level-graph expression, named by the call's
     token: handed a plain dict, dask hashes every task to name it (~10 ms
     for a few hundred tasks, growing with the graph) although our keys are
@@ -340,210 +432,31 @@ def named_graph(tasks: dict, token: str) -> Any:
         from dask._expr import LLGExpr
     except ImportError:  # a dask without expressions takes the dict as it is
         return tasks
-    return LLGExpr(tasks, _determ_token=token)
+    return LLGExpr(dict(tasks), _determ_token=token)
 
 
-def _allreduce_sparse(client, inputs, workers, metas, cpus, op, algorithm, chunks, chunk_bytes, model,
-                      options) -> list[Future]:
-    """scipy.sparse inputs (SparCML) or ``block-sparse`` (OmniReduce): plan and
-    lower in :mod:`flowreduce.build.sparse`, submit here."""
-    from flowreduce.build import sparse as sparse_build
-
-    model = model or configured_model()
-    if model.cores is None:
-        model = replace(model, cores=_shared_cores(workers, cpus))
-    in_place = not any(w.startswith("inproc://") for w in workers)
-    options = dict(options)
-    if algorithm == "block-sparse":
-        shape, dtype = _check_inputs(metas)
-        if chunks is None and chunk_bytes is not None:
-            chunks = max(1, math.ceil(math.prod(shape) * dtype.itemsize / chunk_bytes))
-        aggregators = _aggregators(client, options.pop("aggregators", None))
-        low = sparse_build.lower_blocks(inputs, workers, shape=shape, dtype=dtype, op=op, chunks=chunks,
-                                        model=model, in_place=in_place, aggregators=aggregators, options=options)
-    else:
-        if chunks is None and chunk_bytes is not None:
-            raise ValueError("chunk_bytes applies to dense inputs; pass chunks= for sparse ones")
-        low = sparse_build.lower_sparse(inputs, workers, metas, op=op, algorithm=algorithm, chunks=chunks,
-                                        model=model, in_place=in_place, options=options)
-    return _submit(client, inputs, low.plan, low.graph, low.nbytes, model, workers, low.shape, low.dtype)
-
-
-def _aggregators(client: Client, option) -> list[str]:
+def _aggregators(client: Client, option: Any) -> list[str]:
     """Workers that aggregate block-sparse packs: ``option`` as given (a list
     of addresses), none (``"ranks"``: co-located), or by default the workers
     started with the Dask resource ``aggregator`` (``--resources aggregator=1``)."""
     if option == "ranks":
         return []
-    found = client.run_on_scheduler(_resource_workers, "aggregator")
+    found: list[str] = client.run_on_scheduler(_resource_workers, "aggregator")
     if option is None:
         return found
     if isinstance(option, (list, tuple)) and option and all(isinstance(w, str) for w in option):
         known = set(client.run_on_scheduler(_all_workers))
         missing = [w for w in option if w not in known]
         if missing:
-            raise ValueError(f"aggregators {missing} are not workers of this cluster")
+            raise OptionError(f"aggregators {missing} are not workers of this cluster")
         return list(option)
-    raise ValueError(f"aggregators must be None (the workers with resource 'aggregator', else the ranks), "
-                     f"'ranks', or a list of worker addresses; got {option!r}")
+    raise OptionError(f"aggregators must be None (the workers with resource 'aggregator', else the ranks), "
+                      f"'ranks', or a list of worker addresses; got {option!r}")
 
 
-def _resource_workers(resource, dask_scheduler=None) -> list[str]:
+def _resource_workers(resource: str, dask_scheduler: Any = None) -> list[str]:
     return sorted(w for w, ws in dask_scheduler.workers.items() if ws.resources.get(resource, 0) > 0)
 
 
-def _all_workers(dask_scheduler=None) -> list[str]:
+def _all_workers(dask_scheduler: Any = None) -> list[str]:
     return sorted(dask_scheduler.workers)
-
-
-def _groups_by_place(workers: list[str], places: dict) -> list[list[int]]:
-    """Ranks grouped by the node their worker runs on, groups in order of
-    their first rank and ranks in rank order: what the hierarchical
-    algorithm reduces inside before crossing nodes.
-
-    The innermost level is the ranks that share a host, because that is
-    where transfers are cheap (loopback or shared memory) and the outer
-    all-reduce is what crosses the network. So the node alone decides,
-    not the batch job: two jobs placed on one node share its host and
-    form one group, and one job spanning two nodes is two groups (its
-    ranks on different nodes talk over the network like any others).
-    The node is the batch system's name for the machine when it has one
-    (SLURM's virtual nodes on one box stay distinct, as on a real
-    cluster), else the worker's host: ``places`` maps a worker to (node,
-    cpus, job, host) as :func:`worker_place` reports it, and a worker
-    missing from it is a node of its own."""
-    groups: dict[str, list[int]] = {}
-    for r, w in enumerate(workers):
-        node = places.get(w, (w, 1, "", w))[0]
-        groups.setdefault(node, []).append(r)
-    return list(groups.values())
-
-
-def _shared_cores(workers: list[str], cpus: dict[str, tuple]) -> int | None:
-    """CPU cores the ranks run on: per host, the fewer of its CPUs and its
-    ranks. None when every rank has a core of its own (the model's default)."""
-    per_host: dict[str, list[int]] = {}
-    for w in workers:  # the machine, not the batch system's node: virtual nodes share its CPUs
-        _, n, _, host = cpus.get(w, (w, 1, "", w))
-        per_host.setdefault(host, []).append(n)
-    cores = sum(min(len(ranks), max(ranks)) for ranks in per_host.values())
-    return cores if cores < len(workers) else None
-
-
-def _locate(client: Client, inputs: list[Future]) -> tuple[list[tuple[str, tuple | None]], dict]:
-    """For each rank, the worker holding its input and what it holds there
-    (type, shape, dtype), once all inputs are in memory; and each worker's
-    host and usable CPUs (for the cost model). One broadcast."""
-    for r, f in enumerate(inputs):  # wait() would raise a CancelledError that names no rank
-        if f.cancelled():
-            raise RuntimeError(f"input of rank {r} was cancelled (key {f.key!r}); nothing to reduce")
-    with client.as_current():  # distributed.wait runs on the default client's loop, not theirs
-        wait(inputs)
-    for r, f in enumerate(inputs):
-        if f.status == "error":
-            raise RuntimeError(f"input of rank {r} failed: {f.exception()!r}") from f.exception()
-        if f.status != "finished":
-            raise RuntimeError(f"input of rank {r} is {f.status} (key {f.key!r}); nothing to reduce")
-    keys = list(dict.fromkeys(f.key for f in inputs))
-    holders: dict = {}
-    meta: dict = {}
-    cpus: dict = {}
-    for worker, (held, host_cpus) in sorted(client.run(_describe, keys).items()):
-        cpus[worker] = host_cpus
-        for k, m in held.items():
-            holders.setdefault(k, []).append(worker)
-            meta.setdefault(k, m)
-    for r, f in enumerate(inputs):
-        if f.key not in holders:
-            raise RuntimeError(f"input of rank {r} (key {f.key!r}) is held by no worker: its data was lost")
-    # A replicated input (fetched earlier by some other task) may sit on
-    # several workers: keep it where its submitter pinned it if that is one of
-    # them, else spread ranks over the holders, sole holders first.
-    replicated = [k for k in keys if len(holders[k]) > 1]
-    if replicated:
-        pinned = client.run_on_scheduler(_restrictions, replicated)
-        for k in replicated:
-            holders[k] = [w for w in holders[k] if w in pinned.get(k, ())] or holders[k]
-    load: dict[str, int] = {}
-    chosen: dict[int, str] = {}
-    for r in sorted(range(len(inputs)), key=lambda r: len(holders[inputs[r].key])):
-        w = min(holders[inputs[r].key], key=lambda w: load.get(w, 0))
-        chosen[r] = w
-        load[w] = load.get(w, 0) + 1
-    return [(chosen[r], meta[f.key]) for r, f in enumerate(inputs)], cpus
-
-
-def _restrictions(keys, dask_scheduler=None) -> dict:
-    tasks = dask_scheduler.tasks
-    return {k: sorted(tasks[k].worker_restrictions or ()) for k in keys if k in tasks}
-
-
-#: Environment variables naming the batch job a worker runs in, per queue system.
-_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "JOB_ID", "LSB_JOBID", "OAR_JOB_ID", "_CONDOR_JOB_AD")
-
-
-def place_of(dask_worker=None) -> tuple[str, str]:
-    """Where a worker runs: (node, job). The node is the batch system's name
-    for it when there is one (SLURM's virtual nodes on one machine are
-    distinct nodes), else the host of the worker's address (workers in
-    separate network namespaces are distinct hosts); the job is the batch
-    job id, or ``""`` outside a batch job. Run on a worker by ``client.run``."""
-    import os
-    import socket
-
-    from flowreduce.topology import host_of
-
-    address = getattr(dask_worker, "address", None)
-    node = os.environ.get("SLURMD_NODENAME") or (host_of(address) if address else socket.gethostname())
-    job = next((os.environ[v] for v in _JOB_VARS if os.environ.get(v)), "")
-    return node, job
-
-
-def worker_place(dask_worker=None) -> tuple[str, int, str, str]:
-    """(node, usable CPUs, job, hostname) of a worker; run by ``client.run``."""
-    import os
-    import socket
-
-    try:
-        ncpu = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        ncpu = os.cpu_count() or 1
-    node, job = place_of(dask_worker)
-    return node, ncpu, job, socket.gethostname()
-
-
-def _describe(keys, dask_worker=None):
-    from flowreduce.pytree import describe_value
-
-    out = {}
-    for k in keys:
-        if k in dask_worker.data:
-            x = dask_worker.data[k]
-            if isinstance(x, (np.ndarray, np.generic)):  # a numpy scalar is a 0-d array
-                out[k] = ("ndarray", np.shape(x), x.dtype.str)
-            elif isinstance(x, (dict, list, tuple)):  # a pytree of arrays: structure and leaf specs
-                out[k] = ("pytree", *describe_value(x))
-            else:
-                out[k] = describe_input(x) or (type(x).__name__, None, None)
-    return out, worker_place(dask_worker)
-
-
-def _check_inputs(metas: list[tuple]):
-    """Shape and dtype shared by all ranks, or an error naming the ranks."""
-    bad = [r for r, m in enumerate(metas) if m is None or m[0] != "ndarray"]
-    if bad:
-        kinds = {r: (metas[r][0] if metas[r] else "missing") for r in bad}
-        raise TypeError(f"inputs must be numpy arrays; ranks {bad} hold {kinds}")
-    groups: dict[tuple, list[int]] = {}
-    for r, (_, shape, dt) in enumerate(metas):
-        groups.setdefault((tuple(shape), dt), []).append(r)
-    if len(groups) > 1:
-        shapes = {tuple(s) for s, _ in groups}
-        what = "shapes" if len(shapes) > 1 else "dtypes"
-        detail = "; ".join(f"ranks {rs}: shape {s}, dtype {np.dtype(d)}" for (s, d), rs in groups.items())
-        raise ValueError(f"ranks disagree on {what}: {detail}")
-    (shape, dt), = groups
-    dtype = np.dtype(dt)
-    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
-        raise TypeError(f"inputs must have a numeric or boolean dtype, got {dtype}")
-    return shape, dtype

@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import pickle
 import weakref
+from collections.abc import Generator, Hashable
+from typing import Any
 
 from distributed.active_memory_manager import ReduceReplicas, Suggestion
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.scheduler import WorkerState
 
-
-class WorkerLostError(RuntimeError):
-    """A worker holding part of an all-reduce left the cluster."""
+from flowreduce.errors import WorkerLostError
 
 
 class KeepPinnedReplicas(ReduceReplicas):
     """``ReduceReplicas`` that keeps the replicas pinned flowreduce tasks wait for."""
 
-    def run(self):
+    def run(self) -> Generator[Suggestion, WorkerState | None, None]:
         workers = self.manager.scheduler.workers
         for s in super().run():
             keep = {workers[w] for waiter in s.ts.waiters or () if _ours(waiter.key)
@@ -55,7 +56,7 @@ class KeepPinnedReplicas(ReduceReplicas):
 class PinGuard(SchedulerPlugin):
     name = "flowreduce-pin-guard"
 
-    def start(self, scheduler) -> None:
+    async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         amm = scheduler.extensions.get("amm")
         if amm is not None:
@@ -64,11 +65,11 @@ class PinGuard(SchedulerPlugin):
                     amm.policies.discard(policy)
                     amm.add_policy(KeepPinnedReplicas())
 
-    def transition(self, key, start, finish, *args, **kwargs) -> None:
+    def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "no-worker":  # rare: decide later, once the transition batch is done
             self.scheduler.loop.add_callback(self._fail, key)
 
-    def _fail(self, key) -> None:
+    def _fail(self, key: Hashable) -> None:
         s = self.scheduler
         ts = s.tasks.get(key)
         if ts is None or ts.state != "no-worker":
@@ -89,14 +90,14 @@ class PinGuard(SchedulerPlugin):
         s.transitions(recs, stimulus_id=stimulus)
 
 
-def _ours(key) -> bool:
+def _ours(key: Hashable) -> bool:
     return isinstance(key, tuple) and str(key[0]).startswith("flowreduce-")
 
 
-_guarded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
-def ensure_guard(client) -> None:
+def ensure_guard(client: Any) -> None:
     """Install the guards once per client (and so per scheduler)."""
     if client not in _guarded:
         client.register_plugin(PinGuard())

@@ -1,29 +1,120 @@
-"""Place an all-reduce whose inputs may not be computed yet, without
-waiting for them (schedule layer: it talks to the scheduler through the
-client).
+"""Where each rank runs: the worker holding (or about to hold) its input.
 
-One scheduler call reports every input key's state, holders and worker
-restrictions. An input in memory runs its rank where it is held; a pending
-input pinned to exactly one worker (``submit(..., workers=[w])``, the
-default ``allow_other_workers=False``) runs its rank on that worker; any
-other pending input (unpinned, pinned loosely or to several workers) could
-run anywhere, so it is waited for and then placed where it landed.
+Two ways, one per kind of call:
 
-Each worker's host and usable CPUs (for the cost model) are asked of the
-workers once per client and kept, so a training loop calling ``allreduce``
-every step does not broadcast to the workers every step.
+* :func:`locate` waits until the inputs are in memory and asks the workers,
+  in one broadcast, which of them hold which input and what it is (a
+  :data:`~flowreduce.schedule.inputs.Meta`), with each worker's
+  :class:`~flowreduce.schedule.hosts.Place`;
+* :func:`place` does not wait: one scheduler call reports every input key's
+  state, holders and worker restrictions. An input in memory runs its rank
+  where it is held; a pending input pinned to exactly one worker
+  (``submit(..., workers=[w])``, the default ``allow_other_workers=False``)
+  runs its rank on that worker; any other pending input (unpinned, pinned
+  loosely or to several workers) could run anywhere, so it is waited for and
+  then placed where it landed.
+
+Both check the futures' status with :func:`check_status` and wait with
+:func:`wait_on`, on the client's own event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections import Counter
+from collections.abc import Hashable, Sequence
 from typing import Any
 
+from flowreduce.errors import InputStateError
+from flowreduce.schedule import hosts
+from flowreduce.schedule.inputs import Meta, meta_of
 
-async def _input_states(keys: list, timeout: float, dask_scheduler: Any = None) -> dict:
-    """On the scheduler: ``key -> (state, holders, restrictions, loose)``.
+
+def wait_on(client: Any, futures: Sequence[Any]) -> None:
+    """``distributed.wait`` on ``client``'s event loop. ``distributed.wait``
+    alone runs on the *default* client's loop: with two clients in one
+    process (an in-process cluster beside another), the futures' states
+    would be awaited on the wrong loop and fail later on their own."""
+    from distributed import wait
+
+    with client.as_current():
+        wait(list(futures))
+
+
+def check_status(ranks: Sequence[Sequence[Any]]) -> None:
+    """An error naming the rank of the first input future that failed, was
+    cancelled or lost (a pending or finished one is fine)."""
+    for r, fs in enumerate(ranks):
+        for f in fs:
+            if f.status == "error":
+                raise InputStateError(f"input of rank {r} failed: {f.exception()!r}") from f.exception()
+            if f.status == "cancelled":
+                raise InputStateError(f"input of rank {r} was cancelled (key {f.key!r}); nothing to reduce")
+            if f.status == "lost":
+                raise InputStateError(f"input of rank {r} is lost (key {f.key!r}); nothing to reduce")
+
+
+def locate(client: Any, ranks: Sequence[Sequence[Any]]) -> tuple[list[list[str]], list[list[Meta]]]:
+    """For each rank's futures, once all are in memory, the worker holding
+    each and what it holds there; the workers' places are kept
+    (:func:`flowreduce.schedule.hosts.remember`). One broadcast.
+
+    Raises
+    ------
+    InputStateError
+        An input that failed, was cancelled or whose data was lost.
+    """
+    check_status(ranks)  # before waiting: wait() would raise a CancelledError that names no rank
+    flat = [f for fs in ranks for f in fs]
+    wait_on(client, flat)
+    check_status(ranks)
+    keys = list(dict.fromkeys(f.key for f in flat))
+    holders: dict[Hashable, list[str]] = {}
+    meta: dict[Hashable, Meta] = {}
+    places: dict[str, hosts.Place] = {}
+    for worker, (held, place) in sorted(client.run(_held, keys).items()):
+        places[worker] = place
+        for k, m in held.items():
+            holders.setdefault(k, []).append(worker)
+            meta.setdefault(k, m)
+    hosts.remember(client, places)
+    for r, fs in enumerate(ranks):
+        for f in fs:
+            if f.key not in holders:
+                raise InputStateError(f"input of rank {r} (key {f.key!r}) is held by no worker: its data was lost")
+    # A replicated input (fetched earlier by some other task) may sit on
+    # several workers: keep it where its submitter pinned it if that is one of
+    # them, else spread ranks over the holders, sole holders first.
+    replicated = [k for k in keys if len(holders[k]) > 1]
+    if replicated:
+        pinned = client.run_on_scheduler(_restrictions, replicated)
+        for k in replicated:
+            holders[k] = [w for w in holders[k] if w in pinned.get(k, ())] or holders[k]
+    load: Counter[str] = Counter()
+    chosen: dict[tuple[int, int], str] = {}
+    order = sorted(((r, j) for r, fs in enumerate(ranks) for j in range(len(fs))),
+                   key=lambda rj: len(holders[ranks[rj[0]][rj[1]].key]))
+    for r, j in order:
+        w = min(holders[ranks[r][j].key], key=lambda w: load[w])
+        chosen[r, j] = w
+        load[w] += 1
+    workers = [[chosen[r, j] for j in range(len(fs))] for r, fs in enumerate(ranks)]
+    return workers, [[meta[f.key] for f in fs] for fs in ranks]
+
+
+def _held(keys: list[Hashable], dask_worker: Any = None) -> tuple[dict[Hashable, Meta], hosts.Place]:
+    """On each worker: what it holds of ``keys``, and where it runs."""
+    held = {k: meta_of(dask_worker.data[k]) for k in keys if k in dask_worker.data}
+    return held, hosts.worker_place(dask_worker)
+
+
+def _restrictions(keys: list[Hashable], dask_scheduler: Any = None) -> dict[Hashable, list[str]]:
+    tasks = dask_scheduler.tasks
+    return {k: sorted(tasks[k].worker_restrictions or ()) for k in keys if k in tasks}
+
+
+async def _input_states(keys: list[Hashable], timeout: float, dask_scheduler: Any = None) -> dict[Hashable, tuple]:
+    """On the scheduler: ``key -> (state, holders, restrictions, loose, alive workers)``.
 
     A future submitted just before this call may not have reached the
     scheduler yet (the client's task stream and this RPC travel on different
@@ -47,96 +138,56 @@ def _candidates(state: tuple) -> list[str] | None:
     """Workers the key is (or will be) on, or None if that is unknowable yet."""
     status, holders, pinned, loose, alive = state
     if status == "memory":
-        return [w for w in holders if w in pinned] or holders
+        return [w for w in holders if w in pinned] or list(holders)
     if len(pinned) == 1 and not loose and pinned[0] in alive:
-        return pinned
+        return list(pinned)
     return None
 
 
-def place(client: Any, ranks: list[list[Any]], *, timeout: float = 10.0) -> list[str]:
-    """The worker of each rank, from the futures of each rank.
-
-    A rank whose futures sit (or will sit) on several workers runs on the
-    one most of them name; the others are fetched there.
+def place(client: Any, ranks: Sequence[Sequence[Any]], *, timeout: float = 10.0) -> list[str]:
+    """The worker of each rank, from the futures of each rank, without
+    waiting for pinned ones. A rank whose futures sit (or will sit) on
+    several workers runs on the one most of them name; the others are
+    fetched there.
 
     Raises
     ------
-    RuntimeError
+    InputStateError
         An input that failed, was cancelled, or that the scheduler does not know.
     """
-    _check_status(ranks)
+    check_status(ranks)
     keys = list(dict.fromkeys(f.key for fs in ranks for f in fs))
     waited = False
     while True:
         states = client.run_on_scheduler(_input_states, keys, timeout)
-        where: dict[Any, list[str] | None] = {}
+        where: dict[Hashable, list[str] | None] = {}
         for r, fs in enumerate(ranks):
             for f in fs:
                 st = states.get(f.key)
                 if st is None:
-                    raise RuntimeError(f"input of rank {r} (key {f.key!r}) is unknown to the scheduler "
-                                       f"after {timeout:g} s; was it released?")
+                    raise InputStateError(f"input of rank {r} (key {f.key!r}) is unknown to the scheduler "
+                                          f"after {timeout:g} s; was it released?")
                 if st[0] == "erred":
                     exc = f.exception()
-                    raise RuntimeError(f"input of rank {r} failed: {exc!r}") from exc
+                    raise InputStateError(f"input of rank {r} failed: {exc!r}") from exc
                 where[f.key] = _candidates(st)
         unknown = [f for fs in ranks for f in fs if where[f.key] is None]
         if not unknown or waited:
             break
         wait_on(client, unknown)  # unpinned and pending: only where it ran says where it is
-        _check_status(ranks)
+        check_status(ranks)
         waited = True
-    load: Counter = Counter()
+    load: Counter[str] = Counter()
     out = []
     for r, fs in enumerate(ranks):
-        votes = Counter()
+        votes: Counter[str] = Counter()
         for f in fs:
             cands = where[f.key] or []
             if cands:
                 votes[min(cands, key=lambda w: load[w])] += 1
         if not votes:
-            raise RuntimeError(f"input of rank {r} has no worker: its data was lost")
+            raise InputStateError(f"input of rank {r} has no worker: its data was lost")
         w = votes.most_common(1)[0][0]
         load[w] += 1
         out.append(w)
     return out
-
-
-def wait_on(client: Any, futures: list[Any]) -> None:
-    """``distributed.wait`` on ``client``'s event loop. ``distributed.wait``
-    alone runs on the *default* client's loop: with two clients in one
-    process (an in-process cluster beside another), the futures' states
-    would be awaited on the wrong loop and fail later on their own."""
-    from distributed import wait
-
-    with client.as_current():
-        wait(futures)
-
-
-def _check_status(ranks: list[list[Any]]) -> None:
-    for r, fs in enumerate(ranks):
-        for f in fs:
-            if f.status == "error":
-                raise RuntimeError(f"input of rank {r} failed: {f.exception()!r}") from f.exception()
-            if f.status in ("cancelled", "lost"):
-                raise RuntimeError(f"input of rank {r} is {f.status} (key {f.key!r}); nothing to reduce")
-
-
-_PLACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def worker_places(client: Any, workers: list[str]) -> dict[str, tuple]:
-    """``worker -> (node, cpus, job, hostname)`` for ``workers``, asked of
-    the workers not seen before (one broadcast to those only)."""
-    from flowreduce.schedule.call import worker_place
-
-    known = _PLACES.setdefault(client, {})
-    missing = sorted(set(workers) - set(known))
-    if missing:
-        known.update(client.run(worker_place, workers=missing))
-    return {w: known[w] for w in workers}
-
-
-def remember_places(client: Any, places: dict[str, tuple]) -> None:
-    """Keep places learnt some other way (the in-memory path's broadcast)."""
-    _PLACES.setdefault(client, {}).update(places)

@@ -7,15 +7,15 @@ choose the one-level intra-host collective (``shm-direct``) when all ranks
 share a host; ``"dask"`` turns all of it off (every byte through Dask's
 comm, as before); ``"shm"`` is ``auto`` that says so.
 
-A worker's memory domain is its node (as :func:`flowreduce.schedule.call.
-worker_place` reports it: emulated hosts in network namespaces stay apart)
-and its machine's hostname; in-process workers (``inproc://``) hand objects
+A worker's memory domain is its node and machine (its
+:class:`flowreduce.schedule.hosts.Place`: emulated hosts in network
+namespaces stay apart); in-process workers (``inproc://``) hand objects
 over by reference and need no shared memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ def check(transport: str) -> None:
         raise ValueError(f"unknown transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
 
 
-def memory_domains(workers: Sequence[str], places: dict, transport: str) -> list[Any]:
+def memory_domains(workers: Sequence[str], places: Mapping[str, Any], transport: str) -> list[Any]:
     """Per rank, the memory domain its worker shares with the others (None:
     no shared memory for it)."""
     if transport == "dask":
@@ -48,8 +48,8 @@ def memory_domains(workers: Sequence[str], places: dict, transport: str) -> list
         if w.startswith("inproc://"):  # one process: the collective's values are handed over by reference
             out.append(IN_PROCESS)
             continue
-        node, _, _, hostname = places.get(w, (w, 1, "", w))
-        out.append((node, hostname))
+        place = places.get(w)
+        out.append((place.node, place.machine) if place is not None else (w, w))
     return out
 
 

@@ -41,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from flowreduce import keys as keymod
+from flowreduce.phases import TASK_PHASES
 from flowreduce.tracing import registry
 from flowreduce.tracing.clocks import WorkerClock, choose_mode
 from flowreduce.tracing.events import KEY_PHASE, Event
@@ -518,7 +519,7 @@ class Trace:
             for r, w in enumerate(call.workers):
                 out.setdefault(w, r)
         for e in self.iter_events(token):
-            if e.rank is not None and e.phase in ("split", "fusion", "reduce", "copy"):
+            if e.rank is not None and e.phase in TASK_PHASES:
                 out[e.worker] = min(out.get(e.worker, e.rank), e.rank)
         return out
 
@@ -585,8 +586,7 @@ def trace(client: Any, **options: Any) -> Trace:
     Examples
     --------
     >>> with flowreduce.trace(client) as tr:                  # doctest: +SKIP
-    ...     out = flowreduce.allreduce(client, parts, algorithm="butterfly")
-    ...     tr.add(out, parts)   # not needed once schedule.py notes calls
+    ...     out = flowreduce.allreduce(client, parts, algorithm="butterfly")  # noted by itself
     ...     client.gather(out)
     >>> flowreduce.tracing.to_chrome(tr, "trace.json")        # doctest: +SKIP
     """

@@ -1,5 +1,6 @@
 """Trace events: one typed record per interval of time, with a fixed phase
-vocabulary (after Horovod's timeline). Pure Python, no Dask.
+vocabulary (after Horovod's timeline; the words are spelled once, in
+:mod:`flowreduce.phases`). Pure Python, no Dask.
 
 Phases
 ------
@@ -50,39 +51,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-PHASES: tuple[str, ...] = (
-    "wait-for-input",
-    "split",
-    "fusion",
-    "serialise",
-    "transfer",
-    "deserialise",
-    "reduce",
-    "copy",
-    "user-compute",
-    "other",
-)
+from flowreduce.phases import COMM_PHASES, COMPUTE_PHASES, TRACE_PHASE_OF, TRACE_PHASES
 
-#: Phases that keep a worker's thread busy computing.
-COMPUTE_PHASES: frozenset[str] = frozenset({"split", "fusion", "reduce", "copy", "user-compute"})
-#: Phases that are communication.
-COMM_PHASES: frozenset[str] = frozenset({"serialise", "transfer", "deserialise"})
+__all__ = ["COMM_PHASES", "COMPUTE_PHASES", "EVENT_FIELDS", "KEY_PHASE", "PHASES", "Event", "pack_lanes"]
 
-#: flowreduce key phase -> trace phase (``output`` and the all-gather /
-#: broadcast gathers are ``copy``; the capture refines merged outputs).
-KEY_PHASE: dict[str, str] = {
-    "split": "split",
-    "reduce-scatter": "reduce",
-    "reduce": "reduce",
-    "exchange": "reduce",
-    "all-gather": "copy",
-    "broadcast": "copy",
-    "output": "copy",
-    "pack": "fusion",
-    "unpack": "fusion",
-    "compact": "split",  # sparse: a rank's non-zeros (or non-zero blocks) of a range
-    "aggregate": "reduce",  # block-sparse: an aggregator adds the compacted ranges it owns
-}
+#: The trace's phases (:data:`flowreduce.phases.TRACE_PHASES`), in display order.
+PHASES: tuple[str, ...] = TRACE_PHASES
+#: flowreduce key phase -> trace phase (:data:`flowreduce.phases.TRACE_PHASE_OF`).
+KEY_PHASE: dict[str, str] = TRACE_PHASE_OF
 
 
 @dataclass(frozen=True)

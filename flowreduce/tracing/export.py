@@ -17,6 +17,7 @@ import os
 from collections import defaultdict
 from typing import Any
 
+from flowreduce.phases import TASK_PHASES
 from flowreduce.tracing.events import EVENT_FIELDS, PHASES, Event, pack_lanes
 
 
@@ -54,7 +55,7 @@ def chrome_events(trace: Any) -> list[dict]:
 
     rank_of: dict[str, int | None] = {}
     for e in events:
-        if e.phase in ("split", "fusion", "reduce", "copy") and e.rank is not None:
+        if e.phase in TASK_PHASES and e.rank is not None:
             rank_of[e.worker] = min(rank_of.get(e.worker, e.rank), e.rank)
     workers = sorted({e.worker for e in events if e.worker} | {e.source for e in events if e.source}
                      | set(getattr(trace, "clocks", {})),
@@ -85,7 +86,7 @@ def chrome_events(trace: Any) -> list[dict]:
     # to the receiver's transfer.
     where = {i: lane[i] for i in range(len(events))}
     serialise = {(e.source, e.dest, e.keys): i for i, e in enumerate(events) if e.phase == "serialise" and e.keys}
-    made = {(e.worker, e.key): i for i, e in enumerate(events) if e.phase in ("split", "fusion", "reduce", "copy")}
+    made = {(e.worker, e.key): i for i, e in enumerate(events) if e.phase in TASK_PHASES}
     flow = 0
     for i, e in enumerate(events):
         if e.phase != "transfer" or e.source not in pid:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowreduce.phases import TASK_PHASES
 from flowreduce.tracing.events import PHASES, Event
 
 COLORS: dict[str, str] = {
@@ -77,7 +78,7 @@ def layout(trace: Any, token: str | None = None) -> Drawing:
             events = [e for e in events if e.token == token or (e.stop > lo and e.start < hi)]
     lane_rank: dict[str, int] = {}
     for e in events:
-        if e.rank is not None and e.phase in ("split", "fusion", "reduce", "copy"):
+        if e.rank is not None and e.phase in TASK_PHASES:
             lane_rank[e.worker] = min(lane_rank.get(e.worker, e.rank), e.rank)
     ranks = sorted(set(lane_rank.values()) | {e.rank for e in events if e.rank is not None})
     lanes = [f"rank {r}" for r in ranks]

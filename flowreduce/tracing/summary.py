@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flowreduce import keys as keymod
-from flowreduce.tracing.events import COMM_PHASES, COMPUTE_PHASES, PHASES, Event
+from flowreduce.phases import COMM_PHASES, COMPUTE_PHASES, TRACE_PHASES, TRANSFER, WAIT_FOR_INPUT
+from flowreduce.tracing.events import Event
 
 
 # -- interval arithmetic ----------------------------------------------------------
@@ -158,7 +159,7 @@ class Summary:
         ratio = self.measured / self.predicted if self.predicted else float("nan")
         con.print(f"measured {self.measured * ms:.1f} ms (first task start -> last task stop), "
                   f"predicted {self.predicted * ms:.1f} ms, measured/predicted {ratio:.2f}")
-        shown = [p for p in PHASES if self.total.get(p, 0) > 0 or any(r.phases.get(p) for r in self.per_rank)]
+        shown = [p for p in TRACE_PHASES if self.total.get(p, 0) > 0 or any(r.phases.get(p) for r in self.per_rank)]
         t = Table(title="time per phase (ms)")
         for col in ["rank", "worker", *shown, "busy", "idle", "comm overlapped"]:
             t.add_column(col, justify="right")
@@ -206,7 +207,7 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
     call = trace.calls.get(token)
     if call is None:
         raise ValueError(f"no call with token {token!r} in this trace; known: {list(trace.calls)}")
-    mine = [e for e in trace.iter_events(token) if e.phase != "wait-for-input"]
+    mine = [e for e in trace.iter_events(token) if e.phase != WAIT_FOR_INPUT]
     if not mine:
         raise ValueError(f"no events recorded for call {token!r}: wait for its results inside the trace block")
     t0, t1 = min(e.start for e in mine), max(e.stop for e in mine)
@@ -216,7 +217,7 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
     per_rank = []
     all_busy = all_comm = all_over = 0.0
     totals: dict[str, float] = defaultdict(float)
-    others = [e for e in trace.iter_events() if e.token == "" and e.phase != "wait-for-input"]
+    others = [e for e in trace.iter_events() if e.token == "" and e.phase != WAIT_FOR_INPUT]
     for r in range(call.plan.ranks):
         w = worker_of.get(r, "")
         evs = [e for e in mine if e.worker == w] + [e for e in others if e.worker == w]
@@ -225,8 +226,8 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
         for p, a, b in clipped:
             phases[p] += b - a
         for e in trace.iter_events(token):
-            if e.phase == "wait-for-input" and e.rank == r:
-                phases["wait-for-input"] += e.duration
+            if e.phase == WAIT_FOR_INPUT and e.rank == r:
+                phases[WAIT_FOR_INPUT] += e.duration
         comp = [(a, b) for p, a, b in clipped if p in COMPUTE_PHASES]
         comm = [(a, b) for p, a, b in clipped if p in COMM_PHASES]
         busy = length(comp + comm)
@@ -239,7 +240,7 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
                   overlapped=all_over, overlap_fraction=all_over / all_comm if all_comm else 0.0)
     links: dict[tuple[str, str], int] = defaultdict(int)
     for e in mine:
-        if e.phase == "transfer":
+        if e.phase == TRANSFER:
             links[(e.source, e.dest)] += sum(e.key_bytes) or e.nbytes
     straggler = None
     ready = trace.input_ready.get(token)
@@ -298,7 +299,7 @@ def critical_path(trace: Any, call: Any, events: list[Event]) -> list[PathStep]:
     task = {e.key: e for e in events if e.phase in COMPUTE_PHASES and e.key in deps}
     arrive: dict[tuple[str, str], Event] = {}
     for e in events:
-        if e.phase == "transfer":
+        if e.phase == TRANSFER:
             for k in e.keys:
                 arrive[(e.dest, k)] = e
     if not task:
@@ -322,7 +323,7 @@ def critical_path(trace: Any, call: Any, events: list[Event]) -> list[PathStep]:
         if cur.start > t:
             path.append(PathStep("gap", t, cur.start, "", cur.worker))
         if via is not None:
-            path.append(PathStep("transfer", via.start, via.stop, via.key, via.worker))
+            path.append(PathStep(TRANSFER, via.start, via.stop, via.key, via.worker))
             if via.start > src.stop:
                 path.append(PathStep("gap", src.stop, via.start, "", via.worker))
         cur = src

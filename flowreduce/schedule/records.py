@@ -1,0 +1,142 @@
+"""One record per all-reduce call, kept for a while: what
+:func:`flowreduce.describe` answers and what a trace reads
+(:mod:`flowreduce.tracing.registry`). Pure Python.
+
+A call over pytrees reduces one bucket per dense all-reduce: each bucket
+has its own :class:`CallRecord` (its own key token) and the call as a whole
+a :class:`PytreeRecord` holding them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from flowreduce.algorithms.ir import Plan
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """What one all-reduce ran: its plan, bytes per rank, the cost model's
+    predicted seconds, its key token, each rank's worker, the shape and
+    dtype of a rank's input, and each rank's input key (no futures held)."""
+
+    token: str
+    plan: Plan
+    nbytes: int
+    predicted: float
+    workers: tuple[str, ...] = ()
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    input_keys: tuple[Hashable, ...] = ()
+    transport: str = "dask"  # how links between workers moved bytes ("shared memory", ...)
+
+    @property
+    def algorithm(self) -> str:
+        return self.plan.algorithm
+
+    @property
+    def bytes_on_wire(self) -> float:
+        """Bytes the plan moves between ranks, all messages (for sparse plans
+        the expected bytes at the inputs' density; a trace measures them:
+        ``flowreduce.tracing.summarize(tr).bytes_moved``)."""
+        return float(self.plan.cost(self.nbytes).bytes_on_wire)
+
+
+@dataclass(frozen=True)
+class PytreeRecord:
+    """What one ``allreduce`` call over pytrees ran: one dense all-reduce
+    per bucket of fused tensors (:mod:`flowreduce.fusion`).
+
+    ``tensors`` are ``(path, shape, dtype)`` in registration order,
+    ``bucket_of[i]`` the bucket of tensor ``i``. ``plan`` is the first
+    bucket's (the last layers'); ``nbytes`` and ``predicted`` add up the
+    buckets (as if they ran one after another)."""
+
+    buckets: tuple[CallRecord, ...]
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...]
+    bucket_of: tuple[int, ...]
+    bucket_bytes: int | None
+    workers: tuple[str, ...]
+
+    @property
+    def plan(self) -> Plan:
+        return self.buckets[0].plan
+
+    @property
+    def token(self) -> str:
+        return self.buckets[0].token
+
+    @property
+    def algorithm(self) -> str:
+        return ", ".join(dict.fromkeys(b.algorithm for b in self.buckets))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def predicted(self) -> float:
+        return sum(b.predicted for b in self.buckets)
+
+    @property
+    def bytes_on_wire(self) -> float:
+        return sum(b.bytes_on_wire for b in self.buckets)
+
+
+Record = CallRecord | PytreeRecord
+
+#: How many calls are kept: a training loop makes one (or one per bucket) per step.
+MAX_CALLS = 1024
+
+
+@dataclass(frozen=True)
+class _Entry:
+    call: CallRecord
+    whole: PytreeRecord | None  # the pytree call a bucket belongs to
+
+
+# token -> entry, oldest first: one store, so describe() and the tracer forget a call together
+_RECORDS: OrderedDict[str, _Entry] = OrderedDict()
+
+
+#: Told of every call as it is submitted, with the client: what open traces
+#: hear calls by (:mod:`flowreduce.tracing.registry` adds itself on import, so
+#: this layer imports nothing above it).
+_LISTENERS: list[Callable[[Any, CallRecord], None]] = []
+
+
+def listen(listener: Callable[[Any, CallRecord], None]) -> None:
+    """Call ``listener(client, record)`` for every dense all-reduce submitted from now on."""
+    if listener not in _LISTENERS:
+        _LISTENERS.append(listener)
+
+
+def remember(client: Any, calls: tuple[CallRecord, ...], whole: PytreeRecord | None = None) -> None:
+    """Keep the records of one call submitted through ``client``: its dense
+    all-reduces (one, or one per bucket) and, for a pytree call, the whole;
+    and tell the listeners."""
+    for call in calls:
+        _RECORDS[call.token] = _Entry(call, whole)
+    while len(_RECORDS) > MAX_CALLS:
+        _RECORDS.popitem(last=False)
+    for listener in _LISTENERS:
+        for call in calls:
+            listener(client, call)
+
+
+def find(token: str) -> Record | None:
+    """The record of the call whose keys carry ``token``: the whole pytree
+    call for a bucket of one, else the call; None if forgotten or unknown."""
+    entry = _RECORDS.get(token)
+    if entry is None:
+        return None
+    return entry.whole or entry.call
+
+
+def find_call(token: str) -> CallRecord | None:
+    """The one dense all-reduce (a bucket of a pytree call included) whose keys carry ``token``."""
+    entry = _RECORDS.get(token)
+    return entry.call if entry is not None else None
