@@ -314,3 +314,19 @@ def test_pool_usage_is_visible(client):
     stats = usage(client)
     assert set(stats) == set(workers_of(client))
     assert all(s["bytes"] >= 300_000 * 8 and s["reason"] is None for s in stats.values()), stats
+
+
+def test_traces_show_shared_memory_copies_per_link(client):
+    from flowreduce.tracing import summarize
+
+    n, ws = 100_000, workers_of(client)
+    parts = scatter(client, [np.full(n, float(r)) for r in range(4)])
+    with flowreduce.trace(client) as tr:
+        futures = flowreduce.allreduce(client, parts, algorithm="shm-direct")
+        client.gather(futures)
+    copies = [e for e in tr.events if e.phase == "shm-copy"]
+    assert {e.detail for e in copies} == {"shm-write", "shm-read"}
+    assert all(e.token == futures[0].key[0].rpartition("-")[2] for e in copies)
+    # every worker reads its slice of every peer (reduce-scatter) and every peer's slice (all-gather)
+    expected = {(a, b): 2 * n * 8 // 4 for a in ws for b in ws if a != b}
+    assert summarize(tr).shm_links == expected
