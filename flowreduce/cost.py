@@ -135,8 +135,8 @@ class CostModel:
     def predict(self, plan: Plan, nbytes: float, groups: Groups | None = None) -> float:
         """Predicted seconds of ``plan`` on ``nbytes`` per rank; ``groups``
         lists the ranks of each host (default: all on one host)."""
-        if plan.algorithm == "shm-direct" and plan.chunks == 1:
-            return self.shm_direct_time(plan, nbytes)
+        if plan.algorithm == "shm-direct" and plan.chunks == 1 and (groups is None or len(groups) < 2):
+            return self.shm_direct_time(plan, nbytes)  # one host: lowered over shared memory
         hosts = groups is not None and len(groups) > 1
         loads = link_loads(plan, groups, nbytes) if hosts else None
         return self._time(plan.ranks, plan.chunks, plan.cost(nbytes), loads, nbytes)

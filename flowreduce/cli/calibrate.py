@@ -147,7 +147,7 @@ def calibrate(client: Any, *, small: Sequence[int] = SMALL, large: Sequence[int]
     samples: list[dict] = []
     fits: dict[str, dict] = {}
     links: dict[str, Link] = {}
-    if "intra" in pairs:
+    if "intra" in pairs and not pairs["intra"][0].startswith("inproc://"):  # in-process: nothing to share
         from flowreduce.schedule.shm_plugin import ensure_shm
 
         ensure_shm(client)
