@@ -16,9 +16,11 @@ On one host the peers' buffers are POSIX shared memory
 writes into a pooled segment, so three dependent tasks in all); with
 ``transport="dask"`` the same plan runs over Dask's comm, an all-to-all.
 
-Cost: 3 levels (the views and the pre-reduce fuse into one task when
-lowered over shared memory), (G-1)/G·n bytes per worker each way (as ring),
-G(G-1) messages per phase; tasks: one per worker per phase plus one per rank.
+Cost: 3 levels (4 with ranks sharing a worker), (G-1)/G·n bytes per
+worker each way (as ring), G(G-1) messages per phase. The plan has a view
+per rank and segment (so over Dask's comm a peer fetches only its segment);
+lowered over shared memory, the views and the pre-reduce fuse into one task
+per worker: 2 tasks per worker and one per rank, 3 levels in all.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def plan(ranks: int, *, groups: Sequence[Sequence[int]] | None = None) -> Plan:
         raise ValueError(f"groups must split ranks 0..{p - 1} into non-empty groups, got {groups}")
     G = len(groups)
     d = Draft(NAME, p, G, **({"groups": groups} if G < p else {}))
-    views = {r: d.view(r) for r in range(p)}
-    local = [views[g[0]] if len(g) == 1 else d.reduce(g[0], 0, G, [views[r] for r in g], 1, "reduce")
-             for g in groups]
-    scattered = [d.reduce(g[0], s, s + 1, local, 2, "reduce-scatter") for s, g in enumerate(groups)]
+    # per-segment views, so over Dask's comm each peer fetches only its segment
+    views = {r: [d.view(r, s, s + 1) for s in range(G)] for r in range(p)}
+    local = [[views[g[0]][s] if len(g) == 1 else d.reduce(g[0], s, s + 1, [views[r][s] for r in g], 1, "reduce")
+              for s in range(G)] for g in groups]
+    scattered = [d.reduce(g[0], s, s + 1, [local[h][s] for h in range(G)], 2, "reduce-scatter")
+                 for s, g in enumerate(groups)]
     finals = [d.gather(r, 0, G, scattered, 3, "all-gather") for r in range(p)]
     return d.finish(finals)
