@@ -15,6 +15,7 @@ import weakref
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from flowreduce import keys
 from flowreduce.build import shm_pool
 
 
@@ -25,6 +26,7 @@ class SharedMemoryPlugin(WorkerPlugin):
     def setup(self, worker) -> None:
         from tornado.ioloop import PeriodicCallback
 
+        self.worker = worker
         pool = shm_pool.pool()
         interval = max(0.05, min(pool.idle / 2, 5.0)) * 1000
         self._idle = PeriodicCallback(self._release_idle, interval)
@@ -34,6 +36,21 @@ class SharedMemoryPlugin(WorkerPlugin):
         pool = shm_pool.current()
         if pool is not None:
             pool.release_idle()
+
+    def transition(self, key, start, finish, **kwargs) -> None:
+        """Once the last key of a call leaves this worker, give back what the
+        call still leases (normally nothing: its values are gone and took
+        their leases with them; after an error, a kept traceback may hold one)."""
+        if finish != "forgotten":
+            return
+        info = keys.parse(key)
+        pool = shm_pool.current()
+        if info is None or pool is None or not pool.owns(info["token"]):
+            return
+        token = info["token"]
+        if not any(k != key and (i := keys.parse(k)) is not None and i["token"] == token
+                   for k in self.worker.state.tasks):
+            pool.release_owner(token)
 
     def teardown(self, worker) -> None:
         from distributed.core import Status
