@@ -105,7 +105,7 @@ def _flowreduce_wire_bytes(peers, dask_worker=None) -> list[int]:
     ("shm-direct", "auto", True), ("ring", "auto", True), ("butterfly", "auto", True), ("ring", "dask", False),
 ])
 def test_same_host_edges_carry_a_handle(client, algorithm, transport, small):
-    arrays = [np.random.default_rng(r).random(200_000) for r in range(4)]  # 1.6 MB each
+    arrays = [np.random.default_rng(r).random(200_000) for r in range(4)]  # 1.6 MB each, past min-bytes
     parts = scatter(client, arrays)
     client.run(_clear_logs)
     futures = flowreduce.allreduce(client, parts, algorithm=algorithm, transport=transport)
@@ -331,3 +331,15 @@ def test_traces_show_shared_memory_copies_per_link(client):
     # every worker reads its slice of every peer (reduce-scatter) and every peer's slice (all-gather)
     expected = {(a, b): 2 * n * 8 // 4 for a in ws for b in ws if a != b}
     assert summarize(tr).shm_links == expected
+
+
+def test_sixty_four_ranks_on_four_workers(client, shm_dir):
+    """Ranks sharing workers are summed in one task per worker (the graph's
+    size: test_direct_graph_is_three_levels); here the numbers."""
+    arrays = [np.arange(1000, dtype=np.int64) * r for r in range(64)]
+    futures = flowreduce.allreduce(client, scatter(client, arrays), algorithm="shm-direct")
+    assert describe(futures).plan.options["groups"] == [list(range(w, 64, 4)) for w in range(4)]
+    for r, o in enumerate(client.gather(futures)):
+        np.testing.assert_array_equal(o, np.arange(1000) * (63 * 64 // 2), err_msg=f"rank {r}")
+    del futures
+    settled(client, shm_dir)
