@@ -208,11 +208,11 @@ def test_no_segment_left_after_cancellation(client, shm_dir):
 def test_pool_stays_bounded_over_many_calls(client, shm_dir):
     """200 calls here (each call's locate round trip makes 1,000 slow on a
     shared CI machine; test_shm_pool runs 1,000 leases against the bound)."""
-    parts = scatter(client, [np.arange(1000.0) + r for r in range(4)])
+    parts = scatter(client, [np.arange(20_000.0) + r for r in range(4)])  # past min-bytes: shared memory
     for _ in range(10):
         batch = [flowreduce.allreduce(client, parts, algorithm="shm-direct") for _ in range(20)]
         for out in client.gather(batch):
-            np.testing.assert_array_equal(out[0], 4 * np.arange(1000.0) + 6)
+            np.testing.assert_array_equal(out[0], 4 * np.arange(20_000.0) + 6)
     per_worker = usage(client)
     assert all(s["leased"] + s["free"] <= 4 for s in per_worker.values()), per_worker
     assert len(shm_pool.segments(shm_dir)) <= 4 * len(per_worker)
