@@ -137,21 +137,20 @@ class CostModel:
         lists the ranks of each host (default: all on one host)."""
         if plan.algorithm == "shm-direct" and plan.chunks == 1 and (groups is None or len(groups) < 2):
             return self.shm_direct_time(plan, nbytes)  # one host: lowered over shared memory
-        hosts = groups is not None and len(groups) > 1
-        loads = link_loads(plan, groups, nbytes) if hosts else None
+        loads = link_loads(plan, groups, nbytes) if groups is not None and len(groups) > 1 else None
         return self._time(plan.ranks, plan.chunks, plan.cost(nbytes), loads, nbytes)
 
     def _time(self, ranks: int, chunks: int, card: CostCard, loads: LinkLoads | None, nbytes: float) -> float:
         copy = (nbytes if card.copy_bytes else 0.0) / self.copy_rate
-        shared = bool(self.cores and self.cores < ranks)
+        cores = self.cores if self.cores and self.cores < ranks else None  # set when the ranks share cores
         # every byte costs CPU at both ends and all of it queues on the shared cores
         work = (2 * card.bytes_on_wire / self.bandwidth + card.total_reduce_bytes / self.reduce_rate
                 + card.copy_bytes / self.copy_rate)
         compute = card.reduce_bytes / self.reduce_rate
         if loads is None:  # one host
             comm = card.max_rank_bytes / self.bandwidth
-            if shared:  # a chain of dependent transfers cannot go faster than one stream
-                body = max(work / self.cores, card.critical_bytes / self.bandwidth + copy)
+            if cores:  # a chain of dependent transfers cannot go faster than one stream
+                body = max(work / cores, card.critical_bytes / self.bandwidth + copy)
             else:
                 body = max(comm, compute) + min(comm, compute) / chunks + copy
             return self.call + card.steps * self.level + card.tasks * self.task + body
@@ -161,8 +160,8 @@ class CostModel:
         latency = sum(inter.alpha if i else intra.alpha if a else self.level
                       for i, a in zip(loads.inter, loads.intra))
         latency += max(card.steps - len(loads.inter), 0) * self.level  # levels past the last transfer
-        if shared:
-            body = max(link + copy, work / self.cores)
+        if cores:
+            body = max(link + copy, work / cores)
         else:
             body = max(link, compute) + min(link, compute) / chunks + copy
         return self.call + card.tasks * self.task + latency + body
@@ -387,7 +386,7 @@ def chunk_choices(nbytes: float, max_chunks: int = 64, min_chunk_bytes: float = 
 
 def best_chunks(plan: Plan, nbytes: float, model: CostModel | None = None, groups: Groups | None = None) -> Plan:
     """``plan`` with the chunk count the model predicts fastest for it."""
-    model = model or configured_model()
+    model = model_for(model, None)
     return min((plan.with_chunks(c) for c in chunk_choices(nbytes)),
                key=lambda p: model.predict(p, nbytes, groups))
 
@@ -397,7 +396,7 @@ def _base(name: str, ranks: int, options: str) -> Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def _unit_price(name: str, ranks: int, options: str, groups: str | None) -> tuple[CostCard, CostCard, LinkLoads | None]:
+def unit_price(name: str, ranks: int, options: str, groups: str | None) -> tuple[CostCard, CostCard, LinkLoads | None]:
     """A base plan's cost cards at 1 and 2 chunks and its link loads, for
     one byte per rank (every byte count is linear in the vector's bytes)."""
     base = _base(name, ranks, options)
@@ -412,7 +411,7 @@ def _scaled(card: CostCard, n: float) -> CostCard:
                              "copy_bytes", "critical_bytes")})
 
 
-def _card_at(one: CostCard, two: CostCard, chunks: int, nodes: int, nbytes: float) -> CostCard:
+def card_at(one: CostCard, two: CostCard, chunks: int, nodes: int, nbytes: float) -> CostCard:
     """:meth:`Plan.cost` at ``chunks`` chunks from the cards at 1 and 2:
     chunks repeat the plan (tasks and messages scale, each chunk's chain
     carries 1/chunks of the bytes); from 2 chunks on every rank's output is
@@ -431,12 +430,12 @@ def _fastest(model: CostModel, variants: list[tuple[str, dict]], ranks: int, nby
     for name, opts in variants:
         okey = json.dumps(opts, sort_keys=True)
         base = _base(name, ranks, okey)
-        one, two, unit_loads = _unit_price(name, ranks, okey, gkey)
+        one, two, unit_loads = unit_price(name, ranks, okey, gkey)
         loads = None if unit_loads is None else LinkLoads(
             tuple(x * nbytes for x in unit_loads.inter), tuple(x * nbytes for x in unit_loads.intra),
             unit_loads.host_max * nbytes, unit_loads.inter_total * nbytes)
         for c in [chunks] if chunks else chunk_choices(nbytes):
-            t = model._time(ranks, c, _card_at(one, two, c, len(base.nodes), nbytes), loads, nbytes)
+            t = model._time(ranks, c, card_at(one, two, c, len(base.nodes), nbytes), loads, nbytes)
             if t < best_t:
                 best, best_t = base.with_chunks(c), t
     if best is None:
@@ -459,7 +458,7 @@ def tune(
     ``hosts``, unless ``groups``/``group_size``/``levels`` are given) and
     the ``inner`` algorithm of every level and the ``outer`` one, priced
     with the intra-host and inter-host links."""
-    model = model or configured_model()
+    model = model_for(model, None)
     variants = [options]
     if algorithm == "hierarchical":
         if not {"groups", "group_size", "levels"} & set(options) and hosts is not None:
@@ -505,7 +504,7 @@ def choose(
     -------
     Plan
     """
-    model = model or configured_model()
+    model = model_for(model, None)
     if groups is not None and len(groups) < 2:
         groups = None
     variants = [(n, o) for n, o in candidates(ranks, groups) if not algorithms or n in algorithms]
@@ -541,21 +540,25 @@ def choose_sparse(
     larger ones to split-allgather (each rank merges and sends only its
     share of the index space).
     """
-    model = model or configured_model()
+    model = model_for(model, None)
     nbytes = size * itemsize
-    fields = dict(density=tuple(density), value_bytes=itemsize, delta=delta, codec=codec)
+    density = tuple(density)
     cands: list[tuple[str, dict]] = []
     for k in sorted({2, 4, ranks}):
         if 2 <= k <= max(ranks, 2):
             cands.append(("sparse-recursive-doubling", {"radix": k}))
             cands.append(("sparse-split-allgather", {"inner": "butterfly", "radix": k}))
     cands.append(("sparse-split-allgather", {"inner": "ring"}))
-    best, best_t = None, math.inf
+    best: SparsePlan | None = None
+    best_t = math.inf
     for name, opts in cands:
-        p = replace(make_plan(name, ranks, **opts), **fields)
+        p = make_plan(name, ranks, **opts)
+        assert isinstance(p, SparsePlan)
+        p = replace(p, density=density, value_bytes=itemsize, delta=delta, codec=codec)
         t = model.predict(p, nbytes)
         if t < best_t:
             best, best_t = p, t
     logger.info("auto chose %r (predicted %.3g s for %d elements at density %s on %d ranks)",
                 best, best_t, size, "/".join(f"{d:.3g}" for d in density), ranks)
+    assert best is not None  # there is always a candidate
     return best

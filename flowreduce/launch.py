@@ -143,7 +143,7 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
                 memory_limit=_memory_limit(memory_limit)))
             yield stack.enter_context(Client(c))
             return
-        c = _jobqueue_cluster(kind, options)
+        c = jobqueue_cluster(kind, options)
         stack.callback(_release, c)  # runs on error and Ctrl-C too
         client = stack.enter_context(Client(c))
         c.scale(jobs=jobs)
@@ -152,15 +152,17 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
         yield client
 
 
-def _jobqueue_cluster(kind: str, options: dict) -> Any:
+def jobqueue_cluster(kind: str, options: dict) -> Any:
+    """A dask-jobqueue cluster of ``kind`` (slurm, pbs, ...) built from
+    ``options`` over jobqueue.yaml's settings; jobs are not started yet."""
     if kind not in JOBQUEUE:
         raise ValueError(f"unknown cluster kind {kind!r}; valid: local, {', '.join(JOBQUEUE)}")
-    dask_jobqueue = _import_dask_jobqueue(kind)
+    dask_jobqueue = import_dask_jobqueue(kind)
     cls = getattr(dask_jobqueue, JOBQUEUE[kind])
     return cls(**jobqueue_options(options.get("config_name") or cls.job_cls.default_config_name(), options))
 
 
-def _import_dask_jobqueue(kind: str) -> Any:
+def import_dask_jobqueue(kind: str) -> Any:
     """``import dask_jobqueue``, keeping Ctrl-C a KeyboardInterrupt.
 
     Its first import replaces Python's SIGINT handler with ``sys.exit()``
@@ -438,7 +440,8 @@ def wait_for_workers(client: Any, c: Any, n: int, *, timeout: float = 300.0, pro
     says; raise TimeoutError with the queue's reasons after ``timeout``."""
     deadline = time.monotonic() + timeout
     with ExitStack() as stack:
-        bar = task = None
+        bar = None
+        task: Any = None  # rich's TaskID, with a bar
         if progress:
             from rich.progress import Progress
 

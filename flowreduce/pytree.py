@@ -239,8 +239,8 @@ def spec(shape: Any, dtype: Any = "float64") -> TensorSpec:
     -------
     TensorSpec
     """
-    shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
-    return TensorSpec(shape, np.dtype(dtype).str)
+    dims = np.atleast_1d(np.asarray(shape))  # a bare length is a 1-d shape
+    return TensorSpec(tuple(int(d) for d in dims), np.dtype(dtype).str)
 
 
 def spec_of(x: Any) -> TensorSpec:
@@ -267,7 +267,7 @@ def describe_value(tree: Any) -> tuple[TreeDef, tuple[tuple, ...]]:
     (numpy scalars count as 0-d arrays) or ``(type name, None, None)``:
     what a worker reports about a value without sending it."""
     leaves, treedef = flatten(tree)
-    metas = []
+    metas: list[tuple[str, tuple[int, ...] | None, str | None]] = []
     for x in leaves:
         if isinstance(x, (np.ndarray, np.generic)):
             metas.append(("ndarray", tuple(np.shape(x)), x.dtype.str))

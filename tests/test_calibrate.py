@@ -10,7 +10,7 @@ import pytest
 from conftest import workers_of
 
 from flowreduce import cli
-from flowreduce.cli.calibrate import calibrate, fit_link, worker_pairs
+from flowreduce.calibration import calibrate, fit_link, worker_pairs
 from flowreduce.cost import CostModel, Link
 
 SIZES = [8, 1_000, 10_000, 1_000_000, 4_000_000, 16_000_000]

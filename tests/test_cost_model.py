@@ -18,14 +18,14 @@ from flowreduce.cost import (
     DEFAULT_INTER,
     CostModel,
     Link,
-    _card_at,
-    _unit_price,
     candidates,
+    card_at,
     choose,
     choose_sparse,
     configured_model,
     link_loads,
     tune,
+    unit_price,
 )
 
 DENSE = [a for a in flowreduce.ALGORITHMS if a != "auto"]
@@ -88,9 +88,9 @@ def test_shm_direct_is_priced_on_the_shared_memory_link():
 def test_cards_derived_for_any_chunk_count_match_the_plan(algorithm, opts, chunks):
     """``auto`` prices chunk counts from the cards at 1 and 2 chunks."""
     key = json.dumps(opts, sort_keys=True)
-    one, two, _ = _unit_price(algorithm, 5, key, None)
+    one, two, _ = unit_price(algorithm, 5, key, None)
     base = flowreduce.plan(algorithm, 5, **opts)
-    assert _card_at(one, two, chunks, len(base.nodes), 3e6).as_dict() == pytest.approx(
+    assert card_at(one, two, chunks, len(base.nodes), 3e6).as_dict() == pytest.approx(
         replace(base, chunks=chunks).cost(3e6).as_dict())
 
 

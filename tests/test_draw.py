@@ -163,14 +163,18 @@ def test_cli_writes_by_extension(tmp_path, suffix):
 
 
 def test_cli_tasks_and_options(tmp_path):
+    from flowreduce.cli.draw import main
+
     out = tmp_path / "tree.dot"
-    assert draw.main(["tree", "--ranks", "5", "--fan-in", "3", "--chunks", "2", "--tasks", "-o", str(out)]) == 0
+    assert main(["tree", "--ranks", "5", "--fan-in", "3", "--chunks", "2", "--tasks", "-o", str(out)]) == 0
     nodes, _ = parse_dot(out.read_text())
     assert len(nodes) - 1 == flowreduce.plan("tree", 5, chunks=2, fan_in=3).cost().tasks
 
 
 def test_cli_reports_a_bad_option(tmp_path, capsys):
-    assert draw.main(["ring", "--radix", "4", "-o", str(tmp_path / "x.dot")]) == 2
+    from flowreduce.cli.draw import main
+
+    assert main(["ring", "--radix", "4", "-o", str(tmp_path / "x.dot")]) == 2
     assert "bad option for algorithm 'ring'" in capsys.readouterr().err
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 
+import dask
 import numpy as np
 import pytest
 from conftest import assert_clean, scatter_ranks
@@ -72,11 +73,50 @@ def test_mean_of_booleans_refused(inproc_client):
 
 @pytest.mark.parametrize("kw,match", [({"chunks": 0}, "chunks must be a positive integer"),
                                       ({"chunk_bytes": -5}, "chunk_bytes must be positive"),
-                                      ({"algorithm": "auto", "radix": 4}, "need a named algorithm")])
+                                      ({"algorithm": "auto", "radix": 4}, "need a named algorithm"),
+                                      ({"chunks": True}, "chunks must be a positive integer, got the boolean True"),
+                                      ({"chunks": 2.0}, "chunks must be a positive integer, got 2.0"),
+                                      ({"chunk_bytes": True}, "chunk_bytes must be positive .* got the boolean"),
+                                      ({"chunk_bytes": "lots"}, "chunk_bytes must be positive .* got 'lots'"),
+                                      ({"bucket_bytes": "-1kB"}, "bucket_bytes must be >= 0"),
+                                      ({"chunks": 10**9}, "chunks asks for 1000000000 chunks per vector; at most 1024"),
+                                      ({"chunk_bytes": 1}, "chunk_bytes=1 on a vector of 24 bytes asks for 24 chunks"
+                                                           ".*at most 16")])
 def test_bad_settings(inproc_client, kw, match):
     parts = scatter_ranks(inproc_client, [np.ones(3)] * 2)
-    with pytest.raises(ValueError, match=match):
-        flowreduce.allreduce(inproc_client, parts, **kw)
+    with dask.config.set({"flowreduce.max-chunks": 16 if kw.get("chunk_bytes") == 1 else 1024}):
+        with pytest.raises(ValueError, match=match):
+            flowreduce.allreduce(inproc_client, parts, **kw)
+    del parts
+    assert_clean(inproc_client)
+
+
+@pytest.mark.parametrize("kw", [{"chunks": np.int64(2)}, {"chunk_bytes": "8B"}, {"chunk_bytes": np.int32(8)},
+                                {"bucket_bytes": "1MiB"}], ids=["np.int64-chunks", "string-chunk_bytes",
+                                                                "np.int32-chunk_bytes", "string-bucket_bytes"])
+def test_integer_likes_and_byte_strings_are_settings(inproc_client, kw):
+    """What numpy and dask users pass: numpy integers, dask's byte strings."""
+    arrays = [np.arange(5) * (r + 1) for r in range(3)]
+    futures = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, arrays), algorithm="ring", **kw)
+    for r, out in enumerate(inproc_client.gather(futures)):
+        np.testing.assert_array_equal(out, sum(arrays), err_msg=f"rank {r}")
+    if "chunk_bytes" in kw or "chunks" in kw:  # 8 bytes = one int64 element per chunk, or 2 chunks
+        assert flowreduce.describe(futures).plan.chunks == (5 if "chunk_bytes" in kw else 2)
+
+
+def test_futures_of_another_cluster_are_refused(inproc_client):
+    """Their keys would be looked up here; with colliding keys the call would
+    reduce this cluster's data instead."""
+    arrays = [np.full(4, r) for r in range(3)]
+    here = [inproc_client.scatter(a, hash=False, workers=[w]) for a, w in zip(arrays, sorted(inproc_client.nthreads()))]
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as other, \
+            Client(other, set_as_default=False) as elsewhere:
+        there = elsewhere.scatter(np.full(4, 99), hash=False)
+        with pytest.raises(ValueError, match=r"futures of this client's cluster .*; ranks \[2\] belong to "):
+            flowreduce.allreduce(inproc_client, [here[0], here[1], there])
+        del there
+    del here
+    assert_clean(inproc_client)
 
 
 def _boom(x):

@@ -360,25 +360,12 @@ def test_three_levels_numbers(request, size, cluster):
         np.testing.assert_array_equal(got, np.sum(arrays, axis=0))
 
 
-@pytest.fixture
-def registered(monkeypatch):
-    """Register "hierarchical" as the lead will (no-op once it is)."""
-    import flowreduce.algorithms as algorithms
-    import flowreduce.schedule.call as schedule
-
-    if "hierarchical" not in algorithms._PLANNERS:
-        monkeypatch.setitem(algorithms._PLANNERS, hierarchical.NAME, hierarchical.plan)
-        names = (*algorithms._PLANNERS, "auto")
-        monkeypatch.setattr(algorithms, "ALGORITHMS", names)
-        monkeypatch.setattr(schedule, "ALGORITHMS", names)
-
-
 @pytest.mark.parametrize(
     "groups", [[[0, 1, 2], [3, 4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]], [[0], [1, 2, 3, 4, 5, 6, 7]]],
     ids=["3+5", "by-worker", "1+7"],
 )
 @pytest.mark.parametrize("cluster", ["inproc_client", "proc_client"])
-def test_through_allreduce(request, registered, cluster, groups):
+def test_through_allreduce(request, cluster, groups):
     """End to end, on threads and on processes (real copies, so received
     buffers are reduced into in place)."""
     import flowreduce

@@ -98,10 +98,10 @@ def test_job_script_runs_the_configured_python(tmp_path):
             "jobqueue.slurm.scheduler-options": {"dashboard_address": "127.0.0.1:0", "idle_timeout": "1h"}}
     opts = {"cores": 1, "memory": "1GB", "log_directory": str(tmp_path)}
     with dask.config.set(site):
-        with launch._jobqueue_cluster("slurm", dict(opts)) as cluster:
+        with launch.jobqueue_cluster("slurm", dict(opts)) as cluster:
             script = cluster.job_script()
             scheduler = cluster.scheduler_spec["options"]
-        with launch._jobqueue_cluster("slurm", {**opts, "python": "/usr/bin/python3"}) as overridden:
+        with launch.jobqueue_cluster("slurm", {**opts, "python": "/usr/bin/python3"}) as overridden:
             explicit_script = overridden.job_script()
     assert "/opt/x/python -m distributed.cli.dask_worker" in script, script
     assert sys.executable not in script
@@ -396,7 +396,7 @@ def test_importing_dask_jobqueue_keeps_ctrl_c_a_keyboard_interrupt():
     """dask_jobqueue's first import makes SIGINT call sys.exit() (exit status
     0 after Ctrl-C); launch imports it and puts Python's handler back."""
     pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
-    code = ("import signal; from flowreduce import launch; launch._import_dask_jobqueue('slurm'); "
+    code = ("import signal; from flowreduce import launch; launch.import_dask_jobqueue('slurm'); "
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
     out = _python("-c", code, timeout=120)
     assert out.stdout.strip() == "True", out.stdout + out.stderr

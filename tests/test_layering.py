@@ -20,7 +20,8 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
         (["distributed", "dask"], "import flowreduce.topology, flowreduce.cost; "
                                   "flowreduce.choose(6, 1e6, groups=[[0, 1, 2], [3, 4, 5]]); "
                                   "flowreduce.topology.Topology.from_addresses(['tcp://a:1'])"),
-        (["distributed"], "import flowreduce.cli.calibrate, flowreduce.cli.bench"),
+        (["distributed"], "import flowreduce.cli.calibrate, flowreduce.calibration, flowreduce.cli.bench, flowreduce.cli.trace, "
+                          "flowreduce.cli.draw, flowreduce.cli.args, flowreduce.cli.trace_files"),
         (["distributed", "dask"], "import flowreduce.pytree, flowreduce.fusion; "
                                   "flowreduce.fusion.make_buckets([flowreduce.pytree.spec(3)], 0)"),
         (["distributed"], "import flowreduce.build.buckets, flowreduce.train, flowreduce.cli.train"),

@@ -14,8 +14,7 @@ from dask.sizeof import sizeof
 import flowreduce
 from flowreduce.algorithms import SPARSE_ALGORITHMS
 from flowreduce.algorithms.sparse import INT8_BUCKET, quantisation_bound, switch_density
-from flowreduce.build import blocks as _blocks
-from flowreduce.build import sparse_kernels as _kernels
+from flowreduce.build import blocks, sparse_kernels
 from flowreduce.build.sparse_payload import BlockPack, Encoded, Wire, decode_piece, encode_piece, quantize
 from flowreduce.cost import choose_sparse
 from flowreduce.ops import resolve_op
@@ -110,7 +109,7 @@ def test_block_plan_puts_aggregators_on_their_own_ranks():
 
 
 def _spec(shape, fmt="csr", threshold=0.5, dtype="float64", **kw):
-    return _kernels.SegmentSpec(format=fmt, container="array", shape=shape, order="F" if fmt == "csc" else "C",
+    return sparse_kernels.SegmentSpec(format=fmt, container="array", shape=shape, order="F" if fmt == "csc" else "C",
                                 threshold=threshold, dtype=np.dtype(dtype).str, **kw)
 
 
@@ -122,7 +121,7 @@ def _piece(values):
                          ids=["empty", "at-threshold", "above", "full"])
 def test_pack_switches_above_threshold(nnz, dense):
     x = sp.csr_array(np.r_[np.arange(1, nnz + 1), np.zeros(10 - nnz)].reshape(1, 10))
-    (piece,) = _kernels.pack(x, 0, 10, _spec((1, 10), threshold=0.4), None)
+    (piece,) = sparse_kernels.pack(x, 0, 10, _spec((1, 10), threshold=0.4), None)
     assert isinstance(piece, np.ndarray) == dense
     np.testing.assert_array_equal(decode_piece(piece) if dense else piece.toarray().ravel(), x.toarray().ravel())
 
@@ -131,13 +130,13 @@ def test_merge_switches_by_union_and_stays_dense():
     op = resolve_op("sum")
     spec = _spec((1, 10), threshold=0.5)
     a, b = _piece([1, 2, 3, 0, 0, 0, 0, 0, 0, 0]), _piece([0, 0, 0, 4, 5, 0, 0, 0, 0, 0])
-    (u,) = _kernels.merge(spec, op, 4, False, [(a,), (b,)], (((0, 0, 10),),) * 2, (False, False), None, False)
+    (u,) = sparse_kernels.merge(spec, op, 4, False, [(a,), (b,)], (((0, 0, 10),),) * 2, (False, False), None, False)
     assert not isinstance(u, np.ndarray) and u.nnz == 5  # 5 of 10 is not above 0.5
     c = _piece([0, 0, 0, 0, 0, 6, 0, 0, 0, 0])
-    (v,) = _kernels.merge(spec, op, 4, False, [(u,), (c,)], (((0, 0, 10),),) * 2, (False, False), None, False)
+    (v,) = sparse_kernels.merge(spec, op, 4, False, [(u,), (c,)], (((0, 0, 10),),) * 2, (False, False), None, False)
     assert isinstance(v, np.ndarray)  # 6 of 10
     empty = _piece(np.zeros(10))
-    (w,) = _kernels.merge(spec, op, 4, False, [(v,), (empty,)], (((0, 0, 10),),) * 2, (False, False), None, False)
+    (w,) = sparse_kernels.merge(spec, op, 4, False, [(v,), (empty,)], (((0, 0, 10),),) * 2, (False, False), None, False)
     assert isinstance(w, np.ndarray)  # once dense, dense
     np.testing.assert_array_equal(w, [1, 2, 3, 4, 5, 6, 0, 0, 0, 0])
     assert v is not w
@@ -170,7 +169,7 @@ def test_pack_selects_the_index_range(fmt, shape):
     flat = x.toarray().reshape(-1, order=order)
     n = flat.size
     for start, stop in [(0, n), (0, 5), (3, 17), (n - 4, n), (5, 5)]:
-        (piece,) = _kernels.pack(x, start, stop, _spec(shape, fmt, threshold=1.0), None)
+        (piece,) = sparse_kernels.pack(x, start, stop, _spec(shape, fmt, threshold=1.0), None)
         got = piece if isinstance(piece, np.ndarray) else piece.toarray().ravel()
         np.testing.assert_array_equal(got, flat[start:stop], err_msg=f"[{start}, {stop})")
     for a, b in zip((x.data, x.coords if fmt == "coo" else x.indices), (before.data, before.coords if fmt == "coo"
@@ -187,10 +186,10 @@ def test_output_rebuilds_the_format(fmt, container):
     flat = dense.reshape(-1, order=order)
     pieces = (sp.csr_array(flat[:13].reshape(1, -1)), flat[13:20].copy(), sp.csr_array(flat[20:].reshape(1, -1)))
     spec = replace(_spec((6, 5), fmt), container=container)
-    out = _kernels.output(spec, [pieces[:2], pieces[2:]])
+    out = sparse_kernels.output(spec, [pieces[:2], pieces[2:]])
     assert out.format == fmt and isinstance(out, sp.sparray) == (container == "array")
     np.testing.assert_array_equal(out.toarray(), dense)
-    np.testing.assert_array_equal(_kernels.output(replace(spec, dense_output=True), [pieces]), dense)
+    np.testing.assert_array_equal(sparse_kernels.output(replace(spec, dense_output=True), [pieces]), dense)
 
 
 @pytest.mark.parametrize("op", ["max", "min", "prod", "mean"])
@@ -199,7 +198,7 @@ def test_merge_ops_keep_implicit_zeros(op):
     mats = [sp.csr_array(np.where(rng.random((1, 30)) < 0.5, rng.standard_normal((1, 30)), 0)) for _ in range(3)]
     mats.append(sp.csr_array(np.ones((1, 30))).toarray().ravel() * 0.5)  # a dense input too
     o = resolve_op(op)
-    (got,) = _kernels.merge(_spec((1, 30), threshold=1.0), o, 4, True, [(m,) for m in mats],
+    (got,) = sparse_kernels.merge(_spec((1, 30), threshold=1.0), o, 4, True, [(m,) for m in mats],
                             (((0, 0, 30),),) * 4, (False,) * 4, None, False)
     dense = [m if isinstance(m, np.ndarray) else m.toarray().ravel() for m in mats]
     ref = {"max": np.maximum, "min": np.minimum, "prod": np.multiply, "mean": np.add}[op]
@@ -260,7 +259,7 @@ def test_nonzero_blocks_match_numpy(n, block):
     padded = np.zeros(nb * block, np.float32)
     padded[:n] = x
     expected = np.abs(padded.reshape(nb, block)).max(axis=1) > 0
-    got = _blocks._nonzero_blocks(x, block, nb)
+    got = blocks.nonzero_blocks(x, block, nb)
     np.testing.assert_array_equal(got[1:], expected[1:])
     assert got[0] >= expected[0]  # block 0 holds the negative zero
 
@@ -279,11 +278,11 @@ def test_block_pack_aggregate_unpack(pattern):
         "mixed": [np.ones(nb, bool), rng.random(nb) < 0.3, np.zeros(nb, bool)],
     }[pattern]
     xs = [np.where(np.repeat(m, block)[:n], rng.integers(1, 9, n), 0) for m in masks]
-    spec = _blocks.BlockSpec(block=block, size=n, shape=(n,), dtype=np.dtype(int).str)
-    packs = [_blocks.pack(x, 0, nb, spec, None) for x in xs]
+    spec = blocks.BlockSpec(block=block, size=n, shape=(n,), dtype=np.dtype(int).str)
+    packs = [blocks.pack(x, 0, nb, spec, None) for x in xs]
     for m, (pk,) in zip(masks, packs):
         assert pk.full == m.all() and (pk.full or np.array_equal(pk.ids, np.flatnonzero(m)))
-    out = _blocks.aggregate(spec, resolve_op("sum"), p, True, packs, None, (False,) * p, None, True)
+    out = blocks.aggregate(spec, resolve_op("sum"), p, True, packs, None, (False,) * p, None, True)
     np.testing.assert_array_equal(out, sum(xs))
     for x in xs:
-        assert x.any() or not _blocks._nonzero_blocks(x, block, nb).any()
+        assert x.any() or not blocks.nonzero_blocks(x, block, nb).any()

@@ -578,15 +578,15 @@ def test_transfer_logs_are_read_by_position_not_time():
     later stop than the last one. Reading resumes after the last entry seen."""
     from collections import deque
 
-    from flowreduce.tracing.capture import _fingerprint, _since
+    from flowreduce.tracing.capture import entries_since, entry_mark
 
     log = deque([{"start": 1.0, "stop": 2.5, "who": "a", "total": 8},
                  {"start": 1.2, "stop": 2.0, "who": "b", "total": 8}], maxlen=4)  # stops go down
-    mark = _fingerprint(log[-1])
-    assert _since(log, mark) == []
+    mark = entry_mark(log[-1])
+    assert entries_since(log, mark) == []
     log.append({"start": 2.1, "stop": 2.2, "who": "a", "total": 16})
-    assert [e["total"] for e in _since(log, mark)] == [16]
-    assert _since(log, None) == [] and len(_since(log, "")) == 3
+    assert [e["total"] for e in entries_since(log, mark)] == [16]
+    assert entries_since(log, None) == [] and len(entries_since(log, "")) == 3
     for k in range(3):  # the marked entry rotates out of the bounded log: everything left is new
         log.append({"start": 3.0 + k, "stop": 3.5 + k, "who": "c", "total": k})
-    assert len(_since(log, mark)) == 4
+    assert len(entries_since(log, mark)) == 4

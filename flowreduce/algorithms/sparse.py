@@ -33,7 +33,7 @@ reads any card, so ``auto`` (:func:`flowreduce.cost.choose_sparse`, next to
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from flowreduce import phases
@@ -165,11 +165,11 @@ class SparsePlan(Plan):
         base = super().cost(nbytes)
         size, dense = self._sizes(nbytes)
         msgs = self.transfers()
-        per_rank: Counter = Counter()
+        per_rank: defaultdict[int, float] = defaultdict(float)  # bytes each rank sends and receives
         for t in msgs:
             per_rank[t.source] += size[t.src]
             per_rank[t.dest] += size[t.src]
-        reduced: Counter = Counter()
+        reduced: defaultdict[int, float] = defaultdict(float)  # bytes each rank merges
         for n in self.nodes:
             if n.kind == REDUCE and len(n.inputs) > 1:
                 ins = [size[i] * _overlap(self.nodes[i], n) / self.nodes[i].width for i in n.inputs]

@@ -9,12 +9,15 @@ dense array. Only ``sum`` and ``mean`` (OmniReduce's aggregation).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from flowreduce.ops import Op
+from flowreduce.build.kernels import Pick
 from flowreduce.build.sparse_payload import BlockPack, Wire, decode_pack, encode_pack
+from flowreduce.ops import Op
 
 BLOCK_OPS: tuple[str, ...] = ("sum", "mean")
 
@@ -28,7 +31,7 @@ class BlockSpec:
     accumulate: str | None = None  # dtype to add in, if not the input's
 
 
-def _nonzero_blocks(seg: np.ndarray, block: int, nblocks: int) -> np.ndarray:
+def nonzero_blocks(seg: np.ndarray, block: int, nblocks: int) -> np.ndarray:
     """Which of the ``nblocks`` blocks of ``seg`` hold a non-zero bit pattern
     (a negative zero counts: it merely travels). Dense data is recognised from
     the first element of every block, without reading the rest."""
@@ -62,7 +65,7 @@ def _take(seg: np.ndarray, ids: np.ndarray, block: int) -> np.ndarray:
     return out
 
 
-def pack(x, start: int, stop: int, spec: BlockSpec, wire: Wire | None):
+def pack(x: Any, start: int, stop: int, spec: BlockSpec, wire: Wire | None) -> tuple[BlockPack]:
     """The rank's non-zero blocks ``[start, stop)``: every block (a zero-copy
     view) when all are non-zero, else their ids and values."""
     flat = np.asarray(x).reshape(-1)
@@ -70,7 +73,7 @@ def pack(x, start: int, stop: int, spec: BlockSpec, wire: Wire | None):
     if spec.accumulate is not None:
         seg = seg.astype(spec.accumulate)
     nblocks = stop - start
-    nz = _nonzero_blocks(seg, spec.block, nblocks)
+    nz = nonzero_blocks(seg, spec.block, nblocks)
     if nz.all():
         p = BlockPack(nblocks, None, seg)
     else:
@@ -79,8 +82,9 @@ def pack(x, start: int, stop: int, spec: BlockSpec, wire: Wire | None):
     return (encode_pack(p, wire),)
 
 
-def aggregate(spec: BlockSpec, op: Op, ranks: int, finish: bool, inputs, picks, owned, wire: Wire | None,
-              out: bool):
+def aggregate(spec: BlockSpec, op: Op, ranks: int, finish: bool, inputs: Sequence[tuple[BlockPack, ...]],
+              picks: Sequence[Sequence[Pick]], owned: Sequence[bool], wire: Wire | None,
+              out: bool) -> tuple[BlockPack] | np.ndarray:
     """Add the packs of one range over the union of their blocks. With every
     pack full (dense data) this is a dense sum, accumulated into a received
     buffer no other task here reads (``owned``) when there is one."""
@@ -106,12 +110,13 @@ def aggregate(spec: BlockSpec, op: Op, ranks: int, finish: bool, inputs, picks, 
                 rows[p.ids] += p.values
         result = BlockPack(nblocks, None, padded[:width])
     else:
-        union = np.unique(np.concatenate([p.ids for p in packs]))
-        mine = next((i for i, p in enumerate(packs) if writable[i] and p.ids.size == union.size), None)
+        ids = [p.ids for p in packs if p.ids is not None]  # every pack's: none is full here
+        union = np.unique(np.concatenate(ids))
+        mine = next((i for i, p in enumerate(packs) if writable[i] and ids[i].size == union.size), None)
         acc = packs[mine].values if mine is not None else np.zeros((union.size, B), packs[0].values.dtype)
         for i, p in enumerate(packs):
             if i != mine:
-                acc[np.searchsorted(union, p.ids)] += p.values
+                acc[np.searchsorted(union, ids[i])] += p.values
         result = BlockPack(nblocks, union.astype(np.int32), acc)
     if finish and op.mean:
         result = BlockPack(result.nblocks, result.ids, op.finish(result.values, ranks, owned=True))
@@ -120,7 +125,8 @@ def aggregate(spec: BlockSpec, op: Op, ranks: int, finish: bool, inputs, picks, 
     return (encode_pack(result, wire),)
 
 
-def gather(spec: BlockSpec, inputs, picks, wire: Wire | None, out: bool):
+def gather(spec: BlockSpec, inputs: Sequence[tuple[BlockPack, ...]], picks: Sequence[Sequence[Pick]],
+           wire: Wire | None, out: bool) -> tuple[BlockPack, ...] | np.ndarray:
     """The aggregators' sums side by side (encoded ones stay encoded)."""
     packs = tuple(v[i] for v, p in zip(inputs, picks) for i, _, _ in p)
     if out:
@@ -128,7 +134,7 @@ def gather(spec: BlockSpec, inputs, picks, wire: Wire | None, out: bool):
     return tuple(encode_pack(p, wire) for p in packs)
 
 
-def output(spec: BlockSpec, chunks) -> np.ndarray:
+def output(spec: BlockSpec, chunks: Sequence[tuple[BlockPack, ...]]) -> np.ndarray:
     """The rank's dense result: the summed blocks in place, zeros elsewhere."""
     B = spec.block
     packs = [decode_pack(p, B) for c in chunks for p in c]
@@ -138,7 +144,7 @@ def output(spec: BlockSpec, chunks) -> np.ndarray:
     rows = flat.reshape(total, B)
     first = 0
     for p in packs:
-        if p.full:
+        if p.ids is None:  # full
             flat[first * B: first * B + p.values.size] = p.values
         elif p.ids.size:
             rows[first + p.ids] = p.values

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 from dask.task_spec import List, Task, TaskRef
+from dask.typing import Key
 
 from flowreduce import keys
-from flowreduce.build import fusion_kernels as _fusion_kernels
 from flowreduce.algorithms.ir import Plan
+from flowreduce.build import fusion_kernels as _fusion_kernels
 from flowreduce.build.graph import build_graph
 from flowreduce.fusion import Bucket, Layout
 from flowreduce.ops import Op
@@ -79,7 +81,7 @@ def build_tree_graph(
     opaths = paths(layout.outer)
     specs_of = [tuple(layout.tensors[i].spec for i in layout.tensors_of(j)) for j in range(len(layout.inner))]
     where = {t: layout.tensors[t] for t in range(len(layout.tensors))}
-    g = TreeGraph(outputs=[[None] * len(layout.inner) for _ in range(p)])
+    g = TreeGraph(outputs=[[] for _ in range(p)])  # filled in input order, below
     located: dict[int, tuple[int, int]] = {}  # tensor -> (bucket, offset)
 
     for b, (bucket, plan) in enumerate(zip(buckets, plans)):
@@ -109,7 +111,7 @@ def build_tree_graph(
             in_keys.append(key)
         shape = where[bucket.tensors[0]].spec.shape if not bucket.fused else (bucket.size,)
         graph = build_graph(plan, refs, workers, size=bucket.size, shape=shape, op=op, token=token,
-                            in_place=in_place, accumulate=op.accumulator(bucket.dtype))
+                            in_place=in_place, accumulate=op.accumulator(np.dtype(bucket.dtype)))
         g.tasks.update(graph.tasks)
         g.placement.update(graph.placement)
         g.buckets.append(BucketGraph(bucket, plan, token, in_keys, graph.outputs))
@@ -121,7 +123,7 @@ def build_tree_graph(
         first = located[mine[0]][0] if mine else 0
         if tree.is_leaf and not buckets[first].fused:
             for r in range(p):
-                g.outputs[r][j] = g.buckets[first].outputs[r]
+                g.outputs[r].append(g.buckets[first].outputs[r])
             continue
         used = sorted({located[i][0] for i in mine})
         slot = {b: v for v, b in enumerate(used)}
@@ -130,7 +132,7 @@ def build_tree_graph(
         for r in range(p):
             key = keys.unpack_key(bg.plan.algorithm, bg.token, r, j)
             g.tasks[key] = Task(key, _fusion_kernels.unpack, tree,
-                                List(*(TaskRef(g.buckets[b].outputs[r]) for b in used)), parts)
+                                List(*(TaskRef(cast(Key, g.buckets[b].outputs[r])) for b in used)), parts)
             g.placement[key] = workers[r]
-            g.outputs[r][j] = key
+            g.outputs[r].append(key)
     return g

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dask.task_spec import List, Task, TaskRef
+from dask.typing import Key
 
 from flowreduce import keys
-from flowreduce.build import kernels as _kernels
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Node, Plan
+from flowreduce.build import kernels as _kernels
 from flowreduce.ops import Op
 
 
@@ -88,16 +89,16 @@ def lower(
         def elem(s: int) -> int:
             return c0 + width * s // S
 
-        def picks(src: int, lo: int, hi: int):
+        def picks(src: int, lo: int, hi: int) -> tuple[_kernels.Pick, ...]:
             """Element slices of node ``src``'s pieces that cover [lo, hi)."""
-            out = []
+            out: list[_kernels.Pick] = []
             for idx, (a, b) in enumerate(layout[src]):
                 x, y = max(a, lo), min(b, hi)
                 if x < y:
                     out.append((idx, elem(x) - elem(a), elem(y) - elem(a)))
             return tuple(out)
 
-        key_of: dict[int, Hashable] = {}
+        key_of: dict[int, Key] = {}  # dask keys, for TaskRef
         for n in nodes:
             final_rank = merged.get(n.id)
             key = (outputs[final_rank] if final_rank is not None

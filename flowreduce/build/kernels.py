@@ -7,10 +7,18 @@ knows; ``picks`` say which element slices of which pieces form one input.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 from dask.sizeof import sizeof
 
 from flowreduce.ops import Op
+
+#: A node's value: 1-D arrays whose layout the builder knows.
+Pieces = tuple[np.ndarray, ...]
+#: ``(piece, start, stop)``: elements ``start:stop`` of one piece.
+Pick = tuple[int, int, int]
 
 
 class Views(tuple):
@@ -26,7 +34,7 @@ class Views(tuple):
 
     __slots__ = ()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[tuple], tuple[tuple[np.ndarray, ...]]]:
         return (tuple, (tuple(self),))
 
 
@@ -35,7 +43,7 @@ def _sizeof_views(x: Views) -> int:
     return 64 * len(x)
 
 
-def split(x, start: int, stop: int, dtype=None) -> tuple[np.ndarray]:
+def split(x: Any, start: int, stop: int, dtype: np.dtype | None = None) -> Pieces:
     """A zero-copy view of the rank's flattened input (a cast copy when the
     op accumulates in a wider dtype)."""
     x = np.asarray(x)
@@ -45,12 +53,13 @@ def split(x, start: int, stop: int, dtype=None) -> tuple[np.ndarray]:
     return Views((view,)) if np.may_share_memory(view, x) else (view,)
 
 
-def _pick(value, picks) -> np.ndarray:
+def _pick(value: Pieces, picks: Sequence[Pick]) -> np.ndarray:
     parts = [value[i][a:b] for i, a, b in picks]
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def reduce(op: Op, ranks: int, finish: bool, shape, inputs, picks, owned):
+def reduce(op: Op, ranks: int, finish: bool, shape: tuple[int, ...] | None, inputs: Sequence[Pieces],
+           picks: Sequence[Sequence[Pick]], owned: Sequence[bool]) -> Pieces | np.ndarray:
     """Combine inputs over one range; accumulate into a received buffer that
     no other task on this worker reads (``owned``), else into a fresh one."""
     arrays = [_pick(v, p) for v, p in zip(inputs, picks)]
@@ -74,13 +83,14 @@ def reduce(op: Op, ranks: int, finish: bool, shape, inputs, picks, owned):
     return out if shape is None else output((out,), shape)
 
 
-def gather(shape, inputs, picks):
+def gather(shape: tuple[int, ...] | None, inputs: Sequence[Pieces],
+           picks: Sequence[Sequence[Pick]]) -> Pieces | np.ndarray:
     """Inputs side by side, without copying (a tuple of pieces)."""
     out = tuple(v[i][a:b] for v, p in zip(inputs, picks) for i, a, b in p)
     return out if shape is None else output((out,), shape)
 
 
-def output(chunks, shape) -> np.ndarray:
+def output(chunks: Sequence[Pieces], shape: tuple[int, ...]) -> np.ndarray:
     """The rank's result in the input's shape: one copy at most."""
     pieces = [a for c in chunks for a in c]
     if len(pieces) == 1:

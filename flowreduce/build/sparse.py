@@ -13,23 +13,23 @@ switch; block unions) in place of the dense reduction, ``gather`` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 from dask.task_spec import Task
 
 from flowreduce import keys
-from flowreduce.algorithms.ir import REDUCE, VIEW
-from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.block_sparse import DEFAULT_BLOCK
-from flowreduce.build.graph import Graph, Site, contributions, lower, owned_inputs
-from flowreduce.ops import Op
-from flowreduce.build import blocks as _blocks, sparse_kernels as _kernels
-from flowreduce.build.sparse_payload import Wire
+from flowreduce.algorithms.ir import REDUCE, VIEW
 from flowreduce.algorithms.sparse import CODECS, SparsePlan
-from flowreduce.cost import choose_sparse
+from flowreduce.build import blocks as _blocks
+from flowreduce.build import sparse_kernels as _kernels
+from flowreduce.build.graph import Graph, Site, contributions, lower, owned_inputs
+from flowreduce.build.sparse_payload import Wire
+from flowreduce.ops import Op
 
 #: ``allreduce`` options of the sparse algorithms (beside the planners' own).
 SPARSE_CALL_OPTIONS = ("delta", "output", "compression", "seed")
@@ -79,16 +79,31 @@ class Lowered:
     dtype: np.dtype
 
 
-def lower_sparse(
-    inputs: Sequence[Any], workers: Sequence[str], info: SparseInputs, *, op: Op, algorithm: str,
-    chunks: int | None, model: Any, in_place: bool, options: dict,
-) -> Lowered:
-    """Plan and lower an all-reduce of scipy.sparse inputs.
+@dataclass(frozen=True)
+class SparseCall:
+    """A scipy.sparse call's own options, checked: what its plan needs
+    (``delta``, ``codec``, the named planner's options) and how it is
+    lowered (``op``, ``output``, ``seed``)."""
 
-    ``info`` describes the ranks' inputs (checked to agree by
-    :func:`flowreduce.schedule.inputs.common_sparse`); ``options`` the call's
-    algorithm options (``radix``, ``inner``) and sparse options (``delta``,
-    ``output``, ``compression``, ``seed``).
+    op: Op
+    info: SparseInputs
+    delta: float | None
+    output: str | None
+    codec: str | None
+    seed: int | np.integer | None
+    planner: dict[str, Any]
+
+    def plan_fields(self) -> dict[str, Any]:
+        """What a sparse plan carries of the inputs and options (its cost card depends on them)."""
+        return dict(density=self.info.density, value_bytes=np.dtype(self.info.dtype).itemsize, delta=self.delta,
+                    codec=self.codec)
+
+
+def sparse_call(info: SparseInputs, *, op: Op, algorithm: str, options: Mapping[str, Any]) -> SparseCall:
+    """Check a call of scipy.sparse inputs described by ``info`` (checked to
+    agree by :func:`flowreduce.schedule.inputs.common_sparse`); ``options``
+    are the call's algorithm options (``radix``, ``inner``) and sparse
+    options (``delta``, ``output``, ``compression``, ``seed``).
 
     Raises
     ------
@@ -100,6 +115,7 @@ def lower_sparse(
         raise ValueError(f"scipy.sparse inputs need a sparse algorithm, not {algorithm!r}; valid: auto, "
                          "sparse-recursive-doubling, sparse-split-allgather (or pass x.toarray() to a dense one)")
     op = _check_op(op, _kernels.SPARSE_OPS, "sparse")
+    options = dict(options)
     call = {k: options.pop(k) for k in SPARSE_CALL_OPTIONS if k in options}
     delta, output = call.get("delta"), call.get("output")
     codec, seed = _check_wire(call.get("compression"), call.get("seed"), np.dtype(info.dtype))
@@ -109,37 +125,47 @@ def lower_sparse(
         raise ValueError(f"output must be one of {', '.join(map(str, OUTPUTS))}; got {output!r}")
     if output in ("csc",) and len(info.shape) == 1:
         raise ValueError("output='csc' needs 2-D inputs: scipy has no 1-D CSC")
-    itemsize = np.dtype(info.dtype).itemsize
-    p = len(inputs)
-    fields = dict(density=info.density, value_bytes=itemsize, delta=delta, codec=codec)
-    if algorithm == "auto":
-        if options:
-            raise ValueError(f"options {sorted(options)} need a named algorithm, not 'auto'")
-        plan = replace(choose_sparse(p, info.size, itemsize, info.density, model=model, delta=delta, codec=codec),
-                       chunks=chunks or 1)
-    else:
-        plan = replace(make_plan(algorithm, p, chunks=chunks or 1, **options), **fields)
+    if algorithm == "auto" and options:
+        raise ValueError(f"options {sorted(options)} need a named algorithm, not 'auto'")
+    return SparseCall(op, info, delta, output, codec, seed, options)
+
+
+def lower_sparse(plan: SparsePlan, inputs: Sequence[Any], workers: Sequence[str], call: SparseCall, *,
+                 in_place: bool) -> Lowered:
+    """Lower ``plan`` (chosen for ``call``) for scipy.sparse inputs."""
+    info, op = call.info, call.op
     dtype = np.dtype(info.dtype)
     accumulate = op.accumulator(dtype)
     spec = _kernels.SegmentSpec(
         format=info.format, container=info.container, shape=info.shape, order=info.order,
         threshold=plan.threshold, dtype=_result_dtype(op, dtype).str,
         accumulate=accumulate.str if accumulate is not None else None,
-        dense_output=output == "dense", output_format=output if output != "dense" else None,
+        dense_output=call.output == "dense", output_format=call.output if call.output != "dense" else None,
     )
     graph = _lower(plan, inputs, list(workers), _kernels, _kernels.merge, spec, size=info.size, op=op,
-                   in_place=in_place, codec=codec, seed=seed)
-    return Lowered(plan, graph, info.size * itemsize, info.shape, dtype)
+                   in_place=in_place, codec=call.codec, seed=call.seed)
+    return Lowered(plan, graph, info.size * dtype.itemsize, info.shape, dtype)
 
 
-def lower_blocks(
-    inputs: Sequence[Any], workers: Sequence[str], *, shape: tuple[int, ...], dtype: np.dtype, op: Op,
-    chunks: int | None, model: Any, in_place: bool, aggregators: Sequence[str], options: dict,
-) -> Lowered:
-    """Plan and lower a block-sparse all-reduce of dense numpy inputs.
+@dataclass(frozen=True)
+class BlockCall:
+    """A block-sparse call's own options, checked."""
 
-    ``aggregators`` are the workers that add the packs (empty: co-located on
-    the ranks); ``options``: ``block_size``, ``compression``, ``seed``.
+    op: Op
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    block: int
+    codec: str | None
+    seed: int | np.integer | None
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
+def block_call(*, shape: tuple[int, ...], dtype: np.dtype, op: Op, options: Mapping[str, Any]) -> BlockCall:
+    """Check a block-sparse call of dense numpy inputs; ``options``:
+    ``block_size``, ``compression``, ``seed``.
 
     Raises
     ------
@@ -147,6 +173,7 @@ def lower_blocks(
         An op other than sum or mean, bad options.
     """
     op = _check_op(op, _blocks.BLOCK_OPS, "block-sparse")
+    options = dict(options)
     call = {k: options.pop(k) for k in BLOCK_CALL_OPTIONS if k in options}
     codec, seed = _check_wire(call.get("compression"), call.get("seed"), dtype)
     block = options.pop("block_size", DEFAULT_BLOCK)
@@ -155,17 +182,21 @@ def lower_blocks(
                          f"got {sorted(options)}")
     if dtype.kind not in "iufc":
         raise TypeError(f"block-sparse needs a numeric dtype, got {dtype}")
-    size = int(np.prod(shape))
-    p = len(inputs)
-    plan = make_plan("block-sparse", p, chunks=chunks or 1, aggregators=len(aggregators), block_size=block)
-    plan = replace(plan, value_bytes=dtype.itemsize, codec=codec)
+    return BlockCall(op, tuple(shape), dtype, block, codec, seed)
+
+
+def lower_blocks(plan: SparsePlan, inputs: Sequence[Any], workers: Sequence[str], call: BlockCall, *,
+                 in_place: bool, aggregators: Sequence[str]) -> Lowered:
+    """Lower a block-sparse ``plan`` for dense numpy inputs; ``aggregators``
+    are the workers that add the packs (empty: co-located on the ranks)."""
+    op, dtype, size = call.op, call.dtype, call.size
     accumulate = op.accumulator(dtype)
-    spec = _blocks.BlockSpec(block=block, size=size, shape=tuple(shape), dtype=_result_dtype(op, dtype).str,
+    spec = _blocks.BlockSpec(block=call.block, size=size, shape=call.shape, dtype=_result_dtype(op, dtype).str,
                              accumulate=accumulate.str if accumulate is not None else None)
-    nblocks = -(-size // block)
+    nblocks = -(-size // call.block)
     graph = _lower(plan, inputs, [*workers, *aggregators], _blocks, _blocks.aggregate, spec, size=nblocks,
-                   op=op, in_place=in_place, codec=codec, seed=seed)
-    return Lowered(plan, graph, size * dtype.itemsize, tuple(shape), dtype)
+                   op=op, in_place=in_place, codec=call.codec, seed=call.seed)
+    return Lowered(plan, graph, size * dtype.itemsize, call.shape, dtype)
 
 
 def _check_op(op: Op, valid: tuple[str, ...], what: str) -> Op:
@@ -176,7 +207,7 @@ def _check_op(op: Op, valid: tuple[str, ...], what: str) -> Op:
     return op if name == op.name else replace(op, name=name)
 
 
-def _check_wire(codec, seed, dtype: np.dtype):
+def _check_wire(codec: str | None, seed: Any, dtype: np.dtype) -> tuple[str | None, int | np.integer | None]:
     if codec not in CODECS:
         raise ValueError(f"compression must be one of {', '.join(map(str, CODECS))}; got {codec!r}")
     if codec is not None and dtype.kind != "f":
@@ -191,8 +222,9 @@ def _result_dtype(op: Op, dtype: np.dtype) -> np.dtype:
     return np.true_divide(np.zeros(1, acc), 1).dtype if op.mean else acc
 
 
-def _lower(plan: SparsePlan, inputs, workers: list[str], kernels, reduce_kernel, spec, *, size: int, op: Op,
-           in_place: bool, codec: str | None, seed: int | None) -> Graph:
+def _lower(plan: SparsePlan, inputs: Sequence[Any], workers: list[str], kernels: ModuleType,
+           reduce_kernel: Callable[..., Any], spec: _kernels.SegmentSpec | _blocks.BlockSpec, *, size: int, op: Op,
+           in_place: bool, codec: str | None, seed: int | np.integer | None) -> Graph:
     """One task per node and chunk, pinned to its rank's worker (plan ranks
     beyond the inputs are aggregators: ``workers[rank]`` all the same)."""
     owned = owned_inputs(plan, workers, in_place)
@@ -201,7 +233,7 @@ def _lower(plan: SparsePlan, inputs, workers: list[str], kernels, reduce_kernel,
 
     def task_for(s: Site) -> Task:
         n = s.node
-        wire = Wire(codec, None if seed is None else (int(seed), s.chunk, n.id)) if n.id in encoded else None
+        wire = Wire(codec, None if seed is None else (int(seed), s.chunk, n.id)) if codec and n.id in encoded else None
         if n.kind == VIEW:
             if s.final:
                 raise ValueError(f"plan {plan.algorithm!r}: rank {n.rank}'s result is its own input")

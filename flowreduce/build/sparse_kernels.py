@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import numpy as np
 import scipy.sparse as sp
 
+from flowreduce.build.kernels import Pick
+from flowreduce.build.sparse_payload import Encoded, Piece, Wire, decode_piece, encode_piece, piece_width
 from flowreduce.ops import Op
-from flowreduce.build.sparse_payload import Wire, decode_piece, encode_piece, piece_width
+
+#: A node's value: pieces covering consecutive ranges of the index space.
+Value: TypeAlias = "tuple[Piece | Encoded, ...]"
 
 #: Ops a sparse all-reduce supports (f(0, 0) = 0, so implicit zeros stay zero).
 SPARSE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
@@ -46,7 +52,7 @@ class SegmentSpec:
 # -- selecting a rank's non-zeros --------------------------------------------------------
 
 
-def _select(x, start: int, stop: int, spec: SegmentSpec) -> tuple[np.ndarray, np.ndarray, bool]:
+def _select(x: Any, start: int, stop: int, spec: SegmentSpec) -> tuple[np.ndarray, np.ndarray, bool]:
     """Positions (relative to ``start``) and values of ``x``'s stored entries
     with index in ``[start, stop)``, and whether they are already canonical
     (sorted, no duplicates)."""
@@ -87,7 +93,7 @@ def _segment(pos: np.ndarray, data: np.ndarray, width: int, canonical: bool) -> 
     return seg
 
 
-def _switch(seg: sp.csr_array, threshold: float):
+def _switch(seg: sp.csr_array, threshold: float) -> Piece:
     """The dense switch: ``seg`` as a dense array when it is denser than
     ``threshold`` (or full), else unchanged."""
     width = seg.shape[1]
@@ -96,7 +102,7 @@ def _switch(seg: sp.csr_array, threshold: float):
     return seg
 
 
-def pack(x, start: int, stop: int, spec: SegmentSpec, wire: Wire | None):
+def pack(x: Any, start: int, stop: int, spec: SegmentSpec, wire: Wire | None) -> Value:
     """The rank's non-zeros in ``[start, stop)`` of the index space: one piece."""
     pos, data, canonical = _select(x, start, stop, spec)
     if spec.accumulate is not None:
@@ -108,7 +114,7 @@ def pack(x, start: int, stop: int, spec: SegmentSpec, wire: Wire | None):
 # -- merging -------------------------------------------------------------------------------
 
 
-def _pick(value, picks):
+def _pick(value: Value, picks: Sequence[Pick]) -> Piece:
     """The part of a node's value that covers one input's range."""
     parts = []
     for i, a, b in picks:
@@ -134,7 +140,7 @@ _SPARSE_COMBINE = {
 }
 
 
-def _combine_dense(op: Op, acc: np.ndarray, x) -> np.ndarray:
+def _combine_dense(op: Op, acc: np.ndarray, x: Piece) -> np.ndarray:
     """``op(acc, x)`` into ``acc`` (owned by the caller); ``x`` dense or sparse."""
     if isinstance(x, np.ndarray):
         return op.combine(acc, x, out=acc)
@@ -145,13 +151,13 @@ def _combine_dense(op: Op, acc: np.ndarray, x) -> np.ndarray:
     return op.combine(acc, x.toarray().reshape(-1), out=acc)  # implicit zeros take part
 
 
-def merge(spec: SegmentSpec, op: Op, ranks: int, finish: bool, inputs, picks, owned, wire: Wire | None,
-          out: bool):
+def merge(spec: SegmentSpec, op: Op, ranks: int, finish: bool, inputs: Sequence[Value],
+          picks: Sequence[Sequence[Pick]], owned: Sequence[bool], wire: Wire | None, out: bool) -> Any:
     """Combine inputs over one range. Sparse inputs merge with scipy.sparse;
     a dense input (or a result denser than the threshold) makes the result
     dense, accumulated into a received dense buffer no other task here reads
     (``owned``) when there is one."""
-    arrays = [_pick(v, p) for v, p in zip(inputs, picks)]
+    arrays: list[Any] = [_pick(v, p) for v, p in zip(inputs, picks)]  # scipy's or numpy's, see `dense`
     dense = [i for i, a in enumerate(arrays) if isinstance(a, np.ndarray)]
     width = piece_width(arrays[0])
     if not dense and op.name in ("sum", "mean") and len(arrays) > 1 and \
@@ -184,7 +190,7 @@ def merge(spec: SegmentSpec, op: Op, ranks: int, finish: bool, inputs, picks, ow
     return (encode_piece(result, wire),)
 
 
-def _finish(op: Op, x, ranks: int):
+def _finish(op: Op, x: Piece, ranks: int) -> Piece:
     if not op.mean:
         return x
     if isinstance(x, np.ndarray):
@@ -194,7 +200,8 @@ def _finish(op: Op, x, ranks: int):
     return y
 
 
-def gather(spec: SegmentSpec, inputs, picks, wire: Wire | None, out: bool):
+def gather(spec: SegmentSpec, inputs: Sequence[Value], picks: Sequence[Sequence[Pick]], wire: Wire | None,
+           out: bool) -> Any:
     """Inputs side by side (pieces pass through, encoded ones stay encoded)."""
     pieces = []
     for v, p in zip(inputs, picks):
@@ -211,7 +218,7 @@ def gather(spec: SegmentSpec, inputs, picks, wire: Wire | None, out: bool):
 # -- the rank's result ----------------------------------------------------------------------
 
 
-def output(spec: SegmentSpec, chunks):
+def output(spec: SegmentSpec, chunks: Sequence[Value]) -> Any:
     """The rank's result from its pieces (in index-space order): the input's
     format, shape and container, or a dense array (``output="dense"``)."""
     size = int(np.prod(spec.shape))
@@ -246,11 +253,11 @@ def output(spec: SegmentSpec, chunks):
     if spec.dense_output:
         result = np.zeros(size, dtype=vals.dtype)
         result[pos] = vals
-        return result.reshape(shape, order=spec.order)
+        return result.reshape(shape, order="F" if spec.order == "F" else "C")
     return _assemble(spec, pos, vals)
 
 
-def _assemble(spec: SegmentSpec, pos: np.ndarray, vals: np.ndarray):
+def _assemble(spec: SegmentSpec, pos: np.ndarray, vals: np.ndarray) -> Any:
     """The sparse result from sorted, unique positions in the index space:
     built directly in the compressed format whose order the index space
     follows (no sort), converted by scipy for the other formats."""

@@ -17,7 +17,7 @@ registered here too, the same as dask's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import scipy.sparse as sp
@@ -26,6 +26,9 @@ from dask.sizeof import sizeof
 from flowreduce.algorithms.sparse import INT8_BUCKET
 
 _OVERHEAD = 64  # bytes of Python object around the buffers, as dask counts tuples
+
+#: A piece of an element-sparse value: a ``(1, W)`` ``scipy.sparse.csr_array`` or a dense array.
+Piece: TypeAlias = "np.ndarray | sp.csr_array"
 
 
 def _sizeof_sparray(x: Any) -> int:
@@ -95,8 +98,8 @@ def quantize(values: np.ndarray, wire: Wire) -> Quantized:
         raise ValueError(f"unknown compression {wire.codec!r}")
     n = values.size
     starts = np.arange(0, n, INT8_BUCKET)
-    peak = np.maximum.reduceat(np.abs(values), starts) if n else np.zeros(0, values.dtype)
-    scales = (peak / 127.0).astype(np.float32)
+    peaks = np.maximum.reduceat(np.abs(values), starts) if n else np.zeros(0, values.dtype)
+    scales = (peaks / 127.0).astype(np.float32)
     per = np.repeat(np.where(scales > 0, scales, 1.0).astype(np.float32), INT8_BUCKET)[:n]
     rng = np.random.default_rng(wire.seed)
     codes = np.floor(values / per + rng.random(n, dtype=np.float32))
@@ -116,7 +119,7 @@ class Encoded:
     indices: np.ndarray | None
     values: Quantized
 
-    def decode(self):
+    def decode(self) -> Piece:
         vals = self.values.decode()
         if self.indices is None:
             return vals
@@ -125,7 +128,7 @@ class Encoded:
         return out
 
 
-def encode_piece(piece, wire: Wire | None):
+def encode_piece(piece: Piece | Encoded, wire: Wire | None) -> Piece | Encoded:
     """A piece for the wire: quantised under ``wire``, unchanged without one
     (or when it is encoded already: forwarding does not re-quantise)."""
     if wire is None or isinstance(piece, Encoded):
@@ -136,11 +139,11 @@ def encode_piece(piece, wire: Wire | None):
     return Encoded(piece.shape[1], piece.indices, quantize(piece.data, wire))
 
 
-def decode_piece(piece):
+def decode_piece(piece: Piece | Encoded) -> Piece:
     return piece.decode() if isinstance(piece, Encoded) else piece
 
 
-def piece_width(piece) -> int:
+def piece_width(piece: Piece | Encoded) -> int:
     if isinstance(piece, Encoded):
         return piece.width
     if isinstance(piece, np.ndarray):

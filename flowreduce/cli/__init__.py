@@ -10,7 +10,7 @@ import sys
 COMMANDS = {
     "bench": ("flowreduce.cli.bench", "sweep sizes and algorithms against the hand-written baseline"),
     "trace": ("flowreduce.cli.trace", "run one all-reduce and write its trace, pictures and summary"),
-    "draw": ("flowreduce.draw", "draw an algorithm's plan or its Dask task graph"),
+    "draw": ("flowreduce.cli.draw", "draw an algorithm's plan or its Dask task graph"),
     "calibrate": ("flowreduce.cli.calibrate", "measure latency and bandwidth of each link class; write a cost model file"),
     "train": ("flowreduce.cli.train", "data-parallel training of a numpy MLP on digits, one all-reduce per step"),
 }

@@ -17,10 +17,14 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
+
+from flowreduce.cli.args import add_cost_model_argument, model_from_args, spec_from_arg
 
 BASELINE = "baseline"
 
@@ -101,10 +105,10 @@ def run_baseline(client, inputs, workers):
     return [total]
 
 
-def _save_trace(tr, trace_dir: str, n: int, alg: str, chunks, plan: str) -> str:
+def _save_trace(tr: Any, trace_dir: str, n: int, alg: str, chunks: int | None, plan: str) -> str:
     import os
 
-    from flowreduce.cli.trace import write_all
+    from flowreduce.cli.trace_files import write_all
 
     out = os.path.join(trace_dir, f"{n}-{alg}-{chunks or 'auto'}")
     write_all(tr, out, title=f"{plan}, {n:g} elements" if alg != BASELINE else f"baseline: {plan}, {n:g} elements")
@@ -116,7 +120,7 @@ def bench(
     sizes: list[int],
     algorithms: list[str],
     *,
-    chunks: list[int | None] = (None,),
+    chunks: Sequence[int | None] = (None,),
     dtype: str = "float64",
     op: str = "sum",
     ranks: int | None = None,
@@ -127,7 +131,7 @@ def bench(
     on_row=None,
     trace_dir: str | None = None,
     model=None,
-    extra: list[tuple[str, int | None]] = (),
+    extra: Sequence[tuple[str, int | None]] = (),
     workers: list[str] | None = None,
 ) -> list[dict]:
     """Run the sweep and return one dict per (size, algorithm, chunks).
@@ -152,7 +156,7 @@ def bench(
 
     workers = list(workers) if workers else ranked_workers(client)
     ranks = ranks or len(workers)
-    configs = [(a, c) for a in algorithms for c in chunks] + [tuple(e) for e in extra]
+    configs: list[tuple[str, int | None]] = [(a, c) for a in algorithms for c in chunks] + [(a, c) for a, c in extra]
     total = len(sizes) * (warmup + repeat) * (len(configs) + baseline)
     rows_out = []
     with ExitStack() as stack:
@@ -197,7 +201,7 @@ def bench(
                     elapsed = time.perf_counter() - t0
                     key = (alg, c)
                     row = rows.setdefault(key, Row(n, nbytes, dtype, ranks, alg, c or "auto", plan))
-                    if tr is not None:
+                    if tr is not None and trace_dir:  # a trace is taken only with trace_dir
                         row.trace = _save_trace(tr.stop(), trace_dir, n, alg, c, plan)
                     # checked where each result lives: every replica of the baseline's
                     ok = all(client.gather(
@@ -258,30 +262,6 @@ def add_arguments(p) -> None:
     add_cost_model_argument(p)
 
 
-def add_cost_model_argument(p) -> None:
-    p.add_argument("--cost-model", metavar="PATH", help="a cost model file written by `flowreduce calibrate` "
-                   "(default: the dask config key flowreduce.cost-model, else the built-in constants)")
-
-
-def spec_from_arg(text: str) -> tuple[str, dict]:
-    """An algorithm and its options from the command line
-    (:func:`flowreduce.algorithms.parse_spec`); a bad name or option exits
-    with the message naming it, before any cluster starts."""
-    from flowreduce.algorithms import parse_spec
-
-    try:
-        return parse_spec(text)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-
-
-def model_from_args(args):
-    """The :class:`CostModel` named by ``--cost-model``, or None (the configured default)."""
-    from flowreduce.cost import CostModel
-
-    return CostModel.from_file(args.cost_model) if getattr(args, "cost_model", None) else None
-
-
 def run(args) -> int:
     import flowreduce
     from flowreduce.launch import from_args
@@ -292,7 +272,7 @@ def run(args) -> int:
         name, _ = spec_from_arg(a.partition("@")[0])
         if name not in flowreduce.ALGORITHMS:  # the sweep's inputs are dense
             raise SystemExit(f"bench runs dense algorithms; {name!r} is not one of {', '.join(flowreduce.ALGORITHMS)}")
-    chunks = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]
+    chunks: list[int | None] = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]
     model = model_from_args(args)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     for d in dtypes:

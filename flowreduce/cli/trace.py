@@ -11,10 +11,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from typing import Any
+
+from flowreduce.cli.args import add_cost_model_argument, model_from_args, spec_from_arg
+from flowreduce.cli.trace_files import write_all
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make RANK's input arrive SECONDS late (to see a straggler)")
     parser.add_argument("--align", default="auto", choices=("auto", "host", "dask"), help="clock alignment")
     parser.add_argument("-o", "--output", required=True, help="directory to write into")
-    from flowreduce.cli.bench import add_cost_model_argument
     from flowreduce.launch import add_cluster_arguments
 
     add_cluster_arguments(parser, workers_default=None)
@@ -65,8 +65,6 @@ def run_traced(client: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     if args.straggler:
         r, _, s = args.straggler.partition(":")
         delays[int(r)] = float(s or 0.5)
-    from flowreduce.cli.bench import model_from_args, spec_from_arg
-
     name, options = spec_from_arg(args.algorithm)
     kw: dict[str, Any] = {"algorithm": name, "model": model_from_args(args), **options}
     if args.chunks:
@@ -82,39 +80,7 @@ def run_traced(client: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     return tr, out
 
 
-def write_all(tr: Any, out_dir: str, title: str = "") -> dict[str, str]:
-    """Write every export of ``tr`` into ``out_dir``; returns name -> path."""
-    from flowreduce.tracing.export import to_chrome, to_csv
-    from flowreduce.tracing.summary import summarize
-
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {
-        "trace.json": to_chrome(tr, os.path.join(out_dir, "trace.json")),
-        "trace.csv": to_csv(tr, os.path.join(out_dir, "trace.csv")),
-    }
-    token = None
-    if tr.last_call is not None:  # a trace of user tasks only (bench's baseline) has no summary
-        s = summarize(tr)
-        token = s.token
-        with open(os.path.join(out_dir, "summary.txt"), "w") as f:
-            f.write(str(s))
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(s.to_dict(), f, indent=1, default=str)
-        paths["summary.txt"] = os.path.join(out_dir, "summary.txt")
-        paths["summary.json"] = os.path.join(out_dir, "summary.json")
-    try:
-        from flowreduce.tracing.plot import plot_timeline
-
-        png, svg = os.path.join(out_dir, "timeline.png"), os.path.join(out_dir, "timeline.svg")
-        plot_timeline(tr, [png, svg], token=token, title=title or None)
-        paths["timeline.png"], paths["timeline.svg"] = png, svg
-    except ImportError as e:
-        print(f"no pictures: {e}")
-    return paths
-
-
 def run(args: argparse.Namespace) -> int:
-    from flowreduce.cli.bench import spec_from_arg
     from flowreduce.launch import from_args
 
     spec_from_arg(args.algorithm)  # a bad name or option fails before any cluster starts

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from flowreduce.algorithms import format_spec
+from flowreduce.cli.args import spec_from_arg
 
 
 def parse_bucket_bytes(text: str) -> int | None:
@@ -61,7 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from flowreduce.cli.bench import spec_from_arg
     from flowreduce.train.config import TrainConfig, parse_straggler
 
     algorithm, options = spec_from_arg(args.algorithm)

@@ -21,21 +21,34 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import dask
+import dask.utils
 import numpy as np
 from distributed import Client, Future
 
+from flowreduce import config
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
+from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
+from flowreduce.algorithms.sparse import SparsePlan
 from flowreduce.build.buckets import build_tree_graph
 from flowreduce.build.graph import Graph
-from flowreduce.build.sparse import SparseInputs, lower_blocks, lower_sparse
-from flowreduce.cost import CostModel, choose, model_for, tune
+from flowreduce.build.sparse import (
+    BlockCall,
+    SparseCall,
+    SparseInputs,
+    block_call,
+    lower_blocks,
+    lower_sparse,
+    sparse_call,
+)
+from flowreduce.cost import CostModel, choose, choose_sparse, model_for, tune
 from flowreduce.errors import InputError, OptionError, raised_as
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import parse
@@ -48,6 +61,7 @@ from flowreduce.schedule.inputs import (
     ArrayMeta,
     SparseMeta,
     TreeMeta,
+    check_cluster,
     check_dtype,
     check_dtypes,
     common_array,
@@ -81,11 +95,11 @@ def allreduce(
     op: Any = "sum",
     algorithm: str = "auto",
     chunks: int | None = None,
-    chunk_bytes: int | None = None,
+    chunk_bytes: int | str | None = None,
     model: CostModel | None = None,
     topology: Any = None,
     like: Any = None,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     transport: str = "auto",
     **options: Any,
 ) -> list[Any]:
@@ -120,8 +134,10 @@ def allreduce(
         ``"block-sparse"`` takes numpy inputs with zero blocks (docs/sparse.md).
     chunks, chunk_bytes : int, optional
         Split each vector (each bucket) into this many independent
-        pipelines, or into pieces of about this many bytes. Default: chosen
-        by the cost model.
+        pipelines, or into pieces of about this many bytes (an int, or a
+        string dask reads: ``"4MiB"``). Default: chosen by the cost model.
+        At most ``flowreduce.max-chunks`` chunks per vector (dask config,
+        default 1024): each chunk is a task per plan node.
     like : array, pytree, optional
         A template of one rank's input: the same structure with, for each
         future, what it resolves to (arrays, or
@@ -132,9 +148,9 @@ def allreduce(
         rank's result with an error naming the rank and the tensor).
         Without it, the call waits until the inputs are in memory and checks
         them first.
-    bucket_bytes : int or None
+    bucket_bytes : int, str or None
         Tensor fusion: tensors are copied into buckets of about this many
-        bytes (per dtype, last tensors first) and each bucket is reduced as
+        bytes (``"25MiB"`` works too; per dtype, last tensors first) and each bucket is reduced as
         one vector. Default 25 MiB (PyTorch DDP's). ``0`` or ``None``: each
         tensor is reduced on its own.
     transport : str
@@ -185,6 +201,7 @@ def allreduce(
         An input future that failed, was cancelled or whose data was lost.
     """
     outer, futures = rank_futures(list(inputs))
+    check_cluster(client, futures)
     settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, transport)
     ranks = describe_inputs(client, outer, futures, like, settings)
     return submit(client, lower(client, ranks, settings))
@@ -205,20 +222,20 @@ class Settings:
     transport: str = "auto"
 
     @classmethod
-    def check(cls, op: Any, algorithm: str, chunks: int | None, chunk_bytes: int | None, model: CostModel | None,
-              topology: Any, bucket_bytes: int | None, options: Mapping[str, Any],
-              transport: str = "auto") -> Settings:
+    def check(cls, op: Any, algorithm: str, chunks: Any, chunk_bytes: Any, model: CostModel | None,
+              topology: Any, bucket_bytes: Any, options: Mapping[str, Any], transport: str = "auto") -> Settings:
         """The settings, or an :class:`~flowreduce.errors.OptionError` naming the bad one."""
         if algorithm not in ALGORITHMS and algorithm not in SPARSE_ALGORITHMS:
             raise OptionError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}")
         with raised_as(OptionError):
             op_ = resolve_op(op)
-        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
-            raise OptionError(f"chunks must be a positive integer, got {chunks!r}")
-        if chunk_bytes is not None and chunk_bytes <= 0:
-            raise OptionError(f"chunk_bytes must be positive, got {chunk_bytes!r}")
-        if bucket_bytes is not None and bucket_bytes < 0:
-            raise OptionError(f"bucket_bytes must be >= 0 (0 or None: no fusion), got {bucket_bytes!r}")
+        chunks = _count("chunks", chunks)
+        if chunks is not None:
+            _check_cap("chunks", chunks)
+        chunk_bytes = _byte_count(chunk_bytes, smallest=1, what="chunk_bytes must be positive (bytes: an int or a "
+                                  "string like '1MiB')")
+        bucket_bytes = _byte_count(bucket_bytes, smallest=0, what="bucket_bytes must be >= 0 (0 or None: no fusion; "
+                                   "bytes: an int or a string like '25MiB')")
         with raised_as(OptionError):
             _transport.check(transport)
         return cls(op_, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, dict(options), transport)
@@ -227,8 +244,53 @@ class Settings:
         """The chunk count of a vector of ``nbytes``: ``chunks`` if given,
         else from ``chunk_bytes``, else None (the cost model chooses)."""
         if self.chunks is None and self.chunk_bytes is not None:
-            return max(1, math.ceil(nbytes / self.chunk_bytes))
+            chunks = max(1, math.ceil(nbytes / self.chunk_bytes))
+            _check_cap(f"chunk_bytes={self.chunk_bytes} on a vector of {nbytes} bytes", chunks)
+            return chunks
         return self.chunks
+
+
+def _count(name: str, value: Any) -> int | None:
+    """A positive integer option: ints and integer-likes (``np.int64(2)``),
+    not booleans, not floats."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise OptionError(f"{name} must be a positive integer, got the boolean {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise OptionError(f"{name} must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise OptionError(f"{name} must be a positive integer, got {value!r}")
+    return n
+
+
+def _byte_count(value: Any, *, smallest: int, what: str) -> int | None:
+    """A number of bytes: an integer (or integer-like) or a string dask reads
+    (``"1MiB"``, ``"25 MB"``: :func:`dask.utils.parse_bytes`); not a boolean.
+    ``what`` says what is expected, naming the parameter."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise OptionError(f"{what}, got the boolean {value!r}")
+    try:
+        n = dask.utils.parse_bytes(value) if isinstance(value, str) else operator.index(value)
+    except (TypeError, ValueError) as e:
+        raise OptionError(f"{what}, got {value!r}") from e
+    if n < smallest:
+        raise OptionError(f"{what}, got {value!r}")
+    return n
+
+
+def _check_cap(what: str, chunks: int) -> None:
+    """Every chunk is a task per plan node: refuse counts that would build
+    tasks until memory runs out (the cap is the dask config key
+    ``flowreduce.max-chunks``)."""
+    cap = int(config.get("max-chunks"))
+    if chunks > cap:
+        raise OptionError(f"{what} asks for {chunks} chunks per vector; at most {cap} (each chunk is a task per "
+                          "plan node; the dask config key 'flowreduce.max-chunks' sets the cap)")
 
 
 #: What a call's ranks hold, agreed by all: one numpy array each, scipy.sparse
@@ -287,21 +349,34 @@ def describe_inputs(client: Client, outer: TreeDef, futures: list[list[Future]],
     return Ranks(outer, frozen, tuple(workers), places, held)
 
 
-def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings) -> Plan:
+def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings,
+                wire: SparseCall | BlockCall | None = None, aggregators: int = 0) -> Plan:
     """The plan for ``p`` ranks of ``nbytes`` each, judged by ``model``, the
     ranks grouped by host (and coarser levels) as in ``levels``: ``auto``
-    chooses among all algorithms; a named one is tuned in what the call
-    leaves open (chunks; hierarchical's groups, inner and outer)."""
+    chooses among all algorithms (among the sparse ones for scipy.sparse
+    inputs, ``wire``); a named one is tuned in what the call leaves open
+    (chunks; hierarchical's groups, inner and outer). Block-sparse calls
+    (``wire``) have one plan, over ``aggregators`` aggregating workers."""
     chunks = settings.chunks_for(nbytes)
     options = dict(settings.options)
-    if settings.algorithm == "auto":
-        if options:
-            raise OptionError(f"options {sorted(options)} need a named algorithm, not 'auto'")
-        with raised_as(OptionError):
-            return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
-    if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
-        options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
     with raised_as(OptionError):
+        if isinstance(wire, BlockCall):
+            blocks = make_plan("block-sparse", p, chunks=chunks or 1, aggregators=aggregators, block_size=wire.block)
+            return replace(cast(SparsePlan, blocks), value_bytes=wire.dtype.itemsize, codec=wire.codec)
+        if isinstance(wire, SparseCall):
+            fields = wire.plan_fields()
+            if settings.algorithm == "auto":
+                chosen = choose_sparse(p, wire.info.size, fields["value_bytes"], wire.info.density, model=model,
+                                       delta=wire.delta, codec=wire.codec)
+                return replace(chosen, chunks=chunks or 1)
+            named = make_plan(settings.algorithm, p, chunks=chunks or 1, **wire.planner)
+            return replace(cast(SparsePlan, named), **fields)  # a sparse algorithm's name plans a SparsePlan
+        if settings.algorithm == "auto":
+            if options:
+                raise OptionError(f"options {sorted(options)} need a named algorithm, not 'auto'")
+            return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
+        if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
+            options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
         return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
 
 
@@ -345,9 +420,9 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         if settings.chunks is None and settings.chunk_bytes is not None:
             raise OptionError("chunk_bytes applies to dense inputs; pass chunks= for sparse ones")
         with raised_as(OptionError):
-            low = lower_sparse(inputs, workers, held, op=settings.op, algorithm=settings.algorithm,
-                               chunks=settings.chunks, model=model, in_place=ranks.in_place,
-                               options=dict(settings.options))
+            sparse = sparse_call(held, op=settings.op, algorithm=settings.algorithm, options=settings.options)
+        plan = choose_plan(p, held.size * np.dtype(held.dtype).itemsize, [], model, settings, sparse)
+        low = lower_sparse(cast(SparsePlan, plan), inputs, workers, sparse, in_place=ranks.in_place)
         return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
     shape, dtype = held.shape, np.dtype(held.dtype)
     size = math.prod(shape)
@@ -356,9 +431,10 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         options = dict(settings.options)
         aggregators = _aggregators(client, options.pop("aggregators", None))
         with raised_as(OptionError):
-            low = lower_blocks(inputs, workers, shape=shape, dtype=dtype, op=settings.op,
-                               chunks=settings.chunks_for(nbytes), model=model, in_place=ranks.in_place,
-                               aggregators=aggregators, options=options)
+            blocks = block_call(shape=shape, dtype=dtype, op=settings.op, options=options)
+        plan = choose_plan(p, nbytes, [], model, settings, blocks, aggregators=len(aggregators))
+        low = lower_blocks(cast(SparsePlan, plan), inputs, workers, blocks, in_place=ranks.in_place,
+                           aggregators=aggregators)
         return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
     levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
     domains = _transport.memory_domains(workers, ranks.places, settings.transport)

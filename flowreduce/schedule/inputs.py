@@ -94,6 +94,29 @@ def _leaf_meta(x: Any) -> ArrayMeta | OtherMeta:
     return OtherMeta(type(x).__name__)
 
 
+def check_cluster(client: Any, futures: Sequence[Sequence[Any]]) -> None:
+    """Refuse futures of another cluster's client: their keys would be looked
+    up on this cluster, and a key that happens to exist here too would be
+    reduced silently in place of the real input.
+
+    Raises
+    ------
+    InputError
+        Naming the ranks and the scheduler their futures belong to.
+    """
+    here = client.scheduler.address
+    foreign: dict[str, list[int]] = {}
+    for r, fs in enumerate(futures):
+        for f in fs:
+            there = f.client.scheduler.address
+            if there != here:
+                foreign.setdefault(there, []).append(r)
+                break
+    if foreign:
+        detail = "; ".join(f"ranks {rs} belong to {addr}" for addr, rs in foreign.items())
+        raise InputError(f"inputs must be futures of this client's cluster ({here}); {detail}")
+
+
 def rank_futures(inputs: Sequence[Any]) -> tuple[TreeDef, list[list[Any]]]:
     """The structure of every rank's futures and, per rank, its futures in
     that structure's order.

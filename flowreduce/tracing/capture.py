@@ -75,13 +75,14 @@ def _scheduler_snapshot(cursor: int | None, input_keys: list, dask_scheduler: An
     }
 
 
-def _fingerprint(entry: dict) -> tuple:
+def entry_mark(entry: dict) -> tuple:
+    """What identifies one entry of a worker's transfer log (its cursor)."""
     return (entry["start"], entry["stop"], str(entry["who"]), entry["total"])
 
 
-def _since(log: Any, mark: tuple | str | None) -> list[dict]:
+def entries_since(log: Any, mark: tuple | str | None) -> list[dict]:
     """Entries of a transfer log appended after the one ``mark``
-    fingerprints (``""``: the log was empty; ``None``: none at all). By
+    identifies (``""``: the log was empty; ``None``: none at all). By
     position, not by time: a log's times are shifted by an estimate that
     changes between entries, so they need not grow monotonically."""
     if mark is None:
@@ -89,7 +90,7 @@ def _since(log: Any, mark: tuple | str | None) -> list[dict]:
     entries = list(log)
     if mark != "":
         for i in range(len(entries) - 1, -1, -1):
-            if _fingerprint(entries[i]) == mark:
+            if entry_mark(entries[i]) == mark:
                 return [dict(e) for e in entries[i + 1:]]
     return [dict(e) for e in entries]  # the marked entry rotated out: everything is new
 
@@ -105,7 +106,7 @@ def _worker_snapshot(marks: dict, shm_marks: dict | None = None, dask_worker: An
     copies = list(COPIES) if shm_marks is not None else []  # None: only where the log ends
     shm_mark = (shm_marks or {}).get(w.address, 0)
     in_mark, out_mark = marks.get(w.address, ("", ""))  # a worker that joined since: all of it is new
-    incoming = _since(w.transfer_incoming_log, in_mark)
+    incoming = entries_since(w.transfer_incoming_log, in_mark)
     received = []  # raw arrival times of fetches, to know the shift of each
     if incoming:
         oldest = min(e["start"] for e in incoming) - 10.0
@@ -121,9 +122,9 @@ def _worker_snapshot(marks: dict, shm_marks: dict | None = None, dask_worker: An
         "digests": {k: w.digests_total.get(k, 0.0) for ks in DIGESTS.values() for k in ks},
         "incoming": incoming,
         "received": received,
-        "outgoing": _since(w.transfer_outgoing_log, out_mark),
-        "last_in": _fingerprint(w.transfer_incoming_log[-1]) if w.transfer_incoming_log else "",
-        "last_out": _fingerprint(w.transfer_outgoing_log[-1]) if w.transfer_outgoing_log else "",
+        "outgoing": entries_since(w.transfer_outgoing_log, out_mark),
+        "last_in": entry_mark(w.transfer_incoming_log[-1]) if w.transfer_incoming_log else "",
+        "last_out": entry_mark(w.transfer_outgoing_log[-1]) if w.transfer_outgoing_log else "",
         "pid": os.getpid(),
         "shm": [c for c in copies if c[0] > shm_mark],
         "shm_last": COPIES[-1][0] if COPIES else 0,
@@ -505,7 +506,7 @@ class Trace:
         Dask's memory manager does not count the input twice: see
         ``_kernels.Views``), so a view's size comes from the plan instead."""
         call = self.calls.get(info["token"]) if info and info.get("phase") == "split" else None
-        if call is None or call.plan is None:
+        if info is None or call is None or call.plan is None:
             return int(logged or 0)
         node = call.plan.nodes[info["node"]]
         return int(round(node.width * call.nbytes / call.plan.segments / call.plan.chunks))

@@ -148,7 +148,7 @@ class DataParallel:
                               c.seed, epoch, r, i, c.batch)
             delay = c.straggler[1] if c.straggler and c.straggler[0] == r else 0.0
             delta: Any = None
-            mine = [None] * self.layers
+            mine: list[Any] = [None] * self.layers  # the keys of the layers' gradients
             for layer in reversed(range(self.layers)):
                 g = self.key("grad", n, r, layer)
                 tasks[g] = Task(g, grad_step, TaskRef(fwd), delta, layer, delay if layer == self.layers - 1 else 0.0)
@@ -181,8 +181,8 @@ class DataParallel:
         up_tasks, up_keys = {}, []
         for r in range(c.ranks):
             u = self.key("update", n, r)
-            g = List(*reduced[r]) if c.overlap else reduced[r]
-            up_tasks[u] = Task(u, update_step, TaskRef(self.state[r].key), g, c.lr, c.momentum)
+            mean = List(*reduced[r]) if c.overlap else reduced[r]
+            up_tasks[u] = Task(u, update_step, TaskRef(self.state[r].key), mean, c.lr, c.momentum)
             up_keys.append(u)
         with dask.annotate(workers=dict(zip(up_keys, self.workers)).get, allow_other_workers=False):
             new_state = self.client.get(up_tasks, up_keys, sync=False)

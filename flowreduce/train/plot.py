@@ -58,20 +58,19 @@ def plot_steps(trace: Any, workers: Sequence[str], path: Any = None, *, title: s
     except ImportError as e:
         raise ImportError("plot_steps needs matplotlib: pip install flowreduce[viz]") from e
     lane = {w: r for r, w in enumerate(workers)}
-    events = [(e, category(e)) for e in trace.events]
-    events = [(e, c) for e, c in events if c is not None and e.worker in lane]
-    x0 = min((e.start for e, _ in events), default=0.0)
-    span = max((e.stop for e, _ in events), default=x0) - x0
+    events = [(ev, c) for ev in trace.events if (c := category(ev)) is not None and ev.worker in lane]
+    x0 = min((ev.start for ev, _ in events), default=0.0)
+    span = max((ev.stop for ev, _ in events), default=x0) - x0
     least = span * 1e3 * 0.0015  # ms: the shortest bar still shows its colour
     fig = Figure(figsize=(width, 1.2 + 0.8 * len(workers)))
     ax = fig.add_subplot()
     totals: dict[str, float] = {}
-    for e, c in events:
+    for ev, c in events:
         colour, row = CATEGORIES[c]
-        y = lane[e.worker] + row * 0.35
-        ax.broken_barh([((e.start - x0) * 1e3, max(e.duration * 1e3, least))], (y, 0.3), facecolors=colour,
+        y = lane[ev.worker] + row * 0.35
+        ax.broken_barh([((ev.start - x0) * 1e3, max(ev.duration * 1e3, least))], (y, 0.3), facecolors=colour,
                        linewidth=0)
-        totals[c] = totals.get(c, 0.0) + e.duration
+        totals[c] = totals.get(c, 0.0) + ev.duration
     ax.set_yticks([r + 0.3 for r in range(len(workers))], [f"rank {r}" for r in range(len(workers))])
     ax.set_ylim(len(workers), -0.2)
     ax.set_xlabel("ms")

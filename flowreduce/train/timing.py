@@ -36,7 +36,7 @@ class _CommShare:
         return self.comm / self.seconds if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "comm_share": self.comm_share}
+        return {**asdict(self), "comm_share": self.comm_share}  # type: ignore[call-overload]  # on dataclasses
 
 
 @dataclass

@@ -1,0 +1,113 @@
+"""The house rules, checked by well-kept tools instead of by hand: the layer
+contracts of import-linter (``[tool.importlinter]`` in pyproject.toml), no
+import cycle inside flowreduce (grimp, import-linter's graph library) and the
+types (mypy, ``[tool.mypy]``). Imports inside functions count as imports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+from importlinter.api import read_configuration
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = ROOT / "pyproject.toml"
+CONTRACTS = read_configuration(str(PYPROJECT))["contracts_options"]
+
+
+def _this_checkout() -> dict[str, str]:
+    """The environment of a child Python that imports this checkout's flowreduce."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.parametrize("contract", [c["id"] for c in CONTRACTS])
+def test_import_contract_is_kept(contract):
+    # in a child process: import-linter finds the package by importing it
+    code = ("import sys; from importlinter.cli import lint_imports; "
+            f"sys.exit(lint_imports({str(PYPROJECT)!r}, limit_to_contracts=({contract!r},), no_cache=True, no_logo=True))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_this_checkout(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _graph_without_allowed_imports() -> grimp.ImportGraph:
+    """flowreduce's import graph without the imports the layers contract allows
+    (``ignore_imports``, each with its reason in pyproject.toml)."""
+    import flowreduce
+
+    # grimp reads the flowreduce that imports: it must be this checkout's
+    assert Path(flowreduce.__file__).resolve().parents[1] == ROOT, \
+        f"flowreduce imports from {flowreduce.__file__}; put {ROOT} first on PYTHONPATH"
+    graph = grimp.build_graph("flowreduce", cache_dir=None)
+    allowed = [e for c in CONTRACTS if c["id"] == "layers" for e in c.get("ignore_imports", [])]
+    for expression in allowed:
+        for imp in graph.find_matching_direct_imports(expression):
+            graph.remove_import(importer=imp["importer"], imported=imp["imported"])
+    return graph
+
+
+def test_no_import_cycles():
+    """Every cycle between flowreduce's modules, a package's ``__init__``
+    included (import-linter's acyclic_siblings contract cannot see those:
+    ``algorithms/__init__`` -> a planner -> ``algorithms``)."""
+    graph = _graph_without_allowed_imports()
+    cycles = set()
+    for importer in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(importer):
+            back = graph.find_shortest_chain(importer=imported, imported=importer)
+            if back:
+                cycle = (importer, *back[:-1])
+                first = cycle.index(min(cycle))  # one spelling per cycle, whichever import found it
+                cycles.add(cycle[first:] + cycle[:first])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join((*c, c[0])) for c in sorted(cycles))
+
+
+def test_types(request, tmp_path):
+    """mypy over flowreduce/ with pyproject's [tool.mypy]; its cache lives in
+    pytest's cache directory, so a second run takes a second, not a minute."""
+    from mypy import api
+
+    cache = request.config.cache.mkdir("mypy") if getattr(request.config, "cache", None) else tmp_path
+    stdout, stderr, status = api.run(["--config-file", str(PYPROJECT), "--cache-dir", str(cache),
+                                      "--no-error-summary", str(ROOT / "flowreduce")])
+    assert status == 0, stdout + stderr
+
+
+def _private_names_reached(source: str) -> list[str]:
+    """``flowreduce`` names starting with ``_`` that a test module imports or
+    reads off a flowreduce module it imported (``mod._name``)."""
+    import ast
+
+    tree = ast.parse(source)
+    modules: set[str] = set()  # local names bound to flowreduce modules
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flowreduce"):
+            for a in node.names:
+                if a.name.startswith("_"):
+                    found.append(f"{node.module}.{a.name}")
+                modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("flowreduce"):
+                    modules.add((a.asname or a.name).split(".")[0])
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in modules):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_test_reaches_a_private_name():
+    """Tests use flowreduce as its packages export it: a private name is free
+    to change without a test noticing."""
+    tests = Path(__file__).parent
+    reached = {str(p.relative_to(tests)): names for p in sorted(tests.rglob("*.py"))
+               if (names := _private_names_reached(p.read_text()))}
+    assert not reached, f"tests reach private names: {reached}"
+    assert _private_names_reached("from flowreduce.tracing.capture import _since") == [
+        "flowreduce.tracing.capture._since"]
+    assert _private_names_reached("import flowreduce.schedule.call as c\nc._locate(1)") == ["c._locate"]
