@@ -18,7 +18,8 @@ Names carry the owner's pid and process start time
 unlinks segments whose owner is gone (a worker killed with SIGKILL that its
 nanny restarted).
 
-Configuration (dask config, read when the process's pool is made):
+Configuration (dask config, defaults in flowreduce/flowreduce.yaml, read
+when the process's pool is made):
 
 ``flowreduce.shm.enabled``      false: never use shared memory
 ``flowreduce.shm.directory``    where segments live (default ``/dev/shm``)
@@ -45,8 +46,8 @@ import numpy as np
 logger = logging.getLogger("flowreduce")
 
 PREFIX = "flowreduce-shm-"
-DEFAULTS = {"enabled": True, "directory": "/dev/shm", "pool-bytes": "4GiB", "idle-seconds": 30.0,
-            "min-bytes": "64KiB"}
+#: The settings' keys under ``flowreduce.shm`` (defaults in flowreduce/flowreduce.yaml).
+KEYS = ("enabled", "directory", "pool-bytes", "idle-seconds", "min-bytes")
 #: Segments are sized in these units so calls of nearby sizes share them.
 GRAIN = 1 << 20
 #: Bytes at the head of a segment: its lease generation (an int64), so a
@@ -57,11 +58,12 @@ HEADROOM = 64 << 20
 
 
 def config() -> dict:
-    """The pool's settings from the dask config, with the defaults above."""
-    import dask.config
+    """The pool's settings from the dask config (:mod:`flowreduce.config`)."""
     from dask.utils import parse_bytes
 
-    got = {k: dask.config.get(f"flowreduce.shm.{k}", v) for k, v in DEFAULTS.items()}
+    from flowreduce import config as settings
+
+    got = {k: settings.get(f"shm.{k}") for k in KEYS}
     for k in ("pool-bytes", "min-bytes"):
         got[k] = parse_bytes(got[k]) if isinstance(got[k], str) else int(got[k])
     got["idle-seconds"] = float(got["idle-seconds"])
@@ -128,8 +130,8 @@ class Pool:
     """This process's segments: leased ones, free ones (kept for reuse), and
     mappings of peers' segments. Thread-safe (a worker's tasks run in threads)."""
 
-    def __init__(self, directory: str = DEFAULTS["directory"], limit: int = 4 << 30,
-                 idle: float = DEFAULTS["idle-seconds"], enabled: bool = True, min_bytes: int = 64 << 10):
+    def __init__(self, directory: str = "/dev/shm", limit: int = 4 << 30, idle: float = 30.0, enabled: bool = True,
+                 min_bytes: int = 64 << 10):
         self.directory, self.limit, self.idle, self.min_bytes = directory, limit, idle, min_bytes
         self._lock = threading.Lock()
         self._leased: dict[str, Segment] = {}
