@@ -16,12 +16,12 @@ from flowreduce import topology  # callable: flowreduce.topology(client) shows w
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS, plan
 from flowreduce.algorithms.ir import CostCard, Plan
 from flowreduce.cost import CostModel, choose
-from flowreduce.errors import FlowreduceError, WorkerLostError
+from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, WorkerLostError
 from flowreduce.ops import resolve_op
 from flowreduce.tracing import trace
 
-__all__ = ["ALGORITHMS", "SPARSE_ALGORITHMS", "CostCard", "CostModel", "FlowreduceError", "Plan", "WorkerLostError",
-           "allreduce", "choose", "describe", "plan", "resolve_op", "topology", "trace"]
+__all__ = ["ALGORITHMS", "SPARSE_ALGORITHMS", "AllreduceTimeoutError", "CostCard", "CostModel", "FlowreduceError", "Plan",
+           "WorkerLostError", "allreduce", "choose", "describe", "plan", "resolve_op", "topology", "trace"]
 __version__ = "0.1.0"
 
 

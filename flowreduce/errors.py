@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["FlowreduceError", "InputError", "InputStateError", "InputTypeError", "OptionError", "WorkerLostError",
+__all__ = ["AllreduceTimeoutError", "FlowreduceError", "InputError", "InputStateError", "InputTypeError", "OptionError",
+           "WorkerLostError",
            "raised_as"]
 
 
@@ -42,7 +43,13 @@ class InputStateError(FlowreduceError, RuntimeError):
 
 
 class WorkerLostError(FlowreduceError, RuntimeError):
-    """A worker holding part of an all-reduce left the cluster."""
+    """A worker holding part of an all-reduce left the cluster and the call
+    could not recover (an input without lineage, or too many attempts)."""
+
+
+class AllreduceTimeoutError(FlowreduceError, TimeoutError):
+    """An all-reduce did not finish within its timeout; the message says
+    what it waits for (rank, plan step, key, state on the scheduler, worker)."""
 
 
 @contextmanager

@@ -25,7 +25,7 @@ import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any, NamedTuple
 
 #: ``--cluster`` choices beyond ``local``, and dask-jobqueue's class for each.
@@ -36,7 +36,8 @@ JOBQUEUE = {"slurm": "SLURMCluster", "pbs": "PBSCluster", "sge": "SGECluster", "
 _PASSED = {"cores": "cores", "memory": "memory", "processes": "processes", "walltime": "walltime",
            "queue": "queue", "account": "account", "interface": "interface", "job_name": "job_name",
            "job_extra": "job_extra_directives", "prologue": "job_script_prologue",
-           "python": "python", "log_directory": "log_directory", "local_directory": "local_directory"}
+           "python": "python", "log_directory": "log_directory", "local_directory": "local_directory",
+           "tls": "security", "tls_directory": "shared_temp_directory", "dashboard_address": "dashboard_address"}
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser, *, workers_default: int | None = 4) -> None:
@@ -67,6 +68,13 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, workers_default: int | 
     g.add_argument("--python", help="python on the compute nodes (default: this one)")
     g.add_argument("--log-directory", help="where the jobs write their output")
     g.add_argument("--local-directory", help="worker scratch space on the nodes")
+    g.add_argument("--tls", action="store_true", default=None,
+                   help="encrypt and authenticate scheduler, workers and client with TLS, using temporary "
+                        "certificates made for this run (dask-jobqueue's security=True)")
+    g.add_argument("--tls-directory", help="where --tls writes the certificates the jobs read: a directory the "
+                                           "compute nodes see (default: dask-jobqueue's, the current directory)")
+    g.add_argument("--dashboard-address", help="where the scheduler's dashboard listens (default: a free port on "
+                                               "--interface's address, else on every interface)")
     g.add_argument("--wait-timeout", type=float, default=300.0,
                    help="seconds to wait for the jobs' workers before giving up (default 300)")
 
@@ -88,7 +96,7 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
             with cluster("local", workers=args.workers or workers, memory_limit=args.memory_limit) as client:
                 yield client
             return
-        options = {kw: getattr(args, dest) for dest, kw in _PASSED.items() if getattr(args, dest, None) is not None}
+        options = jobqueue_arguments(args)
         with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress, **options) as client:
             yield client
 
@@ -152,6 +160,11 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
         yield client
 
 
+def jobqueue_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The dask-jobqueue keywords the command line gives (only those given)."""
+    return {kw: getattr(args, dest) for dest, kw in _PASSED.items() if getattr(args, dest, None) is not None}
+
+
 def jobqueue_cluster(kind: str, options: dict) -> Any:
     """A dask-jobqueue cluster of ``kind`` (slurm, pbs, ...) built from
     ``options`` over jobqueue.yaml's settings; jobs are not started yet."""
@@ -192,7 +205,11 @@ def jobqueue_options(config_name: str, options: dict) -> dict:
     than 8787. ``scheduler_options`` are merged key by key in that order;
     an explicit ``interface`` also makes the scheduler listen there (the
     workers must reach it), replacing a configured scheduler ``host`` or
-    ``interface`` unless the explicit ``scheduler_options`` name one."""
+    ``interface`` unless the explicit ``scheduler_options`` name one, and
+    puts flowreduce's default dashboard on that interface's address (not
+    every interface).
+    ``dashboard_address`` sets the dashboard's address outright; ``security``
+    and ``shared_temp_directory`` (TLS) go to dask-jobqueue as they are."""
     import sys
 
     import dask
@@ -206,6 +223,13 @@ def jobqueue_options(config_name: str, options: dict) -> dict:
     if options.get("interface") is not None and not {"host", "interface"} & set(explicit):
         scheduler.pop("host", None)
         scheduler["interface"] = options["interface"]
+        if "dashboard_address" not in {**configured, **explicit}:  # flowreduce's default: not every interface
+            from distributed.utils import get_ip_interface
+
+            with suppress(ValueError):  # not on this host: the scheduler will say so itself
+                scheduler["dashboard_address"] = f"{get_ip_interface(options['interface'])}:0"
+    if options.get("dashboard_address") is not None:
+        scheduler["dashboard_address"] = options.pop("dashboard_address")
     options["scheduler_options"] = scheduler
     return options
 

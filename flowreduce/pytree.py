@@ -1,11 +1,14 @@
 """Nested containers of arrays ("pytrees"): a model's gradients as one value.
 
-A pytree is a ``dict``, ``list`` or ``tuple`` (namedtuples included) whose
-items are pytrees or *leaves*; anything else is a leaf. :func:`flatten`
-turns one into its leaves (depth first, dicts in insertion order) and a
-:class:`TreeDef` that :func:`unflatten` turns back into the same structure.
-Pure Python, no Dask: the planners, the builder and the tasks on the workers
-share it.
+A pytree is a ``dict`` (``OrderedDict`` and other dict subclasses built
+from pairs included), ``list``, ``tuple`` (namedtuples included) or
+dataclass instance (unless it has a ``shape`` and a ``dtype``, like a
+:class:`TensorSpec`) whose items (fields) are pytrees or *leaves*; anything
+else is a leaf. :func:`flatten` turns one into its leaves (depth first,
+dicts in insertion order, dataclasses in field order) and a
+:class:`TreeDef` that :func:`unflatten` turns back into the same
+structure, of the same types. Pure Python, no Dask: the planners, the
+builder and the tasks on the workers share it.
 
 >>> leaves, tree = flatten({"W": 1, "b": [2, 3]})
 >>> leaves, unflatten(tree, [10, 20, 30])
@@ -15,23 +18,33 @@ Two dicts with the same keys in another order have the same structure
 (:func:`same_structure`); :func:`leaves_as` reads a tree in the order of a
 given :class:`TreeDef`, so ranks that built their dicts differently still
 agree tensor by tensor.
+
+Leaves that are arrays of other libraries (torch tensors) are described by
+:mod:`flowreduce.arrays`: a :class:`TensorSpec` says what they are reduced
+as and what they come back as.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from flowreduce import arrays
+from flowreduce.arrays import ArrayKind
 
 
 @dataclass(frozen=True)
 class TreeDef:
     """The structure of a pytree without its leaves.
 
-    ``kind`` is ``"leaf"``, ``"list"``, ``"tuple"`` or ``"dict"``;
-    ``keys`` are a dict's keys (in its order); ``node_type`` is a
-    namedtuple's class (None for plain tuples).
+    ``kind`` is ``"leaf"``, ``"list"``, ``"tuple"``, ``"dict"`` or
+    ``"dataclass"``; ``keys`` are a dict's keys (in its order) or a
+    dataclass's field names; ``node_type`` is the class to rebuild: a
+    namedtuple's, a dict subclass's (``OrderedDict``), a dataclass's (None
+    for plain tuples and dicts).
     """
 
     kind: str
@@ -53,7 +66,10 @@ class TreeDef:
         if self.kind == "leaf":
             return "*"
         if self.kind == "dict":
-            return "{" + ", ".join(f"{k!r}: {c}" for k, c in zip(self.keys, self.children)) + "}"
+            inner = "{" + ", ".join(f"{k!r}: {c}" for k, c in zip(self.keys, self.children)) + "}"
+            return inner if self.node_type is None else f"{self.node_type.__name__}({inner})"
+        if self.kind == "dataclass":
+            return f"{self.node_type.__name__}(" + ", ".join(f"{k}={c}" for k, c in zip(self.keys, self.children)) + ")"
         inner = ", ".join(str(c) for c in self.children)
         if self.kind == "list":
             return f"[{inner}]"
@@ -69,12 +85,28 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
+def _is_dataclass(x: Any) -> bool:
+    """A dataclass instance that is not array-like (a :class:`TensorSpec` is a leaf)."""
+    return (dataclasses.is_dataclass(x) and not isinstance(x, type)
+            and not (hasattr(x, "shape") and hasattr(x, "dtype")))
+
+
+def _fields(x: Any) -> tuple[str, ...]:
+    """A dataclass's fields that its constructor takes (the others it derives)."""
+    return tuple(f.name for f in dataclasses.fields(x) if f.init)
+
+
+def is_node(x: Any) -> bool:
+    """``x`` is a container that :func:`flatten` opens (not a leaf)."""
+    return isinstance(x, (dict, list, tuple)) or _is_dataclass(x)
+
+
 def flatten(tree: Any) -> tuple[list[Any], TreeDef]:
     """Leaves of ``tree`` (depth first, dicts in insertion order) and its structure.
 
     Parameters
     ----------
-    tree : dict, list, tuple or anything else (a leaf)
+    tree : dict, list, tuple, dataclass or anything else (a leaf)
 
     Returns
     -------
@@ -86,7 +118,11 @@ def flatten(tree: Any) -> tuple[list[Any], TreeDef]:
 
     def walk(x: Any) -> TreeDef:
         if isinstance(x, dict):
-            return TreeDef("dict", tuple(walk(v) for v in x.values()), tuple(x.keys()))
+            return TreeDef("dict", tuple(walk(v) for v in x.values()), tuple(x.keys()),
+                           node_type=None if type(x) is dict else type(x))
+        if _is_dataclass(x):
+            names = _fields(x)
+            return TreeDef("dataclass", tuple(walk(getattr(x, k)) for k in names), names, node_type=type(x))
         if isinstance(x, list):
             return TreeDef("list", tuple(walk(v) for v in x))
         if isinstance(x, tuple):
@@ -114,7 +150,9 @@ def unflatten(treedef: TreeDef, leaves: Any) -> Any:
             return next(it)
         items = [build(c) for c in t.children]
         if t.kind == "dict":
-            return dict(zip(t.keys, items))
+            return (t.node_type or dict)(zip(t.keys, items))
+        if t.kind == "dataclass":
+            return t.node_type(**dict(zip(t.keys, items)))
         if t.kind == "list":
             return items
         return t.node_type(*items) if t.node_type is not None else tuple(items)
@@ -138,6 +176,9 @@ def paths(treedef: TreeDef) -> list[str]:
         elif t.kind == "dict":
             for k, c in zip(t.keys, t.children):
                 walk(c, f"{prefix}[{k!r}]")
+        elif t.kind == "dataclass":
+            for k, c in zip(t.keys, t.children):
+                walk(c, f"{prefix}.{k}")
         else:
             for i, c in enumerate(t.children):
                 walk(c, f"{prefix}[{i}]")
@@ -153,8 +194,9 @@ def canonical(treedef: TreeDef) -> TreeDef:
     children = tuple(canonical(c) for c in treedef.children)
     if treedef.kind == "dict":
         order = sorted(range(len(children)), key=lambda i: repr(treedef.keys[i]))
-        return TreeDef("dict", tuple(children[i] for i in order), tuple(treedef.keys[i] for i in order))
-    return TreeDef(treedef.kind, children, node_type=treedef.node_type)
+        return TreeDef("dict", tuple(children[i] for i in order), tuple(treedef.keys[i] for i in order),
+                       node_type=treedef.node_type)
+    return TreeDef(treedef.kind, children, treedef.keys, node_type=treedef.node_type)
 
 
 def same_structure(a: TreeDef, b: TreeDef) -> bool:
@@ -175,7 +217,7 @@ def leaves_as(tree: Any, treedef: TreeDef, *, subtrees: bool = False) -> list[An
 
     def walk(x: Any, t: TreeDef, where: str) -> None:
         if t.kind == "leaf":
-            if not subtrees and isinstance(x, (dict, list, tuple)):
+            if not subtrees and is_node(x):
                 raise ValueError(f"expected an array at {where or 'the top'}, got a {type(x).__name__}")
             out.append(x)
             return
@@ -189,6 +231,12 @@ def leaves_as(tree: Any, treedef: TreeDef, *, subtrees: bool = False) -> list[An
                                  f"missing {missing}, unexpected {extra}")
             for k, c in zip(t.keys, t.children):
                 walk(x[k], c, f"{where}[{k!r}]")
+            return
+        if t.kind == "dataclass":
+            if not isinstance(x, t.node_type):
+                raise ValueError(f"expected a {t.node_type.__name__} at {where or 'the top'}, got a {type(x).__name__}")
+            for k, c in zip(t.keys, t.children):
+                walk(getattr(x, k), c, f"{where}.{k}")
             return
         want = list if t.kind == "list" else tuple
         if not isinstance(x, want) or (want is list and isinstance(x, tuple)):
@@ -207,10 +255,16 @@ def leaves_as(tree: Any, treedef: TreeDef, *, subtrees: bool = False) -> list[An
 class TensorSpec:
     """Shape and dtype of one tensor, as a template leaf (``like=``) or as
     what a worker reports. Any object with ``.shape`` and ``.dtype`` (a
-    numpy array, ``jax.ShapeDtypeStruct``) works as a template leaf too."""
+    numpy array, a torch tensor or parameter, ``jax.ShapeDtypeStruct``)
+    works as a template leaf too.
+
+    ``dtype`` is the numpy dtype the tensor is reduced in; ``native`` what
+    it is when it is not a numpy array (a torch ``bfloat16`` tensor is
+    reduced as float32 and comes back as a ``bfloat16`` tensor)."""
 
     shape: tuple[int, ...]
     dtype: str  # numpy dtype string, e.g. '<f8'
+    native: ArrayKind | None = None
 
     @property
     def size(self) -> int:
@@ -224,7 +278,8 @@ class TensorSpec:
         return self.size * np.dtype(self.dtype).itemsize
 
     def __str__(self) -> str:
-        return f"shape {self.shape}, dtype {np.dtype(self.dtype)}"
+        dtype = np.dtype(self.dtype) if self.native is None else self.native
+        return f"shape {self.shape}, dtype {dtype}"
 
 
 def spec(shape: Any, dtype: Any = "float64") -> TensorSpec:
@@ -245,17 +300,18 @@ def spec(shape: Any, dtype: Any = "float64") -> TensorSpec:
 
 def spec_of(x: Any) -> TensorSpec:
     """The :class:`TensorSpec` of an array (numpy scalars count as 0-d
-    arrays) or of any object with ``.shape`` and ``.dtype``.
+    arrays, tensors of other libraries as :mod:`flowreduce.arrays` reads
+    them) or of any object with ``.shape`` and ``.dtype``.
 
     Raises
     ------
     TypeError
-        ``x`` has no shape and dtype.
+        ``x`` has no shape and dtype, or a dtype that cannot be reduced.
     """
     if isinstance(x, TensorSpec):
         return x
-    if isinstance(x, np.generic):
-        return TensorSpec((), x.dtype.str)
+    if isinstance(x, (np.ndarray, np.generic)) or arrays.is_foreign(x):
+        return TensorSpec(*arrays.describe(x))
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
     if shape is None or dtype is None:
         raise TypeError(f"a {type(x).__name__} is not an array (it has no shape and dtype)")

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import cli_args
 
 from flowreduce import launch
 from flowreduce.launch import JobStatus
@@ -400,3 +401,31 @@ def test_importing_dask_jobqueue_keeps_ctrl_c_a_keyboard_interrupt():
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
     out = _python("-c", code, timeout=120)
     assert out.stdout.strip() == "True", out.stdout + out.stderr
+
+
+def test_tls_and_dashboard_options_reach_the_scheduler_and_the_job_script(tmp_path):
+    """--tls makes dask-jobqueue create temporary certificates in
+    --tls-directory: the scheduler listens on tls:// and the job script hands
+    the workers their certificate files; the dashboard listens on the
+    --interface's address, not on every interface. No job is submitted."""
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    from flowreduce.cli import bench
+
+    args = cli_args(bench, "--cluster", "slurm", "--cores", "1", "--memory", "1GB", "--interface", "lo",
+                    "--tls", "--tls-directory", str(tmp_path), "--log-directory", str(tmp_path))
+    options = launch.jobqueue_arguments(args)
+    assert options["security"] is True and options["shared_temp_directory"] == str(tmp_path)
+    with launch.jobqueue_cluster("slurm", options) as cluster:
+        script = cluster.job_script()
+        address = cluster.scheduler_address
+        dashboard = cluster.scheduler_spec["options"]["dashboard_address"]
+    assert address.startswith("tls://127.0.0.1:"), address
+    assert dashboard == "127.0.0.1:0"
+    for flag in ("--tls-ca-file", "--tls-cert", "--tls-key"):
+        assert flag in script, script
+    certs = [p for p in tmp_path.iterdir() if p.name.startswith(".dask-jobqueue.worker")]
+    assert len(certs) >= 2 and all(str(p) in script for p in certs), (certs, script)
+
+    plain = cli_args(bench, "--cluster", "slurm", "--interface", "lo")
+    assert plain.tls is None and not {"security", "shared_temp_directory"} & set(
+        launch.jobqueue_options("slurm", {"interface": "lo"}))

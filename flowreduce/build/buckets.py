@@ -91,7 +91,7 @@ def build_tree_graph(
             if not bucket.fused:
                 t = where[bucket.tensors[0]]
                 src = inputs[r][t.outer]
-                if layout.inner[t.outer].is_leaf and not check:
+                if layout.inner[t.outer].is_leaf and not check and t.spec.native is None:
                     refs.append(src)  # the user's array itself, as in the plain all-reduce
                 else:
                     refs.append(Task(None, _fusion_kernels.extract, src, t.inner, layout.inner[t.outer],
@@ -121,13 +121,14 @@ def build_tree_graph(
     for j, tree in enumerate(layout.inner):
         mine = layout.tensors_of(j)
         first = located[mine[0]][0] if mine else 0
-        if tree.is_leaf and not buckets[first].fused:
+        if tree.is_leaf and not buckets[first].fused and layout.tensors[mine[0]].spec.native is None:
             for r in range(p):
                 g.outputs[r].append(g.buckets[first].outputs[r])
             continue
         used = sorted({located[i][0] for i in mine})
         slot = {b: v for v, b in enumerate(used)}
-        parts = tuple((slot[located[i][0]], located[i][1], where[i].spec.size, where[i].spec.shape) for i in mine)
+        parts = tuple((slot[located[i][0]], located[i][1], where[i].spec.size, where[i].spec.shape,
+                       where[i].spec.native) for i in mine)
         bg = g.buckets[used[0]] if used else g.buckets[0]
         for r in range(p):
             key = keys.unpack_key(bg.plan.algorithm, bg.token, r, j)

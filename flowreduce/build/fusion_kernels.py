@@ -1,8 +1,10 @@
 """What the fusion tasks run on the workers: take tensors out of a rank's
 input (checking them against the template when the call had one), copy a
 bucket's tensors into one flat buffer, and cut the reduced buffer back into
-tensors (views, no copy). numpy only; :mod:`flowreduce.build.buckets` decides
-every offset statically.
+tensors (views, no copy). Arrays of other libraries (torch) are read as numpy
+here and the results turned back into them (:mod:`flowreduce.arrays`), so the
+tasks between see numpy only. :mod:`flowreduce.build.buckets` decides every
+offset statically.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from flowreduce.pytree import TensorSpec, TreeDef, leaves_as, paths, unflatten
+from flowreduce import arrays
+from flowreduce.pytree import TensorSpec, TreeDef, leaves_as, paths, spec_of, unflatten
 
 
 def _where(where: str, path: str) -> str:
@@ -19,18 +22,19 @@ def _where(where: str, path: str) -> str:
 
 
 def check_leaf(x: Any, spec: TensorSpec | None, rank: int, where: str) -> np.ndarray:
-    """``x`` as an array; with a ``spec``, raise unless it matches."""
+    """``x`` as a numpy array; with a ``spec``, raise unless it matches."""
     if spec is None:
-        return np.asarray(x)
-    if not isinstance(x, (np.ndarray, np.generic)):
+        return arrays.to_numpy(x)
+    is_array = isinstance(x, (np.ndarray, np.generic)) or arrays.is_foreign(x)
+    if not is_array or (spec.native is not None) != arrays.is_foreign(x):
+        want = "a numpy array" if spec.native is None else f"a {spec.native.library} array"
         raise TypeError(f"rank {rank}: input {where or '(the future)'} is a {type(x).__name__}, "
-                        f"not a numpy array as like= says ({spec})")
-    x = np.asarray(x)
-    if x.shape != spec.shape or x.dtype.str != spec.dtype:
-        got = TensorSpec(x.shape, x.dtype.str)
+                        f"not {want} as like= says ({spec})")
+    got = spec_of(x)
+    if got != spec:
         raise ValueError(f"rank {rank}: input {where or '(the future)'} does not match like=: got {got}, "
                          f"expected {spec}")
-    return x
+    return arrays.to_numpy(x)
 
 
 def leaves_of(value: Any, tree: TreeDef, specs: tuple[TensorSpec, ...] | None, rank: int,
@@ -44,7 +48,7 @@ def leaves_of(value: Any, tree: TreeDef, specs: tuple[TensorSpec, ...] | None, r
                          f"{tree} of like=: {e}") from None
     ps = paths(tree)
     if specs is None:
-        return [np.asarray(x) for x in leaves]
+        return [arrays.to_numpy(x) for x in leaves]
     return [check_leaf(x, s, rank, _where(where, p)) for x, s, p in zip(leaves, specs, ps)]
 
 
@@ -77,7 +81,9 @@ def pack(dtype: str, size: int, values: list, picks: tuple, sources: tuple, rank
 
 def unpack(tree: TreeDef, buckets: list, parts: tuple) -> Any:
     """One future's value rebuilt from reduced buckets: ``parts[k]`` is
-    ``(bucket, offset, size, shape)`` of its k-th tensor; each tensor is a
-    view of its bucket (the bucket is this rank's own result)."""
-    views = [np.asarray(buckets[b]).reshape(-1)[off:off + n].reshape(shape) for b, off, n, shape in parts]
+    ``(bucket, offset, size, shape, native)`` of its k-th tensor; each
+    tensor is a view of its bucket (the bucket is this rank's own result),
+    as the array of its ``native`` kind when it was not numpy."""
+    views = [arrays.from_numpy(np.asarray(buckets[b]).reshape(-1)[off:off + n].reshape(shape), native)
+             for b, off, n, shape, native in parts]
     return unflatten(tree, views)

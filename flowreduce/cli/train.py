@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from flowreduce.fusion import DEFAULT_BUCKET_BYTES
     from flowreduce.launch import add_cluster_arguments
 
+    parser.add_argument("--framework", choices=("numpy", "torch"), default="numpy",
+                        help="numpy: the MLP study; torch: a CNN trained by flowreduce.torch.Trainer "
+                             "(needs pip install 'flowreduce[torch]'; uses --ranks, --algorithm, --epochs, "
+                             "--batch-size, --lr, --momentum, --seed, --bucket-bytes, --trace, --trace-steps, --json, "
+                             "cluster options)")
     parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks = workers (default 4)")
     parser.add_argument("--algorithm", default="auto", help="all-reduce algorithm, with options as "
                         "NAME:OPTION=VALUE[:...], e.g. hierarchical:group_size=2 (default: auto)")
@@ -73,6 +78,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.framework == "torch":
+        from flowreduce.cli.train_torch import run as run_torch
+
+        return run_torch(args)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -54,9 +54,8 @@ from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import parse
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import TreeDef, flatten, unflatten
-from flowreduce.schedule import hosts, placement, records
+from flowreduce.schedule import guard, hosts, placement, records
 from flowreduce.schedule import transport as _transport
-from flowreduce.schedule.guard import ensure_guard
 from flowreduce.schedule.inputs import (
     ArrayMeta,
     SparseMeta,
@@ -100,6 +99,7 @@ def allreduce(
     topology: Any = None,
     like: Any = None,
     bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
+    timeout: float | str | None = None,
     transport: str = "auto",
     **options: Any,
 ) -> list[Any]:
@@ -153,6 +153,14 @@ def allreduce(
         bytes (``"25MiB"`` works too; per dtype, last tensors first) and each bucket is reduced as
         one vector. Default 25 MiB (PyTorch DDP's). ``0`` or ``None``: each
         tensor is reduced on its own.
+    timeout : float or str, optional
+        Seconds (or a Dask time string, ``"5min"``) the call may wait for
+        its inputs (when it waits for them), and then its results for the
+        reduction (default: the dask config key ``flowreduce.timeout``, else
+        no limit). Past it the call raises, or the pending results fail,
+        with :class:`flowreduce.errors.AllreduceTimeoutError` saying what
+        they wait for. A worker that dies or leaves mid-call does not fail
+        the call: it recovers (docs/failures.md).
     transport : str
         ``"auto"`` (default): between worker processes of one host, payloads
         go through shared memory (Dask moves a small handle), and ``auto``
@@ -199,12 +207,16 @@ def allreduce(
         An input that is not a future or not a numpy array (or pytree of them).
     RuntimeError (flowreduce.errors.InputStateError)
         An input future that failed, was cancelled or whose data was lost.
+    TimeoutError (flowreduce.errors.AllreduceTimeoutError)
+        The inputs were not ready within ``timeout`` (the results fail with
+        it when the reduction is what takes too long; a lost worker whose
+        rank cannot recover fails them with ``WorkerLostError``).
     """
     outer, futures = rank_futures(list(inputs))
     check_cluster(client, futures)
-    settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, transport)
+    settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, timeout, transport)
     ranks = describe_inputs(client, outer, futures, like, settings)
-    return submit(client, lower(client, ranks, settings))
+    return submit(client, lower(client, ranks, settings), ranks, settings.timeout)
 
 
 @dataclass(frozen=True)
@@ -219,11 +231,13 @@ class Settings:
     topology: Any
     bucket_bytes: int | None
     options: Mapping[str, Any] = field(default_factory=dict)
+    timeout: float | None = None
     transport: str = "auto"
 
     @classmethod
     def check(cls, op: Any, algorithm: str, chunks: Any, chunk_bytes: Any, model: CostModel | None,
-              topology: Any, bucket_bytes: Any, options: Mapping[str, Any], transport: str = "auto") -> Settings:
+              topology: Any, bucket_bytes: Any, options: Mapping[str, Any], timeout: Any = None,
+              transport: str = "auto") -> Settings:
         """The settings, or an :class:`~flowreduce.errors.OptionError` naming the bad one."""
         if algorithm not in ALGORITHMS and algorithm not in SPARSE_ALGORITHMS:
             raise OptionError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}")
@@ -238,7 +252,8 @@ class Settings:
                                    "bytes: an int or a string like '25MiB')")
         with raised_as(OptionError):
             _transport.check(transport)
-        return cls(op_, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, dict(options), transport)
+        return cls(op_, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, dict(options),
+                   guard.resolve_timeout(timeout), transport)
 
     def chunks_for(self, nbytes: int) -> int | None:
         """The chunk count of a vector of ``nbytes``: ``chunks`` if given,
@@ -332,7 +347,7 @@ def describe_inputs(client: Client, outer: TreeDef, futures: list[list[Future]],
         check_dtypes(layout, settings.op)
         workers = placement.place(client, futures)
         return Ranks(outer, frozen, tuple(workers), hosts.worker_places(client, workers), layout, check=True)
-    located, metas = placement.locate(client, futures)
+    located, metas = placement.locate(client, futures, settings.timeout)
     # a rank whose futures sit on several workers runs where most of them are
     workers = [Counter(ws).most_common(1)[0][0] for ws in located]
     places = hosts.worker_places(client, workers)  # just learnt by locate
@@ -489,11 +504,14 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
                tuple(calls), whole, priority=1, summary=summary)
 
 
-def submit(client: Client, job: Job) -> list[Any]:
-    """Submit a lowered call with every task pinned to its worker, and keep its records."""
-    ensure_guard(client)
+def submit(client: Client, job: Job, ranks: Ranks | None = None, timeout: float | None = None) -> list[Any]:
+    """Submit a lowered call with every task pinned to its worker, and keep its records;
+    the guard watches it (``ranks``' inputs, ``timeout``: docs/failures.md)."""
+    guard.ensure_guard(client)
     with dask.annotate(workers=job.placement.get, allow_other_workers=False):
         futures = client.get(named_graph(job.tasks, job.token), job.keys, sync=False, priority=job.priority)
+    inputs = [[f.key for f in fs] for fs in ranks.futures] if ranks is not None else []
+    guard.watch(client, job.token, job.keys, inputs, timeout)
     records.remember(client, job.calls, job.whole)
     logger.info(*job.summary)
     return job.arrange(futures)

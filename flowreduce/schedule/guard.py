@@ -1,13 +1,20 @@
 """The scheduler side of flowreduce: one plugin, installed once per client,
-with two guards.
+that keeps a call from hanging or silently losing a rank.
 
-* **Pin guard.** A flowreduce task fails at once when the worker it is
-  pinned to leaves the cluster, instead of waiting forever for a worker
-  that will never come back (restricted tasks otherwise sit in the
-  scheduler's ``no-worker`` state). The same holds for an all-reduce's
-  input pinned by the user to the lost worker (``submit(..., workers=[w])``):
-  it can never be recomputed, so it is failed too, and the error flows down
-  to every rank's result.
+* **Recovery.** When a worker holding part of a call leaves the cluster
+  (killed, or retired gracefully), the call's tasks pinned to it are
+  re-pinned to a surviving worker and every unfinished part of the call
+  runs again, so the result futures the user holds resolve to the right
+  answer (:mod:`flowreduce.schedule.recovery`; docs/failures.md).
+* **Unrecoverable inputs.** An input that cannot be recomputed fails the
+  call with :class:`WorkerLostError` naming its rank and key, instead of
+  cancelling the results with Dask's "already forgotten": scattered data
+  whose only copy died, or a task pinned by the user strictly to a worker
+  that is gone.
+* **Timeouts.** ``allreduce(..., timeout=)`` (default: the dask config key
+  ``flowreduce.timeout``) fails the results still pending with
+  :class:`AllreduceTimeoutError` saying where the call is stuck
+  (:mod:`flowreduce.schedule.stuck`).
 * **Replica guard.** Dask's Active Memory Manager (``ReduceReplicas``)
   drops every replica of a key beyond one, from the worker using the most
   memory, without looking at where the key's waiting dependents are pinned.
@@ -17,22 +24,49 @@ with two guards.
   swaps the AMM's ``ReduceReplicas`` policy for one that never drops the
   replica on a worker where a waiting flowreduce task is pinned, nor a
   flowreduce value's replica on the worker it was computed on (a
-  shared-memory payload's lease lives there while peers read it); every
-  other key is treated exactly as before.
+  shared-memory payload's lease lives there while peers read it), unless
+  that worker is retiring (its data must move off, or ``retire_workers``
+  never returns); every other key is treated exactly as before.
 """
 
 from __future__ import annotations
 
-import pickle
+import logging
 import weakref
-from collections.abc import Generator, Hashable
+from collections import OrderedDict
+from collections.abc import Generator, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from dask.utils import parse_timedelta
 from distributed.active_memory_manager import ReduceReplicas, Suggestion
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import monotonic
 from distributed.scheduler import WorkerState
 
-from flowreduce.errors import WorkerLostError
+from flowreduce import config
+from flowreduce.errors import AllreduceTimeoutError, WorkerLostError
+
+__all__ = ["AllreduceTimeoutError", "KeepPinnedReplicas", "PinGuard", "WorkerLostError", "ensure_guard",
+           "resolve_timeout", "wait_inputs", "watch"]
+
+logger = logging.getLogger("flowreduce")
+
+
+def resolve_timeout(timeout: Any) -> float | None:
+    """Seconds of ``timeout`` (a number or a Dask time string like ``"30s"``),
+    else the dask config key ``flowreduce.timeout``; None: wait forever."""
+    if timeout is None:
+        timeout = config.get("timeout")
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool):
+        raise TypeError(f"timeout must be seconds or a time string like '30s', got {timeout!r}")
+    seconds = parse_timedelta(timeout, default="seconds")
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return float(seconds)
 
 
 class KeepPinnedReplicas(ReduceReplicas):
@@ -41,10 +75,12 @@ class KeepPinnedReplicas(ReduceReplicas):
     def run(self) -> Generator[Suggestion, WorkerState | None, None]:
         workers = self.manager.scheduler.workers
         for s in super().run():
-            keep = {workers[w] for waiter in s.ts.waiters or () if _ours(waiter.key)
-                    for w in waiter.worker_restrictions or () if w in workers}
+            keep = {ws for waiter in s.ts.waiters or () if _ours(waiter.key)
+                    for w in waiter.worker_restrictions or ()
+                    if (ws := workers.get(w)) is not None and ws.status in (Status.running, Status.paused)}
             if _ours(s.ts.key):  # its own worker keeps it: a shared-memory payload's lease lives there
-                keep |= {workers[w] for w in s.ts.worker_restrictions or () if w in workers}
+                keep |= {ws for w in s.ts.worker_restrictions or ()
+                         if (ws := workers.get(w)) is not None and ws.status in (Status.running, Status.paused)}
             if not keep:
                 yield s
                 continue
@@ -53,11 +89,35 @@ class KeepPinnedReplicas(ReduceReplicas):
                 yield Suggestion("drop", s.ts, candidates)
 
 
+@dataclass
+class Watch:
+    """A call the guard watches until its results are done."""
+
+    token: str
+    outputs: set[Hashable]
+    inputs: dict[Hashable, list[int]]  # input key -> the ranks reading it
+    pending: set[Hashable] = field(default_factory=set)  # results not done yet
+    timer: Any = None
+    patched: list[Any] = field(default_factory=list)  # scattered inputs given a run_spec that names them when lost
+
+
 class PinGuard(SchedulerPlugin):
     name = "flowreduce-pin-guard"
+    idempotent = True  # one guard per scheduler, whichever client comes first: its watches survive
+
+    def __init__(self, attempts: int | None = None):
+        if attempts is None:
+            attempts = int(config.get("recovery.attempts"))
+        self.attempts = attempts
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        self.watches: dict[str, Watch] = {}
+        self.watch_of: dict[Hashable, str] = {}  # output key -> token
+        self.input_ranks: dict[Hashable, list[int]] = {}  # input key of a watched call -> ranks
+        self.since: dict[Hashable, float] = {}  # key (ours or a watched input) -> when it started processing
+        self.tries: OrderedDict[str, int] = OrderedDict()  # token -> recoveries so far
+        scheduler.stream_handlers["flowreduce-watch"] = self.watch
         amm = scheduler.extensions.get("amm")
         if amm is not None:
             for policy in list(amm.policies):
@@ -65,29 +125,129 @@ class PinGuard(SchedulerPlugin):
                     amm.policies.discard(policy)
                     amm.add_policy(KeepPinnedReplicas())
 
+    # -- the client's message at submission ------------------------------------------------------------
+
+    def watch(self, token: str = "", outputs: Sequence[Hashable] = (), inputs: Sequence[Sequence[Hashable]] = (),
+              timeout: float | None = None, client: Any = None, **_: Any) -> None:
+        """Watch call ``token``: its ``outputs`` keys, ``inputs[r]`` the input keys of rank ``r``."""
+        s = self.scheduler
+        ranks: dict[Hashable, list[int]] = {}
+        for r, keys in enumerate(inputs):
+            for k in keys:
+                ranks.setdefault(k, []).append(r)
+        w = Watch(token, {k for k in outputs if k in s.tasks}, ranks)
+        w.pending = {k for k in w.outputs if s.tasks[k].state not in ("memory", "erred")}
+        if not w.pending:
+            return
+        self.watches[token] = w
+        for k in w.outputs:
+            self.watch_of[k] = token
+        for k, rs in ranks.items():
+            self.input_ranks.setdefault(k, []).extend(rs)
+            ts = s.tasks.get(k)
+            if ts is not None and ts.run_spec is None:  # scattered: a loss must name it, not cancel the call
+                from flowreduce.schedule.recovery import lost_input_spec
+
+                ts.run_spec = lost_input_spec(k, rs)
+                ts.priority = ts.priority or (0, s.generation, 0)  # scattered data has none, a task needs one
+                w.patched.append(ts)
+        if timeout is not None:
+            w.timer = s.loop.call_later(timeout, self._expire, token, timeout)
+
+    def _unwatch(self, token: str) -> None:
+        w = self.watches.pop(token, None)
+        if w is None:
+            return
+        if w.timer is not None:
+            w.timer.cancel()
+        for k in w.outputs:
+            self.watch_of.pop(k, None)
+        for k, rs in w.inputs.items():
+            left = self.input_ranks.get(k, [])
+            for r in rs:
+                if r in left:
+                    left.remove(r)
+            if not left:
+                self.input_ranks.pop(k, None)
+        from flowreduce.schedule.recovery import is_lost_input_spec
+
+        for ts in w.patched:  # the call is over: the data is the user's plain scattered data again
+            if is_lost_input_spec(ts.run_spec) and ts.state == "memory":
+                ts.run_spec = None
+
+    def _expire(self, token: str, timeout: float) -> None:
+        from flowreduce.schedule.recovery import fail
+        from flowreduce.schedule.stuck import explain
+
+        w = self.watches.get(token)
+        if w is None:
+            return
+        s = self.scheduler
+        pending = [k for k in w.outputs if k in s.tasks and s.tasks[k].state not in ("memory", "erred")]
+        if not pending:
+            return
+        exc = AllreduceTimeoutError(f"all-reduce {token} did not finish within {timeout:g} s "
+                                    f"({len(pending)} of {len(w.outputs)} results pending); "
+                                    + explain(s, pending, self.input_ranks, self.since))
+        logger.warning("%s", exc)
+        fail(s, pending, exc, f"flowreduce-timeout-{token}")
+
+    # -- scheduler hooks -------------------------------------------------------------------------------
+
     def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "no-worker":  # rare: decide later, once the transition batch is done
-            self.scheduler.loop.add_callback(self._fail, key)
+            self.scheduler.loop.add_callback(self._no_worker, key)
+        if finish == "processing":
+            if _ours(key) or key in self.input_ranks:
+                self.since[key] = monotonic()
+        elif start == "processing":
+            self.since.pop(key, None)
+        if finish in ("memory", "erred", "forgotten") and key in self.watch_of:
+            token = self.watch_of[key]
+            pending = self.watches[token].pending
+            pending.discard(key)
+            if not pending:
+                self._unwatch(token)
 
-    def _fail(self, key: Hashable) -> None:
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        from flowreduce.schedule.recovery import recover
+
+        recover(self, {worker}, f"flowreduce-recover-{worker}")
+
+    def _no_worker(self, key: Hashable) -> None:
         s = self.scheduler
         ts = s.tasks.get(key)
         if ts is None or ts.state != "no-worker":
             return
-        if not (_ours(key) or any(_ours(d.key) for d in ts.dependents)):
-            return  # neither ours nor an input of ours
-        gone = sorted(ts.worker_restrictions or ())
-        if not gone or any(w in s.workers for w in gone) or ts.loose_restrictions:
-            return  # it can still run somewhere: not ours to fail
-        what = "flowreduce task" if _ours(key) else "all-reduce input"
+        pinned = sorted(ts.worker_restrictions or ())
+        if not pinned or ts.loose_restrictions or any(w in s.workers for w in pinned):
+            return  # it can still run somewhere (a paused or retiring worker comes back or is removed later)
+        if _ours(key):  # pinned to a worker removed before this task reached the scheduler
+            from flowreduce.schedule.recovery import recover
+
+            recover(self, set(pinned), f"flowreduce-recover-{key!r}")
+            return
+        readers = [d for d in ts.dependents if _ours(d.key)]
+        if not readers:
+            return  # not an input of ours
+        from flowreduce.schedule.recovery import fail
+
+        ranks = self.input_ranks.get(key)
+        who = f"input of rank {', '.join(map(str, sorted(set(ranks))))}" if ranks else "all-reduce input"
         exc = WorkerLostError(
-            f"{what} {key!r} is pinned to worker {', '.join(gone)}, which left the cluster "
-            "(died or was retired); this all-reduce cannot finish. Its inputs or partial results "
-            "lived there: recompute the inputs and call allreduce again."
+            f"{who} (key {key!r}) is pinned to worker {', '.join(pinned)}, which left the cluster "
+            "(died or was retired); it cannot be recomputed anywhere else, so this all-reduce cannot finish. "
+            "Every other rank's input is intact: recompute this one and call allreduce again."
         )
-        stimulus = f"flowreduce-pin-guard-{key!r}"
-        recs = s.transition(key, "erred", exception=pickle.dumps(exc), cause=key, stimulus_id=stimulus)
-        s.transitions(recs, stimulus_id=stimulus)
+        fail(s, [key], exc, f"flowreduce-pin-guard-{key!r}")
+
+    def attempt(self, token: str) -> int:
+        """Count one more recovery of call ``token``; how many so far."""
+        n = self.tries.pop(token, 0) + 1
+        self.tries[token] = n
+        while len(self.tries) > 4096:
+            self.tries.popitem(last=False)
+        return n
 
 
 def _ours(key: Hashable) -> bool:
@@ -98,7 +258,45 @@ _guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def ensure_guard(client: Any) -> None:
-    """Install the guards once per client (and so per scheduler)."""
+    """Install the guard once per client (and so per scheduler)."""
     if client not in _guarded:
-        client.register_plugin(PinGuard())
+        client.register_plugin(PinGuard())  # attempts from the dask config of the first client
         _guarded[client] = True
+
+
+def wait_inputs(client: Any, ranks: Sequence[Sequence[Any]], timeout: float | None) -> None:
+    """Wait (on ``client``'s loop) until the futures ``ranks[r]`` of every
+    rank are done; past ``timeout`` s raise :class:`AllreduceTimeoutError`
+    saying which inputs are still computing, where and for how long."""
+    from distributed import wait
+    from distributed.utils import TimeoutError as DaskTimeout
+
+    flat = [f for fs in ranks for f in fs]
+    try:
+        with client.as_current():  # distributed.wait runs on the default client's loop, not theirs
+            wait(flat, timeout=timeout)
+    except (DaskTimeout, TimeoutError):
+        pending: dict[Hashable, list[int]] = {}
+        for r, fs in enumerate(ranks):
+            for f in fs:
+                if not f.done():
+                    pending.setdefault(f.key, []).append(r)
+        detail = client.run_on_scheduler(_explain_inputs, list(pending), pending)
+        raise AllreduceTimeoutError(f"all-reduce inputs not ready within {timeout:g} s; {detail}") from None
+
+
+def _explain_inputs(keys: list[Hashable], ranks: dict[Hashable, list[int]], dask_scheduler: Any = None) -> str:
+    from flowreduce.schedule.stuck import explain
+
+    guard = dask_scheduler.plugins.get(PinGuard.name)
+    return explain(dask_scheduler, keys, ranks, guard.since if guard is not None else {})
+
+
+def watch(client: Any, token: str, outputs: Sequence[Hashable], inputs: Sequence[Sequence[Hashable]],
+          timeout: float | None) -> None:
+    """Tell the guard about a call just submitted: its result keys, each
+    rank's input keys, and how long it may take (None: forever). Sent on the
+    client's stream after the graph, so the scheduler knows the keys by then."""
+    ensure_guard(client)
+    client._send_to_scheduler({"op": "flowreduce-watch", "token": token, "outputs": list(outputs),
+                               "inputs": [list(ks) for ks in inputs], "timeout": timeout})

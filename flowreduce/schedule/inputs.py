@@ -19,11 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from flowreduce import arrays
+from flowreduce.arrays import ArrayKind
 from flowreduce.build.sparse import SparseInputs
 from flowreduce.errors import InputError, InputTypeError
 from flowreduce.fusion import Layout
 from flowreduce.ops import Op
-from flowreduce.pytree import LEAF, TensorSpec, TreeDef, flatten, leaves_as, paths, same_structure
+from flowreduce.pytree import LEAF, TensorSpec, TreeDef, flatten, is_node, leaves_as, paths, same_structure
 
 #: Formats a sparse all-reduce takes (others convert with ``.tocsr()``).
 SPARSE_FORMATS: tuple[str, ...] = ("csr", "csc", "coo")
@@ -31,10 +33,12 @@ SPARSE_FORMATS: tuple[str, ...] = ("csr", "csc", "coo")
 
 @dataclass(frozen=True)
 class ArrayMeta:
-    """A numpy array (a numpy scalar counts as a 0-d array)."""
+    """A numpy array (a numpy scalar counts as a 0-d array), or an array of
+    another library (``native``: a torch tensor) reduced as one of ``dtype``."""
 
     shape: tuple[int, ...]
     dtype: str  # numpy's dtype.str
+    native: ArrayKind | None = None  # what flowreduce.arrays converts it back to
 
     kind = "ndarray"
 
@@ -76,7 +80,7 @@ def meta_of(x: Any) -> Meta:
     """What ``x`` is, without its data. Runs on the workers."""
     if isinstance(x, (np.ndarray, np.generic)):
         return ArrayMeta(tuple(np.shape(x)), x.dtype.str)
-    if isinstance(x, (dict, list, tuple)):
+    if is_node(x) or arrays.is_foreign(x):  # a tensor takes the pytree path, whose tasks convert it
         leaves, tree = flatten(x)
         return TreeMeta(tree, tuple(_leaf_meta(v) for v in leaves))
     if type(x).__module__.startswith("scipy.sparse"):
@@ -89,8 +93,11 @@ def meta_of(x: Any) -> Meta:
 
 
 def _leaf_meta(x: Any) -> ArrayMeta | OtherMeta:
-    if isinstance(x, (np.ndarray, np.generic)):
-        return ArrayMeta(tuple(np.shape(x)), x.dtype.str)
+    if isinstance(x, (np.ndarray, np.generic)) or arrays.is_foreign(x):
+        try:
+            return ArrayMeta(*arrays.describe(x))
+        except TypeError as e:  # a tensor of a dtype numpy cannot reduce: named, not sent
+            return OtherMeta(f"{type(x).__name__} ({e})")
     return OtherMeta(type(x).__name__)
 
 
@@ -162,16 +169,16 @@ def agreed_spec(metas: Sequence[tuple[int, ArrayMeta]], tensor: str = "") -> Ten
     """The shape and dtype all ranks' arrays share (``metas`` are ``(rank,
     meta)``), or an error naming the ranks of each; ``tensor`` names the
     tensor in the message."""
-    seen: dict[tuple[tuple[int, ...], str], list[int]] = {}
-    for r, m in metas:
-        seen.setdefault((tuple(m.shape), m.dtype), []).append(r)
+    seen: dict[TensorSpec, list[int]] = {}
+    for r, m in metas:  # native: a tensor's library, dtype and device type must agree too
+        seen.setdefault(TensorSpec(tuple(m.shape), m.dtype, m.native), []).append(r)
     if len(seen) > 1:
-        what = "shapes" if len({s for s, _ in seen}) > 1 else "dtypes"
-        detail = "; ".join(f"ranks {rs}: shape {s}, dtype {np.dtype(d)}" for (s, d), rs in seen.items())
+        what = "shapes" if len({s.shape for s in seen}) > 1 else "dtypes"
+        detail = "; ".join(f"ranks {rs}: {s}" for s, rs in seen.items())
         of = f" of tensor {tensor}" if tensor else ""
         raise InputError(f"ranks disagree on {what}{of}: {detail}")
-    (shape, dt), = seen
-    return TensorSpec(shape, dt)
+    (spec,) = seen
+    return spec
 
 
 def check_dtype(dtype: np.dtype, op: Op, tensor: str = "") -> None:

@@ -54,7 +54,8 @@ def check_status(ranks: Sequence[Sequence[Any]]) -> None:
                 raise InputStateError(f"input of rank {r} is lost (key {f.key!r}); nothing to reduce")
 
 
-def locate(client: Any, ranks: Sequence[Sequence[Any]]) -> tuple[list[list[str]], list[list[Meta]]]:
+def locate(client: Any, ranks: Sequence[Sequence[Any]], timeout: float | None = None
+           ) -> tuple[list[list[str]], list[list[Meta]]]:
     """For each rank's futures, once all are in memory, the worker holding
     each and what it holds there; the workers' places are kept
     (:func:`flowreduce.schedule.hosts.remember`). One broadcast.
@@ -63,10 +64,17 @@ def locate(client: Any, ranks: Sequence[Sequence[Any]]) -> tuple[list[list[str]]
     ------
     InputStateError
         An input that failed, was cancelled or whose data was lost.
+    AllreduceTimeoutError
+        Inputs still not in memory after ``timeout`` s (None: wait for ever).
     """
     check_status(ranks)  # before waiting: wait() would raise a CancelledError that names no rank
     flat = [f for fs in ranks for f in fs]
-    wait_on(client, flat)
+    if timeout is None:
+        wait_on(client, flat)
+    else:  # past it, an AllreduceTimeoutError says which inputs are still computing, where
+        from flowreduce.schedule.guard import wait_inputs
+
+        wait_inputs(client, ranks, timeout)
     check_status(ranks)
     keys = list(dict.fromkeys(f.key for f in flat))
     holders: dict[Hashable, list[str]] = {}

@@ -30,7 +30,8 @@ def category(e: Any) -> str | None:
     if e.phase == "user-compute":
         head = e.key.split(",", 1)[0]
         for name, cat in (("train-forward", "forward"), ("train-grad", "backward"), ("train-delta", "backward"),
-                          ("train-gather", "backward"), ("train-update", "update")):
+                          ("train-gather", "backward"), ("train-update", "update"),
+                          ("torch-backward", "backward"), ("torch-update", "update")):  # flowreduce.torch's
             if name in head:
                 return cat
         return "other"

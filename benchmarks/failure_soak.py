@@ -1,0 +1,99 @@
+"""Many consecutive all-reduces with a worker killed every ``--every``
+calls (issue #15's soak): every result checked against numpy, and the
+resident memory of the scheduler and the workers reported at the start, in
+the middle and at the end (flat means nothing of the calls piles up).
+
+    python benchmarks/failure_soak.py --calls 1000 --every 100
+
+On a 4-worker LocalCluster with nannies (a killed worker is restarted by
+its nanny). The kill is :func:`flowreduce.schedule.faults.fail_at` at a
+rotating rank and plan step of the next call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+
+def rank_input(r: int, n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64) * (r + 1) + r
+
+
+def _rss(dask_worker=None, dask_scheduler=None) -> int:
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def _guard_state(dask_scheduler=None) -> dict:
+    """How much the guard holds: watched calls, keys it tracks, recovery counters."""
+    from flowreduce.schedule.guard import PinGuard
+
+    g = dask_scheduler.plugins[PinGuard.name]
+    return {"watches": len(g.watches), "outputs": len(g.watch_of), "inputs": len(g.input_ranks),
+            "processing": len(g.since), "tries": len(g.tries)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from distributed import Client, LocalCluster, wait
+
+    import flowreduce
+    from flowreduce.schedule import faults
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=1000)
+    p.add_argument("--every", type=int, default=100, help="kill a worker in every N-th call")
+    p.add_argument("--elements", type=int, default=10**5)
+    p.add_argument("--algorithm", default="butterfly")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+
+    n, ranks = args.elements, 4
+    want = sum(rank_input(r, n) for r in range(ranks))
+    depth = flowreduce.plan(args.algorithm, ranks).depth
+    samples = []
+    with LocalCluster(n_workers=4, threads_per_worker=1, dashboard_address=None) as cluster, Client(cluster) as client:
+        def sample(i: int) -> None:
+            workers = client.run(_rss)
+            samples.append({"call": i, "scheduler_rss": client.run_on_scheduler(_rss),
+                            "worker_rss": sorted(workers.values()),
+                            "scheduler_tasks": client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)),
+                            "guard_state": client.run_on_scheduler(_guard_state)})
+
+        kills, start = 0, time.perf_counter()
+        for i in range(args.calls):
+            parts = [client.submit(rank_input, r, n, pure=False) for r in range(ranks)]
+            wait(parts)
+            if i % args.every == args.every - 1:
+                step = kills % depth  # every plan step; the last one is the result (one chunk: no step key)
+                faults.fail_at(client, rank=kills % ranks, step=None if step == depth - 1 else step, action="kill")
+            out = flowreduce.allreduce(client, parts, algorithm=args.algorithm)
+            for r, x in enumerate(client.gather(out)):
+                if not np.array_equal(x, want):
+                    raise AssertionError(f"call {i}: rank {r} is wrong")
+            if i % args.every == args.every - 1:
+                if not faults.fired(client):
+                    raise AssertionError(f"call {i}: the fault was not injected")
+                faults.disarm(client)
+                kills += 1
+                client.wait_for_workers(4, timeout=120)
+            del out, parts
+            if i in (0, args.calls // 2, args.calls - 1):
+                sample(i)
+        seconds = time.perf_counter() - start
+    report = {"calls": args.calls, "kills": kills, "elements": n, "algorithm": args.algorithm,
+              "seconds": round(seconds, 1), "samples": samples}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""``flowreduce train --framework torch``: the digits CNN
+(:mod:`flowreduce.torch.digits`) trained by :class:`flowreduce.torch.Trainer`.
+
+Prints per epoch the loss and accuracy (from rank 0's model) and the median
+step time split into computation and communication."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from flowreduce.algorithms import format_spec
+    from flowreduce.cli.bench import spec_from_arg
+    from flowreduce.launch import from_args, ranked_workers
+    from flowreduce.torch import Trainer, digits
+
+    algorithm, options = spec_from_arg(args.algorithm)
+    console = Console()
+    with from_args(args, workers=args.ranks) as client:
+        workers = ranked_workers(client)
+        if len(workers) < args.ranks:
+            raise SystemExit(f"--ranks {args.ranks} needs {args.ranks} workers, the cluster has {len(workers)}")
+        steps = digits.steps_per_epoch(args.ranks, args.batch_size, args.seed)
+        with Trainer(client, model=digits.DigitsCNN, optimizer=digits.SGD(args.lr, args.momentum),
+                     loss=torch.nn.functional.cross_entropy, data=digits.Shards(args.batch_size, args.seed),
+                     workers=workers[:args.ranks], algorithm=algorithm, bucket_bytes=args.bucket_bytes,
+                     seed=args.seed, threads=1, options=options) as trainer:
+            console.print(f"training CNN on digits with flowreduce.torch: {args.ranks} ranks x {args.batch_size} "
+                          f"samples/step, {steps} steps/epoch, algorithm {format_spec(algorithm, options)}, "
+                          f"bucket {args.bucket_bytes or 0} B", soft_wrap=True)
+            report: dict[str, Any] = {"framework": "torch", "epochs": []}
+            for epoch in range(args.epochs):
+                if epoch == 0 and args.trace:
+                    ts = _traced_epoch(client, trainer, steps, args, console)
+                else:
+                    ts = trainer.train(steps, progress=True)
+                warm = ts[2:] if epoch == 0 and len(ts) > 4 else ts
+                m = {k: statistics.median(getattr(t, k) for t in warm) for k in ("seconds", "compute", "comm")}
+                metrics = trainer.evaluate(digits.Accuracy(args.seed))
+                console.print(f"epoch {epoch + 1:3d}  loss {metrics['train_loss']:.4f}  train acc "
+                              f"{metrics['train_acc']:.2%}  test acc {metrics['test_acc']:.2%}  step "
+                              f"{m['seconds'] * 1e3:6.1f} ms = compute {m['compute'] * 1e3:5.1f} + comm "
+                              f"{m['comm'] * 1e3:5.1f} ms", soft_wrap=True)
+                report["epochs"].append({"epoch": epoch + 1, **metrics, "median": m})
+            console.print(f"final test accuracy {metrics['test_acc']:.2%}")
+            report["final"] = {"test_acc": metrics["test_acc"]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def _traced_epoch(client: Any, trainer: Any, steps: int, args: argparse.Namespace, console: Any) -> list:
+    """The first epoch with steps ``[2, 2 + --trace-steps)`` traced (after two
+    warm-up steps): ``trace.json`` (Perfetto) and ``steps.png/svg`` (one lane
+    per rank: backward, update and each bucket's all-reduce) in ``--trace``."""
+    import os
+
+    import flowreduce
+    from flowreduce.tracing.export import to_chrome
+
+    first = min(2, steps)
+    count = max(0, min(args.trace_steps, steps - first))
+    ts = trainer.train(first)
+    with flowreduce.trace(client) as tr:
+        ts += trainer.train(count)
+    ts += trainer.train(steps - first - count)
+    os.makedirs(args.trace, exist_ok=True)
+    written = [to_chrome(tr, os.path.join(args.trace, "trace.json"))]
+    try:
+        from flowreduce.train.plot import plot_steps
+
+        pictures = [os.path.join(args.trace, f"steps.{ext}") for ext in ("png", "svg")]
+        plot_steps(tr, trainer.workers, pictures,
+                   title=f"flowreduce.torch, digits CNN, {trainer.ranks} ranks, {count} steps")
+        written += pictures
+    except ImportError as e:
+        console.print(f"no pictures: {e}")
+    for path in written:
+        console.print(f"wrote {path}")
+    return ts

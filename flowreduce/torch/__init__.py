@@ -1,0 +1,27 @@
+"""Data-parallel PyTorch training on Dask with flowreduce's all-reduce.
+
+>>> trainer = flowreduce.torch.Trainer(client, model=make_model, optimizer=make_sgd,     # doctest: +SKIP
+...                                    loss=torch.nn.functional.cross_entropy, data=shard)
+>>> trainer.train(100)                                                                    # doctest: +SKIP
+
+* :class:`~flowreduce.torch.trainer.Trainer`: the trainer (client side);
+* :mod:`flowreduce.torch.replica`: what runs on each rank's worker;
+* :mod:`flowreduce.torch.digits`: a small CNN on scikit-learn's digits
+  (``flowreduce train --framework torch``, :mod:`flowreduce.cli.train_torch`).
+
+Needs PyTorch (``pip install 'flowreduce[torch]'``). Plain ``allreduce`` of
+tensors does not: :mod:`flowreduce.arrays` converts them without importing
+torch. This package is named ``flowreduce.torch``; its modules import the
+real ``torch`` by its absolute name.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch as _torch  # noqa: F401  (the real torch: absolute import)
+except ImportError as e:  # pragma: no cover - exercised without the extra
+    raise ImportError("flowreduce.torch needs PyTorch: pip install 'flowreduce[torch]'") from e
+
+from flowreduce.torch.trainer import StepRecord, StepTiming, Trainer
+
+__all__ = ["StepRecord", "StepTiming", "Trainer"]

@@ -1,0 +1,79 @@
+"""The reference run of tests/test_torch.py: real DistributedDataParallel
+over gloo, one process per rank (started by the test with
+``torch.multiprocessing.spawn``), and the model, data and optimizer that the
+flowreduce trainer runs too. Imports torch only, so the processes start fast."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+STEPS, RANKS = 20, 4
+
+
+class Net(torch.nn.Module):
+    """Conv, LayerNorm, a bias-free head, a block some ranks skip on some
+    steps (and every rank on step 5), and a layer nobody ever uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = torch.nn.LayerNorm(4 * 8 * 8)
+        self.hidden = torch.nn.Linear(4 * 8 * 8, 24)
+        self.sometimes = torch.nn.Linear(24, 24)
+        self.never = torch.nn.Linear(2, 2)
+        self.head = torch.nn.Linear(24, 10, bias=False)
+
+    def forward(self, x, use):
+        h = torch.relu(self.norm(self.conv(x).flatten(1)))
+        h = torch.relu(self.hidden(h))
+        if use:
+            h = h + torch.tanh(self.sometimes(h))
+        return self.head(h)
+
+
+def make_optimizer(params):
+    # weight decay and momentum: a parameter given a zero gradient instead of none would move
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-2)
+
+
+def shard(rank, ranks, micro=1):
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for i in range(STEPS * micro):
+        step = i // micro
+        use = step != 5 and (rank + step) % 3 != 0
+        out.append(((torch.randn(6, 1, 8, 8, generator=g), use), torch.randint(0, 10, (6,), generator=g)))
+    return out
+
+
+def shard_accumulating(rank, ranks):
+    return shard(rank, ranks, micro=3)
+
+
+def ddp_rank(rank, port, micros, out_dir):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+    try:
+        for micro in micros:
+            torch.manual_seed(0)
+            model = DistributedDataParallel(Net(), find_unused_parameters=True)
+            opt = make_optimizer(model.parameters())
+            batches = iter(shard(rank, RANKS, micro))
+            for _ in range(STEPS):
+                for m in range(micro):
+                    (x, use), y = next(batches)
+                    with model.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                        torch.nn.functional.cross_entropy(model(x, use), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            torch.save(model.module.state_dict(), os.path.join(out_dir, f"micro{micro}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+

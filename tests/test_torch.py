@@ -1,0 +1,292 @@
+"""PyTorch on a real cluster: tensors of every dtype in and out of
+``allreduce`` (against numpy references), pytree types kept, ``like=`` from
+tensors and parameters, errors naming ranks; and ``flowreduce.torch.Trainer``
+against real DistributedDataParallel over gloo (4 processes on 127.0.0.1),
+with an unused parameter and gradient accumulation."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import os
+import socket
+
+import numpy as np
+import pytest
+from conftest import assert_clean, workers_of
+
+import flowreduce
+
+torch = pytest.importorskip("torch", reason="torch tests need the extra: pip install -e '.[torch]'")
+
+import ddp_reference  # noqa: E402  (after the importorskip; beside this file)
+from ddp_reference import RANKS, STEPS, Net, make_optimizer, shard, shard_accumulating  # noqa: E402
+
+from flowreduce.torch import Trainer  # noqa: E402
+
+MICROS = (1, 3)
+
+# -- tensors in and out ------------------------------------------------------------------------
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float64": torch.float64, "complex64": torch.complex64, "uint8": torch.uint8, "int8": torch.int8,
+          "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "uint16": torch.uint16,
+          "uint32": torch.uint32, "uint64": torch.uint64, "bool": torch.bool}
+#: ops per dtype family: small integers in, so every sum is exact in every dtype
+OPS = {"f": ["sum", "mean", "max"], "c": ["sum", "mean"], "i": ["sum", "max", "min"], "b": ["sum", "max", "min"]}
+
+
+def _family(name):
+    return "b" if name == "bool" else "c" if name.startswith("complex") else "f" if name[0] in "fb" else "i"
+
+
+def rank_tensor(name, r, shape=(3, 5)):
+    vals = torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape)
+    return ((vals * (r + 1)) % 5).to(DTYPES[name])
+
+
+def reference(name, op, p, shape=(3, 5)):
+    """numpy on the same values (bfloat16: float32, then rounded as torch rounds)."""
+    xs = [rank_tensor(name, r, shape) for r in range(p)]
+    a = np.stack([(x.float() if x.dtype == torch.bfloat16 else x).numpy() for x in xs])
+    ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}[op]
+    # no upcast (a sum of int8 is an int8), but bools are counted, as np.sum over the ranks does
+    out = ufunc.reduce(a, axis=0, dtype=np.int64 if a.dtype == np.bool_ and op == "sum" else a.dtype)
+    if op == "mean":
+        out = out / p
+    return torch.from_numpy(np.asarray(out)).to(DTYPES[name]) if out.dtype == a.dtype else torch.from_numpy(out)
+
+
+def _same(x):
+    return x
+
+
+def put(client, value, worker):
+    return client.submit(_same, value, workers=[worker], pure=False)
+
+
+CASES = [(name, op) for name in DTYPES for op in OPS[_family(name)]]
+
+
+@pytest.mark.parametrize("name,op", CASES, ids=[f"{n}-{o}" for n, o in CASES])
+def test_tensors_in_tensors_out(inproc_client, name, op):
+    """Made on the workers: torch 2.13 cannot pickle uint16/32/64 tensors, so
+    they cannot travel between processes (between ranks they travel as numpy)."""
+    ws = workers_of(inproc_client)
+    parts = [inproc_client.submit(rank_tensor, name, r, workers=[ws[r]], pure=False) for r in range(4)]
+    got = inproc_client.gather(flowreduce.allreduce(inproc_client, parts, op=op, algorithm="ring"))
+    want = reference(name, op, 4)
+    for r, t in enumerate(got):
+        assert isinstance(t, torch.Tensor) and t.device.type == "cpu", type(t)
+        assert t.dtype == want.dtype and t.shape == want.shape, (r, t.dtype, t.shape)
+        assert torch.equal(t, want), (r, t, want)
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring", "auto"])
+def test_bfloat16_and_float16_between_processes(proc_client, algorithm):
+    """Real transfers (pickled numpy between processes), a pytree mixing
+    dtypes in one call, template or not."""
+    ws = workers_of(proc_client)
+    trees = [collections.OrderedDict(h=rank_tensor("float16", r, (4, 33)), b=rank_tensor("bfloat16", r, (65,)),
+                                     f=rank_tensor("float32", r, (2,))) for r in range(4)]
+    parts = [put(proc_client, t, ws[r]) for r, t in enumerate(trees)]
+    for like in (None, trees[0]):
+        got = proc_client.gather(flowreduce.allreduce(proc_client, parts, op="sum", algorithm=algorithm, like=like,
+                                                      bucket_bytes=256))
+        for t in got:
+            assert type(t) is collections.OrderedDict and list(t) == ["h", "b", "f"]
+            assert torch.equal(t["h"], reference("float16", "sum", 4, (4, 33)))
+            assert torch.equal(t["b"], reference("bfloat16", "sum", 4, (65,)))
+            assert torch.equal(t["f"], reference("float32", "sum", 4, (2,)))
+    del parts
+    assert_clean(proc_client)
+
+
+Pair = collections.namedtuple("Pair", "w b")
+
+
+@dataclasses.dataclass
+class Grads:
+    w: object
+    rest: object
+
+
+STRUCTURES = {
+    "ordereddict": lambda r: collections.OrderedDict([("z", rank_tensor("float32", r)), ("a", rank_tensor("int32", r))]),
+    "dict": lambda r: {"z": rank_tensor("float64", r), "a": [rank_tensor("int64", r)]},
+    "list": lambda r: [rank_tensor("float32", r), (rank_tensor("int16", r),)],
+    "namedtuple": lambda r: Pair(rank_tensor("float32", r), collections.OrderedDict(x=rank_tensor("uint8", r))),
+    "dataclass": lambda r: Grads(rank_tensor("float32", r), Pair(rank_tensor("int8", r), rank_tensor("bfloat16", r))),
+}
+
+
+def _leaves_sum(trees):
+    from flowreduce.pytree import flatten, unflatten
+
+    leaves = [flatten(t)[0] for t in trees]
+    out = []
+    for i, x in enumerate(leaves[0]):
+        xs = [ls[i] for ls in leaves]
+        acc = torch.stack([t.float() if t.dtype == torch.bfloat16 else t for t in xs]).sum(0)
+        out.append(acc.to(x.dtype))
+    return unflatten(flatten(trees[0])[1], out)
+
+
+@pytest.mark.parametrize("with_like", [False, True], ids=["in-memory", "like"])
+@pytest.mark.parametrize("kind", list(STRUCTURES))
+def test_pytree_types_come_back(inproc_client, kind, with_like):
+    from flowreduce.pytree import flatten
+
+    ws = workers_of(inproc_client)
+    trees = [STRUCTURES[kind](r) for r in range(3)]
+    parts = [put(inproc_client, t, ws[r]) for r, t in enumerate(trees)]
+    got = inproc_client.gather(flowreduce.allreduce(inproc_client, parts, algorithm="butterfly",
+                                                    like=trees[0] if with_like else None))
+    want = _leaves_sum(trees)
+    for t in got:
+        assert type(t) is type(want)
+        (gl, gd), (wl, wd) = flatten(t), flatten(want)
+        assert gd == wd
+        for a, b in zip(gl, wl):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_like_takes_parameters_and_per_layer_futures(inproc_client):
+    """A pytree of futures (one per layer) with a template of nn.Parameters:
+    the call does not wait, results are tensors where the inputs were."""
+    ws = workers_of(inproc_client)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2, bias=False))
+    like = [collections.OrderedDict(m.named_parameters()) for m in model]
+    parts = []
+    for r in range(4):
+        layers = [collections.OrderedDict((n, torch.full_like(p, float(r + i))) for n, p in m.named_parameters())
+                  for i, m in enumerate(model)]
+        parts.append([put(inproc_client, layer, ws[r]) for layer in layers])
+    out = flowreduce.allreduce(inproc_client, parts, op="mean", like=like)
+    for r in range(4):
+        layers = inproc_client.gather(out[r])
+        for i, (layer, m) in enumerate(zip(layers, model)):
+            assert list(layer) == [n for n, _ in m.named_parameters()]
+            for n, p in m.named_parameters():
+                assert layer[n].dtype == torch.float32 and layer[n].shape == p.shape
+                assert torch.equal(layer[n], torch.full_like(p, 1.5 + i))
+
+
+def test_ranks_disagreeing_on_dtype_or_device_are_named(inproc_client):
+    ws = workers_of(inproc_client)
+    ones = [torch.ones(3), torch.ones(3), torch.ones(3, dtype=torch.float64), np.ones(3, np.float32)]
+    with pytest.raises(ValueError, match=r"ranks disagree on dtypes.*ranks \[0, 1\]: shape \(3,\), dtype torch.float32"
+                                         r".*ranks \[2\]: shape \(3,\), dtype torch.float64.*ranks \[3\]: shape \(3,\), "
+                                         r"dtype float32"):
+        flowreduce.allreduce(inproc_client, [put(inproc_client, x, ws[r]) for r, x in enumerate(ones)])
+    devices = [torch.ones(3), torch.ones(3, device="meta")]
+    with pytest.raises(ValueError, match=r"ranks \[1\]: shape \(3,\), dtype torch.float32 on meta"):
+        flowreduce.allreduce(inproc_client, [put(inproc_client, x, ws[r]) for r, x in enumerate(devices)])
+    # with a template the first task of the rank at fault says so
+    parts = [put(inproc_client, x, ws[r]) for r, x in enumerate([torch.ones(3), np.ones(3, np.float32)])]
+    out = flowreduce.allreduce(inproc_client, parts, like=torch.ones(3))
+    for f in out:
+        with pytest.raises(TypeError, match="rank 1: input .* is a ndarray, not a torch array as like= says") as caught:
+            f.result()
+        caught.value.__traceback__ = None  # the future keeps the error; our frames in its traceback would keep `out`
+    with pytest.raises(TypeError, match=r"op='mean' of boolean arrays"):
+        flowreduce.allreduce(inproc_client, [put(inproc_client, torch.ones(2, dtype=torch.bool), w) for w in ws],
+                             op="mean")
+    del out, parts, f, caught
+    gc.collect()
+    assert_clean(inproc_client)
+
+
+# -- the trainer against DistributedDataParallel -------------------------------------------
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    """Final parameters of real DDP over gloo: 4 processes on 127.0.0.1, one
+    run per micro-batch count (the processes import only torch and ddp_reference)."""
+    import torch.multiprocessing as mp
+
+    d = str(tmp_path_factory.mktemp("ddp"))
+    mp.spawn(ddp_reference.ddp_rank, args=(free_port(), MICROS, d), nprocs=RANKS, join=True)
+    return {micro: [torch.load(os.path.join(d, f"micro{micro}-rank{r}.pt"), weights_only=True) for r in range(RANKS)]
+            for micro in MICROS}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_params():
+    torch.manual_seed(0)
+    return collections.OrderedDict((n, p.detach().clone()) for n, p in Net().named_parameters())
+
+
+@pytest.mark.parametrize("algorithm,micro", [("butterfly", 1), ("ring", 1), ("auto", 1), ("ring", 3)],
+                         ids=["butterfly", "ring", "auto", "ring-accumulate3"])
+def test_trainer_matches_ddp(proc_client, ddp_results, algorithm, micro):
+    ws = workers_of(proc_client)
+    trainer = Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                      data=shard if micro == 1 else shard_accumulating, workers=ws[:RANKS], accumulate=micro,
+                      algorithm=algorithm, bucket_bytes=4096, threads=1)
+    timings = trainer.train(STEPS)
+    assert len(timings) == STEPS and all(t.seconds > 0 and t.compute > 0 and t.comm >= 0 for t in timings)
+    ours = [trainer.parameters(r) for r in range(RANKS)]
+    for r in range(1, RANKS):  # every rank holds the very same bits
+        for n in ours[0]:
+            assert torch.equal(ours[r][n], ours[0][n]), (r, n)
+    ddp = ddp_results[micro]
+    for r in range(1, RANKS):
+        for n in ddp[0]:
+            assert torch.equal(ddp[r][n], ddp[0][n]), ("ddp", r, n)
+    assert list(ours[0]) == list(ddp[0])
+    for n in ddp[0]:
+        np.testing.assert_allclose(ours[0][n].numpy(), ddp[0][n].numpy(), rtol=1e-5, atol=1e-7, err_msg=n)
+    init = _init_params()
+    assert torch.equal(ours[0]["never.weight"], init["never.weight"])  # no grad ever: weight decay skipped it
+    assert not torch.equal(ours[0]["sometimes.weight"], init["sometimes.weight"])
+    trainer.close()
+    del trainer
+    assert_clean(proc_client)
+
+
+def _sum_of_head(model):
+    return float(model.head.weight.sum())
+
+
+def test_save_load_and_evaluate(proc_client, tmp_path):
+    ws = workers_of(proc_client)
+    with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                 data=shard, workers=ws[:2], threads=1) as trainer:
+        trainer.train(3)
+        path = trainer.save(str(tmp_path / "ckpt.pt"))
+        saved = trainer.parameters(0)
+        assert trainer.evaluate(_sum_of_head) == pytest.approx(float(saved["head.weight"].sum()))
+        trainer.train(2)
+        assert not torch.equal(trainer.parameters(1)["head.weight"], saved["head.weight"])
+        trainer.load(path)
+        for r in range(2):
+            back = trainer.parameters(r)
+            assert all(torch.equal(back[n], saved[n]) for n in saved)
+        on_disk = torch.load(path, weights_only=True)
+        assert set(on_disk) == {"model", "optimizer", "step", "epoch"} and on_disk["step"] == 3
+        assert on_disk["optimizer"]["state"]  # momentum buffers saved
+    assert_clean(proc_client)
+
+
+def test_a_trace_holds_backward_update_and_every_buckets_allreduce(proc_client):
+    """flowreduce.trace puts the trainer's own tasks and each bucket's
+    all-reduce of a step on one timeline, rank by rank."""
+    ws = workers_of(proc_client)[:2]
+    with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                 data=shard, workers=ws, bucket_bytes=4096, algorithm="ring", threads=1) as trainer:
+        trainer.train(1)
+        with flowreduce.trace(proc_client) as tr:
+            trainer.train(1)
+        tokens = set(trainer.steps[-1].tokens)
+    assert len(tokens) > 1  # several buckets at 4 kB
+    for w in ws:
+        mine = [e for e in tr.events if e.worker == w]
+        user = {e.key.split(",", 1)[0].strip("('").rsplit("-", 1)[0] for e in mine if e.phase == "user-compute"}
+        assert {"torch-backward", "torch-update"} <= user, user
+        assert tokens <= {e.token for e in mine if e.phase in ("reduce", "copy", "split", "fusion")}
+    assert_clean(proc_client)
