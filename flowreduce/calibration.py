@@ -4,7 +4,10 @@ model file, :mod:`flowreduce.cli.calibrate`).
 
 Two link classes come from where the workers run (the same grouping
 ``allreduce`` uses): *intra* between two workers of one host, *inter*
-between workers of different hosts. For each class that the cluster has, a
+between workers of different hosts; a third, *shm*, is the intra pair with
+each hop's array published through shared memory (the same-host data plane:
+Dask moves a handle, the receiver copies the array out of the segment). For
+each class that the cluster has, a
 pair of workers plays ping-pong: a chain of ``hops`` dependent tasks,
 alternately pinned to the two workers, each taking the previous one's
 array, so every hop is one dependent task level plus one transfer of the
@@ -79,17 +82,26 @@ def _hop(x: np.ndarray, hop: int) -> np.ndarray:
     return x
 
 
-def ping_pong(client: Any, a: str, b: str, nbytes: int, hops: int, seed: int = 0) -> float:
+def _hop_pieces(x: Any, hop: int) -> tuple[np.ndarray, ...]:
+    """A hop whose value is a tuple of pieces, as plan nodes' are (so it can be published)."""
+    return (x,) if isinstance(x, np.ndarray) else tuple(x)
+
+
+def ping_pong(client: Any, a: str, b: str, nbytes: int, hops: int, seed: int = 0, shm: bool = False) -> float:
     """Seconds per hop of a chain of ``hops`` dependent tasks alternating
-    between workers ``a`` and ``b``, each moving an ``nbytes`` array."""
+    between workers ``a`` and ``b``, each moving an ``nbytes`` array
+    (``shm``: through shared memory)."""
     from distributed import wait
 
+    from flowreduce.build.shm_kernels import Publish
+
+    hop = Publish(_hop_pieces) if shm else _hop
     x = client.submit(_payload, nbytes, seed, workers=[a], allow_other_workers=False, pure=False)
     wait([x])
     t0 = time.perf_counter()
     y = x
     for h in range(hops):
-        y = client.submit(_hop, y, h, workers=[b if h % 2 == 0 else a], allow_other_workers=False, pure=False)
+        y = client.submit(hop, y, h, workers=[b if h % 2 == 0 else a], allow_other_workers=False, pure=False)
     wait([y])
     elapsed = time.perf_counter() - t0
     del x, y
@@ -135,10 +147,15 @@ def calibrate(client: Any, *, small: Sequence[int] = SMALL, large: Sequence[int]
     samples: list[dict] = []
     fits: dict[str, dict] = {}
     links: dict[str, Any] = {}  # CostModel fields: intra, inter
+    if "intra" in pairs and not pairs["intra"][0].startswith("inproc://"):  # in-process: nothing to share
+        from flowreduce.schedule.shm_plugin import ensure_shm
+
+        ensure_shm(client)
+        pairs["shm"] = pairs["intra"]
     for cls, (a, b) in pairs.items():
         ping_pong(client, a, b, 8, 2)  # warm up the connection
         for size in [*small, *large]:
-            times = [ping_pong(client, a, b, int(size), hops, seed=k) for k in range(repeat)]
+            times = [ping_pong(client, a, b, int(size), hops, seed=k, shm=cls == "shm") for k in range(repeat)]
             med = statistics.median(times)
             samples.append({"link": cls, "bytes": int(size), "seconds": med, "runs": times})
             if progress:

@@ -49,6 +49,7 @@ FUSION = "fusion"
 SERIALISE = "serialise"
 TRANSFER = "transfer"
 DESERIALISE = "deserialise"
+SHM_COPY = "shm-copy"  # bytes copied into or out of a shared-memory segment (same-host data plane)
 COPY = "copy"
 USER_COMPUTE = "user-compute"
 OTHER = "other"
@@ -56,14 +57,14 @@ OTHER = "other"
 #: The trace's phases, in the order timelines and tables show them
 #: (``split`` and ``reduce`` are also plan phases: the same words).
 TRACE_PHASES: tuple[str, ...] = (
-    WAIT_FOR_INPUT, SPLIT, FUSION, SERIALISE, TRANSFER, DESERIALISE, REDUCE, COPY, USER_COMPUTE, OTHER,
+    WAIT_FOR_INPUT, SPLIT, FUSION, SERIALISE, TRANSFER, DESERIALISE, SHM_COPY, REDUCE, COPY, USER_COMPUTE, OTHER,
 )
 #: Trace phases that keep a worker's thread busy computing.
 COMPUTE_PHASES: frozenset[str] = frozenset({SPLIT, FUSION, REDUCE, COPY, USER_COMPUTE})
 #: Trace phases of flowreduce's own tasks (the compute phases but user work).
 TASK_PHASES: frozenset[str] = COMPUTE_PHASES - {USER_COMPUTE}
 #: Trace phases that are communication.
-COMM_PHASES: frozenset[str] = frozenset({SERIALISE, TRANSFER, DESERIALISE})
+COMM_PHASES: frozenset[str] = frozenset({SERIALISE, TRANSFER, DESERIALISE, SHM_COPY})
 
 #: Key phase -> trace phase (``output`` and the all-gather / broadcast
 #: gathers are ``copy``; the capture refines outputs merged into a reduction).

@@ -57,7 +57,7 @@ def one_host_formula(m: CostModel, plan, n: float) -> float:
 
 @pytest.mark.parametrize("cores", [None, 2], ids=["core-each", "2-cores"])
 @pytest.mark.parametrize("chunks", [1, 4])
-@pytest.mark.parametrize("algorithm", DENSE)
+@pytest.mark.parametrize("algorithm", [a for a in DENSE if a != "shm-direct"])  # priced on the shm link: below
 def test_one_host_predictions_unchanged(algorithm, chunks, cores):
     m = CostModel(cores=cores, inter=Link(1e-3, 1e-6))  # an inter class must not matter on one host
     plan = flowreduce.plan(algorithm, 6, chunks=chunks)
@@ -65,6 +65,21 @@ def test_one_host_predictions_unchanged(algorithm, chunks, cores):
         want = one_host_formula(m, plan, n)
         assert m.predict(plan, n) == pytest.approx(want)
         assert m.predict(plan, n, [list(range(6))]) == pytest.approx(want)
+
+
+def test_shm_direct_is_priced_on_the_shared_memory_link():
+    """Three levels, 2 tasks per worker and one per rank, bytes at the shm
+    link's rate: a faster link predicts less; big vectors beat the Dask
+    plans, small ones do not (one level more than recursive doubling)."""
+    from flowreduce.cost import DEFAULT_SHM
+
+    plan = flowreduce.plan("shm-direct", 4)
+    m = CostModel(cores=2)
+    fast = CostModel(cores=2, shm=Link(DEFAULT_SHM.alpha, DEFAULT_SHM.beta / 2))
+    assert fast.predict(plan, 8e7) < m.predict(plan, 8e7)
+    assert m.predict(plan, 0) == pytest.approx(m.call + 3 * DEFAULT_SHM.alpha + 12 * m.task)
+    assert m.predict(plan, 8e7) < m.predict(flowreduce.choose(4, 8e7, model=m), 8e7)
+    assert m.predict(plan, 8e3) > m.predict(flowreduce.choose(4, 8e3, model=m), 8e3)
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3, 8])

@@ -24,6 +24,7 @@ OPTIONS = {
     "recursive-doubling": [{"radix": 2}, {"radix": 3}, {"radix": 4}, {"radix": 17}],
     "butterfly": [{"radix": 2}, {"radix": 3}, {"radix": 4}, {"radix": 8}, {"radix": 17}],
     "ring": [{}],
+    "shm-direct": [{}],
     "hierarchical": [{}, {"group_size": 2}, {"group_size": 3, "inner": "ring"},
                      {"group_size": 4, "outer": "ring", "radix": 3}],
 }

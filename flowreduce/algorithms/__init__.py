@@ -22,13 +22,14 @@ from flowreduce.algorithms import (
     recursive_doubling,
     reduce_broadcast,
     ring,
+    shm_direct,
     sparse_recursive_doubling,
     sparse_split_allgather,
 )
 from flowreduce.algorithms.ir import Plan
 
 _PLANNERS: dict[str, Callable[..., Plan]] = {
-    m.NAME: m.plan for m in (reduce_broadcast, kary_tree, recursive_doubling, butterfly, ring, hierarchical)
+    m.NAME: m.plan for m in (reduce_broadcast, kary_tree, recursive_doubling, butterfly, ring, hierarchical, shm_direct)
 }
 _SPARSE_PLANNERS: dict[str, Callable[..., Plan]] = {
     m.NAME: m.plan for m in (sparse_recursive_doubling, sparse_split_allgather, block_sparse)

@@ -189,10 +189,12 @@ def bench(
                     if alg == BASELINE:
                         outs, plan = run_baseline(client, inputs, workers), "submit(sum) + replicate"
                     else:
-                        name, kw = parse_spec(alg)
+                        spec, _, transport = alg.partition("@")  # "ring@dask": the plan over Dask's comm
+                        name, kw = parse_spec(spec)
                         if c:
                             kw["chunks"] = c
-                        outs = flowreduce.allreduce(client, inputs, algorithm=name, op=op, model=model, **kw)
+                        outs = flowreduce.allreduce(client, inputs, algorithm=name, op=op, model=model,
+                                                    transport=transport or "auto", **kw)
                         info = flowreduce.describe(outs)
                         plan, predicted = repr(info.plan), info.predicted
                     wait(outs)
@@ -245,7 +247,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max", type=float, default=1e7, help="largest size when --sizes is not given")
     p.add_argument("--factor", type=float, default=10, help="size step when --sizes is not given")
     p.add_argument("--algorithms", default="all", help="comma-separated names, or 'all' (default); a name may carry "
-                   "options, NAME:OPTION=VALUE[:...], e.g. butterfly,butterfly:radix=4,tree:fan_in=4")
+                   "options, NAME:OPTION=VALUE[:...], e.g. butterfly,butterfly:radix=4,tree:fan_in=4, and "
+                   "@dask to run with transport='dask' (no shared memory), e.g. ring@dask")
     p.add_argument("--chunks", default="auto", help="comma-separated chunk counts, or 'auto' (default)")
     p.add_argument("--dtype", default="float64", help="comma-separated dtypes to sweep (default float64)")
     p.add_argument("--op", default="sum")
@@ -266,7 +269,7 @@ def run(args) -> int:
     sizes = parse_sizes(args.sizes) if args.sizes else sweep_sizes(args.min, args.max, args.factor)
     algorithms = list(flowreduce.ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
     for a in algorithms:
-        name, _ = spec_from_arg(a)
+        name, _ = spec_from_arg(a.partition("@")[0])
         if name not in flowreduce.ALGORITHMS:  # the sweep's inputs are dense
             raise SystemExit(f"bench runs dense algorithms; {name!r} is not one of {', '.join(flowreduce.ALGORITHMS)}")
     chunks: list[int | None] = [None] if args.chunks == "auto" else [int(c) for c in args.chunks.split(",")]

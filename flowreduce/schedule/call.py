@@ -38,7 +38,7 @@ from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.algorithms.sparse import SparsePlan
 from flowreduce.build.buckets import build_tree_graph
-from flowreduce.build.graph import Graph, build_graph
+from flowreduce.build.graph import Graph
 from flowreduce.build.sparse import (
     BlockCall,
     SparseCall,
@@ -55,6 +55,7 @@ from flowreduce.keys import parse
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import TreeDef, flatten, unflatten
 from flowreduce.schedule import guard, hosts, placement, records
+from flowreduce.schedule import transport as _transport
 from flowreduce.schedule.inputs import (
     ArrayMeta,
     SparseMeta,
@@ -68,6 +69,7 @@ from flowreduce.schedule.inputs import (
     rank_futures,
 )
 from flowreduce.schedule.records import CallRecord, PytreeRecord
+from flowreduce.schedule.shm_plugin import ensure_shm
 
 logger = logging.getLogger("flowreduce")
 
@@ -98,6 +100,7 @@ def allreduce(
     like: Any = None,
     bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     timeout: float | str | None = None,
+    transport: str = "auto",
     **options: Any,
 ) -> list[Any]:
     """All-reduce numpy arrays held by futures: one array, or a pytree of
@@ -158,6 +161,11 @@ def allreduce(
         with :class:`flowreduce.errors.AllreduceTimeoutError` saying what
         they wait for. A worker that dies or leaves mid-call does not fail
         the call: it recovers (docs/failures.md).
+    transport : str
+        ``"auto"`` (default): between worker processes of one host, payloads
+        go through shared memory (Dask moves a small handle), and ``auto``
+        may pick the one-level intra-host collective ``"shm-direct"``;
+        ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.transport`).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
         the file named by the dask config key ``flowreduce.cost-model``,
@@ -206,7 +214,7 @@ def allreduce(
     """
     outer, futures = rank_futures(list(inputs))
     check_cluster(client, futures)
-    settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, timeout)
+    settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, timeout, transport)
     ranks = describe_inputs(client, outer, futures, like, settings)
     return submit(client, lower(client, ranks, settings), ranks, settings.timeout)
 
@@ -224,10 +232,12 @@ class Settings:
     bucket_bytes: int | None
     options: Mapping[str, Any] = field(default_factory=dict)
     timeout: float | None = None
+    transport: str = "auto"
 
     @classmethod
     def check(cls, op: Any, algorithm: str, chunks: Any, chunk_bytes: Any, model: CostModel | None,
-              topology: Any, bucket_bytes: Any, options: Mapping[str, Any], timeout: Any = None) -> Settings:
+              topology: Any, bucket_bytes: Any, options: Mapping[str, Any], timeout: Any = None,
+              transport: str = "auto") -> Settings:
         """The settings, or an :class:`~flowreduce.errors.OptionError` naming the bad one."""
         if algorithm not in ALGORITHMS and algorithm not in SPARSE_ALGORITHMS:
             raise OptionError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS + SPARSE_ALGORITHMS)}")
@@ -240,8 +250,10 @@ class Settings:
                                   "string like '1MiB')")
         bucket_bytes = _byte_count(bucket_bytes, smallest=0, what="bucket_bytes must be >= 0 (0 or None: no fusion; "
                                    "bytes: an int or a string like '25MiB')")
+        with raised_as(OptionError):
+            _transport.check(transport)
         return cls(op_, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, dict(options),
-                   guard.resolve_timeout(timeout))
+                   guard.resolve_timeout(timeout), transport)
 
     def chunks_for(self, nbytes: int) -> int | None:
         """The chunk count of a vector of ``nbytes``: ``chunks`` if given,
@@ -413,9 +425,9 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     keys = tuple(f.key for f in inputs)
 
     def job(graph: Graph, plan: Plan, nbytes: int, groups: list[list[int]] | None, shape: tuple[int, ...],
-            dtype: np.dtype) -> Job:
+            dtype: np.dtype, how: str = "dask") -> Job:
         record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, groups), tuple(workers),
-                            tuple(shape), dtype.str, keys)
+                            tuple(shape), dtype.str, keys, how)
         summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
         return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
 
@@ -440,10 +452,18 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
                            aggregators=aggregators)
         return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
     levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
+    domains = _transport.memory_domains(workers, ranks.places, settings.transport)
+    if settings.algorithm == _transport.DIRECT:  # its groups: the ranks of each worker; one chunk unless asked
+        settings = replace(settings, options=_transport.direct_options(dict(settings.options), workers),
+                           chunks=settings.chunks_for(nbytes) or 1)
     plan = choose_plan(p, nbytes, levels, model, settings)
-    graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=settings.op, in_place=ranks.in_place,
-                        accumulate=settings.op.accumulator(dtype))
-    return job(graph, plan, nbytes, levels[0], shape, dtype)
+    if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
+        plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
+    graph, how = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
+                                  op=settings.op, in_place=ranks.in_place, accumulate=settings.op.accumulator(dtype))
+    if how != "dask":
+        ensure_shm(client)
+    return job(graph, plan, nbytes, levels[0], shape, dtype, how)
 
 
 def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], model: CostModel,

@@ -22,9 +22,11 @@ that keeps a call from hanging or silently losing a rank.
   worker still waits for it (the rank's final gather, say), the AMM may drop
   the *owner's* copy, and the owner fetches its own data back. The guard
   swaps the AMM's ``ReduceReplicas`` policy for one that never drops the
-  replica on a worker where a waiting flowreduce task is pinned, unless that
-  worker is retiring (its data must move off, or ``retire_workers`` never
-  returns); every other key is treated exactly as before.
+  replica on a worker where a waiting flowreduce task is pinned, nor a
+  flowreduce value's replica on the worker it was computed on (a
+  shared-memory payload's lease lives there while peers read it), unless
+  that worker is retiring (its data must move off, or ``retire_workers``
+  never returns); every other key is treated exactly as before.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class KeepPinnedReplicas(ReduceReplicas):
             keep = {ws for waiter in s.ts.waiters or () if _ours(waiter.key)
                     for w in waiter.worker_restrictions or ()
                     if (ws := workers.get(w)) is not None and ws.status in (Status.running, Status.paused)}
+            if _ours(s.ts.key):  # its own worker keeps it: a shared-memory payload's lease lives there
+                keep |= {ws for w in s.ts.worker_restrictions or ()
+                         if (ws := workers.get(w)) is not None and ws.status in (Status.running, Status.paused)}
             if not keep:
                 yield s
                 continue

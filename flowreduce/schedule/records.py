@@ -31,6 +31,7 @@ class CallRecord:
     shape: tuple[int, ...] = ()
     dtype: str = ""
     input_keys: tuple[Hashable, ...] = ()
+    transport: str = "dask"  # how links between workers moved bytes ("shared memory", ...)
 
     @property
     def algorithm(self) -> str:

@@ -95,10 +95,16 @@ def entries_since(log: Any, mark: tuple | str | None) -> list[dict]:
     return [dict(e) for e in entries]  # the marked entry rotated out: everything is new
 
 
-def _worker_snapshot(marks: dict, dask_worker: Any = None) -> dict:
+def _worker_snapshot(marks: dict, shm_marks: dict | None = None, dask_worker: Any = None) -> dict:
+    import os
+
     from distributed.metrics import time
 
+    from flowreduce.build.shm_kernels import COPIES
+
     w = dask_worker
+    copies = list(COPIES) if shm_marks is not None else []  # None: only where the log ends
+    shm_mark = (shm_marks or {}).get(w.address, 0)
     in_mark, out_mark = marks.get(w.address, ("", ""))  # a worker that joined since: all of it is new
     incoming = entries_since(w.transfer_incoming_log, in_mark)
     received = []  # raw arrival times of fetches, to know the shift of each
@@ -119,7 +125,20 @@ def _worker_snapshot(marks: dict, dask_worker: Any = None) -> dict:
         "outgoing": entries_since(w.transfer_outgoing_log, out_mark),
         "last_in": entry_mark(w.transfer_incoming_log[-1]) if w.transfer_incoming_log else "",
         "last_out": entry_mark(w.transfer_outgoing_log[-1]) if w.transfer_outgoing_log else "",
+        "pid": os.getpid(),
+        "shm": [c for c in copies if c[0] > shm_mark],
+        "shm_last": COPIES[-1][0] if COPIES else 0,
     }
+
+
+def _key_of(text: str) -> Any:
+    """A task key back from its repr (as events keep it)."""
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None
 
 
 def _raw_time(stimulus_id: str, prefix: str) -> float | None:
@@ -196,6 +215,7 @@ class Trace:
         self._pending: dict[str, Call] = {}  # calls whose input readiness is unresolved
         self._cursor: int | None = None
         self._marks: dict[str, tuple] = {}  # worker -> fingerprints of its last logged transfers
+        self._shm_marks: dict[str, int] = {}  # worker -> sequence number of its last logged shared-memory copy
         self._digests: dict[str, dict] = {}
         self._added_since_flush = 0
         self._scheduler_host = ""
@@ -212,6 +232,7 @@ class Trace:
         marks = {w: (None, None) for w in self._worker_host}  # read nothing yet: only where the logs end
         for w, ws in self.client.run(_worker_snapshot, marks).items():
             self._marks[w] = (ws["last_in"], ws["last_out"])
+            self._shm_marks[w] = ws["shm_last"]
             self._digests[w] = ws["digests"]
             self._clock(w, ws)
         registry.activate(self)
@@ -309,12 +330,13 @@ class Trace:
         self._cursor = snap["index"]
         self.end = snap["time"]
         self._worker_host.update(snap["workers"])
-        workers = self.client.run(_worker_snapshot, self._marks)
+        workers = self.client.run(_worker_snapshot, self._marks, self._shm_marks)
         for w, ws in workers.items():
             self._clock(w, ws)
         new: list[Event] = []
         fallback = self._task_events(snap["records"], new)
         self._transfer_events(workers, fallback, new)
+        self._shm_events(workers, new)
         self._wait_events(snap["ready"], new)
         new.sort(key=lambda e: (e.start, e.stop))
         if self._events.maxlen is not None:
@@ -457,6 +479,26 @@ class Trace:
                              rank=self._worker_rank.get(w), source=ss.get("source") or "", dest=w,
                              key=repr(ss["cause"]), token=info.get("token", ""),
                              algorithm=info.get("algorithm", ""), detail="task-stream transfer (no log entry)"))
+
+    def _shm_events(self, workers: dict[str, dict], out: list[Event]) -> None:
+        """Copies through shared memory, from each worker's log
+        (:data:`flowreduce.build.shm_kernels.COPIES`, raw worker times)."""
+        by_pid = {ws["pid"]: w for w, ws in workers.items()}
+        for w, ws in workers.items():
+            if ws["shm"]:
+                self._shm_marks[w] = ws["shm"][-1][0]
+            clock = self.clocks[w]
+            for _, t0, t1, nbytes, direction, owner, key in ws["shm"]:
+                info = keymod.parse(_key_of(key)) or {}
+                token = info.get("token", "")
+                if not token or not self._see(token, self.calls.get(token) or registry.lookup(token)):
+                    continue
+                source = by_pid.get(owner, "") if direction == "read" else w
+                start, stop = clock.align_interval(t0, t1, shifted=False)
+                out.append(Event("shm-copy", start, stop, w, clock.host, rank=info.get("rank"),
+                                 algorithm=info.get("algorithm", ""), token=token, step=info.get("step"),
+                                 chunk=info.get("chunk"), node=info.get("node"), key=key, nbytes=int(nbytes),
+                                 source=source, dest=w, detail=f"shm-{direction}"))
 
     def _sent_bytes(self, key: Any, info: dict | None, logged: Any) -> int:
         """Bytes a fetch of ``key`` carried. Dask logs its size estimate;

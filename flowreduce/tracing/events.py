@@ -30,6 +30,12 @@ Phases
 ``deserialise``
     The receiver unpickling one message (``gather-dep`` ``deserialize``
     metric, apportioned by bytes), or an unspill (``detail="disk-read"``).
+``shm-copy``
+    A copy through shared memory between workers of one host (inside a
+    task: ``detail="shm-write"`` a rank's data into its segment,
+    ``"shm-read"`` a peer's segment read or copied out; ``source`` is the
+    segment's worker, ``dest`` the worker that read it). Counted as
+    communication, and part of the enclosing task's bar.
 ``reduce``
     A reduction task (reduce-scatter, reduce, exchange phases of the plan;
     block-sparse ``aggregate`` tasks).

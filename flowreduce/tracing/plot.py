@@ -27,13 +27,14 @@ COLORS: dict[str, str] = {
     "serialise": "#fdae6b",
     "transfer": "#e6550d",
     "deserialise": "#fd8d3c",
+    "shm-copy": "#d6616b",
     "reduce": "#31a354",
     "copy": "#756bb1",
     "user-compute": "#636363",
     "other": "#f0f0f0",
 }
 ROW: dict[str, int] = {"split": 0, "fusion": 0, "reduce": 0, "copy": 0, "user-compute": 0, "wait-for-input": 1, "other": 1,
-                       "transfer": 2, "serialise": 3, "deserialise": 3}
+                       "transfer": 2, "shm-copy": 2, "serialise": 3, "deserialise": 3}
 ROW_HEIGHT = 0.2
 
 

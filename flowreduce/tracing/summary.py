@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flowreduce import keys as keymod
-from flowreduce.phases import COMM_PHASES, COMPUTE_PHASES, TRACE_PHASES, TRANSFER, WAIT_FOR_INPUT
+from flowreduce.phases import COMM_PHASES, COMPUTE_PHASES, SHM_COPY, TRACE_PHASES, TRANSFER, WAIT_FOR_INPUT
 from flowreduce.tracing.events import Event
 
 
@@ -113,6 +113,7 @@ class Summary:
     planned_links: dict[tuple[str, str], float]
     critical_path: list[PathStep] = field(default_factory=list)
     straggler: Straggler | None = None
+    shm_links: dict[tuple[str, str], int] = field(default_factory=dict)  # bytes read through shared memory
 
     @property
     def critical_length(self) -> float:
@@ -140,6 +141,7 @@ class Summary:
         d = asdict(self)
         d["links"] = [{"source": s, "dest": t, "bytes": b} for (s, t), b in self.links.items()]
         d["planned_links"] = [{"source": s, "dest": t, "bytes": b} for (s, t), b in self.planned_links.items()]
+        d["shm_links"] = [{"source": s, "dest": t, "bytes": b} for (s, t), b in self.shm_links.items()]
         for r, rs in zip(d["per_rank"], self.per_rank, strict=True):
             r["overlap_fraction"] = rs.overlap_fraction
         d["critical_length"] = self.critical_length
@@ -171,11 +173,11 @@ class Summary:
                   f"{self.total['overlap_fraction']:.0%}")
         con.print(t)
         lt = Table(title="bytes per link")
-        for col in ("source", "dest", "measured MB", "planned MB"):
+        for col in ("source", "dest", "measured MB", "planned MB", "shared memory MB"):
             lt.add_column(col, justify="right")
-        for link in sorted(set(self.links) | set(self.planned_links)):
+        for link in sorted(set(self.links) | set(self.planned_links) | set(self.shm_links)):
             lt.add_row(_short(link[0]), _short(link[1]), f"{self.links.get(link, 0) / 1e6:.3f}",
-                       f"{self.planned_links.get(link, 0) / 1e6:.3f}")
+                       f"{self.planned_links.get(link, 0) / 1e6:.3f}", f"{self.shm_links.get(link, 0) / 1e6:.3f}")
         con.print(lt)
         con.print(f"bytes moved: {self.bytes_moved / 1e6:.3f} MB measured, {self.bytes_planned / 1e6:.3f} MB planned")
         br = ", ".join(f"{k} {v * ms:.1f}" for k, v in sorted(self.critical_breakdown.items(), key=lambda x: -x[1]))
@@ -239,9 +241,12 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
     totals.update(busy=all_busy, idle=len(per_rank) * (t1 - t0) - all_busy, comm=all_comm,
                   overlapped=all_over, overlap_fraction=all_over / all_comm if all_comm else 0.0)
     links: dict[tuple[str, str], int] = defaultdict(int)
+    shm_links: dict[tuple[str, str], int] = defaultdict(int)
     for e in mine:
         if e.phase == TRANSFER:
             links[(e.source, e.dest)] += sum(e.key_bytes) or e.nbytes
+        elif e.phase == SHM_COPY and e.detail == "shm-read" and e.source != e.dest:
+            shm_links[(e.source, e.dest)] += e.nbytes
     straggler = None
     ready = trace.input_ready.get(token)
     if ready and sum(t is not None for t in ready) >= 2:
@@ -253,7 +258,7 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
         nbytes=call.nbytes, predicted=call.predicted, measured=t1 - t0, start=t0, stop=t1,
         per_rank=per_rank, total=dict(totals), links=dict(links),
         planned_links=planned_links(call, worker_of), critical_path=critical_path(trace, call, mine),
-        straggler=straggler,
+        straggler=straggler, shm_links=dict(shm_links),
     )
 
 

@@ -1,0 +1,70 @@
+"""Lower the ``shm-direct`` plan over shared memory: three tasks deep on one
+host. Imports dask, never distributed.
+
+Level 1, one task per worker: its ranks' inputs reduced into a pooled
+segment (the plan's views and pre-reduce, fused). Level 2, one task per
+worker: its slice reduced over every worker's segment, read in place, and
+written back into its own segment. Level 3, one task per rank: its result,
+a fresh array copied from every worker's slice. Dask edges carry handles of
+a few hundred bytes; every task is pinned to its worker, so the scheduler
+still orders everything (a reader runs only after the writer's key exists,
+and a segment is reused only after its key's readers are done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from dask.task_spec import List, Task, TaskRef
+
+from flowreduce import keys
+from flowreduce.algorithms.ir import Plan
+from flowreduce.build import shm_kernels
+from flowreduce.build.graph import Graph, chunk_bounds
+from flowreduce.ops import Op
+
+
+def worker_groups(workers: Sequence[str]) -> list[list[int]]:
+    """Ranks grouped by worker, in order of each worker's first rank."""
+    groups: dict[str, list[int]] = {}
+    for r, w in enumerate(workers):
+        groups.setdefault(w, []).append(r)
+    return list(groups.values())
+
+
+def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, size: int,
+                 shape: tuple[int, ...], dtype: np.dtype, op: Op, accumulate: Any = None,
+                 token: str | None = None) -> Graph:
+    """The graph of ``plan`` (``shm-direct`` with its ``groups`` the ranks of
+    each worker) for rank inputs ``inputs`` held on ``workers``."""
+    groups = [list(g) for g in plan.options.get("groups") or [[r] for r in range(plan.ranks)]]
+    if groups != worker_groups(workers):
+        raise ValueError(f"shm-direct plan groups {groups} are not the ranks of each worker "
+                         f"{worker_groups(workers)}")
+    token = token or keys.new_token()
+    name, p = plan.algorithm, plan.ranks
+    wdtype = np.dtype(accumulate or dtype)
+    tasks: dict = {}
+    placement: dict = {}
+    written, scattered = [], []
+    for g, ranks in enumerate(groups):
+        key = keys.node_key(name, "reduce", token, 1, ranks[0], 0, g)
+        tasks[key] = Task(key, shm_kernels.write, op, wdtype, List(*(inputs[r] for r in ranks)), len(groups) > 1,
+                          repr(key), token)
+        placement[key] = workers[ranks[0]]
+        written.append(key)
+    for g, (ranks, (lo, hi)) in enumerate(zip(groups, chunk_bounds(size, len(groups)))):
+        key = keys.node_key(name, "reduce-scatter", token, 2, ranks[0], 0, g)
+        order = [written[g]] + [k for j, k in enumerate(written) if j != g]  # its own segment first
+        tasks[key] = Task(key, shm_kernels.reduce_slice, op, p, lo, hi, List(*(TaskRef(k) for k in order)),
+                          repr(key))
+        placement[key] = workers[ranks[0]]
+        scattered.append(key)
+    outputs = [keys.output_key(name, token, r) for r in range(p)]
+    for r, key in enumerate(outputs):
+        tasks[key] = Task(key, shm_kernels.gather, op, p, shape, wdtype, List(*(TaskRef(k) for k in scattered)),
+                          repr(key))
+        placement[key] = workers[r]
+    return Graph(tasks, outputs, placement, token)

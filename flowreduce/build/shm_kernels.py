@@ -1,0 +1,300 @@
+"""Task functions of the same-host data plane: values whose payload sits in
+a pooled shared-memory segment and whose Dask form, when sent to another
+worker, is a handle of a few hundred bytes. numpy and the pool only.
+
+Two uses:
+
+* :class:`Publish` wraps any plan node's task whose readers on other workers
+  all share its host: the value stays a tuple of private pieces for readers
+  on its own worker, and a copy in a segment is what its pickle points to.
+  The receiver copies the payload out while unpickling (Dask deserialises a
+  dependency before its dependent runs), so it holds a private, writable
+  array exactly as if it came over a socket.
+* :func:`write`, :func:`reduce_slice`, :func:`gather` are the three levels of
+  the one-level intra-host collective (:mod:`flowreduce.build.shm_direct`):
+  readers read peers' segments in place.
+
+A lease lives as long as the values that reference it on its worker (Dask
+drops a key's value once every dependent has run, wherever it runs); then the
+segment goes back to the pool for the next call. Every handle carries the
+lease's generation and a reader checks it after reading, so a payload
+overwritten by a later lease is an error, never a silently wrong sum.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from dask.sizeof import sizeof
+
+from flowreduce.build import shm_pool
+from flowreduce.ops import Op
+
+#: Copies through shared memory in this process, for traces: (seq, start,
+#: stop, bytes, direction "write"/"read", the segment owner's pid, repr of
+#: the task key). Times are this process's clock (time.time).
+COPIES: deque[tuple] = deque(maxlen=100_000)
+_seq = itertools.count(1)
+
+
+def _logged(direction: str, key: str, owner: int, nbytes: int, start: float) -> None:
+    COPIES.append((next(_seq), start, time.time(), nbytes, direction, owner, key))
+
+
+def owner_pid(segment_name: str) -> int:
+    try:
+        return int(segment_name[len(shm_pool.PREFIX):].split("-")[0])
+    except ValueError:
+        return 0
+
+
+class Lease:
+    """A leased segment, given back to the pool when the last value holding
+    this object is dropped."""
+
+    __slots__ = ("segment", "generation", "__weakref__")
+
+    def __init__(self, pool: shm_pool.Pool, segment: shm_pool.Segment):
+        self.segment, self.generation = segment, segment.generation
+        weakref.finalize(self, pool.give_back, segment, segment.generation)
+
+
+def _lease(nbytes: int, owner: str = "") -> Lease | None:
+    """A lease for the call ``owner`` (its key token: the worker plugin gives
+    back what a call still holds once its keys are gone from the worker)."""
+    pool = shm_pool.pool()
+    try:
+        return Lease(pool, pool.lease(nbytes, owner))
+    except shm_pool.Unavailable:  # logged once by the pool: Dask's comm carries the data
+        return None
+
+
+@dataclass(frozen=True)
+class Handle:
+    """Where a payload sits: a segment, its lease generation, and the pieces
+    ``(dtype, byte offset, count)`` in it. What crosses the wire."""
+
+    name: str
+    size: int
+    generation: int
+    pieces: tuple[tuple[str, int, int], ...]
+    key: str = ""  # the producing task's key (repr), for traces
+
+    def segment(self) -> shm_pool.Segment:
+        return shm_pool.pool().attach(self.name, self.size)
+
+    def arrays(self, seg: shm_pool.Segment) -> list[np.ndarray]:
+        return [seg.view(np.dtype(dt), count, offset) for dt, offset, count in self.pieces]
+
+    def check(self, seg: shm_pool.Segment) -> None:
+        if seg.stamped() != self.generation:
+            raise RuntimeError(f"shared-memory segment {self.name} was leased again before its reader "
+                               f"copied it (generation {seg.stamped()}, expected {self.generation}); "
+                               "was the value spilled to disk?")
+
+
+def _handle(lease: Lease, pieces: Sequence[tuple[np.dtype, int, int]], key: str = "") -> Handle:
+    seg = lease.segment
+    return Handle(seg.name, seg.size, lease.generation, tuple((np.dtype(dt).str, o, c) for dt, o, c in pieces), key)
+
+
+def _layout(arrays: Sequence[np.ndarray]) -> tuple[list[tuple[np.dtype, int, int]], int]:
+    """Each array's (dtype, offset, count) packed one after another (8-byte aligned)."""
+    out, offset = [], 0
+    for a in arrays:
+        out.append((a.dtype, offset, a.size))
+        offset += -(-a.nbytes // 8) * 8
+    return out, offset
+
+
+# -- any plan node: publish for same-host readers ------------------------------
+class Shared(tuple):
+    """A node's pieces, kept private on their worker; pickled (sent to a
+    worker of the same host), a :class:`Handle` to a copy in shared memory,
+    copied out on arrival."""
+
+    def __new__(cls, pieces, lease: Lease, handle: Handle):
+        self = super().__new__(cls, pieces)
+        self._lease, self.handle = lease, handle
+        return self
+
+    def __reduce__(self):
+        return (received, (self.handle,))
+
+
+def received(handle: Handle) -> tuple[np.ndarray, ...]:
+    """A published value on its reader's worker: private copies of its pieces."""
+    t0 = time.time()
+    seg = handle.segment()
+    out = tuple(a.copy() for a in handle.arrays(seg))
+    handle.check(seg)
+    _logged("read", handle.key, owner_pid(handle.name), sum(a.nbytes for a in out), t0)
+    return out
+
+
+class Publish:
+    """A task function that runs ``func`` and publishes its tuple of pieces
+    through shared memory (the pieces themselves when no segment can be had)."""
+
+    def __init__(self, func: Callable, key: str = "", owner: str = ""):
+        self.func, self.key, self.owner = func, key, owner
+
+    def __call__(self, *args):
+        value = self.func(*args)
+        if not isinstance(value, tuple) or not all(isinstance(a, np.ndarray) for a in value):
+            return value
+        layout, nbytes = _layout(value)
+        if nbytes < shm_pool.pool().min_bytes:
+            return value
+        t0 = time.time()
+        lease = _lease(nbytes, self.owner)
+        if lease is None:
+            return value
+        handle = _handle(lease, layout, self.key)
+        for a, dst in zip(value, handle.arrays(lease.segment)):
+            np.copyto(dst, a.reshape(-1))
+        _logged("write", self.key, os.getpid(), nbytes, t0)
+        return Shared(value, lease, handle)
+
+    def __repr__(self) -> str:
+        return f"Publish({getattr(self.func, '__name__', self.func)!r})"
+
+
+# -- the one-level intra-host collective ---------------------------------------
+class Block:
+    """A worker's partial vector in its segment (the collective's first
+    level); pickled, a :class:`Handle` that peers read in place."""
+
+    def __init__(self, lease: Lease, dtype: np.dtype, count: int, lo: int = 0, hi: int | None = None):
+        self.lease, self.dtype, self.count = lease, np.dtype(dtype), count
+        self.lo, self.hi = lo, count if hi is None else hi
+
+    @property
+    def array(self) -> np.ndarray:
+        return self.lease.segment.view(self.dtype, self.count)
+
+    def handle(self) -> Handle:
+        return _handle(self.lease, [(self.dtype, 0, self.count)])
+
+    def __reduce__(self):
+        return (Remote, (self.handle(), self.lo, self.hi))
+
+
+@sizeof.register(Block)
+def _sizeof_block(b: Block) -> int:
+    return (b.hi - b.lo) * b.dtype.itemsize  # the part its readers see (the segment counts in the worker's memory)
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A peer's :class:`Block` seen from another worker of its host."""
+
+    handle: Handle
+    lo: int
+    hi: int
+
+
+def _read(value, lo: int, hi: int) -> tuple[np.ndarray, Handle | None, shm_pool.Segment | None]:
+    """Elements [lo, hi) of a collective value: a Block here, a peer's in
+    shared memory, or a plain array (the fallback, sent by Dask)."""
+    if isinstance(value, Block):
+        return value.array[lo:hi], None, None
+    if isinstance(value, Remote):
+        seg = value.handle.segment()
+        return value.handle.arrays(seg)[0][lo:hi], value.handle, seg
+    return np.asarray(value).reshape(-1)[lo:hi], None, None
+
+
+def write(op: Op, dtype, inputs: Sequence, share: bool = True, key: str = "", owner: str = "") -> Block | np.ndarray:
+    """Level 1 on each worker: its ranks' inputs reduced into a leased
+    segment (a private array when shared memory is unavailable, or not
+    needed: ``share=False``, no peer reads it)."""
+    t0 = time.time()
+    dtype = np.dtype(dtype)
+    flat = [np.asarray(x).reshape(-1) for x in inputs]
+    count = flat[0].size
+    # a small vector is cheaper sent by Dask than leased, mapped and read by every peer
+    share = share and count * dtype.itemsize >= shm_pool.pool().min_bytes
+    lease = _lease(count * dtype.itemsize, owner) if share else None
+    dst = lease.segment.view(dtype, count) if lease is not None else np.empty(count, dtype)
+    np.copyto(dst, flat[0], casting="unsafe")
+    for x in flat[1:]:
+        _combine_into(op, dst, x)
+    if lease is None:
+        return dst
+    _logged("write", key, os.getpid(), dst.nbytes, t0)
+    return Block(lease, dtype, count)
+
+
+def _combine_into(op: Op, acc: np.ndarray, x: np.ndarray) -> None:
+    if op.in_place:
+        op.combine(acc, x, out=acc)
+    else:
+        acc[...] = op.combine(acc, x)
+
+
+def finishes_in_place(op: Op, dtype) -> bool:
+    """Whether the op's last touch (mean's division) keeps the dtype, so the
+    reduce-scatter can apply it to its slice; else every rank's gather does."""
+    return not op.mean or np.issubdtype(np.dtype(dtype), np.inexact)
+
+
+def reduce_slice(op: Op, ranks: int, lo: int, hi: int, blocks: Sequence, key: str = "") -> Block | np.ndarray:
+    """Level 2 on worker i: slice [lo, hi) reduced over every worker's block,
+    read in place from their segments, and written into its own block's
+    slice (nobody else reads that slice of it)."""
+    own = blocks[0]  # made by write() on this worker: private, and only this task touches [lo, hi) of it
+    acc = own.array[lo:hi] if isinstance(own, Block) else np.asarray(own).reshape(-1)[lo:hi]
+    checks = []
+    for value in blocks[1:]:
+        t0 = time.time()
+        x, handle, seg = _read(value, lo, hi)
+        _combine_into(op, acc, x)
+        if handle is not None:
+            checks.append((handle, seg))
+            _logged("read", key, owner_pid(handle.name), x.nbytes, t0)
+    for handle, seg in checks:
+        handle.check(seg)
+    if finishes_in_place(op, acc.dtype):
+        finished = op.finish(acc, ranks, owned=True)
+        if finished is not acc:
+            acc[...] = finished
+    if isinstance(own, Block):
+        return Block(own.lease, own.dtype, own.count, lo, hi)
+    return acc
+
+
+def gather(op: Op, ranks: int, shape, dtype, slices: Sequence, key: str = "") -> np.ndarray:
+    """Level 3 on each rank: its result, a fresh array of its own, copied
+    from every worker's finished slice."""
+    parts = [_slice_of(v) for v in slices]
+    count = sum(x.size for x, _, _ in parts)
+    out = np.empty(count, np.dtype(dtype))
+    at = 0
+    for x, handle, _ in parts:
+        t0 = time.time()
+        out[at:at + x.size] = x
+        at += x.size
+        if handle is not None:
+            _logged("read", key, owner_pid(handle.name), x.nbytes, t0)
+    for _, handle, seg in parts:
+        if handle is not None:
+            handle.check(seg)
+    if not finishes_in_place(op, out.dtype):
+        out = op.finish(out, ranks, owned=True)
+    return out.reshape(shape)
+
+
+def _slice_of(value):
+    if isinstance(value, Block):
+        return value.array[value.lo:value.hi], None, None
+    if isinstance(value, Remote):
+        return _read(value, value.lo, value.hi)
+    return np.asarray(value).reshape(-1), None, None

@@ -1,0 +1,415 @@
+"""A per-process pool of shared-memory segments: the same-host data plane's
+buffers. Pure (os, mmap, numpy, dask.config); build kernels get it through
+:func:`pool`, and the scheduling layer's worker plugin releases it when idle
+and when the worker closes.
+
+A segment is a file in a memory-backed directory (``/dev/shm``) mapped with
+``mmap``: POSIX shared memory without a compiled helper, and the directory is
+configurable so a host with a missing, read-only or tiny ``/dev/shm`` is
+handled (and tested). Mapping a fresh segment costs a page fault per page, more
+than the copy into it, so segments are leased and given back, and the next
+call reuses them; peers' segments stay mapped in this process for the same
+reason. Space is reserved with ``posix_fallocate`` before mapping, so a full
+tmpfs is an error here (and a fallback to Dask's comm), never a bus error on
+first touch.
+
+Names carry the owner's pid and process start time
+(``flowreduce-shm-<pid>-<start>-<n>``): the first pool of a process on a host
+unlinks segments whose owner is gone (a worker killed with SIGKILL that its
+nanny restarted).
+
+Configuration (dask config, defaults in flowreduce/flowreduce.yaml, read
+when the process's pool is made):
+
+``flowreduce.shm.enabled``      false: never use shared memory
+``flowreduce.shm.directory``    where segments live (default ``/dev/shm``)
+``flowreduce.shm.pool-bytes``   bound on this process's segments, leased or free
+``flowreduce.shm.idle-seconds`` free segments and peer mappings unused this long are dropped
+``flowreduce.shm.min-bytes``    a plan node's value smaller than this goes through Dask's comm
+                                (a message that small costs no more than the handle)
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger("flowreduce")
+
+PREFIX = "flowreduce-shm-"
+#: The settings' keys under ``flowreduce.shm`` (defaults in flowreduce/flowreduce.yaml).
+KEYS = ("enabled", "directory", "pool-bytes", "idle-seconds", "min-bytes")
+#: Segments are sized in these units so calls of nearby sizes share them.
+GRAIN = 1 << 20
+#: Bytes at the head of a segment: its lease generation (an int64), so a
+#: reader can tell a payload that was overwritten by a later lease.
+HEADER = 64
+#: Room left free in the directory for everybody else.
+HEADROOM = 64 << 20
+
+
+def config() -> dict:
+    """The pool's settings from the dask config (:mod:`flowreduce.config`)."""
+    from dask.utils import parse_bytes
+
+    from flowreduce import config as settings
+
+    got = {k: settings.get(f"shm.{k}") for k in KEYS}
+    for k in ("pool-bytes", "min-bytes"):
+        got[k] = parse_bytes(got[k]) if isinstance(got[k], str) else int(got[k])
+    got["idle-seconds"] = float(got["idle-seconds"])
+    got["enabled"] = bool(got["enabled"])
+    return got
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (Linux), so a pid
+    reused by another process is not mistaken for the owner."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return "0"
+
+
+def owner_alive(name: str) -> bool:
+    """Whether the process that made segment ``name`` still runs."""
+    try:
+        pid_s, start = name[len(PREFIX):].split("-")[:2]
+        pid = int(pid_s)
+    except ValueError:
+        return True  # not ours to judge
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return start == "0" or _start_time(pid) in (start, "0")
+
+
+@dataclass(eq=False)
+class Segment:
+    """One mapped file: ``buf`` is its bytes as a uint8 array; payloads start
+    after a :data:`HEADER` holding the lease generation."""
+
+    name: str
+    size: int
+    buf: np.ndarray
+    used: float = field(default_factory=time.monotonic)
+    generation: int = 0
+    owner: str = ""  # the call (key token) holding the lease
+
+    def view(self, dtype, count: int, offset: int = 0) -> np.ndarray:
+        """``count`` items of ``dtype`` at byte ``offset`` of the payload."""
+        return np.frombuffer(self.buf, dtype=dtype, count=count, offset=HEADER + offset)
+
+    def stamp(self) -> int:
+        self.generation += 1
+        self.buf[:8].view(np.int64)[0] = self.generation
+        return self.generation
+
+    def stamped(self) -> int:
+        return int(self.buf[:8].view(np.int64)[0])
+
+
+class Unavailable(Exception):
+    """No segment can be had here: the caller moves the data through Dask's comm."""
+
+
+class Pool:
+    """This process's segments: leased ones, free ones (kept for reuse), and
+    mappings of peers' segments. Thread-safe (a worker's tasks run in threads)."""
+
+    def __init__(self, directory: str = "/dev/shm", limit: int = 4 << 30, idle: float = 30.0, enabled: bool = True,
+                 min_bytes: int = 64 << 10):
+        self.directory, self.limit, self.idle, self.min_bytes = directory, limit, idle, min_bytes
+        self._lock = threading.Lock()
+        self._leased: dict[str, Segment] = {}
+        self._free: OrderedDict[str, Segment] = OrderedDict()
+        self._peers: OrderedDict[str, Segment] = OrderedDict()
+        self._count = itertools.count()
+        self._stem = f"{PREFIX}{os.getpid()}-{_start_time(os.getpid())}-"
+        self._warned: set[str] = set()
+        self.closed = False
+        self.reason: str | None = None if enabled else "disabled by flowreduce.shm.enabled"
+        if self.reason is None:
+            self.reason = self._usable()
+        if self.reason is None:
+            self.reclaim_orphans()
+
+    # -- what the pool holds ---------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self.reason is None and not self.closed
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this process's own segments (leased and free)."""
+        with self._lock:
+            return sum(s.size for s in (*self._leased.values(), *self._free.values()))
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"leased": len(self._leased), "free": len(self._free), "peers": len(self._peers),
+                    "bytes": sum(s.size for s in (*self._leased.values(), *self._free.values())),
+                    "peer_bytes": sum(s.size for s in self._peers.values()), "directory": self.directory,
+                    "reason": self.reason}
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return [*self._leased, *self._free]
+
+    # -- own segments ----------------------------------------------------
+    def lease(self, nbytes: int, owner: str = "") -> Segment:
+        """A segment of at least ``nbytes`` for this process to write, reused
+        when one is free. Raises :class:`Unavailable` (logged once per reason)
+        when shared memory is off, missing, full or the pool is at its bound."""
+        if not self.available:
+            raise Unavailable(self.reason or "pool closed")
+        nbytes += HEADER
+        size = max(GRAIN, -(-nbytes // GRAIN) * GRAIN)
+        with self._lock:
+            fits = [s for s in self._free.values() if nbytes <= s.size <= 2 * size]
+            if fits:
+                seg = min(fits, key=lambda s: s.size)
+                del self._free[seg.name]
+                self._leased[seg.name] = seg
+                seg.used, seg.owner = time.monotonic(), owner
+                seg.stamp()
+                return seg
+            held = sum(s.size for s in (*self._leased.values(), *self._free.values()))
+            while self._free and held + size > self.limit:  # make room: drop the least recently used
+                _, old = self._free.popitem(last=False)
+                held -= old.size
+                self._unlink(old)
+            if held + size > self.limit:
+                self._fallback(f"pool bound flowreduce.shm.pool-bytes={self.limit} reached", "bound")
+            seg = self._create(size)
+            self._leased[seg.name] = seg
+            seg.owner = owner
+            seg.stamp()
+            return seg
+
+    def give_back(self, seg: Segment, generation: int | None = None) -> None:
+        """Return a leased segment for reuse (unlinked if the pool is closed);
+        with ``generation``, only if it is still that lease."""
+        with self._lock:
+            if generation is not None and seg.generation != generation:
+                return  # given back already (its call ended) and leased again since
+            if self._leased.pop(seg.name, None) is None:
+                return
+            seg.used = time.monotonic()
+            if self.closed:
+                self._unlink(seg)
+            else:
+                self._free[seg.name] = seg
+
+    def owns(self, owner: str) -> bool:
+        with self._lock:
+            return any(s.owner == owner for s in self._leased.values())
+
+    def release_owner(self, owner: str) -> int:
+        """Give back every segment the call ``owner`` still leases (its keys
+        are gone from this worker: an error or a cancellation left values
+        referenced by a kept traceback). Returns how many."""
+        with self._lock:
+            held = [s for s in self._leased.values() if s.owner == owner]
+        for s in held:
+            self.give_back(s, s.generation)
+        return len(held)
+
+    def discard(self, seg: Segment) -> None:
+        """Unlink a leased segment (a call that ended abnormally: a task of
+        it may still read or write the memory, so it is never reused)."""
+        with self._lock:
+            if self._leased.pop(seg.name, None) is not None:
+                self._unlink(seg)
+
+    def _create(self, size: int) -> Segment:
+        try:
+            free = os.statvfs(self.directory)
+            room = free.f_bavail * free.f_frsize
+        except OSError as e:
+            self._fallback(f"cannot read {self.directory}: {e.strerror}", "read", sticky=True)
+        if size + HEADROOM > room:
+            self._fallback(f"{self.directory} has {room} bytes free, a segment needs {size}", "full")
+        name = f"{self._stem}{next(self._count)}"
+        path = os.path.join(self.directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            self._fallback(f"cannot create segments in {self.directory}: {e.strerror}", "create", sticky=True)
+        try:
+            try:  # reserve the pages now: a full tmpfs fails here, not with SIGBUS on first touch
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except OSError as e:
+            os.unlink(path)
+            self._fallback(f"cannot reserve {size} bytes in {self.directory}: {e.strerror}", "full")
+        finally:
+            os.close(fd)
+        return Segment(name, size, np.frombuffer(mm, dtype=np.uint8))
+
+    def _unlink(self, seg: Segment) -> None:
+        """The name goes now; the memory when the last view of it is dropped."""
+        try:
+            os.unlink(os.path.join(self.directory, seg.name))
+        except FileNotFoundError:
+            pass
+
+    def _fallback(self, reason: str, kind: str, sticky: bool = False):
+        """Raise :class:`Unavailable`, logging one line per ``kind`` of reason.
+        ``sticky``: the directory is unusable, the pool stays unavailable;
+        else a passing condition (a full pool or tmpfs)."""
+        if sticky:
+            self.reason = reason
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning("flowreduce: same-host transfers use Dask's comm (%s)", reason)
+        raise Unavailable(reason)
+
+    def _usable(self) -> str | None:
+        if not os.path.isdir(self.directory):
+            reason = f"shared-memory directory {self.directory} is missing"
+        elif not os.access(self.directory, os.W_OK) or _read_only(self.directory):
+            reason = f"shared-memory directory {self.directory} is read-only"
+        else:
+            return None
+        logger.warning("flowreduce: same-host transfers use Dask's comm (%s)", reason)
+        return reason
+
+    # -- peers' segments -------------------------------------------------
+    def attach(self, name: str, size: int) -> Segment:
+        """A peer's segment mapped read-only, kept mapped for the next call."""
+        with self._lock:
+            own = self._leased.get(name)
+            if own is not None:
+                return own
+            seg = self._peers.get(name)
+            if seg is not None:
+                self._peers.move_to_end(name)
+                seg.used = time.monotonic()
+                return seg
+        path = os.path.join(self.directory, name)
+        try:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        except FileNotFoundError:
+            raise RuntimeError(f"shared-memory segment {name} is gone: its worker died or released it "
+                               f"before its readers ran") from None
+        seg = Segment(name, size, np.frombuffer(mm, dtype=np.uint8))
+        with self._lock:
+            self._peers[name] = seg
+            while len(self._peers) > 1 and sum(s.size for s in self._peers.values()) > self.limit:
+                self._peers.popitem(last=False)
+        return seg
+
+    def forget_peer(self, name: str) -> None:
+        with self._lock:
+            self._peers.pop(name, None)
+
+    # -- housekeeping ----------------------------------------------------
+    def release_idle(self, now: float | None = None) -> int:
+        """Unlink free segments and unmap peers unused for ``idle`` seconds
+        (peers whose file is gone at once). Returns how many were dropped."""
+        now = time.monotonic() if now is None else now
+        dropped = 0
+        with self._lock:
+            for name, seg in list(self._free.items()):
+                if now - seg.used >= self.idle:
+                    del self._free[name]
+                    self._unlink(seg)
+                    dropped += 1
+            for name, seg in list(self._peers.items()):
+                if now - seg.used >= self.idle or not os.path.exists(os.path.join(self.directory, name)):
+                    del self._peers[name]
+                    dropped += 1
+        return dropped
+
+    def close(self) -> None:
+        """Unlink every own segment and unmap peers (the worker is closing)."""
+        with self._lock:
+            self.closed = True
+            for seg in (*self._leased.values(), *self._free.values()):
+                self._unlink(seg)
+            self._leased.clear()
+            self._free.clear()
+            self._peers.clear()
+
+    def reclaim_orphans(self) -> list[str]:
+        """Unlink segments in the directory whose owning process is gone."""
+        gone = []
+        try:
+            names = [n for n in os.listdir(self.directory) if n.startswith(PREFIX)]
+        except OSError:
+            return gone
+        for name in names:
+            if not owner_alive(name):
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                    gone.append(name)
+                except FileNotFoundError:
+                    pass
+        if gone:
+            logger.info("flowreduce: reclaimed %d shared-memory segments of dead workers", len(gone))
+        return gone
+
+
+def _read_only(directory: str) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return True
+
+
+_POOL: Pool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pool() -> Pool:
+    """This process's pool, made from the dask config on first use (and again
+    after :func:`close`)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.closed:
+            c = config()
+            _POOL = Pool(c["directory"], c["pool-bytes"], c["idle-seconds"], c["enabled"], c["min-bytes"])
+        return _POOL
+
+
+def current() -> Pool | None:
+    """The pool if one was made in this process (housekeeping must not make one)."""
+    return _POOL
+
+
+def close() -> None:
+    """Close this process's pool (the worker plugin's teardown)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None:
+            _POOL.close()
+            _POOL = None
+
+
+def segments(directory: str | None = None) -> list[str]:
+    """flowreduce segments present in ``directory`` (any process's): what the
+    lifecycle tests list."""
+    directory = directory or config()["directory"]
+    try:
+        return sorted(n for n in os.listdir(directory) if n.startswith(PREFIX))
+    except OSError:
+        return []

@@ -1,0 +1,86 @@
+"""The worker side of the same-host data plane: a plugin, installed once per
+client, that gives each worker process its shared-memory pool's lifecycle.
+
+At setup the worker makes its pool (which unlinks segments left by dead
+workers on its host: a nanny's restart after SIGKILL reclaims them); while it
+runs, free segments and peer mappings idle for ``flowreduce.shm.idle-seconds``
+are dropped; at teardown (the worker closing) every segment it owns is
+unlinked. The pool itself lives in :mod:`flowreduce.build.shm_pool`, which
+tasks use without importing distributed.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from flowreduce import keys
+from flowreduce.build import shm_pool
+
+
+class SharedMemoryPlugin(WorkerPlugin):
+    name = "flowreduce-shm"
+    idempotent = True  # a second client on the cluster keeps the running plugin (and its pool)
+
+    def setup(self, worker) -> None:
+        from tornado.ioloop import PeriodicCallback
+
+        self.worker = worker
+        pool = shm_pool.pool()
+        interval = max(0.05, min(pool.idle / 2, 5.0)) * 1000
+        self._idle = PeriodicCallback(self._release_idle, interval)
+        self._idle.start()
+
+    def _release_idle(self) -> None:
+        pool = shm_pool.current()
+        if pool is not None:
+            pool.release_idle()
+
+    def transition(self, key, start, finish, **kwargs) -> None:
+        """Once the last key of a call leaves this worker, give back what the
+        call still leases (normally nothing: its values are gone and took
+        their leases with them; after an error, a kept traceback may hold one)."""
+        if finish != "forgotten":
+            return
+        info = keys.parse(key)
+        pool = shm_pool.current()
+        if info is None or pool is None or not pool.owns(info["token"]):
+            return
+        token = info["token"]
+        if not any(k != key and (i := keys.parse(k)) is not None and i["token"] == token
+                   for k in self.worker.state.tasks):
+            pool.release_owner(token)
+
+    def teardown(self, worker) -> None:
+        from distributed.core import Status
+
+        idle = getattr(self, "_idle", None)
+        if idle is not None:
+            idle.stop()
+        if worker.status in (Status.closing, Status.closed, Status.closing_gracefully, Status.failed):
+            shm_pool.close()  # the worker is going; a replaced plugin leaves the pool to its successor
+
+
+def pool_stats(dask_worker=None) -> dict:
+    """This worker's pool (leased and free segments, bytes): run by
+    ``client.run``; what :func:`usage` reports."""
+    pool = shm_pool.current()
+    return pool.stats() if pool is not None else {}
+
+
+def usage(client) -> dict[str, dict]:
+    """Each worker's shared-memory pool: segments leased and free, bytes held
+    (counted in the worker's memory, as its process maps them), and why shared
+    memory is off there, if it is."""
+    return client.run(pool_stats)
+
+
+_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ensure_shm(client) -> None:
+    """Install the plugin once per client (on every worker, present and future)."""
+    if client not in _installed:
+        client.register_plugin(SharedMemoryPlugin())
+        _installed[client] = True
