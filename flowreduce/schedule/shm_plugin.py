@@ -27,10 +27,20 @@ class SharedMemoryPlugin(WorkerPlugin):
     name = "flowreduce-shm"
     idempotent = True  # a second client on the cluster keeps the running plugin (and its pool)
 
+    def __init__(self, settings: dict[str, Any] | None = None):
+        # The shm settings every worker ran with when the plugin was installed. A worker its nanny
+        # restarts gets the nanny's config snapshot, a shallow copy: a ``dask.config.set`` around
+        # ``LocalCluster`` has since been undone in it, so without these that worker would put its
+        # segments in another directory than its peers read (and reclaim none of the dead one's).
+        self.settings = settings
+
     def setup(self, worker: Worker) -> None:
+        import dask.config
         from tornado.ioloop import PeriodicCallback
 
         self.worker = worker
+        if self.settings is not None and shm_pool.current() is None:
+            dask.config.set({f"flowreduce.shm.{k}": v for k, v in self.settings.items()})
         pool = shm_pool.pool()
         interval = max(0.05, min(pool.idle / 2, 5.0)) * 1000
         self._idle = PeriodicCallback(self._release_idle, interval)
@@ -86,5 +96,6 @@ _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def ensure_shm(client: Client) -> None:
     """Install the plugin once per client (on every worker, present and future)."""
     if client not in _installed:
-        client.register_plugin(SharedMemoryPlugin())
+        seen = list(client.run(shm_pool.config).values())
+        client.register_plugin(SharedMemoryPlugin(seen[0] if seen and all(s == seen[0] for s in seen) else None))
         _installed[client] = True
