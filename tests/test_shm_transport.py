@@ -19,6 +19,7 @@ from conftest import assert_clean, wait_until, workers_of
 from distributed import Client, LocalCluster
 
 import flowreduce
+from flowreduce import config as flowreduce_config
 from flowreduce import describe
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.build import shm_pool
@@ -290,6 +291,9 @@ def _pid(dask_worker=None):
 
 
 def test_segments_of_a_killed_worker_are_reclaimed(tmp_path, caplog):
+    # flowreduce's defaults loaded (as in a full run), so shm_cluster's dask.config.set changes them in
+    # place and undoes that in the nanny's shallow config snapshot: the restarted worker must still use d
+    dask.config.update_defaults(flowreduce_config._DEFAULTS)
     d = f"/dev/shm/flowreduce-test-{uuid.uuid4().hex[:8]}"
     os.mkdir(d)
     try:
