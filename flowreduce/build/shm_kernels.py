@@ -30,8 +30,10 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from dask.sizeof import sizeof
 
 from flowreduce.build import shm_pool
@@ -120,12 +122,15 @@ class Shared(tuple):
     worker of the same host), a :class:`Handle` to a copy in shared memory,
     copied out on arrival."""
 
-    def __new__(cls, pieces, lease: Lease, handle: Handle):
+    _lease: Lease  # held so the segment stays leased while the value lives here
+    handle: Handle
+
+    def __new__(cls, pieces: Sequence[np.ndarray], lease: Lease, handle: Handle) -> Shared:
         self = super().__new__(cls, pieces)
         self._lease, self.handle = lease, handle
         return self
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[Handle], tuple[np.ndarray, ...]], tuple[Handle]]:
         return (received, (self.handle,))
 
 
@@ -146,7 +151,7 @@ class Publish:
     def __init__(self, func: Callable, key: str = "", owner: str = ""):
         self.func, self.key, self.owner = func, key, owner
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
         value = self.func(*args)
         if not isinstance(value, tuple) or not all(isinstance(a, np.ndarray) for a in value):
             return value
@@ -172,7 +177,7 @@ class Block:
     """A worker's partial vector in its segment (the collective's first
     level); pickled, a :class:`Handle` that peers read in place."""
 
-    def __init__(self, lease: Lease, dtype: np.dtype, count: int, lo: int = 0, hi: int | None = None):
+    def __init__(self, lease: Lease, dtype: npt.DTypeLike, count: int, lo: int = 0, hi: int | None = None):
         self.lease, self.dtype, self.count = lease, np.dtype(dtype), count
         self.lo, self.hi = lo, count if hi is None else hi
 
@@ -183,7 +188,7 @@ class Block:
     def handle(self) -> Handle:
         return _handle(self.lease, [(self.dtype, 0, self.count)])
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Remote], tuple[Handle, int, int]]:
         return (Remote, (self.handle(), self.lo, self.hi))
 
 
@@ -201,18 +206,22 @@ class Remote:
     hi: int
 
 
-def _read(value, lo: int, hi: int) -> tuple[np.ndarray, Handle | None, shm_pool.Segment | None]:
+#: A peer's payload read in place, to check once the reader is done with it.
+Check = tuple[Handle, shm_pool.Segment]
+
+
+def _read(value: Any, lo: int, hi: int) -> tuple[np.ndarray, Check | None]:
     """Elements [lo, hi) of a collective value: a Block here, a peer's in
     shared memory, or a plain array (the fallback, sent by Dask)."""
     if isinstance(value, Block):
-        return value.array[lo:hi], None, None
+        return value.array[lo:hi], None
     if isinstance(value, Remote):
         seg = value.handle.segment()
-        return value.handle.arrays(seg)[0][lo:hi], value.handle, seg
-    return np.asarray(value).reshape(-1)[lo:hi], None, None
+        return value.handle.arrays(seg)[0][lo:hi], (value.handle, seg)
+    return np.asarray(value).reshape(-1)[lo:hi], None
 
 
-def write(op: Op, dtype, inputs: Sequence, share: bool = True, key: str = "", owner: str = "") -> Block | np.ndarray:
+def write(op: Op, dtype: npt.DTypeLike, inputs: Sequence, share: bool = True, key: str = "", owner: str = "") -> Block | np.ndarray:
     """Level 1 on each worker: its ranks' inputs reduced into a leased
     segment (a private array when shared memory is unavailable, or not
     needed: ``share=False``, no peer reads it)."""
@@ -240,7 +249,7 @@ def _combine_into(op: Op, acc: np.ndarray, x: np.ndarray) -> None:
         acc[...] = op.combine(acc, x)
 
 
-def finishes_in_place(op: Op, dtype) -> bool:
+def finishes_in_place(op: Op, dtype: npt.DTypeLike) -> bool:
     """Whether the op's last touch (mean's division) keeps the dtype, so the
     reduce-scatter can apply it to its slice; else every rank's gather does."""
     return not op.mean or np.issubdtype(np.dtype(dtype), np.inexact)
@@ -252,14 +261,14 @@ def reduce_slice(op: Op, ranks: int, lo: int, hi: int, blocks: Sequence, key: st
     slice (nobody else reads that slice of it)."""
     own = blocks[0]  # made by write() on this worker: private, and only this task touches [lo, hi) of it
     acc = own.array[lo:hi] if isinstance(own, Block) else np.asarray(own).reshape(-1)[lo:hi]
-    checks = []
+    checks: list[Check] = []
     for value in blocks[1:]:
         t0 = time.time()
-        x, handle, seg = _read(value, lo, hi)
+        x, check = _read(value, lo, hi)
         _combine_into(op, acc, x)
-        if handle is not None:
-            checks.append((handle, seg))
-            _logged("read", key, owner_pid(handle.name), x.nbytes, t0)
+        if check is not None:
+            checks.append(check)
+            _logged("read", key, owner_pid(check[0].name), x.nbytes, t0)
     for handle, seg in checks:
         handle.check(seg)
     if finishes_in_place(op, acc.dtype):
@@ -271,30 +280,32 @@ def reduce_slice(op: Op, ranks: int, lo: int, hi: int, blocks: Sequence, key: st
     return acc
 
 
-def gather(op: Op, ranks: int, shape, dtype, slices: Sequence, key: str = "") -> np.ndarray:
+def gather(op: Op, ranks: int, shape: tuple[int, ...], dtype: npt.DTypeLike, slices: Sequence,
+           key: str = "") -> np.ndarray:
     """Level 3 on each rank: its result, a fresh array of its own, copied
     from every worker's finished slice."""
     parts = [_slice_of(v) for v in slices]
-    count = sum(x.size for x, _, _ in parts)
+    count = sum(x.size for x, _ in parts)
     out = np.empty(count, np.dtype(dtype))
     at = 0
-    for x, handle, _ in parts:
+    for x, check in parts:
         t0 = time.time()
         out[at:at + x.size] = x
         at += x.size
-        if handle is not None:
-            _logged("read", key, owner_pid(handle.name), x.nbytes, t0)
-    for _, handle, seg in parts:
-        if handle is not None:
+        if check is not None:
+            _logged("read", key, owner_pid(check[0].name), x.nbytes, t0)
+    for _, check in parts:
+        if check is not None:
+            handle, seg = check
             handle.check(seg)
     if not finishes_in_place(op, out.dtype):
         out = op.finish(out, ranks, owned=True)
     return out.reshape(shape)
 
 
-def _slice_of(value):
+def _slice_of(value: Any) -> tuple[np.ndarray, Check | None]:
     if isinstance(value, Block):
-        return value.array[value.lo:value.hi], None, None
+        return value.array[value.lo:value.hi], None
     if isinstance(value, Remote):
         return _read(value, value.lo, value.hi)
-    return np.asarray(value).reshape(-1), None, None
+    return np.asarray(value).reshape(-1), None

@@ -40,8 +40,10 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
+import numpy.typing as npt
 
 logger = logging.getLogger("flowreduce")
 
@@ -109,7 +111,7 @@ class Segment:
     generation: int = 0
     owner: str = ""  # the call (key token) holding the lease
 
-    def view(self, dtype, count: int, offset: int = 0) -> np.ndarray:
+    def view(self, dtype: npt.DTypeLike, count: int, offset: int = 0) -> np.ndarray:
         """``count`` items of ``dtype`` at byte ``offset`` of the payload."""
         return np.frombuffer(self.buf, dtype=dtype, count=count, offset=HEADER + offset)
 
@@ -271,7 +273,7 @@ class Pool:
         except FileNotFoundError:
             pass
 
-    def _fallback(self, reason: str, kind: str, sticky: bool = False):
+    def _fallback(self, reason: str, kind: str, sticky: bool = False) -> NoReturn:
         """Raise :class:`Unavailable`, logging one line per ``kind`` of reason.
         ``sticky``: the directory is unusable, the pool stays unavailable;
         else a passing condition (a full pool or tmpfs)."""
@@ -352,7 +354,7 @@ class Pool:
 
     def reclaim_orphans(self) -> list[str]:
         """Unlink segments in the directory whose owning process is gone."""
-        gone = []
+        gone: list[str] = []
         try:
             names = [n for n in os.listdir(self.directory) if n.startswith(PREFIX)]
         except OSError:

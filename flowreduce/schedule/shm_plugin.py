@@ -12,8 +12,12 @@ tasks use without importing distributed.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
+from dask.typing import Key
+from distributed import Client, Worker
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.worker_state_machine import TaskStateState
 
 from flowreduce import keys
 from flowreduce.build import shm_pool
@@ -23,7 +27,7 @@ class SharedMemoryPlugin(WorkerPlugin):
     name = "flowreduce-shm"
     idempotent = True  # a second client on the cluster keeps the running plugin (and its pool)
 
-    def setup(self, worker) -> None:
+    def setup(self, worker: Worker) -> None:
         from tornado.ioloop import PeriodicCallback
 
         self.worker = worker
@@ -37,7 +41,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         if pool is not None:
             pool.release_idle()
 
-    def transition(self, key, start, finish, **kwargs) -> None:
+    def transition(self, key: Key, start: TaskStateState, finish: TaskStateState, **kwargs: Any) -> None:
         """Once the last key of a call leaves this worker, give back what the
         call still leases (normally nothing: its values are gone and took
         their leases with them; after an error, a kept traceback may hold one)."""
@@ -52,7 +56,7 @@ class SharedMemoryPlugin(WorkerPlugin):
                    for k in self.worker.state.tasks):
             pool.release_owner(token)
 
-    def teardown(self, worker) -> None:
+    def teardown(self, worker: Worker) -> None:
         from distributed.core import Status
 
         idle = getattr(self, "_idle", None)
@@ -62,14 +66,14 @@ class SharedMemoryPlugin(WorkerPlugin):
             shm_pool.close()  # the worker is going; a replaced plugin leaves the pool to its successor
 
 
-def pool_stats(dask_worker=None) -> dict:
+def pool_stats(dask_worker: Worker | None = None) -> dict:
     """This worker's pool (leased and free segments, bytes): run by
     ``client.run``; what :func:`usage` reports."""
     pool = shm_pool.current()
     return pool.stats() if pool is not None else {}
 
 
-def usage(client) -> dict[str, dict]:
+def usage(client: Client) -> dict[str, dict]:
     """Each worker's shared-memory pool: segments leased and free, bytes held
     (counted in the worker's memory, as its process maps them), and why shared
     memory is off there, if it is."""
@@ -79,7 +83,7 @@ def usage(client) -> dict[str, dict]:
 _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def ensure_shm(client) -> None:
+def ensure_shm(client: Client) -> None:
     """Install the plugin once per client (on every worker, present and future)."""
     if client not in _installed:
         client.register_plugin(SharedMemoryPlugin())

@@ -62,7 +62,8 @@ def one_host(workers: Sequence[str], domains: Sequence[Any]) -> bool:
 def direct_plan(p: int, workers: Sequence[str]) -> Plan:
     """The ``shm-direct`` plan for these ranks' workers."""
     groups = shm_direct.worker_groups(workers)
-    return make_plan(DIRECT, p, **({"groups": groups} if len(groups) < p else {}))
+    options: dict[str, Any] = {"groups": groups} if len(groups) < p else {}
+    return make_plan(DIRECT, p, **options)
 
 
 def direct_options(options: dict, workers: Sequence[str]) -> dict:
