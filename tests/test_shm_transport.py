@@ -293,7 +293,7 @@ def _pid(dask_worker=None):
 def test_segments_of_a_killed_worker_are_reclaimed(tmp_path, caplog):
     # flowreduce's defaults loaded (as in a full run), so shm_cluster's dask.config.set changes them in
     # place and undoes that in the nanny's shallow config snapshot: the restarted worker must still use d
-    dask.config.update_defaults(flowreduce_config._DEFAULTS)
+    dask.config.update_defaults({"flowreduce": {"shm": {k: flowreduce_config.get(f"shm.{k}") for k in shm_pool.KEYS}}})
     d = f"/dev/shm/flowreduce-test-{uuid.uuid4().hex[:8]}"
     os.mkdir(d)
     try:
