@@ -3,12 +3,17 @@ data, kept in worker memory across steps as the value of one future, and
 the tasks that drive it (each pinned to the rank's worker and ordered by
 its dependencies, so the replica is only ever touched by one task at a time).
 
-A step is ``backward`` once per micro-batch (forward, loss, ``.backward()``;
-gradients accumulate in ``.grad`` as in plain PyTorch, so the steps of
-gradient accumulation need no communication; the last one returns the
-payload the all-reduce averages), then ``update`` (the averaged gradients
-into ``.grad``, ``optimizer.step()``, ``zero_grad``; it returns the step's
-losses and timestamps, so nothing else of a step comes back).
+A step is one task per rank: the previous step's averaged gradients into
+``.grad``, ``optimizer.step()``, ``zero_grad`` (the update, fused here so
+that it costs no task level of its own), rank 0's module buffers loaded (as
+DDP's ``broadcast_buffers``), then forward, loss, ``.backward()`` once per
+micro-batch (gradients accumulate in ``.grad`` as in plain PyTorch, so the
+steps of gradient accumulation need no communication), then this step's
+gradients handed to the all-reduce: as a payload for
+:func:`flowreduce.allreduce` (``step_payload``) or written into shared
+memory (``step_direct``, :mod:`flowreduce.torch.direct`). The last step's
+update runs alone when the trainer is asked to finish (``update_*``). Each
+replica logs its steps' losses and timestamps; nothing else comes back.
 
 Unused parameters follow DistributedDataParallel with
 ``find_unused_parameters=True``: a parameter a rank did not use (its
@@ -29,6 +34,8 @@ from typing import Any
 import torch
 from dask.sizeof import sizeof
 
+from flowreduce.torch import direct
+
 
 @dataclass
 class Replica:
@@ -42,6 +49,8 @@ class Replica:
     epoch: int = 0
     #: this step's micro-batches so far: (loss, start, stop) each
     stats: list[tuple[float, float, float]] = field(default_factory=list)
+    #: every applied step: {"backward": stats, "update": (start, stop)}
+    log: list[dict] = field(default_factory=list)
     _it: Iterator | None = field(default=None, repr=False)
 
     def names(self) -> list[str]:
@@ -106,6 +115,11 @@ def template(replica: Replica) -> dict:
             "used": spec_of(_used(replica.params()))}
 
 
+def describe(replica: Replica) -> tuple[dict, int]:
+    """:func:`template`, and how many module buffers the model has."""
+    return template(replica), len(list(replica.model.buffers()))
+
+
 def _used(params: list, flags: Any = None) -> torch.Tensor:
     """Which parameters a rank used, as 0/1 in the first parameter's dtype:
     the flags join the gradients' bucket (one all-reduce per step, not two);
@@ -114,17 +128,67 @@ def _used(params: list, flags: Any = None) -> torch.Tensor:
     return torch.tensor(flags if flags is not None else [0] * len(params), dtype=dtype)
 
 
-def backward(replica: Replica, after: Any = None, last: bool = True) -> dict | None:
-    """One micro-batch: forward, loss, backward (``after``: the previous
-    task of this rank, only to order them). The last micro-batch of a step
-    returns :func:`gradients`, the payload of the step's all-reduce."""
-    t0 = time.time()
+def _micro_batches(replica: Replica, count: int) -> None:
+    """``count`` micro-batches: forward, loss, backward; the gradients
+    accumulate in ``.grad`` as in plain PyTorch (no communication)."""
     replica.model.train()
-    inputs, target = replica.next_batch()
-    loss = replica.loss(_call(replica.model, inputs), target)
-    loss.backward()
-    replica.stats.append((float(loss.detach()), t0, time.time()))
-    return gradients(replica) if last else None
+    for _ in range(count):
+        t0 = time.time()
+        inputs, target = replica.next_batch()
+        loss = replica.loss(_call(replica.model, inputs), target)
+        loss.backward()
+        replica.stats.append((float(loss.detach()), t0, time.time()))
+
+
+def _broadcast(replica: Replica, buffers: list[torch.Tensor] | None) -> None:
+    """Rank 0's module buffers (BatchNorm's running statistics) into this
+    rank's, as DDP with ``broadcast_buffers=True`` does before the first
+    forward of a step."""
+    if buffers is not None and replica.rank != 0:
+        with torch.no_grad():
+            for b, v in zip(replica.model.buffers(), buffers):
+                b.copy_(v)
+
+
+def buffers(replica: Replica, _after: Any = None) -> list[torch.Tensor]:
+    """Copies of this rank's module buffers (run on rank 0 after its step)."""
+    return [b.detach().clone() for b in replica.model.buffers()]
+
+
+def _apply(replica: Replica, grads: list, used: torch.Tensor, t0: float) -> None:
+    """The averaged gradients into ``.grad`` (None where no rank used the
+    parameter), one optimizer step, gradients cleared; the step's record
+    (its micro-batches' stats and the update's start and stop) logged."""
+    for p, g, u in zip(replica.params(), grads, used.tolist()):
+        p.grad = g.view_as(p) if u > 0 else None
+    replica.optimizer.step()
+    replica.optimizer.zero_grad(set_to_none=True)
+    stats, replica.stats = replica.stats, []
+    replica.log.append({"backward": stats, "update": (t0, time.time())})
+
+
+# -- a step through flowreduce.allreduce (any cluster) -----------------------------------------
+def apply_payload(replica: Replica, reduced: dict | None) -> None:
+    if reduced is not None:
+        t0 = time.time()
+        _apply(replica, list(reduced["grads"].values()), reduced["used"], t0)
+
+
+def step_payload(replica: Replica, after: Any, reduced: dict | None, buffers: list | None,
+                 micro: int) -> dict:
+    """The previous step's update (``reduced``: its all-reduce's output),
+    then ``micro`` micro-batches; returns :func:`gradients`, the payload of
+    this step's all-reduce (``after``: the rank's previous task, to order them)."""
+    apply_payload(replica, reduced)
+    _broadcast(replica, buffers)
+    _micro_batches(replica, micro)
+    return gradients(replica)
+
+
+def update_payload(replica: Replica, after: Any, reduced: dict) -> int:
+    """The last submitted step's update alone."""
+    apply_payload(replica, reduced)
+    return len(replica.log)
 
 
 def gradients(replica: Replica) -> dict:
@@ -138,19 +202,37 @@ def gradients(replica: Replica) -> dict:
     return {"grads": grads, "used": _used(params, [p.grad is not None for p in params])}
 
 
-def update(replica: Replica, reduced: dict) -> dict:
-    """The averaged gradients into ``.grad`` (None where no rank used the
-    parameter), one optimizer step, gradients cleared. Returns the step's
-    ``backward`` stats (loss, start, stop per micro-batch) and ``update``
-    (start, stop)."""
-    t0 = time.time()
-    used = reduced["used"]
-    for p, g, u in zip(replica.params(), reduced["grads"].values(), used.tolist()):
-        p.grad = g.view_as(p) if u > 0 else None
-    replica.optimizer.step()
-    replica.optimizer.zero_grad(set_to_none=True)
-    stats, replica.stats = replica.stats, []
-    return {"backward": stats, "update": (t0, time.time())}
+# -- a step through shared memory (every rank on one host) -------------------------------------
+def apply_direct(replica: Replica, flat: direct.Flat, reduced: list | None, key: str) -> None:
+    if reduced is not None:
+        t0 = time.time()
+        tensors = direct.read(flat, len(reduced[0]), reduced, key)
+        _apply(replica, tensors[:-1], tensors[-1], t0)
+
+
+def step_direct(replica: Replica, after: Any, reduced: list | None, buffers: list | None, micro: int,
+                flat: direct.Flat, tokens: tuple[str, ...], key: str = "") -> tuple:
+    """The previous step's update (``reduced[b]``: bucket ``b``'s slices,
+    read in place), then ``micro`` micro-batches, then each bucket of this
+    step's gradients written into shared memory (:func:`direct.write`)."""
+    apply_direct(replica, flat, reduced, key)
+    _broadcast(replica, buffers)
+    _micro_batches(replica, micro)
+    params = replica.params()
+    return direct.write(flat, [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])],
+                        tokens)
+
+
+def update_direct(replica: Replica, after: Any, reduced: list, flat: direct.Flat, key: str = "") -> int:
+    """The last submitted step's update alone."""
+    apply_direct(replica, flat, reduced, key)
+    return len(replica.log)
+
+
+def log(replica: Replica, _after: Any = None) -> list[dict]:
+    """Every applied step's record: its micro-batches (loss, start, stop)
+    and its update (start, stop)."""
+    return list(replica.log)
 
 
 def evaluate(replica: Replica, fn: Callable[[torch.nn.Module], Any]) -> Any:

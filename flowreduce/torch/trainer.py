@@ -4,24 +4,38 @@ all-reduce.
 
 Each rank is one worker holding one :class:`~flowreduce.torch.replica.Replica`
 (model, optimizer, data) as the value of a future; nothing but scalars
-(losses, timestamps) and the gradients' shapes come back to the client. A
-step submits, without waiting:
+(losses, timestamps) and the gradients' shapes come back to the client.
 
-1. per rank, ``accumulate`` backward tasks (forward + backward of one
-   micro-batch each; gradients accumulate locally, no communication); the
-   last returns the payload: every gradient, and which parameters the rank
-   used;
-2. ``flowreduce.allreduce(payloads, op="mean", like=template)``: fused into
-   buckets of ``bucket_bytes`` (DDP's 25 MiB), last layers first, one plan per
-   bucket;
-3. per rank, an ``update`` task: averaged gradients into ``.grad``,
-   ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
+On this machine Dask costs a few ms per dependent task level (more when every
+worker reads every other), so a step is as few levels as the semantics
+allow. Step ``k`` submits, without waiting:
 
-At most two steps are in flight; the client waits for the older one. The
-all-reduce starts after the whole backward pass (a backward pass is one
-task: Dask cannot hand out a task's partial results), so the overlap of
-early buckets with the rest of backward that DDP gets is not there; buckets
-still overlap each other and the next step's submission.
+1. per rank, one ``torch-step`` task: step ``k-1``'s averaged gradients into
+   ``.grad`` and ``optimizer.step()`` (the update, fused in), rank 0's module
+   buffers loaded (DDP's ``broadcast_buffers``), then forward and backward of
+   ``accumulate`` micro-batches (no communication between them);
+2. the all-reduce (mean) of the step's gradients in buckets of
+   ``bucket_bytes`` (DDP's 25 MiB), last layers first:
+
+   * every rank on one host (and ``algorithm`` ``"auto"`` or
+     ``"shm-direct"``): ONE level, per worker and bucket a task reducing its
+     slice over every worker's shared-memory segment, read in place
+     (:mod:`flowreduce.torch.direct`); the next step's task reads the
+     finished slices itself. Two dependent levels per step in all, and no
+     round trip to the scheduler per step (the trainer knows its workers);
+   * otherwise: ``flowreduce.allreduce(payloads, op="mean", like=template)``
+     (placement, any algorithm, any cluster) between the step tasks.
+
+The first step after :meth:`finish` has no update to fuse (a
+``torch-backward`` task); :meth:`finish` runs the last step's update alone
+(``torch-update``). At most two steps are in flight; the client waits for
+the older one.
+
+The all-reduce starts after the whole backward pass: a backward pass is one
+task (Dask cannot hand out a task's partial results, and splitting it would
+cost a task level per split), so the overlap of early buckets with the rest
+of backward that DDP gets is not there; buckets overlap each other, and
+steps overlap their submission.
 """
 
 from __future__ import annotations
@@ -32,25 +46,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
-from dask.task_spec import Task, TaskRef
+from dask.task_spec import List, Task, TaskRef
 
 import flowreduce
+from flowreduce import keys
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
+from flowreduce.schedule import hosts, transport
 from flowreduce.schedule.placement import wait_on
+from flowreduce.schedule.shm_plugin import ensure_shm
+from flowreduce.torch import direct
 from flowreduce.torch import replica as _replica
 
-#: Key prefixes of the trainer's tasks: ``("torch-<phase>-<token>", step[, micro], rank)``.
-PHASES = ("build", "backward", "update")
+#: Key prefixes of the trainer's tasks: ``("torch-<phase>-<token>", step, rank)``.
+PHASES = ("build", "backward", "step", "update", "buffers")
 
 
 @dataclass
 class StepRecord:
-    """One step's futures: per rank, its update (small values: the step's
-    losses and worker timestamps, see :func:`flowreduce.torch.replica.update`)."""
+    """One submitted step: its index and its all-reduce's bucket tokens
+    (what :func:`flowreduce.trace` and ``flowreduce.describe`` know them by)."""
 
     step: int
-    update: list[Any]
-    tokens: tuple[str, ...] = ()  # the all-reduce's bucket tokens
+    tokens: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +113,9 @@ class Trainer:
         gradients of all micro-batches are summed locally, then averaged
         over ranks once).
     algorithm, bucket_bytes, **options
-        The all-reduce's (see :func:`flowreduce.allreduce`).
+        The all-reduce's (see :func:`flowreduce.allreduce`). ``"auto"``
+        with every rank on one host: the shared-memory step (see above;
+        ``transport="dask"`` in the options turns it off).
     threads : int, optional
         ``torch.set_num_threads`` on every rank's worker.
     """
@@ -142,9 +161,32 @@ class Trainer:
         # the last task of each rank: the next one depends on it, so tasks on a replica never overlap
         self._last = [submit(_replica.load_state, rep, state0, workers=[w], allow_other_workers=False, pure=False)
                       for rep, w in zip(self.replicas, self._ws)]
-        self.template = submit(_after, _replica.template, self.replicas[0], self._last[0],
-                               workers=[self._ws[0]], pure=False).result()
+        self.template, nbuffers = submit(_after, _replica.describe, self.replicas[0], self._last[0],
+                                         workers=[self._ws[0]], pure=False).result()
+        self._broadcasts = nbuffers > 0 and self._p > 1
+        self._flat = self._direct_layout()
+        self._reduced: list | None = None  # the last submitted step's all-reduce, not applied yet
+        self._buffers: Any = None  # rank 0's module buffers after its last forward
         self._inflight: list[list[Any]] = []
+
+    def _direct_layout(self) -> direct.Flat | None:
+        """The shared-memory step's layout, when it applies: every rank on
+        its own worker of one host (as the transport layer decides), one
+        gradient dtype, and an ``algorithm`` that lets flowreduce choose
+        (``auto``: the step graph is two task levels, every plan through
+        ``flowreduce.allreduce`` more)."""
+        how = self.options.get("transport", "auto")
+        transport.check(how)
+        if self.algorithm not in ("auto", transport.DIRECT) or len(set(self._ws)) < self._p:
+            return None
+        specs = [*self.template["grads"].values(), self.template["used"]]
+        domains = transport.memory_domains(self._ws, hosts.worker_places(self.client, self._ws), how)
+        if not transport.one_host(self._ws, domains) or not direct.supports(specs):
+            return None
+        share = self._p > 1 and domains[0] != transport.IN_PROCESS
+        if share:
+            ensure_shm(self.client)
+        return direct.Flat.of(specs, self.bucket_bytes, self._p, share)
 
     def key(self, phase: str, *index: int) -> tuple:
         return (f"torch-{phase}-{self.token}", *index)
@@ -158,32 +200,67 @@ class Trainer:
     def step(self) -> StepRecord:
         """Submit one optimizer step (``accumulate`` micro-batches per rank).
         Returns at once unless two steps are in flight (then it waits for the older)."""
-        n, p, k = len(self.steps), self._p, self.accumulate
+        n, p = len(self.steps), self._p
+        phase = "backward" if self._reduced is None else "step"  # with the previous step's update fused in
+        step_keys = [self.key(phase, n, r) for r in range(p)]
+        buffers = TaskRef(self._buffers.key) if self._buffers is not None else None
         tasks: dict = {}
-        payload_keys = []
-        for r in range(p):
-            rep = TaskRef(self.replicas[r].key)
-            prev: Any = TaskRef(self._last[r].key)
-            for m in range(k):
-                b = self.key("backward", n, m, r)
-                tasks[b] = Task(b, _replica.backward, rep, prev, m == k - 1)
-                prev = TaskRef(b)
-            payload_keys.append(b)
-        payloads = self._on_ranks(tasks, payload_keys)
-        reduced = flowreduce.allreduce(self.client, payloads, op="mean", like=self.template,
+        if self._flat is not None:
+            flat = self._flat
+            tokens = tuple(keys.new_token() for _ in flat.buckets)
+            for r, k in enumerate(step_keys):
+                tasks[k] = Task(k, _replica.step_direct, TaskRef(self.replicas[r].key), TaskRef(self._last[r].key),
+                                self._reduced_arg(), buffers, self.accumulate, flat, tokens, repr(k))
+            reduce_keys = []
+            for b, token in enumerate(tokens):
+                per_worker = []
+                for g, (lo, hi) in enumerate(flat.bounds(b)):
+                    k = keys.node_key(transport.DIRECT, "reduce-scatter", token, 2, g, 0, g)  # ends with its rank
+                    order = [step_keys[g]] + [s for j, s in enumerate(step_keys) if j != g]  # its own segment first
+                    tasks[k] = Task(k, direct.reduce_bucket, p, b, lo, hi, List(*(TaskRef(s) for s in order)), repr(k))
+                    per_worker.append(k)
+                reduce_keys.append(per_worker)
+            wanted = step_keys + [k for ks in reduce_keys for k in ks]
+            if self._broadcasts:
+                wanted.append(self._buffers_task(tasks, n, step_keys[0]))
+            futures = dict(zip(wanted, self._on_ranks(tasks, wanted)))
+            self._reduced = [[futures[k] for k in ks] for ks in reduce_keys]
+            waits = [futures[k] for ks in reduce_keys for k in ks]
+        else:
+            reduced = self._reduced
+            for r, k in enumerate(step_keys):
+                tasks[k] = Task(k, _replica.step_payload, TaskRef(self.replicas[r].key), TaskRef(self._last[r].key),
+                                TaskRef(reduced[r].key) if reduced is not None else None, buffers, self.accumulate)
+            wanted = list(step_keys)
+            if self._broadcasts:
+                wanted.append(self._buffers_task(tasks, n, step_keys[0]))
+            futures = dict(zip(wanted, self._on_ranks(tasks, wanted)))
+            out = flowreduce.allreduce(self.client, [futures[k] for k in step_keys], op="mean", like=self.template,
                                        algorithm=self.algorithm, bucket_bytes=self.bucket_bytes, **self.options)
-        info = flowreduce.describe(reduced)
-        up = {self.key("update", n, r): Task(self.key("update", n, r), _replica.update,
-                                              TaskRef(self.replicas[r].key), TaskRef(reduced[r].key))
-              for r in range(p)}
-        update = self._on_ranks(up, list(up))
-        self._last = update
-        rec = StepRecord(n, update, tuple(b.token for b in getattr(info, "buckets", (info,))))
+            info = flowreduce.describe(out)
+            tokens = tuple(b.token for b in getattr(info, "buckets", (info,)))
+            self._reduced = waits = list(out)
+        self._last = [futures[k] for k in step_keys]
+        if self._broadcasts:
+            self._buffers = self._last[0] = futures[wanted[-1]]  # rank 0's next task runs after the copy
+        rec = StepRecord(n, tokens)
         self.steps.append(rec)
-        self._inflight.append(update)
+        self._inflight.append(waits)
         if len(self._inflight) > 2:
             wait_on(self.client, self._inflight.pop(0))
         return rec
+
+    def _buffers_task(self, tasks: dict, n: int, after: Any) -> tuple:
+        """Rank 0's module buffers copied after its step ``n`` (the next step's broadcast)."""
+        k = self.key("buffers", n, 0)
+        tasks[k] = Task(k, _replica.buffers, TaskRef(self.replicas[0].key), TaskRef(after))
+        return k
+
+    def _reduced_arg(self) -> Any:
+        """The pending all-reduce as a task argument: per bucket, every worker's slice."""
+        if self._reduced is None:
+            return None
+        return List(*(List(*(TaskRef(f.key) for f in per_worker)) for per_worker in self._reduced))
 
     def train(self, steps: int, progress: bool = False) -> list[StepTiming]:
         """Run ``steps`` optimizer steps and return their timings."""
@@ -200,7 +277,20 @@ class Trainer:
         return self.timings()[first:]
 
     def finish(self) -> None:
-        """Wait until every submitted step is done (raises a step's error)."""
+        """Apply the last submitted step's update and wait until every
+        submitted step is done (raises a step's error)."""
+        if self._reduced is not None:
+            n = len(self.steps) - 1
+            update_keys = [self.key("update", n, r) for r in range(self._p)]
+            tasks = {}
+            for r, k in enumerate(update_keys):
+                rep, last = TaskRef(self.replicas[r].key), TaskRef(self._last[r].key)
+                if self._flat is not None:
+                    tasks[k] = Task(k, _replica.update_direct, rep, last, self._reduced_arg(), self._flat, repr(k))
+                else:
+                    tasks[k] = Task(k, _replica.update_payload, rep, last, TaskRef(self._reduced[r].key))
+            self._last = self._on_ranks(tasks, update_keys)
+            self._reduced = None
         wait_on(self.client, self._last)
         self._inflight.clear()
         for f in self._last:
@@ -208,8 +298,9 @@ class Trainer:
                 f.result()
 
     def timings(self) -> list[StepTiming]:
-        """:class:`StepTiming` of every finished step (one gather of small tuples)."""
-        per_step = self.client.gather([r.update for r in self.steps])
+        """:class:`StepTiming` of every finished step (one gather of each rank's log of small tuples)."""
+        logs = [self._run(r, _replica.log, wait=False) for r in range(self._p)]
+        per_step = list(zip(*self.client.gather(logs)))
         out, prev = [], None
         for s, ranks in enumerate(per_step):
             bw = [u["backward"] for u in ranks]
@@ -224,12 +315,13 @@ class Trainer:
         return out
 
     # -- state ----------------------------------------------------------------------------------
-    def _run(self, rank: int, fn: Callable, *args: Any) -> Any:
-        """``fn(replica, *args)`` on ``rank``'s worker after its last task; the result."""
+    def _run(self, rank: int, fn: Callable, *args: Any, wait: bool = True) -> Any:
+        """``fn(replica, *args)`` on ``rank``'s worker after its last task
+        (every submitted step finished first); its result (a future if not ``wait``)."""
         self.finish()
         f = self.client.submit(_after, fn, self.replicas[rank], self._last[rank], *args,
                                workers=[self._ws[rank]], allow_other_workers=False, pure=False)
-        return f.result()
+        return f.result() if wait else f
 
     def evaluate(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(model)`` on rank 0's model in eval mode without gradients
@@ -253,11 +345,13 @@ class Trainer:
         self._last = [self.client.submit(_after, _replica.load, rep, last, path, workers=[w],
                                          allow_other_workers=False, pure=False)
                       for rep, last, w in zip(self.replicas, self._last, self._ws)]
+        self._buffers = None  # every rank loaded the same buffers
         self.finish()
 
     def close(self) -> None:
         """Drop the replicas and every future (the workers free them)."""
         self.replicas, self._last, self.steps, self._inflight = [], [], [], []
+        self._reduced = self._buffers = None
 
     def __enter__(self) -> Trainer:
         return self

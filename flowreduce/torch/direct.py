@@ -1,0 +1,117 @@
+"""The trainer's gradient all-reduce over shared memory, when every rank's
+worker shares one host: the ``shm-direct`` collective
+(:mod:`flowreduce.build.shm_direct`) lowered into the trainer's own step
+graph, so that a step costs two dependent task levels:
+
+1. per rank, one ``torch-step`` task (:func:`flowreduce.torch.replica.step`):
+   the previous step's averaged gradients copied out of the peers' slices
+   into ``.grad`` and the optimizer step, then forward/backward, then each
+   bucket's gradients written into a pooled shared-memory segment
+   (:func:`write`);
+2. per worker and bucket, one reduce task (:func:`reduce_bucket`): its slice
+   of the bucket summed over every worker's segment, read in place, and
+   divided by the rank count, written back into its own segment.
+
+The next step's task reads every worker's finished slice (:func:`read`):
+the gather of ``shm-direct``'s third level is fused into the update.
+Dask edges carry handles of a few hundred bytes; the scheduler orders
+everything (a segment is given back to the pool once no value refers to it).
+
+Buckets follow DDP (:func:`flowreduce.fusion.make_buckets`: last layers
+first, ``bucket_bytes`` each); the flags saying which parameters a rank used
+travel in the first bucket (one reduction per step for both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flowreduce.build import shm_kernels, shm_pool
+from flowreduce.build.graph import chunk_bounds
+from flowreduce.fusion import Bucket, make_buckets
+from flowreduce.ops import Op, resolve_op
+from flowreduce.pytree import TensorSpec
+
+#: What the trainer computes: DDP's average of the ranks' gradients.
+MEAN: Op = resolve_op("mean")
+#: The parameters' dtypes the shared-memory step reduces (one numpy dtype for every tensor).
+DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Flat:
+    """Where each gradient (and, as the last tensor, the ``used`` flags)
+    sits in the flat bucket vectors, and each worker's slice of a bucket."""
+
+    specs: tuple[TensorSpec, ...]
+    buckets: tuple[Bucket, ...]
+    dtype: str
+    workers: int
+    share: bool  # through shared memory (False: one process, values handed over by reference)
+
+    @classmethod
+    def of(cls, specs: Sequence[TensorSpec], bucket_bytes: int | None, workers: int, share: bool) -> Flat:
+        return cls(tuple(specs), tuple(make_buckets(specs, bucket_bytes)), specs[0].dtype, workers, share)
+
+    def bounds(self, bucket: int) -> list[tuple[int, int]]:
+        return chunk_bounds(self.buckets[bucket].size, self.workers)
+
+
+def supports(specs: Sequence[TensorSpec]) -> bool:
+    """Whether gradients of these specs can share one flat dtype."""
+    return bool(specs) and len({s.dtype for s in specs}) == 1 and \
+        np.dtype(specs[0].dtype) in {np.dtype(torch.empty(0, dtype=d).numpy().dtype) for d in DTYPES}
+
+
+def _lease(nbytes: int, owner: str) -> shm_kernels.Lease | None:
+    pool = shm_pool.pool()
+    if nbytes < pool.min_bytes:  # cheaper sent by Dask than leased, mapped and read by every peer
+        return None
+    try:
+        return shm_kernels.Lease(pool, pool.lease(nbytes, owner))
+    except shm_pool.Unavailable:  # logged once by the pool: Dask's comm carries the data
+        return None
+
+
+def write(flat: Flat, grads: Sequence[torch.Tensor | None], tokens: Sequence[str]) -> tuple:
+    """Each bucket's gradients (zeros for a None: a parameter this rank did
+    not use) copied into a leased segment (a private array when no segment
+    can be had). ``grads`` holds the ``used`` flags last."""
+    dtype = np.dtype(flat.dtype)
+    out: list[Any] = []
+    for bucket, token in zip(flat.buckets, tokens):
+        lease = _lease(bucket.size * dtype.itemsize, token) if flat.share else None
+        dst = lease.segment.view(dtype, bucket.size) if lease is not None else np.empty(bucket.size, dtype)
+        vec = torch.from_numpy(dst)
+        for i, at in zip(bucket.tensors, bucket.offsets):
+            g, n = grads[i], flat.specs[i].size
+            if g is None:
+                vec[at:at + n].zero_()
+            else:
+                vec[at:at + n].copy_(g.reshape(-1))
+        out.append(shm_kernels.Block(lease, dtype, bucket.size) if lease is not None else dst)
+    return tuple(out)
+
+
+def reduce_bucket(ranks: int, bucket: int, lo: int, hi: int, written: Sequence[tuple], key: str = "") -> Any:
+    """Elements [lo, hi) of ``bucket``: the mean over every worker's segment
+    (``written``: each worker's :func:`write`, this worker's first)."""
+    return shm_kernels.reduce_slice(MEAN, ranks, lo, hi, [w[bucket] for w in written], key)
+
+
+def read(flat: Flat, ranks: int, reduced: Sequence[Sequence[Any]], key: str = "") -> list[torch.Tensor]:
+    """Every tensor (the ``used`` flags last) as a view of a fresh vector per
+    bucket, copied from the workers' finished slices (``reduced[b]``: bucket
+    ``b``'s slices in worker order)."""
+    out: list[Any] = [None] * len(flat.specs)
+    for bucket, slices in zip(flat.buckets, reduced):
+        vec = torch.from_numpy(shm_kernels.gather(MEAN, ranks, (bucket.size,), flat.dtype, slices, key))
+        for i, at in zip(bucket.tensors, bucket.offsets):
+            spec = flat.specs[i]
+            out[i] = vec[at:at + spec.size].view(spec.shape)
+    return out
