@@ -27,11 +27,31 @@ class Net(torch.nn.Module):
         self.head = torch.nn.Linear(24, 10, bias=False)
 
     def forward(self, x, use):
-        h = torch.relu(self.norm(self.conv(x).flatten(1)))
+        return self.forward_from(self.conv(x), use)
+
+    def forward_from(self, c, use):
+        h = torch.relu(self.norm(c.flatten(1)))
         h = torch.relu(self.hidden(h))
         if use:
             h = h + torch.tanh(self.sometimes(h))
         return self.head(h)
+
+
+class BatchNormNet(Net):
+    """Net with BatchNorm after the convolution: running statistics, which
+    DDP broadcasts from rank 0 before a step's first forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x, use):
+        return super().forward_from(self.bn(self.conv(x)), use)
+
+
+MODELS = {"net": Net, "bn": BatchNormNet}
+#: The DDP runs: (model, micro-batches per step)
+RUNS = (("net", 1), ("net", 3), ("bn", 1))
 
 
 def make_optimizer(params):
@@ -53,16 +73,16 @@ def shard_accumulating(rank, ranks):
     return shard(rank, ranks, micro=3)
 
 
-def ddp_rank(rank, port, micros, out_dir):
+def ddp_rank(rank, port, runs, out_dir):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
     try:
-        for micro in micros:
+        for name, micro in runs:
             torch.manual_seed(0)
-            model = DistributedDataParallel(Net(), find_unused_parameters=True)
+            model = DistributedDataParallel(MODELS[name](), find_unused_parameters=True)
             opt = make_optimizer(model.parameters())
             batches = iter(shard(rank, RANKS, micro))
             for _ in range(STEPS):
@@ -72,7 +92,7 @@ def ddp_rank(rank, port, micros, out_dir):
                         torch.nn.functional.cross_entropy(model(x, use), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            torch.save(model.module.state_dict(), os.path.join(out_dir, f"micro{micro}-rank{rank}.pt"))
+            torch.save(model.module.state_dict(), os.path.join(out_dir, f"{name}-micro{micro}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 

@@ -21,11 +21,9 @@ import flowreduce
 torch = pytest.importorskip("torch", reason="torch tests need the extra: pip install -e '.[torch]'")
 
 import ddp_reference  # noqa: E402  (after the importorskip; beside this file)
-from ddp_reference import RANKS, STEPS, Net, make_optimizer, shard, shard_accumulating  # noqa: E402
+from ddp_reference import MODELS, RANKS, RUNS, STEPS, Net, make_optimizer, shard, shard_accumulating  # noqa: E402
 
 from flowreduce.torch import Trainer  # noqa: E402
-
-MICROS = (1, 3)
 
 # -- tensors in and out ------------------------------------------------------------------------
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -200,14 +198,15 @@ def test_ranks_disagreeing_on_dtype_or_device_are_named(inproc_client):
 # -- the trainer against DistributedDataParallel -------------------------------------------
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    """Final parameters of real DDP over gloo: 4 processes on 127.0.0.1, one
-    run per micro-batch count (the processes import only torch and ddp_reference)."""
+    """Final parameters and buffers of real DDP over gloo: 4 processes on
+    127.0.0.1, one run per model and micro-batch count (the processes import
+    only torch and ddp_reference)."""
     import torch.multiprocessing as mp
 
     d = str(tmp_path_factory.mktemp("ddp"))
-    mp.spawn(ddp_reference.ddp_rank, args=(free_port(), MICROS, d), nprocs=RANKS, join=True)
-    return {micro: [torch.load(os.path.join(d, f"micro{micro}-rank{r}.pt"), weights_only=True) for r in range(RANKS)]
-            for micro in MICROS}
+    mp.spawn(ddp_reference.ddp_rank, args=(free_port(), RUNS, d), nprocs=RANKS, join=True)
+    return {(name, micro): [torch.load(os.path.join(d, f"{name}-micro{micro}-rank{r}.pt"), weights_only=True)
+                            for r in range(RANKS)] for name, micro in RUNS}
 
 
 def free_port() -> int:
@@ -221,26 +220,49 @@ def _init_params():
     return collections.OrderedDict((n, p.detach().clone()) for n, p in Net().named_parameters())
 
 
-@pytest.mark.parametrize("algorithm,micro", [("butterfly", 1), ("ring", 1), ("auto", 1), ("ring", 3)],
-                         ids=["butterfly", "ring", "auto", "ring-accumulate3"])
-def test_trainer_matches_ddp(proc_client, ddp_results, algorithm, micro):
+#: (model, algorithm, micro-batches, steps per train() call): "auto" on one host is the trainer's
+#: shared-memory step (one level for these small gradients; two with "direct2"), the others go
+#: through flowreduce.allreduce; steps in several train() calls cross finish() between them
+CASES_DDP = {"butterfly": ("net", "butterfly", 1, STEPS), "ring": ("net", "ring", 1, STEPS),
+             "auto": ("net", "auto", 1, STEPS), "auto-two-levels": ("net", "direct2", 1, 7),
+             "ring-accumulate3": ("net", "ring", 3, STEPS), "auto-accumulate3": ("net", "auto", 3, 6),
+             "batchnorm-auto": ("bn", "auto", 1, STEPS), "batchnorm-ring": ("bn", "ring", 1, 9)}
+
+
+@pytest.mark.parametrize("case", list(CASES_DDP))
+def test_trainer_matches_ddp(proc_client, ddp_results, monkeypatch, case):
+    name, algorithm, micro, per_call = CASES_DDP[case]
+    if algorithm == "direct2":  # the shared-memory step's two-level form, which larger gradients take
+        from flowreduce.torch import direct
+
+        monkeypatch.setattr(direct, "READ_ALL_BYTES", 0)
+        algorithm = "auto"
     ws = workers_of(proc_client)
-    trainer = Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
-                      data=shard if micro == 1 else shard_accumulating, workers=ws[:RANKS], accumulate=micro,
-                      algorithm=algorithm, bucket_bytes=4096, threads=1)
-    timings = trainer.train(STEPS)
+    trainer = Trainer(proc_client, model=MODELS[name], optimizer=make_optimizer,
+                      loss=torch.nn.functional.cross_entropy, data=shard if micro == 1 else shard_accumulating,
+                      workers=ws[:RANKS], accumulate=micro, algorithm=algorithm, bucket_bytes=4096, threads=1)
+    timings = []
+    while len(timings) < STEPS:
+        timings += trainer.train(min(per_call, STEPS - len(timings)))
     assert len(timings) == STEPS and all(t.seconds > 0 and t.compute > 0 and t.comm >= 0 for t in timings)
     ours = [trainer.parameters(r) for r in range(RANKS)]
     for r in range(1, RANKS):  # every rank holds the very same bits
         for n in ours[0]:
             assert torch.equal(ours[r][n], ours[0][n]), (r, n)
-    ddp = ddp_results[micro]
+    ddp = ddp_results[name, micro]
     for r in range(1, RANKS):
-        for n in ddp[0]:
+        for n in ours[0]:
             assert torch.equal(ddp[r][n], ddp[0][n]), ("ddp", r, n)
-    assert list(ours[0]) == list(ddp[0])
-    for n in ddp[0]:
+    assert list(ours[0]) == [n for n in ddp[0] if n in ours[0]]
+    for n in ours[0]:
         np.testing.assert_allclose(ours[0][n].numpy(), ddp[0][n].numpy(), rtol=1e-5, atol=1e-7, err_msg=n)
+    # module buffers (BatchNorm's running statistics): each rank's are rank 0's of the step before,
+    # updated by its own last forward, as in DDP
+    for r in range(RANKS):
+        bufs = trainer.buffers(r)
+        assert set(ours[0]) | set(bufs) == set(ddp[r])
+        for n, b in bufs.items():
+            np.testing.assert_allclose(b.numpy(), ddp[r][n].numpy(), rtol=1e-5, atol=1e-7, err_msg=(r, n))
     init = _init_params()
     assert torch.equal(ours[0]["never.weight"], init["never.weight"])  # no grad ever: weight decay skipped it
     assert not torch.equal(ours[0]["sometimes.weight"], init["sometimes.weight"])
@@ -290,3 +312,45 @@ def test_a_trace_holds_backward_update_and_every_buckets_allreduce(proc_client):
         assert {"torch-backward", "torch-update"} <= user, user
         assert tokens <= {e.token for e in mine if e.phase in ("reduce", "copy", "split", "fusion")}
     assert_clean(proc_client)
+
+
+# -- the command ------------------------------------------------------------------------------
+def test_flowreduce_train_framework_torch_end_to_end(tmp_path):
+    """``flowreduce train --framework torch`` run as a user runs it (its own
+    embedded LocalCluster): the model it saves, evaluated here with plain
+    torch on the digits test split made here from scikit-learn, has the test
+    accuracy the command printed and wrote, after the steps it says it ran."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from flowreduce.torch.digits import DigitsCNN
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    ckpt, report = tmp_path / "digits.pt", tmp_path / "report.json"
+    out = subprocess.run([sys.executable, "-m", "flowreduce", "train", "--framework", "torch", "--ranks", "2",
+                          "--epochs", "2", "--json", str(report), "--save", str(ckpt)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    printed = float(re.search(r"final test accuracy ([\d.]+)%", out.stdout).group(1)) / 100
+    final = json.loads(report.read_text())["final"]
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["step"] == final["steps"] > 0 and saved["optimizer"]["state"]
+
+    digits = load_digits()  # the split the command documents: a seed-0 permutation, the first 20% for testing
+    order = np.random.default_rng(0).permutation(len(digits.target))
+    test = order[:int(round(len(order) * 0.2))]
+    model = DigitsCNN()
+    model.load_state_dict(saved["model"])
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy((digits.data[test] / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)))
+    accuracy = float((logits.argmax(1) == torch.from_numpy(digits.target[test])).float().mean())
+    assert accuracy == pytest.approx(final["test_acc"], abs=1e-6)
+    assert printed == pytest.approx(accuracy, abs=5e-5)  # printed with two decimals of a percent
+    assert accuracy > 0.5  # it learnt: 10% is chance
+    assert set(tmp_path.iterdir()) == {ckpt, report}  # nothing else left behind

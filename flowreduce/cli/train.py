@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "steps.png/svg and timeline.png/svg into DIR")
     parser.add_argument("--trace-steps", type=int, default=3, help="steps to trace (default 3, after 2 warm-up steps)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write per-epoch metrics and step timings")
+    parser.add_argument("--save", default=None, metavar="FILE",
+                        help="torch: save the trained model and optimizer (state_dict, torch.save) to FILE")
     add_cluster_arguments(parser, workers_default=None)
 
 

@@ -2,12 +2,14 @@
 (:mod:`flowreduce.torch.digits`) trained by :class:`flowreduce.torch.Trainer`.
 
 Prints per epoch the loss and accuracy (from rank 0's model) and the median
-step time split into computation and communication."""
+step time split into computation and communication; ``--save`` writes the
+trained model and optimizer (:meth:`flowreduce.torch.Trainer.save`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from typing import Any
 
@@ -50,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
                               f"{m['comm'] * 1e3:5.1f} ms", soft_wrap=True)
                 report["epochs"].append({"epoch": epoch + 1, **metrics, "median": m})
             console.print(f"final test accuracy {metrics['test_acc']:.2%}")
-            report["final"] = {"test_acc": metrics["test_acc"]}
+            report["final"] = {"test_acc": metrics["test_acc"], "steps": len(trainer.steps)}
+            if args.save:  # a path on rank 0's worker: the embedded cluster's is this machine
+                console.print(f"saved {trainer.save(os.path.abspath(args.save))}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -61,7 +65,6 @@ def _traced_epoch(client: Any, trainer: Any, steps: int, args: argparse.Namespac
     """The first epoch with steps ``[2, 2 + --trace-steps)`` traced (after two
     warm-up steps): ``trace.json`` (Perfetto) and ``steps.png/svg`` (one lane
     per rank: backward, update and each bucket's all-reduce) in ``--trace``."""
-    import os
 
     import flowreduce
     from flowreduce.tracing.export import to_chrome

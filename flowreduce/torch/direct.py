@@ -13,7 +13,10 @@ graph, so that a step costs two dependent task levels:
    divided by the rank count, written back into its own segment.
 
 The next step's task reads every worker's finished slice (:func:`read`):
-the gather of ``shm-direct``'s third level is fused into the update.
+the gather of ``shm-direct``'s third level is fused into the update. For
+small gradients (:data:`READ_ALL_BYTES`) the reduce level goes too: each
+rank's next step reads every peer's whole segment and averages it itself
+(:func:`read_all`), one task level per step.
 Dask edges carry handles of a few hundred bytes; the scheduler orders
 everything (a segment is given back to the pool once no value refers to it).
 
@@ -39,6 +42,14 @@ from flowreduce.pytree import TensorSpec
 
 #: What the trainer computes: DDP's average of the ranks' gradients.
 MEAN: Op = resolve_op("mean")
+#: One level per step (every rank reads every peer's whole gradient and
+#: averages it itself, in rank order, so all get the same bits) while the
+#: bytes a rank reads beyond the reduce-scatter's, about (ranks - 1) x the
+#: gradients, cost less than the task level they save: Dask's all-to-all
+#: level is ~15 ms on a loaded 2-core host (benchmarks/results/dask-floor.txt),
+#: in which memory moves some 16 MiB. Above it, two levels (reduce-scatter,
+#: then the gather fused into the next step), each rank reading ~2x its gradients.
+READ_ALL_BYTES = 16 * 2**20
 #: The parameters' dtypes the shared-memory step reduces (one numpy dtype for every tensor).
 DTYPES = (torch.float16, torch.float32, torch.float64)
 
@@ -53,10 +64,13 @@ class Flat:
     dtype: str
     workers: int
     share: bool  # through shared memory (False: one process, values handed over by reference)
+    levels: int  # 1: every rank reduces every bucket itself; 2: one reduce task per worker and bucket
 
     @classmethod
     def of(cls, specs: Sequence[TensorSpec], bucket_bytes: int | None, workers: int, share: bool) -> Flat:
-        return cls(tuple(specs), tuple(make_buckets(specs, bucket_bytes)), specs[0].dtype, workers, share)
+        nbytes = sum(s.nbytes for s in specs)
+        return cls(tuple(specs), tuple(make_buckets(specs, bucket_bytes)), specs[0].dtype, workers, share,
+                   1 if (workers - 1) * nbytes <= READ_ALL_BYTES else 2)
 
     def bounds(self, bucket: int) -> list[tuple[int, int]]:
         return chunk_bounds(self.buckets[bucket].size, self.workers)
@@ -78,14 +92,15 @@ def _lease(nbytes: int, owner: str) -> shm_kernels.Lease | None:
         return None
 
 
-def write(flat: Flat, grads: Sequence[torch.Tensor | None], tokens: Sequence[str]) -> tuple:
+def write(flat: Flat, grads: Sequence[torch.Tensor | None], tokens: Sequence[str]) -> list:
     """Each bucket's gradients (zeros for a None: a parameter this rank did
     not use) copied into a leased segment (a private array when no segment
     can be had). ``grads`` holds the ``used`` flags last."""
     dtype = np.dtype(flat.dtype)
     out: list[Any] = []
     for bucket, token in zip(flat.buckets, tokens):
-        lease = _lease(bucket.size * dtype.itemsize, token) if flat.share else None
+        # the lease's owner: the bucket's reduce tasks (the worker plugin gives it back once they are gone)
+        lease = _lease(bucket.size * dtype.itemsize, token if flat.levels == 2 else "") if flat.share else None
         dst = lease.segment.view(dtype, bucket.size) if lease is not None else np.empty(bucket.size, dtype)
         vec = torch.from_numpy(dst)
         for i, at in zip(bucket.tensors, bucket.offsets):
@@ -95,7 +110,7 @@ def write(flat: Flat, grads: Sequence[torch.Tensor | None], tokens: Sequence[str
             else:
                 vec[at:at + n].copy_(g.reshape(-1))
         out.append(shm_kernels.Block(lease, dtype, bucket.size) if lease is not None else dst)
-    return tuple(out)
+    return out
 
 
 def reduce_bucket(ranks: int, bucket: int, lo: int, hi: int, written: Sequence[tuple], key: str = "") -> Any:
@@ -111,6 +126,43 @@ def read(flat: Flat, ranks: int, reduced: Sequence[Sequence[Any]], key: str = ""
     out: list[Any] = [None] * len(flat.specs)
     for bucket, slices in zip(flat.buckets, reduced):
         vec = torch.from_numpy(shm_kernels.gather(MEAN, ranks, (bucket.size,), flat.dtype, slices, key))
+        for i, at in zip(bucket.tensors, bucket.offsets):
+            spec = flat.specs[i]
+            out[i] = vec[at:at + spec.size].view(spec.shape)
+    return out
+
+
+def _whole(value: Any) -> tuple[np.ndarray, Any]:
+    """A worker's bucket: a Block here, a peer's read in place (and what to
+    check once read), or a plain array (sent by Dask)."""
+    if isinstance(value, shm_kernels.Block):
+        return value.array, None
+    if isinstance(value, shm_kernels.Remote):
+        seg = value.handle.segment()
+        return value.handle.arrays(seg)[0], (value.handle, seg)
+    return np.asarray(value), None
+
+
+def read_all(flat: Flat, written: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
+    """Every tensor (the ``used`` flags last), averaged by this rank over
+    every rank's :func:`write` (``written``, in rank order: every rank adds
+    in the same order, so every rank gets the same bits)."""
+    out: list[Any] = [None] * len(flat.specs)
+    for b, bucket in enumerate(flat.buckets):
+        acc: np.ndarray | None = None
+        checks = []
+        for w in written:
+            x, check = _whole(w[b])
+            if acc is None:
+                acc = x.copy()
+            else:
+                MEAN.combine(acc, x, out=acc)
+            if check is not None:
+                checks.append(check)
+        for handle, seg in checks:
+            handle.check(seg)
+        assert acc is not None
+        vec = torch.from_numpy(MEAN.finish(acc, len(written), owned=True))
         for i, at in zip(bucket.tensors, bucket.offsets):
             spec = flat.specs[i]
             out[i] = vec[at:at + spec.size].view(spec.shape)

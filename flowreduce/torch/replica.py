@@ -203,24 +203,30 @@ def gradients(replica: Replica) -> dict:
 
 
 # -- a step through shared memory (every rank on one host) -------------------------------------
-def apply_direct(replica: Replica, flat: direct.Flat, reduced: list | None, key: str) -> None:
+def apply_direct(replica: Replica, flat: direct.Flat, reduced: list | None, key: str = "") -> None:
     if reduced is not None:
         t0 = time.time()
-        tensors = direct.read(flat, len(reduced[0]), reduced, key)
+        tensors = (direct.read_all(flat, reduced) if flat.levels == 1 else
+                   direct.read(flat, flat.workers, reduced, key))
         _apply(replica, tensors[:-1], tensors[-1], t0)
 
 
-def step_direct(replica: Replica, after: Any, reduced: list | None, buffers: list | None, micro: int,
-                flat: direct.Flat, tokens: tuple[str, ...], key: str = "") -> tuple:
-    """The previous step's update (``reduced[b]``: bucket ``b``'s slices,
-    read in place), then ``micro`` micro-batches, then each bucket of this
-    step's gradients written into shared memory (:func:`direct.write`)."""
+def step_direct(replica: Replica, after: Any, reduced: list | None, rank0: tuple | None, micro: int,
+                flat: direct.Flat, tokens: tuple[str, ...], broadcast: bool, key: str = "") -> tuple:
+    """The previous step's update (``reduced``: every rank's previous
+    :func:`step_direct` when ``flat.levels == 1``, else per bucket every
+    worker's reduced slice; read in place), rank 0's buffers loaded (from
+    ``rank0``, its previous step), then ``micro`` micro-batches, then each
+    bucket of this step's gradients written into shared memory
+    (:func:`direct.write`). Returns the buckets and, if ``broadcast``, a copy
+    of this rank's buffers (rank 0's, for the next step)."""
     apply_direct(replica, flat, reduced, key)
-    _broadcast(replica, buffers)
+    _broadcast(replica, rank0[-1] if rank0 is not None else None)
     _micro_batches(replica, micro)
     params = replica.params()
-    return direct.write(flat, [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])],
-                        tokens)
+    written = direct.write(flat, [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])],
+                           tokens)
+    return (*written, buffers(replica) if broadcast else None)
 
 
 def update_direct(replica: Replica, after: Any, reduced: list, flat: direct.Flat, key: str = "") -> int:
@@ -244,6 +250,10 @@ def evaluate(replica: Replica, fn: Callable[[torch.nn.Module], Any]) -> Any:
 def parameters(replica: Replica) -> OrderedDict:
     """Copies of the parameters (for comparing ranks)."""
     return OrderedDict((n, p.detach().clone()) for n, p in replica.model.named_parameters())
+
+
+def named_buffers(replica: Replica) -> OrderedDict:
+    return OrderedDict((n, b.detach().clone()) for n, b in replica.model.named_buffers())
 
 
 def save(replica: Replica, path: str, step: int) -> str:

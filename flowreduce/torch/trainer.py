@@ -210,9 +210,10 @@ class Trainer:
             tokens = tuple(keys.new_token() for _ in flat.buckets)
             for r, k in enumerate(step_keys):
                 tasks[k] = Task(k, _replica.step_direct, TaskRef(self.replicas[r].key), TaskRef(self._last[r].key),
-                                self._reduced_arg(), buffers, self.accumulate, flat, tokens, repr(k))
+                                self._reduced_arg(), buffers, self.accumulate, flat, tokens,
+                                r == 0 and self._broadcasts, repr(k))
             reduce_keys = []
-            for b, token in enumerate(tokens):
+            for b, token in enumerate(tokens if flat.levels == 2 else ()):
                 per_worker = []
                 for g, (lo, hi) in enumerate(flat.bounds(b)):
                     k = keys.node_key(transport.DIRECT, "reduce-scatter", token, 2, g, 0, g)  # ends with its rank
@@ -221,11 +222,14 @@ class Trainer:
                     per_worker.append(k)
                 reduce_keys.append(per_worker)
             wanted = step_keys + [k for ks in reduce_keys for k in ks]
-            if self._broadcasts:
-                wanted.append(self._buffers_task(tasks, n, step_keys[0]))
             futures = dict(zip(wanted, self._on_ranks(tasks, wanted)))
-            self._reduced = [[futures[k] for k in ks] for ks in reduce_keys]
-            waits = [futures[k] for ks in reduce_keys for k in ks]
+            # what the next step reads: every rank's buckets (one level), or every worker's reduced slices
+            self._reduced = ([futures[k] for k in step_keys] if flat.levels == 1 else
+                             [[futures[k] for k in ks] for ks in reduce_keys])
+            waits = [futures[k] for k in (step_keys if flat.levels == 1 else wanted[p:])]
+            if self._broadcasts:
+                self._buffers = futures[step_keys[0]]
+            self._last = [futures[k] for k in step_keys]
         else:
             reduced = self._reduced
             for r, k in enumerate(step_keys):
@@ -240,9 +244,9 @@ class Trainer:
             info = flowreduce.describe(out)
             tokens = tuple(b.token for b in getattr(info, "buckets", (info,)))
             self._reduced = waits = list(out)
-        self._last = [futures[k] for k in step_keys]
-        if self._broadcasts:
-            self._buffers = self._last[0] = futures[wanted[-1]]  # rank 0's next task runs after the copy
+            self._last = [futures[k] for k in step_keys]
+            if self._broadcasts:
+                self._buffers = self._last[0] = futures[wanted[-1]]  # rank 0's next task runs after the copy
         rec = StepRecord(n, tokens)
         self.steps.append(rec)
         self._inflight.append(waits)
@@ -257,9 +261,12 @@ class Trainer:
         return k
 
     def _reduced_arg(self) -> Any:
-        """The pending all-reduce as a task argument: per bucket, every worker's slice."""
+        """The pending all-reduce as a task argument (shared memory, two
+        levels: per bucket, every worker's slice)."""
         if self._reduced is None:
             return None
+        if self._flat is not None and self._flat.levels == 1:  # every rank's previous step
+            return List(*(TaskRef(f.key) for f in self._reduced))
         return List(*(List(*(TaskRef(f.key) for f in per_worker)) for per_worker in self._reduced))
 
     def train(self, steps: int, progress: bool = False) -> list[StepTiming]:
@@ -331,6 +338,12 @@ class Trainer:
     def parameters(self, rank: int = 0) -> Any:
         """An ``OrderedDict`` of copies of rank ``rank``'s parameters."""
         return self._run(rank, _replica.parameters)
+
+    def buffers(self, rank: int = 0) -> Any:
+        """An ``OrderedDict`` of copies of rank ``rank``'s module buffers
+        (BatchNorm's running statistics: rank 0's of the step before, then
+        updated by this rank's own last forward, as with DDP)."""
+        return self._run(rank, _replica.named_buffers)
 
     def save(self, path: str) -> str:
         """``torch.save`` rank 0's model and optimizer ``state_dict()`` to

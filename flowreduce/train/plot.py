@@ -31,7 +31,8 @@ def category(e: Any) -> str | None:
         head = e.key.split(",", 1)[0]
         for name, cat in (("train-forward", "forward"), ("train-grad", "backward"), ("train-delta", "backward"),
                           ("train-gather", "backward"), ("train-update", "update"),
-                          ("torch-backward", "backward"), ("torch-update", "update")):  # flowreduce.torch's
+                          ("torch-backward", "backward"), ("torch-update", "update"),
+                          ("torch-step", "backward")):  # flowreduce.torch's (a step: update fused before backward)
             if name in head:
                 return cat
         return "other"
