@@ -14,7 +14,7 @@ import socket
 
 import numpy as np
 import pytest
-from conftest import assert_clean, workers_of
+from conftest import assert_clean, wait_until, workers_of
 
 import flowreduce
 
@@ -221,30 +221,53 @@ def _init_params():
 
 
 #: (model, algorithm, micro-batches, steps per train() call): "auto" on one host is the trainer's
-#: shared-memory step (one level for these small gradients; two with "direct2"), the others go
-#: through flowreduce.allreduce; steps in several train() calls cross finish() between them
+#: shared-memory step (every bucket averaged in the step tasks for these small gradients; with
+#: "auto-mixed" the 24 kB bucket gets a reduce level), the others go through flowreduce.allreduce;
+#: steps in several train() calls cross finish() between them
 CASES_DDP = {"butterfly": ("net", "butterfly", 1, STEPS), "ring": ("net", "ring", 1, STEPS),
-             "auto": ("net", "auto", 1, STEPS), "auto-two-levels": ("net", "direct2", 1, 7),
+             "auto": ("net", "auto", 1, STEPS), "auto-mixed-levels": ("net", "auto-mixed", 1, 7),
              "ring-accumulate3": ("net", "ring", 3, STEPS), "auto-accumulate3": ("net", "auto", 3, 6),
              "batchnorm-auto": ("bn", "auto", 1, STEPS), "batchnorm-ring": ("bn", "ring", 1, 9)}
 
 
+def _set_min_bytes(n):
+    """The worker's shared-memory pool takes values of ``n`` bytes and up (returns the old bound)."""
+    from flowreduce.build.shm_pool import pool
+
+    old, pool().min_bytes = pool().min_bytes, n
+    return old
+
+
+@pytest.fixture
+def shm_for_small_values(proc_client):
+    """Put the test model's few kB of gradients through shared memory, as a real model's are."""
+    old = proc_client.run(_set_min_bytes, 0)
+    yield
+    for w, n in old.items():
+        proc_client.run(_set_min_bytes, n, workers=[w])
+
+
 @pytest.mark.parametrize("case", list(CASES_DDP))
-def test_trainer_matches_ddp(proc_client, ddp_results, monkeypatch, case):
+def test_trainer_matches_ddp(proc_client, ddp_results, shm_for_small_values, monkeypatch, case):
     name, algorithm, micro, per_call = CASES_DDP[case]
-    if algorithm == "direct2":  # the shared-memory step's two-level form, which larger gradients take
+    if algorithm == "auto-mixed":  # buckets of 4 kB averaged in the step tasks, larger ones by a reduce level
         from flowreduce.torch import direct
 
-        monkeypatch.setattr(direct, "READ_ALL_BYTES", 0)
+        monkeypatch.setattr(direct, "READ_ALL_BYTES", (RANKS - 1) * 4096)
         algorithm = "auto"
     ws = workers_of(proc_client)
     trainer = Trainer(proc_client, model=MODELS[name], optimizer=make_optimizer,
                       loss=torch.nn.functional.cross_entropy, data=shard if micro == 1 else shard_accumulating,
                       workers=ws[:RANKS], accumulate=micro, algorithm=algorithm, bucket_bytes=4096, threads=1)
+    graph = trainer.step_graph
+    if algorithm == "auto":
+        assert graph["all-reduce"] == "shared memory" and len(graph["levels"]) > 1
+        assert set(graph["levels"]) == ({1, 2} if case == "auto-mixed-levels" else {1})
+    else:
+        assert graph == {"all-reduce": "flowreduce.allreduce", "levels": None}
     timings = []
     while len(timings) < STEPS:
         timings += trainer.train(min(per_call, STEPS - len(timings)))
-    assert len(timings) == STEPS and all(t.seconds > 0 and t.compute > 0 and t.comm >= 0 for t in timings)
     ours = [trainer.parameters(r) for r in range(RANKS)]
     for r in range(1, RANKS):  # every rank holds the very same bits
         for n in ours[0]:
@@ -269,6 +292,25 @@ def test_trainer_matches_ddp(proc_client, ddp_results, monkeypatch, case):
     trainer.close()
     del trainer
     assert_clean(proc_client)
+    assert_trainer_gone(proc_client)
+
+
+def _torch_keys(dask_scheduler):
+    return [k for k in dask_scheduler.tasks if "torch-" in str(k)]
+
+
+def assert_trainer_gone(client):
+    """No trainer task left on the scheduler, no shared-memory segment still
+    leased on any worker (the pools keep free ones for reuse)."""
+    from flowreduce.schedule.shm_plugin import usage
+
+    def gone():
+        return not client.run_on_scheduler(_torch_keys) and all(
+            u.get("leased", 0) == 0 for u in usage(client).values())
+
+    wait_until(gone, 10.0)
+    assert not client.run_on_scheduler(_torch_keys)
+    assert {w: u["leased"] for w, u in usage(client).items() if u.get("leased")} == {}
 
 
 def _sum_of_head(model):

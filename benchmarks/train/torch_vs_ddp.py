@@ -17,7 +17,9 @@ DDP as ``torch.multiprocessing.spawn`` processes rendezvousing over TCP on
 wall time of the timed steps divided by their number (DDP: between two
 barriers on rank 0; flowreduce: from the first timed step's submission to
 the last step's completion, steps pipelined as the trainer does). The
-ratio is flowreduce's over DDP's.
+ratio is flowreduce's over DDP's; with ``--repeat N`` the two alternate N
+times per model and the medians are reported (ratios of runs side by side:
+on a shared machine the load moves between runs).
 
 Expected: a step of the small CNN is dominated by per-task scheduling
 (a few ms per dependent task hop through the Dask scheduler), so
@@ -35,6 +37,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -123,8 +126,6 @@ def run_ddp(model: str, ranks: int, warmup: int, steps: int) -> float:
 
 # -- flowreduce -------------------------------------------------------------------------------
 def run_flowreduce(client: Any, model: str, algorithm: str, warmup: int, steps: int) -> dict[str, float]:
-    import statistics
-
     from flowreduce.torch import Trainer
 
     make, data = MODELS[model]
@@ -147,23 +148,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algorithm", default="auto")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="alternate DDP and flowreduce this many times per model and report the medians "
+                        "(on a machine whose load changes, runs side by side are what compare)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = []
     with LocalCluster(n_workers=args.ranks, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         for model in args.models.split(","):
-            ddp = run_ddp(model, args.ranks, args.warmup, args.steps)
-            fr = run_flowreduce(client, model, args.algorithm, args.warmup, args.steps)
-            rows.append({"model": model, "ranks": args.ranks, "algorithm": args.algorithm, "ddp_ms": ddp * 1e3,
-                         "flowreduce_ms": fr["seconds"] * 1e3, "compute_ms": fr["compute"] * 1e3,
-                         "comm_ms": fr["comm"] * 1e3, "ratio": fr["seconds"] / ddp})
+            runs = []
+            for _ in range(args.repeat):
+                ddp = run_ddp(model, args.ranks, args.warmup, args.steps)
+                fr = run_flowreduce(client, model, args.algorithm, args.warmup, args.steps)
+                runs.append({"ddp_ms": ddp * 1e3, "flowreduce_ms": fr["seconds"] * 1e3,
+                             "compute_ms": fr["compute"] * 1e3, "comm_ms": fr["comm"] * 1e3,
+                             "ratio": fr["seconds"] / ddp, "load": os.getloadavg()[0]})
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            rows.append({"model": model, "ranks": args.ranks, "algorithm": args.algorithm, **med, "runs": runs})
     print(f"| model | ranks | DDP/gloo ms/step | flowreduce.torch ms/step ({args.algorithm}) | of which compute / comm "
           "(median, slowest rank) | ratio |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['ranks']} | {r['ddp_ms']:.1f} | {r['flowreduce_ms']:.1f} | "
               f"{r['compute_ms']:.1f} / {r['comm_ms']:.1f} | {r['ratio']:.2f}x |")
+    if args.repeat > 1:
+        print("\nper run (DDP ms, flowreduce ms, ratio, 1-min load average after the pair):")
+        for r in rows:
+            print(f"  {r['model']}: " + "; ".join(f"{x['ddp_ms']:.1f} / {x['flowreduce_ms']:.1f} = {x['ratio']:.2f}x "
+                                                 f"(load {x['load']:.1f})" for x in r["runs"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,7 +1,7 @@
 """The trainer's gradient all-reduce over shared memory, when every rank's
 worker shares one host: the ``shm-direct`` collective
 (:mod:`flowreduce.build.shm_direct`) lowered into the trainer's own step
-graph, so that a step costs two dependent task levels:
+graph, so that a step costs at most two dependent task levels:
 
 1. per rank, one ``torch-step`` task (:func:`flowreduce.torch.replica.step`):
    the previous step's averaged gradients copied out of the peers' slices
@@ -12,11 +12,11 @@ graph, so that a step costs two dependent task levels:
    of the bucket summed over every worker's segment, read in place, and
    divided by the rank count, written back into its own segment.
 
-The next step's task reads every worker's finished slice (:func:`read`):
-the gather of ``shm-direct``'s third level is fused into the update. For
-small gradients (:data:`READ_ALL_BYTES`) the reduce level goes too: each
-rank's next step reads every peer's whole segment and averages it itself
-(:func:`read_all`), one task level per step.
+The next step's task reads every worker's finished slice (:func:`average`):
+the gather of ``shm-direct``'s third level is fused into the update. For a
+small bucket (:data:`READ_ALL_BYTES`) the reduce level goes too: each
+rank's next step reads every peer's whole segment and averages it itself,
+so a model whose buckets are all small costs one task level per step.
 Dask edges carry handles of a few hundred bytes; the scheduler orders
 everything (a segment is given back to the pool once no value refers to it).
 
@@ -42,10 +42,10 @@ from flowreduce.pytree import TensorSpec
 
 #: What the trainer computes: DDP's average of the ranks' gradients.
 MEAN: Op = resolve_op("mean")
-#: One level per step (every rank reads every peer's whole gradient and
-#: averages it itself, in rank order, so all get the same bits) while the
-#: bytes a rank reads beyond the reduce-scatter's, about (ranks - 1) x the
-#: gradients, cost less than the task level they save: Dask's all-to-all
+#: A bucket costs no level of its own (every rank reads every peer's whole
+#: bucket and averages it itself, in rank order, so all get the same bits)
+#: while the bytes a rank reads beyond the reduce-scatter's, about
+#: (ranks - 1) x the bucket, cost less than the task level they save: Dask's all-to-all
 #: level is ~15 ms on a loaded 2-core host (benchmarks/results/dask-floor.txt),
 #: in which memory moves some 16 MiB. Above it, two levels (reduce-scatter,
 #: then the gather fused into the next step), each rank reading ~2x its gradients.
@@ -64,13 +64,19 @@ class Flat:
     dtype: str
     workers: int
     share: bool  # through shared memory (False: one process, values handed over by reference)
-    levels: int  # 1: every rank reduces every bucket itself; 2: one reduce task per worker and bucket
+    #: per bucket, 1: every rank averages it itself; 2: one reduce task per worker, then a gather
+    levels: tuple[int, ...]
 
     @classmethod
     def of(cls, specs: Sequence[TensorSpec], bucket_bytes: int | None, workers: int, share: bool) -> Flat:
-        nbytes = sum(s.nbytes for s in specs)
-        return cls(tuple(specs), tuple(make_buckets(specs, bucket_bytes)), specs[0].dtype, workers, share,
-                   1 if (workers - 1) * nbytes <= READ_ALL_BYTES else 2)
+        buckets = tuple(make_buckets(specs, bucket_bytes))
+        return cls(tuple(specs), buckets, specs[0].dtype, workers, share,
+                   tuple(1 if (workers - 1) * b.nbytes <= READ_ALL_BYTES else 2 for b in buckets))
+
+    @property
+    def scattered(self) -> list[int]:
+        """The buckets with a reduce level."""
+        return [b for b, n in enumerate(self.levels) if n == 2]
 
     def bounds(self, bucket: int) -> list[tuple[int, int]]:
         return chunk_bounds(self.buckets[bucket].size, self.workers)
@@ -100,7 +106,8 @@ def write(flat: Flat, grads: Sequence[torch.Tensor | None], tokens: Sequence[str
     out: list[Any] = []
     for bucket, token in zip(flat.buckets, tokens):
         # the lease's owner: the bucket's reduce tasks (the worker plugin gives it back once they are gone)
-        lease = _lease(bucket.size * dtype.itemsize, token if flat.levels == 2 else "") if flat.share else None
+        owner = token if flat.levels[len(out)] == 2 else ""
+        lease = _lease(bucket.size * dtype.itemsize, owner) if flat.share else None
         dst = lease.segment.view(dtype, bucket.size) if lease is not None else np.empty(bucket.size, dtype)
         vec = torch.from_numpy(dst)
         for i, at in zip(bucket.tensors, bucket.offsets):
@@ -119,19 +126,6 @@ def reduce_bucket(ranks: int, bucket: int, lo: int, hi: int, written: Sequence[t
     return shm_kernels.reduce_slice(MEAN, ranks, lo, hi, [w[bucket] for w in written], key)
 
 
-def read(flat: Flat, ranks: int, reduced: Sequence[Sequence[Any]], key: str = "") -> list[torch.Tensor]:
-    """Every tensor (the ``used`` flags last) as a view of a fresh vector per
-    bucket, copied from the workers' finished slices (``reduced[b]``: bucket
-    ``b``'s slices in worker order)."""
-    out: list[Any] = [None] * len(flat.specs)
-    for bucket, slices in zip(flat.buckets, reduced):
-        vec = torch.from_numpy(shm_kernels.gather(MEAN, ranks, (bucket.size,), flat.dtype, slices, key))
-        for i, at in zip(bucket.tensors, bucket.offsets):
-            spec = flat.specs[i]
-            out[i] = vec[at:at + spec.size].view(spec.shape)
-    return out
-
-
 def _whole(value: Any) -> tuple[np.ndarray, Any]:
     """A worker's bucket: a Block here, a peer's read in place (and what to
     check once read), or a plain array (sent by Dask)."""
@@ -143,27 +137,40 @@ def _whole(value: Any) -> tuple[np.ndarray, Any]:
     return np.asarray(value), None
 
 
-def read_all(flat: Flat, written: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
-    """Every tensor (the ``used`` flags last), averaged by this rank over
-    every rank's :func:`write` (``written``, in rank order: every rank adds
-    in the same order, so every rank gets the same bits)."""
+def average(flat: Flat, written: Sequence[Sequence[Any]], slices: Sequence[Sequence[Any]],
+            key: str = "") -> list[torch.Tensor]:
+    """Every tensor (the ``used`` flags last) as a view of a fresh vector
+    per bucket: a one-level bucket averaged here over every rank's
+    :func:`write` (``written``, in rank order: every rank adds in the same
+    order, so every rank gets the same bits); a two-level one copied from
+    every worker's reduced slice (``slices[j]``: the ``j``-th of
+    :attr:`Flat.scattered`, in worker order)."""
     out: list[Any] = [None] * len(flat.specs)
+    scattered = {b: j for j, b in enumerate(flat.scattered)}
     for b, bucket in enumerate(flat.buckets):
-        acc: np.ndarray | None = None
-        checks = []
-        for w in written:
-            x, check = _whole(w[b])
-            if acc is None:
-                acc = x.copy()
-            else:
-                MEAN.combine(acc, x, out=acc)
-            if check is not None:
-                checks.append(check)
-        for handle, seg in checks:
-            handle.check(seg)
-        assert acc is not None
-        vec = torch.from_numpy(MEAN.finish(acc, len(written), owned=True))
+        if b in scattered:
+            vec = shm_kernels.gather(MEAN, len(written), (bucket.size,), flat.dtype, slices[scattered[b]], key)
+        else:
+            vec = _mean_of([w[b] for w in written])
+        t = torch.from_numpy(vec)
         for i, at in zip(bucket.tensors, bucket.offsets):
             spec = flat.specs[i]
-            out[i] = vec[at:at + spec.size].view(spec.shape)
+            out[i] = t[at:at + spec.size].view(spec.shape)
     return out
+
+
+def _mean_of(values: Sequence[Any]) -> np.ndarray:
+    acc: np.ndarray | None = None
+    checks = []
+    for value in values:
+        x, check = _whole(value)
+        if acc is None:
+            acc = x.copy()
+        else:
+            MEAN.combine(acc, x, out=acc)
+        if check is not None:
+            checks.append(check)
+    for handle, seg in checks:
+        handle.check(seg)
+    assert acc is not None
+    return MEAN.finish(acc, len(values), owned=True)

@@ -203,35 +203,33 @@ def gradients(replica: Replica) -> dict:
 
 
 # -- a step through shared memory (every rank on one host) -------------------------------------
-def apply_direct(replica: Replica, flat: direct.Flat, reduced: list | None, key: str = "") -> None:
-    if reduced is not None:
+def apply_direct(replica: Replica, flat: direct.Flat, written: list | None, slices: list, key: str = "") -> None:
+    if written is not None:
         t0 = time.time()
-        tensors = (direct.read_all(flat, reduced) if flat.levels == 1 else
-                   direct.read(flat, flat.workers, reduced, key))
+        tensors = direct.average(flat, written, slices, key)
         _apply(replica, tensors[:-1], tensors[-1], t0)
 
 
-def step_direct(replica: Replica, after: Any, reduced: list | None, rank0: tuple | None, micro: int,
+def step_direct(replica: Replica, after: Any, written: list | None, slices: list, rank0: tuple | None, micro: int,
                 flat: direct.Flat, tokens: tuple[str, ...], broadcast: bool, key: str = "") -> tuple:
-    """The previous step's update (``reduced``: every rank's previous
-    :func:`step_direct` when ``flat.levels == 1``, else per bucket every
-    worker's reduced slice; read in place), rank 0's buffers loaded (from
-    ``rank0``, its previous step), then ``micro`` micro-batches, then each
-    bucket of this step's gradients written into shared memory
+    """The previous step's update (``written``: every rank's previous
+    :func:`step_direct`, ``slices``: every worker's reduced slice of each
+    two-level bucket; read in place, see :func:`direct.average`), rank 0's
+    buffers loaded (``rank0``: its last step, also after :meth:`finish`), then ``micro`` micro-batches,
+    then each bucket of this step's gradients written into shared memory
     (:func:`direct.write`). Returns the buckets and, if ``broadcast``, a copy
     of this rank's buffers (rank 0's, for the next step)."""
-    apply_direct(replica, flat, reduced, key)
+    apply_direct(replica, flat, written, slices, key)
     _broadcast(replica, rank0[-1] if rank0 is not None else None)
     _micro_batches(replica, micro)
     params = replica.params()
-    written = direct.write(flat, [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])],
-                           tokens)
-    return (*written, buffers(replica) if broadcast else None)
+    out = direct.write(flat, [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])], tokens)
+    return (*out, buffers(replica) if broadcast else None)
 
 
-def update_direct(replica: Replica, after: Any, reduced: list, flat: direct.Flat, key: str = "") -> int:
+def update_direct(replica: Replica, after: Any, written: list, slices: list, flat: direct.Flat, key: str = "") -> int:
     """The last submitted step's update alone."""
-    apply_direct(replica, flat, reduced, key)
+    apply_direct(replica, flat, written, slices, key)
     return len(replica.log)
 
 

@@ -18,11 +18,14 @@ allow. Step ``k`` submits, without waiting:
    ``bucket_bytes`` (DDP's 25 MiB), last layers first:
 
    * every rank on one host (and ``algorithm`` ``"auto"`` or
-     ``"shm-direct"``): ONE level, per worker and bucket a task reducing its
-     slice over every worker's shared-memory segment, read in place
-     (:mod:`flowreduce.torch.direct`); the next step's task reads the
-     finished slices itself. Two dependent levels per step in all, and no
-     round trip to the scheduler per step (the trainer knows its workers);
+     ``"shm-direct"``): the step task writes each bucket into shared memory
+     (:mod:`flowreduce.torch.direct`). A small bucket has no task of its
+     own: the next step's task reads every peer's copy in place and
+     averages it itself. A large one gets one level: per worker a task
+     reducing its slice over every worker's segment, read in place, whose
+     finished slices the next step's task copies out. One or two dependent
+     levels per step in all, and no round trip to the scheduler per step
+     (the trainer knows its workers);
    * otherwise: ``flowreduce.allreduce(payloads, op="mean", like=template)``
      (placement, any algorithm, any cluster) between the step tasks.
 
@@ -173,8 +176,8 @@ class Trainer:
         """The shared-memory step's layout, when it applies: every rank on
         its own worker of one host (as the transport layer decides), one
         gradient dtype, and an ``algorithm`` that lets flowreduce choose
-        (``auto``: the step graph is two task levels, every plan through
-        ``flowreduce.allreduce`` more)."""
+        (``auto``: the step graph is one or two task levels, every plan
+        through ``flowreduce.allreduce`` more)."""
         how = self.options.get("transport", "auto")
         transport.check(how)
         if self.algorithm not in ("auto", transport.DIRECT) or len(set(self._ws)) < self._p:
@@ -187,6 +190,15 @@ class Trainer:
         if share:
             ensure_shm(self.client)
         return direct.Flat.of(specs, self.bucket_bytes, self._p, share)
+
+    @property
+    def step_graph(self) -> dict[str, Any]:
+        """How a step averages gradients: ``{"all-reduce": "shared memory"
+        | "in-process" | "flowreduce.allreduce", "levels": per bucket, 1 (averaged in
+        the step tasks) or 2 (a reduce level); None for flowreduce.allreduce}``."""
+        if self._flat is None:
+            return {"all-reduce": "flowreduce.allreduce", "levels": None}
+        return {"all-reduce": "shared memory" if self._flat.share else "in-process", "levels": self._flat.levels}
 
     def key(self, phase: str, *index: int) -> tuple:
         return (f"torch-{phase}-{self.token}", *index)
@@ -208,28 +220,28 @@ class Trainer:
         if self._flat is not None:
             flat = self._flat
             tokens = tuple(keys.new_token() for _ in flat.buckets)
+            written, slices = self._pending_direct()
             for r, k in enumerate(step_keys):
                 tasks[k] = Task(k, _replica.step_direct, TaskRef(self.replicas[r].key), TaskRef(self._last[r].key),
-                                self._reduced_arg(), buffers, self.accumulate, flat, tokens,
-                                r == 0 and self._broadcasts, repr(k))
+                                written, slices, buffers, self.accumulate, flat, tokens, r == 0 and self._broadcasts,
+                                repr(k))
             reduce_keys = []
-            for b, token in enumerate(tokens if flat.levels == 2 else ()):
+            for b in flat.scattered:
                 per_worker = []
                 for g, (lo, hi) in enumerate(flat.bounds(b)):
-                    k = keys.node_key(transport.DIRECT, "reduce-scatter", token, 2, g, 0, g)  # ends with its rank
+                    k = keys.node_key(transport.DIRECT, "reduce-scatter", tokens[b], 2, g, 0, g)  # ends with its rank
                     order = [step_keys[g]] + [s for j, s in enumerate(step_keys) if j != g]  # its own segment first
                     tasks[k] = Task(k, direct.reduce_bucket, p, b, lo, hi, List(*(TaskRef(s) for s in order)), repr(k))
                     per_worker.append(k)
                 reduce_keys.append(per_worker)
             wanted = step_keys + [k for ks in reduce_keys for k in ks]
             futures = dict(zip(wanted, self._on_ranks(tasks, wanted)))
-            # what the next step reads: every rank's buckets (one level), or every worker's reduced slices
-            self._reduced = ([futures[k] for k in step_keys] if flat.levels == 1 else
-                             [[futures[k] for k in ks] for ks in reduce_keys])
-            waits = [futures[k] for k in (step_keys if flat.levels == 1 else wanted[p:])]
+            # what the next step reads: every rank's buckets, and every worker's slices of the two-level ones
+            self._last = [futures[k] for k in step_keys]
+            self._reduced = [self._last, [[futures[k] for k in ks] for ks in reduce_keys]]
+            waits = [futures[k] for k in wanted]
             if self._broadcasts:
                 self._buffers = futures[step_keys[0]]
-            self._last = [futures[k] for k in step_keys]
         else:
             reduced = self._reduced
             for r, k in enumerate(step_keys):
@@ -260,14 +272,14 @@ class Trainer:
         tasks[k] = Task(k, _replica.buffers, TaskRef(self.replicas[0].key), TaskRef(after))
         return k
 
-    def _reduced_arg(self) -> Any:
-        """The pending all-reduce as a task argument (shared memory, two
-        levels: per bucket, every worker's slice)."""
+    def _pending_direct(self) -> tuple[Any, Any]:
+        """The pending all-reduce as task arguments (shared memory): every
+        rank's last step, and per two-level bucket every worker's slice."""
         if self._reduced is None:
-            return None
-        if self._flat is not None and self._flat.levels == 1:  # every rank's previous step
-            return List(*(TaskRef(f.key) for f in self._reduced))
-        return List(*(List(*(TaskRef(f.key) for f in per_worker)) for per_worker in self._reduced))
+            return None, List()
+        steps, slices = self._reduced
+        return (List(*(TaskRef(f.key) for f in steps)),
+                List(*(List(*(TaskRef(f.key) for f in per_worker)) for per_worker in slices)))
 
     def train(self, steps: int, progress: bool = False) -> list[StepTiming]:
         """Run ``steps`` optimizer steps and return their timings."""
@@ -293,7 +305,7 @@ class Trainer:
             for r, k in enumerate(update_keys):
                 rep, last = TaskRef(self.replicas[r].key), TaskRef(self._last[r].key)
                 if self._flat is not None:
-                    tasks[k] = Task(k, _replica.update_direct, rep, last, self._reduced_arg(), self._flat, repr(k))
+                    tasks[k] = Task(k, _replica.update_direct, rep, last, *self._pending_direct(), self._flat, repr(k))
                 else:
                     tasks[k] = Task(k, _replica.update_payload, rep, last, TaskRef(self._reduced[r].key))
             self._last = self._on_ranks(tasks, update_keys)
