@@ -6,6 +6,8 @@
 
 * :class:`~flowreduce.torch.trainer.Trainer`: the trainer (client side);
 * :mod:`flowreduce.torch.replica`: what runs on each rank's worker;
+* :mod:`flowreduce.torch.direct`: the gradients' average through shared
+  memory when every rank shares one host (lowered into the step graph);
 * :mod:`flowreduce.torch.digits`: a small CNN on scikit-learn's digits
   (``flowreduce train --framework torch``, :mod:`flowreduce.cli.train_torch`).
 
