@@ -191,9 +191,14 @@ def test_handles_inside_hosts_arrays_across(client, shm_dir):
     arrays = [np.arange(n, dtype=np.int64) * (r + 1) for r in range(4)]
     parts = scatter(client, arrays, ws)
     client.run(_clear_logs)
-    futures = flowreduce.allreduce(client, parts, algorithm="hierarchical")
-    for o in client.gather(futures):
-        np.testing.assert_array_equal(o, sum(arrays))
+    with flowreduce.trace(client) as tr:
+        futures = flowreduce.allreduce(client, parts, algorithm="hierarchical")
+        for o in client.gather(futures):
+            np.testing.assert_array_equal(o, sum(arrays))
+    # lowered the shared-memory way: one write per worker (the plan's views fused into it), no split task
+    writes = {e.key: e.worker for e in tr.events if e.token and e.node is not None and e.node < 0}
+    assert sorted(writes.values()) == sorted(ws), writes
+    assert not [e for e in tr.events if e.phase == "split" and e.token], "views ran as tasks"
     sent = client.run(_wire)
     inside = [b for src, log in sent.items() for dst, b in log if dst in host and host[dst] == host[src]]
     across = [b for src, log in sent.items() for dst, b in log if dst in host and host[dst] != host[src]]
