@@ -45,13 +45,14 @@ def levels(graph) -> dict:
     return depth
 
 
-@pytest.mark.parametrize("outer", ["butterfly", "ring"])
+@pytest.mark.parametrize("outer,depth", [("butterfly", 6), ("ring", 6), ("recursive-doubling", 4)])
 @pytest.mark.parametrize("ranks_per_worker", [1, 4])
-def test_graph_two_hosts_of_two_workers(outer, ranks_per_worker):
+def test_graph_two_hosts_of_two_workers(outer, depth, ranks_per_worker):
     """2 hosts x 2 workers: one write and one publish per worker, one result
-    per rank, two levels inside the hosts before the outer algorithm and two
-    after, whatever the ranks per worker; the outer algorithm runs between
-    same-position workers of the hosts only."""
+    per rank, two levels inside the hosts before the outer algorithm and
+    two after (one when the outer algorithm ends in a reduction, which
+    then writes into the segment itself), whatever the ranks per worker;
+    the outer algorithm runs between same-position workers of the hosts."""
     host_of = {"a0": "A", "a1": "A", "b0": "B", "b1": "B"}
     procs = ["a0", "a1", "b0", "b1"]
     ws = [procs[r % 4] for r in range(4 * ranks_per_worker)]
@@ -63,29 +64,27 @@ def test_graph_two_hosts_of_two_workers(outer, ranks_per_worker):
     plan.check()
     graph = build_hierarchical(plan, [(f"x-{r}",) for r in range(p)], ws, size=1000, shape=(1000,),
                                dtype=np.dtype("f8"), op=resolve_op("sum"))
-    depth = levels(graph)
+    levels_of = levels(graph)
     by_func: dict = {}
     for key, task in graph.tasks.items():
         name = task.func.__name__ if getattr(task.func, "__module__", "") == shm_kernels.__name__ else "outer"
         by_func.setdefault(name, []).append(key)
-    assert len(by_func["write"]) == 4 and {depth[k] for k in by_func["write"]} == {1}
-    assert {depth[k] for k in by_func["reduce_range"]} == {2}
-    assert len(by_func["publish_slice"]) == 4
-    top = max(depth.values())
-    assert {depth[k] for k in by_func["publish_slice"]} == {top - 1}
-    assert len(by_func["gather"]) == p and {depth[k] for k in by_func["gather"]} == {top}
+    top = max(levels_of.values())
+    assert top == depth
+    assert len(by_func["write"]) == 4 and {levels_of[k] for k in by_func["write"]} == {1}
+    assert {levels_of[k] for k in by_func["reduce_range"]} == {2}
+    published = by_func.get("publish_slice", []) + by_func.get("reduce_published", [])
+    assert len(published) == 4 and {levels_of[k] for k in published} == {top - 1}
+    assert len(by_func["gather"]) == p and {levels_of[k] for k in by_func["gather"]} == {top}
     assert set(by_func["gather"]) == set(graph.outputs)
-    assert top == 6  # write, reduce-scatter, 2 outer levels between 2 hosts, publish, copy-out
+    between = by_func.get("outer", []) + by_func.get("reduce_published", [])
+    assert {levels_of[k] for k in by_func.get("outer", [])} == set(range(3, top - 1))
     # the inter-host algorithm pairs a0 with b0 and a1 with b1, never a0 with b1
-    outer_keys = by_func["outer"]
-    assert outer_keys and {depth[k] for k in outer_keys} == {3, 4}
-    for k in outer_keys:
-        here = graph.placement[k]
+    for k in between:
         for d in graph.tasks[k].dependencies:
-            there = graph.placement[d]
-            assert here[1] == there[1], (here, there)
+            assert graph.placement[k][1] == graph.placement[d][1], (graph.placement[k], graph.placement[d])
     # ranks sharing a worker add one task each (their result), nothing else
-    assert len(graph.tasks) - p == 4 + len(by_func["reduce_range"]) + len(outer_keys) + 4
+    assert len(graph.tasks) - p == 4 + len(by_func["reduce_range"]) + len(between) + len(by_func.get("publish_slice", []))
 
 
 def test_plan_rejects_a_worker_on_two_hosts():

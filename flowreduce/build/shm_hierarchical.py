@@ -12,7 +12,9 @@ here they fuse into one task per worker, as in
    nodes, whose values go to other hosts as plain copies;
 3. the inter-host algorithm's nodes, as :func:`flowreduce.build.graph.build_graph`
    lowers them (Dask's comm: they cross hosts);
-4. per worker, its finished slice copied into a segment (``publish_slice``);
+4. per worker, its finished slice copied into a segment (``publish_slice``),
+   or reduced straight into one when the inter-host algorithm ends in one
+   reduction there (``reduce_published``: a level and a copy fewer);
 5. per rank, its result copied from its host's finished slices (``gather``).
 """
 
@@ -25,7 +27,7 @@ import numpy as np
 from dask.task_spec import List, Task, TaskRef
 
 from flowreduce import keys
-from flowreduce.algorithms.ir import VIEW, Plan
+from flowreduce.algorithms.ir import REDUCE, VIEW, Plan
 from flowreduce.build import shm_kernels
 from flowreduce.build.graph import Graph, build_graph, chunk_bounds, contributions
 from flowreduce.ops import Op
@@ -73,6 +75,10 @@ def build_hierarchical(plan: Plan, inputs: Sequence[Any], workers: Sequence[str]
 
     tasks = dict(generic.tasks)
     placement = dict(generic.placement)
+    consumers = plan.consumers()
+    # a publish whose one input is the outer algorithm's last reduction, read by nothing else: fused
+    fused = {n.id: n.inputs[0] for n in nodes if n.step == last - 1 and len(n.inputs) == 1
+             and nodes[n.inputs[0]].kind == REDUCE and consumers[n.inputs[0]] == [n.id]}
     written: dict[int, Any] = {}
     for leader, ranks in held_by.items():  # level 1
         key = keys.node_key(name, "reduce", token, 1, leader, 0, -1 - leader)
@@ -89,12 +95,17 @@ def build_hierarchical(plan: Plan, inputs: Sequence[Any], workers: Sequence[str]
             order = [nodes[i].rank for i in n.inputs]
             tasks[key] = Task(key, shm_kernels.reduce_range, op, p, elem(n.lo), elem(n.hi), count[n.id] == p,
                               List(*(TaskRef(written[w]) for w in order)), repr(key))
+        elif n.step == last - 1 and n.id in fused:  # the reduction writes into the segment itself
+            src = key_of[fused[n.id]]
+            tasks[src] = Task(src, shm_kernels.reduce_published, *generic.tasks[src].args, repr(src), token)
+            del tasks[key], placement[key]
         elif n.step == last - 1:  # a worker's finished slice, published to its host
             site = generic.tasks[key]
             tasks[key] = Task(key, shm_kernels.publish_slice, *_deps_and_picks(site), repr(key), token)
         elif n.step == last:  # a rank's result
+            slices = [key_of[fused.get(i, i)] for i in n.inputs]
             tasks[key] = Task(key, shm_kernels.gather, op, p, shape, final_dtype,
-                              List(*(TaskRef(key_of[i]) for i in n.inputs)), repr(key), False)
+                              List(*(TaskRef(k) for k in slices)), repr(key), False)
     return Graph(tasks, generic.outputs, placement, token)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 from dask.sizeof import sizeof
 
-from flowreduce.build import shm_pool
+from flowreduce.build import kernels, shm_pool
 from flowreduce.ops import Op
 
 #: Copies through shared memory in this process, for traces: (seq, start,
@@ -315,6 +315,33 @@ def reduce_range(op: Op, ranks: int, lo: int, hi: int, finish: bool, blocks: Seq
     if finish:
         acc = op.finish(acc, ranks, owned=True)
     return Private((acc,), own) if isinstance(own, Block) else (acc,)
+
+
+def reduce_published(op: Op, ranks: int, finish: bool, shape: Any, inputs: Sequence[tuple[np.ndarray, ...]],
+                     picks: Sequence[Sequence[tuple[int, int, int]]], owned: Sequence[bool], key: str = "",
+                     owner: str = "") -> Block | np.ndarray:
+    """A worker's finished slice reduced straight into a leased segment (the
+    inter-host algorithm's last reduction fused with :func:`publish_slice`:
+    one copy and one level fewer); the plan kernel and a copy otherwise."""
+    arrays = [np.concatenate([v[i][a:b] for i, a, b in p]) if len(p) > 1 else v[p[0][0]][p[0][1]:p[0][2]]
+              for v, p in zip(inputs, picks)]
+    dtype = np.result_type(*arrays)
+    count = arrays[0].size
+    fits = op.in_place and len(arrays) > 1 and (not finish or finishes_in_place(op, dtype))
+    lease = _lease(count * dtype.itemsize, owner) if fits and count * dtype.itemsize >= shm_pool.pool().min_bytes \
+        else None
+    if lease is None:
+        value = kernels.reduce(op, ranks, finish, None, inputs, picks, owned)
+        return publish_slice([value], [[(0, 0, value[0].size)]], key, owner)
+    t0 = time.time()
+    out = lease.segment.view(dtype, count)
+    op.combine(arrays[0], arrays[1], out=out)
+    for x in arrays[2:]:
+        op.combine(out, x, out=out)
+    if finish:
+        op.finish(out, ranks, owned=True)
+    _logged("write", key, os.getpid(), out.nbytes, t0)
+    return Block(lease, dtype, count)
 
 
 def publish_slice(inputs: Sequence[tuple[np.ndarray, ...]], picks: Sequence[Sequence[tuple[int, int, int]]],
