@@ -165,6 +165,10 @@ def allreduce(
         ``"auto"`` (default): between worker processes of one host, payloads
         go through shared memory (Dask moves a small handle), and ``auto``
         may pick the one-level intra-host collective ``"shm-direct"``;
+        across hosts, ``"hierarchical"`` (and ``auto``, when the model says
+        so) runs that collective inside each host and its outer algorithm
+        between hosts (``inner="shm-direct"``; ``describe(result).links``
+        says which transport each pair of workers used);
         ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.transport`).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
