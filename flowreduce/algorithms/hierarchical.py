@@ -195,11 +195,11 @@ def direct_inner(ranks: int, *, groups: Sequence[Sequence[int]] | None, workers:
         for j, (a, b) in enumerate(split_range(0, segments, len(ls))):
             owned[ls[j]] = (a, b)
 
-    def local(leader: int, a: int, b: int) -> list[int]:  # step 1: the worker's ranks summed
+    def summed(leader: int, a: int, b: int) -> list[int]:  # step 1: the worker's ranks summed
         views = [d.view(r, a, b) for r in ranks_of[leader]]
         return views if len(views) == 1 else [d.reduce(leader, a, b, views, 1, phases.REDUCE)]
 
-    local = memoized(local)
+    local = memoized(summed)
     peers = {r: ls for ls in leaders for r in ls}
 
     def scattered(leader: int, a: int, b: int) -> list[int]:  # step 2: the slice over the host

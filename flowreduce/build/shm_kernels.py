@@ -331,8 +331,8 @@ def reduce_published(op: Op, ranks: int, finish: bool, shape: Any, inputs: Seque
     lease = _lease(count * dtype.itemsize, owner) if fits and count * dtype.itemsize >= shm_pool.pool().min_bytes \
         else None
     if lease is None:
-        value = kernels.reduce(op, ranks, finish, None, inputs, picks, owned)
-        return publish_slice([value], [[(0, 0, value[0].size)]], key, owner)
+        acc = kernels.reduce(op, ranks, finish, None, inputs, picks, owned)[0]  # pieces: shape is None
+        return publish_slice([(acc,)], [[(0, 0, acc.size)]], key, owner)
     t0 = time.time()
     out = lease.segment.view(dtype, count)
     op.combine(arrays[0], arrays[1], out=out)
