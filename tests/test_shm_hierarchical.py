@@ -287,3 +287,13 @@ def test_no_segment_left_after_an_error(client, shm_dir):
 
 def _boom(a, b):
     raise ArithmeticError("no")
+
+
+def test_no_segment_left_after_cancellation(client, shm_dir):
+    ws = host_workers(client)
+    parts = scatter(client, [np.ones(2_000_000) for _ in range(4)], ws)
+    futures = flowreduce.allreduce(client, parts, algorithm="hierarchical")
+    assert describe(futures).plan.options["inner"] == "shm-direct"
+    client.cancel(futures)
+    del futures, parts
+    settled(client, shm_dir)
