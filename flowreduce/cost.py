@@ -68,7 +68,7 @@ from itertools import product
 from typing import Any
 
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
+from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS, direct_lowered
 from flowreduce.algorithms.ir import CostCard, Plan
 from flowreduce.algorithms.sparse import SparsePlan
 
@@ -138,7 +138,8 @@ class CostModel:
         if plan.algorithm == "shm-direct" and plan.chunks == 1 and (groups is None or len(groups) < 2):
             return self.shm_direct_time(plan, nbytes)  # one host: lowered over shared memory
         loads = link_loads(plan, groups, nbytes) if groups is not None and len(groups) > 1 else None
-        return self._time(plan.ranks, plan.chunks, plan.cost(nbytes), loads, nbytes, shm_inside=shm_inside(plan))
+        return self._time(plan.ranks, plan.chunks, lowered_card(plan, plan.cost(nbytes)), loads, nbytes,
+                          shm_inside=shm_inside(plan))
 
     def _time(self, ranks: int, chunks: int, card: CostCard, loads: LinkLoads | None, nbytes: float,
               shm_inside: bool = False) -> float:
@@ -259,7 +260,17 @@ DEFAULT_MODEL = CostModel()
 def shm_inside(plan: Plan) -> bool:
     """``hierarchical`` with the shared-memory collective inside each host
     (priced on :attr:`CostModel.shm` for its intra-host transfers)."""
-    return plan.algorithm == "hierarchical" and plan.options.get("inner") == "shm-direct"
+    return plan.algorithm == "hierarchical" and plan.options.get("inner") == "shm-direct" and plan.chunks == 1
+
+
+def lowered_card(plan: Plan, card: CostCard) -> CostCard:
+    """``card`` with the tasks and levels of the graph ``plan`` is lowered
+    to, where that differs from its nodes (:func:`shm_inside` plans fuse
+    their views and sums into a task per worker)."""
+    if not shm_inside(plan):
+        return card
+    tasks, steps = direct_lowered(plan)
+    return replace(card, tasks=tasks, steps=steps)
 
 _LOADED: dict[tuple[str, float], CostModel] = {}
 
@@ -445,8 +456,9 @@ def _fastest(model: CostModel, variants: list[tuple[str, dict]], ranks: int, nby
             tuple(x * nbytes for x in unit_loads.inter), tuple(x * nbytes for x in unit_loads.intra),
             unit_loads.host_max * nbytes, unit_loads.inter_total * nbytes)
         for c in [chunks] if chunks else chunk_choices(nbytes):
-            t = model._time(ranks, c, card_at(one, two, c, len(base.nodes), nbytes), loads, nbytes,
-                            shm_inside=shm_inside(base))
+            card = card_at(one, two, c, len(base.nodes), nbytes)
+            t = model._time(ranks, c, lowered_card(base.with_chunks(c), card), loads, nbytes,
+                            shm_inside=shm_inside(base.with_chunks(c)))
             if t < best_t:
                 best, best_t = base.with_chunks(c), t
     if best is None:

@@ -297,3 +297,27 @@ def test_no_segment_left_after_cancellation(client, shm_dir):
     client.cancel(futures)
     del futures, parts
     settled(client, shm_dir)
+
+
+LAYOUTS = {"2x2": ([[0, 1], [2, 3]], None, "abcd"),
+           "2x2, 2 ranks a worker": ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]], "ababcdcd"),
+           "3+2": ([[0, 1, 2], [3, 4]], None, "abcde"),
+           "4x2": ([[0, 1], [2, 3], [4, 5], [6, 7]], None, "abcdefgh")}
+
+
+@pytest.mark.parametrize("outer", hierarchical.ALLREDUCE_ALGORITHMS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cost_card_counts_the_lowered_graph(outer, layout):
+    """The cost model prices the graph that runs: its card's tasks and
+    levels are those of the shared-memory lowering, not of the plan's nodes."""
+    from flowreduce.cost import lowered_card
+
+    groups, workers, ws = LAYOUTS[layout]
+    p = len(ws)
+    plan = hierarchical.plan(p, groups=groups, inner="shm-direct", outer=outer,
+                             **({"workers": workers} if workers else {}))
+    graph = build_hierarchical(plan, [(f"x-{r}",) for r in range(p)], list(ws), size=1000, shape=(1000,),
+                               dtype=np.dtype("f8"), op=resolve_op("sum"))
+    card = lowered_card(plan, plan.cost(1.0))
+    assert (card.tasks, card.steps) == (len(graph.tasks), max(levels(graph).values()))
+    assert card.tasks < plan.cost(1.0).tasks

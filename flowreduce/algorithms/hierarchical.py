@@ -45,7 +45,7 @@ from types import ModuleType
 
 from flowreduce import phases
 from flowreduce.algorithms import butterfly, recursive_doubling, reduce_broadcast, ring
-from flowreduce.algorithms.ir import Draft, Plan, split_range
+from flowreduce.algorithms.ir import REDUCE, VIEW, Draft, Plan, split_range
 from flowreduce.algorithms.patterns import (
     Shards,
     Source,
@@ -220,6 +220,35 @@ def direct_inner(ranks: int, *, groups: Sequence[Sequence[int]] | None, workers:
     finals = [d.gather(r, 0, segments, [published[o] for o in leaders[host_of[r]]], end + 2, phases.ALL_GATHER)
               for r in range(ranks)]
     return d.finish(finals)
+
+
+def direct_fused(plan: Plan) -> dict[int, int]:
+    """Of a :func:`direct_inner` plan lowered over shared memory: each
+    publishing node whose one input is the outer algorithm's last reduction,
+    read by nothing else, mapped to that reduction (it writes into the
+    segment itself: a task and a level fewer)."""
+    nodes, consumers = plan.nodes, plan.consumers()
+    last = max(n.step for n in nodes)
+    return {n.id: n.inputs[0] for n in nodes if n.step == last - 1 and len(n.inputs) == 1
+            and nodes[n.inputs[0]].kind == REDUCE and consumers[n.inputs[0]] == [n.id]}
+
+
+def direct_lowered(plan: Plan) -> tuple[int, int]:
+    """(tasks, dependent levels) of a :func:`direct_inner` plan lowered over
+    shared memory: the views and step-1 sums fuse into one task per worker,
+    and :func:`direct_fused` publishes into their reductions."""
+    workers = len(plan.options.get("workers") or range(plan.ranks))
+    fused = direct_fused(plan)
+    level: dict[int, int] = {}
+    for n in plan.nodes:  # topological order
+        if n.kind == VIEW or n.step == 1:
+            level[n.id] = 1  # the worker's write
+        elif n.id in fused:
+            level[n.id] = level[fused[n.id]]
+        else:
+            level[n.id] = 1 + max(level[i] for i in n.inputs)
+    kept = sum(1 for n in plan.nodes if n.kind != VIEW and n.step != 1)
+    return workers + kept - len(fused), max(level[f] for f in plan.finals)
 
 
 def normalize_levels(ranks: int, levels: Sequence[Sequence[Sequence[int]]]) -> list[Grouping]:

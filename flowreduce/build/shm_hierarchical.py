@@ -27,7 +27,8 @@ import numpy as np
 from dask.task_spec import List, Task, TaskRef
 
 from flowreduce import keys
-from flowreduce.algorithms.ir import REDUCE, VIEW, Plan
+from flowreduce.algorithms.hierarchical import direct_fused
+from flowreduce.algorithms.ir import VIEW, Plan
 from flowreduce.build import shm_kernels
 from flowreduce.build.graph import Graph, build_graph, chunk_bounds, contributions
 from flowreduce.ops import Op
@@ -75,10 +76,7 @@ def build_hierarchical(plan: Plan, inputs: Sequence[Any], workers: Sequence[str]
 
     tasks = dict(generic.tasks)
     placement = dict(generic.placement)
-    consumers = plan.consumers()
-    # a publish whose one input is the outer algorithm's last reduction, read by nothing else: fused
-    fused = {n.id: n.inputs[0] for n in nodes if n.step == last - 1 and len(n.inputs) == 1
-             and nodes[n.inputs[0]].kind == REDUCE and consumers[n.inputs[0]] == [n.id]}
+    fused = direct_fused(plan)  # publishes the outer algorithm's last reduction does itself
     written: dict[int, Any] = {}
     for leader, ranks in held_by.items():  # level 1
         key = keys.node_key(name, "reduce", token, 1, leader, 0, -1 - leader)
