@@ -136,6 +136,17 @@ def test_command_trains_and_writes(proc_client, tmp_path):
     assert {"trace.json", "trace.csv", "steps.png", "steps.svg", "timeline.png"} <= names
 
 
+def test_elastic_command_trains_and_writes(proc_client, tmp_path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "flowreduce", "train", "--elastic", "--max-ranks", "2", "--ranks", "2", "--epochs", "1",
+           "--hidden", "8", "--batch-size", "128", "--scheduler", proc_client.scheduler.address, "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "elastic training" in run.stdout and "epoch   1" in run.stdout and "final test accuracy" in run.stdout
+    report = json.loads(out.read_text())
+    assert [e["ranks"] for e in report["epochs"]] == [2] and report["changes"] == []
+
+
 def test_finish_waits_for_the_step_records(inproc_client):
     """A step's ``done`` is set by done callbacks on the client's single
     callback thread; held up there, they used to run after ``finish``
@@ -255,6 +266,7 @@ def test_elastic_run_loses_a_worker_grows_again_and_reaches_the_accuracy():
                     for k in ("W", "b"):
                         assert np.array_equal(a[k], b[k]), f"rank {r} {part} layer {layer} {k} differs from rank 0"
         faults.disarm(client)
-        del dp, states, on_step
+        dp.close()
+        del states
         gc.collect()
         assert_clean(client)

@@ -347,6 +347,13 @@ class ElasticDataParallel(DataParallel):
         elastic.run(self, self.membership, None if on_step is None else lambda: on_step(self.steps[-1]))
         self.finish()
 
+    def close(self) -> None:
+        """Drop every future the run holds (states, data), so its keys leave the scheduler."""
+        self.state, self.train_sets, self._inflight = [], {}, []
+        self.committed = elastic.Committed()
+        self.eval_sets = None
+        self._eval_on = None
+
     def finish(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while any(s._pending for s in self.steps if not s.failed) and time.monotonic() < deadline:
