@@ -446,3 +446,39 @@ def test_two_scattered_inputs_lost_during_one_call_name_the_lost_rank(client, al
     for r in (0, 3):
         np.testing.assert_array_equal(parts[r].result(), rank_input(r))
     del parts
+
+
+# -- 6. memory pressure --------------------------------------------------------------------------------
+
+
+def _big_input(r: int, n: int) -> np.ndarray:
+    return rank_input(r, n)
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring"])
+def test_memory_pressure_gives_the_result_or_a_clean_error(algorithm):
+    """Workers with a 250 MiB limit, 1e7 int64 elements (80 MB) per rank:
+    Dask spills, pauses and its nanny may kill a worker past 95%. The call
+    must end with the right result on every rank or a WorkerLostError naming
+    what was lost; the call's timeout turns a hang into a failure here."""
+    n = 10**7
+    with LocalCluster(n_workers=4, threads_per_worker=1, memory_limit="250MiB", dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        ws = sorted(client.nthreads())
+        parts = [client.submit(_big_input, r, n, workers=[ws[r]], allow_other_workers=True, pure=False)
+                 for r in range(4)]
+        out = flowreduce.allreduce(client, parts, algorithm=algorithm, like=np.zeros(n, np.int64), timeout=HANG * 2)
+        wait(out, timeout=HANG * 3)
+        want = expected(n=n)
+        for r, f in enumerate(out):
+            try:
+                x = f.result()
+            except WorkerLostError as e:
+                assert "tcp://" in str(e) or "rank" in str(e), e
+                e.__traceback__ = None
+                continue
+            np.testing.assert_array_equal(x, want, err_msg=f"rank {r}")
+            del x
+        del out, parts, f, want
+        gc.collect()
+        assert_clean(client)
