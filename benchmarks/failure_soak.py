@@ -41,9 +41,12 @@ def _guard_state(dask_scheduler=None) -> dict:
 
 def _growth(before, after, top: int = 15) -> list[dict]:
     """The files whose live Python allocations grew most between two tracemalloc snapshots."""
-    stats = after.compare_to(before, "filename")
-    return [{"file": str(st.traceback[0].filename), "kib": round(st.size_diff / 1024, 1), "blocks": st.count_diff}
-            for st in stats[:top]]
+    out = []
+    for group in ("filename", "lineno"):
+        out += [{"at": f"{st.traceback[0].filename}" + (f":{st.traceback[0].lineno}" if group == "lineno" else ""),
+                 "kib": round(st.size_diff / 1024, 1), "blocks": st.count_diff}
+                for st in after.compare_to(before, group)[:top]]
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

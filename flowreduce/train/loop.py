@@ -283,6 +283,7 @@ class ElasticDataParallel(DataParallel):
         self.committed = elastic.Committed()
         self.committed.commit(self.workers, self.state, epoch=0, offset=0)
         self._inflight = []
+        self._eval_on: str | None = None
         self._place_data()
         self.client.get_task_stream(start=time.time())
 
@@ -292,7 +293,7 @@ class ElasticDataParallel(DataParallel):
         self.train_sets = {w: self.train_sets.get(w) or self.client.submit(
             data.load_train, c.seed, c.dtype, workers=[w], allow_other_workers=False, pure=False,
             key=f"train-set-{self.token}-{w}") for w in self.workers}
-        if getattr(self, "_eval_on", None) != self.workers[0]:
+        if self._eval_on != self.workers[0]:
             self._eval_on = self.workers[0]
             self.eval_sets = self.client.submit(data.load_eval, c.seed, c.dtype, workers=[self.workers[0]],
                                                 allow_other_workers=False, pure=False,
