@@ -165,6 +165,10 @@ def allreduce(
         ``"auto"`` (default): between worker processes of one host, payloads
         go through shared memory (Dask moves a small handle), and ``auto``
         may pick the one-level intra-host collective ``"shm-direct"``;
+        across hosts, ``"hierarchical"`` (and ``auto``, when the model says
+        so) runs that collective inside each host and its outer algorithm
+        between hosts (``inner="shm-direct"``; ``describe(result).links``
+        says which transport each pair of workers used);
         ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.transport`).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
@@ -425,9 +429,9 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     keys = tuple(f.key for f in inputs)
 
     def job(graph: Graph, plan: Plan, nbytes: int, groups: list[list[int]] | None, shape: tuple[int, ...],
-            dtype: np.dtype, how: str = "dask") -> Job:
+            dtype: np.dtype, how: str = "dask", links: _transport.Links = ()) -> Job:
         record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, groups), tuple(workers),
-                            tuple(shape), dtype.str, keys, how)
+                            tuple(shape), dtype.str, keys, how, links)
         summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
         return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
 
@@ -459,11 +463,13 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     plan = choose_plan(p, nbytes, levels, model, settings)
     if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
         plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
-    graph, how = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
+    plan = _transport.prefer_hierarchical(plan, settings.algorithm, settings.options, settings.chunks_for(nbytes),
+                                          model, nbytes, workers, domains, levels)
+    graph, how, links = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
                                   op=settings.op, in_place=ranks.in_place, accumulate=settings.op.accumulator(dtype))
     if how != "dask":
         ensure_shm(client)
-    return job(graph, plan, nbytes, levels[0], shape, dtype, how)
+    return job(graph, plan, nbytes, levels[0], shape, dtype, how, links)
 
 
 def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], model: CostModel,
