@@ -39,6 +39,16 @@ def _guard_state(dask_scheduler=None) -> dict:
             "processing": len(g.since), "tries": len(g.tries)}
 
 
+def _growth(before, after, top: int = 15) -> list[dict]:
+    """The files whose live Python allocations grew most between two tracemalloc snapshots."""
+    out = []
+    for group in ("filename", "lineno"):
+        out += [{"at": f"{st.traceback[0].filename}" + (f":{st.traceback[0].lineno}" if group == "lineno" else ""),
+                 "kib": round(st.size_diff / 1024, 1), "blocks": st.count_diff}
+                for st in after.compare_to(before, group)[:top]]
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     from distributed import Client, LocalCluster, wait
 
@@ -51,7 +61,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--elements", type=int, default=10**5)
     p.add_argument("--algorithm", default="butterfly")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--small-dask-logs", action="store_true",
+                   help="shrink Dask's own bounded logs (transition log, events, worker/scheduler logs, "
+                        "computations) to a few entries: what grows then is not theirs")
+    p.add_argument("--tracemalloc", type=int, default=None, metavar="CALL",
+                   help="trace Python allocations in this process (client + in-process scheduler) and print the "
+                        "growth between call CALL and the last call, by file")
     args = p.parse_args(argv)
+    if args.small_dask_logs:
+        import dask
+
+        dask.config.set({"distributed.admin.low-level-log-length": 10, "distributed.admin.log-length": 10,
+                         "distributed.diagnostics.computations.max-history": 1,
+                         "distributed.scheduler.events-cleanup-delay": "1s"})
+    if args.tracemalloc is not None:
+        import tracemalloc
+
+        tracemalloc.start(1)
+    snapshots = []
 
     n, ranks = args.elements, 4
     want = sum(rank_input(r, n) for r in range(ranks))
@@ -85,9 +112,17 @@ def main(argv: list[str] | None = None) -> dict:
             del out, parts
             if i in (0, args.calls // 2, args.calls - 1):
                 sample(i)
+            if args.tracemalloc is not None and i in (args.tracemalloc, args.calls - 1):
+                import gc
+                import tracemalloc
+
+                gc.collect()
+                snapshots.append(tracemalloc.take_snapshot())
         seconds = time.perf_counter() - start
+    growth = _growth(*snapshots) if len(snapshots) == 2 else None
     report = {"calls": args.calls, "kills": kills, "elements": n, "algorithm": args.algorithm,
-              "seconds": round(seconds, 1), "samples": samples}
+              "seconds": round(seconds, 1), "samples": samples,
+              "small_dask_logs": args.small_dask_logs, "python_growth_by_file": growth}
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -136,6 +136,17 @@ def test_command_trains_and_writes(proc_client, tmp_path):
     assert {"trace.json", "trace.csv", "steps.png", "steps.svg", "timeline.png"} <= names
 
 
+def test_elastic_command_trains_and_writes(proc_client, tmp_path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "flowreduce", "train", "--elastic", "--max-ranks", "2", "--ranks", "2", "--epochs", "1",
+           "--hidden", "8", "--batch-size", "128", "--scheduler", proc_client.scheduler.address, "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "elastic training" in run.stdout and "epoch   1" in run.stdout and "final test accuracy" in run.stdout
+    report = json.loads(out.read_text())
+    assert [e["ranks"] for e in report["epochs"]] == [2] and report["changes"] == []
+
+
 def test_finish_waits_for_the_step_records(inproc_client):
     """A step's ``done`` is set by done callbacks on the client's single
     callback thread; held up there, they used to run after ``finish``
@@ -197,3 +208,65 @@ def test_command_line_algorithm_options_reach_the_config():
     assert (config.algorithm, config.options) == ("hierarchical", {"group_size": 2, "inner": "ring"})
     with pytest.raises(SystemExit, match="unknown algorithm 'rng'"):
         cli.config_from_args(cli_args(cli, "--algorithm", "rng"))
+
+
+# -- elastic training (issue #15) -------------------------------------------------------------------
+
+
+def test_elastic_run_loses_a_worker_grows_again_and_reaches_the_accuracy():
+    """4 ranks on a LocalCluster with nannies: the worker of rank 1 is
+    SIGKILLed when plan step 1 of step KILL's all-reduce reaches it (FailAt,
+    no sleeps); the run goes on on 3 ranks, and at step GROW a fifth worker is
+    added and both it and the killed worker's restarted process join. At the
+    end: the accuracy target of the numpy study, every rank's weights and
+    momentum bitwise identical, no flowreduce key left."""
+    import gc
+
+    from conftest import assert_clean
+    from distributed import Client, LocalCluster
+
+    from flowreduce.schedule import faults
+    from flowreduce.train.loop import ElasticDataParallel
+
+    KILL, GROW = 10, 30
+    with LocalCluster(n_workers=4, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        ws = sorted(client.nthreads())
+        # the killed worker's nanny restarts it at once: keep it out until GROW
+        dp = ElasticDataParallel(client, TrainConfig(ranks=4, epochs=4, algorithm="butterfly"), ws, max_ranks=4)
+        committed = lambda: sum(not s.failed for s in dp.steps)  # noqa: E731
+
+        def on_step(rec):
+            if committed() == KILL:
+                dp.membership.max_ranks = 3
+                faults.fail_at(client, rank=1, step=1, action="kill")
+            elif committed() == GROW:
+                cluster.scale(5)
+                client.wait_for_workers(5, timeout=120)
+                dp.membership.max_ranks = None
+
+        dp.train(on_step)
+        (key, killed), = faults.fired(client)
+        assert killed == ws[1]
+        history = [(step, c.before, c.after) for step, c in dp.membership.history]
+        assert history[0] == (KILL, tuple(ws), (ws[0], ws[2], ws[3])), history
+        assert history[1][0] == GROW and history[1][2][:3] == (ws[0], ws[2], ws[3]) and len(history[1][2]) == 5
+        assert len(history) == 2, history
+        failed = [s for s in dp.steps if s.failed]
+        assert [(s.ranks, s.step) for s in failed] == [(4, KILL)]  # the step that lost the worker, re-run
+        assert {s.ranks for s in dp.steps if not s.failed} == {4, 3, 5}
+        metrics = dp.evaluate()
+        assert metrics["test_acc"] > 0.95, metrics
+        states = client.gather([client.submit(lambda s: s, x, workers=[w], pure=False)
+                                for x, w in zip(dp.state, dp.workers)])
+        assert len(states) == 5
+        for r, st in enumerate(states[1:], 1):
+            for part in ("params", "velocity"):
+                for layer, (a, b) in enumerate(zip(states[0][part], st[part])):
+                    for k in ("W", "b"):
+                        assert np.array_equal(a[k], b[k]), f"rank {r} {part} layer {layer} {k} differs from rank 0"
+        faults.disarm(client)
+        dp.close()
+        del states
+        gc.collect()
+        assert_clean(client)

@@ -65,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="FILE", help="write per-epoch metrics and step timings")
     parser.add_argument("--save", default=None, metavar="FILE",
                         help="torch: save the trained model and optimizer (state_dict, torch.save) to FILE")
+    parser.add_argument("--elastic", action="store_true",
+                        help="keep training when workers leave (the survivors re-shard the data and re-run the "
+                             "interrupted step) and grow when workers join (they get rank 0's weights); "
+                             "see docs/training.md")
+    parser.add_argument("--max-ranks", type=int, default=None,
+                        help="with --elastic: never grow past this many ranks (default: every worker that joins)")
+    parser.add_argument("--min-ranks", type=int, default=1,
+                        help="with --elastic: stop with an error when fewer ranks are left (default 1)")
     add_cluster_arguments(parser, workers_default=None)
 
 
@@ -80,6 +88,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.framework == "torch" and args.elastic:
+        raise SystemExit("--elastic runs the numpy trainer only for now (docs/training.md says what the torch "
+                         "trainer still needs)")
+    if args.framework != "torch" and args.save:
+        raise SystemExit("--save saves a torch model: it needs --framework torch")
     if args.framework == "torch":
         from flowreduce.cli.train_torch import run as run_torch
 
@@ -97,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         workers = ranked_workers(client)
         if len(workers) < config.ranks:
             raise SystemExit(f"--ranks {config.ranks} needs {config.ranks} workers, the cluster has {len(workers)}")
+        if args.elastic:
+            return _run_elastic(args, client, config, workers[:config.ranks], console)
         dp = DataParallel(client, config, workers[:config.ranks])
         console.print(f"training MLP 64-{'-'.join(map(str, config.hidden))}-10 on digits: {config.ranks} ranks x "
                       f"{config.batch} samples/step, {dp.steps_per_epoch} steps/epoch, algorithm {format_spec(config.algorithm, config.options)}, "
@@ -144,6 +159,51 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+def _run_elastic(args: argparse.Namespace, client: Any, config: Any, workers: list[str], console: Any) -> int:
+    """``--elastic``: every step committed, losses and joins handled at step
+    boundaries; prints the rank set's changes and each epoch's metrics."""
+    from statistics import median
+
+    from flowreduce.train.loop import ElasticDataParallel
+
+    if args.trace:
+        raise SystemExit("--trace is not supported with --elastic")
+    dp = ElasticDataParallel(client, config, workers, max_ranks=args.max_ranks, min_ranks=args.min_ranks)
+    console.print(f"elastic training MLP 64-{'-'.join(map(str, config.hidden))}-10 on digits: {len(workers)} ranks "
+                  f"(at most {args.max_ranks or 'any'}, at least {args.min_ranks}) x {config.batch} samples/step, "
+                  f"algorithm {format_spec(config.algorithm, config.options)}", soft_wrap=True)
+    report: dict[str, Any] = {"config": {k: getattr(config, k) for k in config.__dataclass_fields__}, "epochs": [],
+                              "changes": []}
+    seen = {"epoch": 0, "changes": 0, "from": 0}
+
+    def on_step(_rec: Any) -> None:
+        for step, change in dp.membership.history[seen["changes"]:]:
+            console.print(f"step {step}: {change}", soft_wrap=True)
+            report["changes"].append({"step": step, "before": list(change.before), "after": list(change.after)})
+        seen["changes"] = len(dp.membership.history)
+        if dp.epoch != seen["epoch"] or dp.finished():
+            metrics = dp.evaluate()
+            steps = [s for s in dp.steps[seen["from"]:] if not s.failed and s.done]
+            ms = median(s.done - s.submitted for s in steps) * 1e3 if steps else float("nan")
+            console.print(f"epoch {seen['epoch'] + 1:3d}  loss {metrics['train_loss']:.4f}  train acc "
+                          f"{metrics['train_acc']:.2%}  test acc {metrics['test_acc']:.2%}  {len(dp.workers)} ranks  "
+                          f"step {ms:6.1f} ms  ({sum(s.failed for s in dp.steps[seen['from']:])} re-run)",
+                          soft_wrap=True)
+            report["epochs"].append({"epoch": seen["epoch"] + 1, **metrics, "ranks": len(dp.workers),
+                                     "median_step_ms": ms})
+            seen["epoch"], seen["from"] = dp.epoch, len(dp.steps)
+
+    dp.train(on_step)
+    final = report["epochs"][-1] if report["epochs"] else dp.evaluate()
+    console.print(f"final test accuracy {final['test_acc']:.2%} on {len(dp.workers)} ranks; "
+                  f"{sum(s.failed for s in dp.steps)} step(s) re-run after a lost worker", soft_wrap=True)
+    report["final"] = {"test_acc": final["test_acc"], "ranks": len(dp.workers)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
     return 0
 
 

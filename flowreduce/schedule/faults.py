@@ -37,31 +37,39 @@ ACTIONS = ("kill", "stop", "retire")
 class FailAt(SchedulerPlugin):
     """Act on the worker of ``rank`` when plan step ``step`` of a call
     (of ``algorithm``, if given) starts there; ``fired`` records
-    ``(key, worker)`` once it did."""
+    ``(key, worker)`` once it did. ``more``: further ``(rank, step)``
+    targets, each acted on once, in whatever order the call reaches them
+    (several workers lost during one call)."""
 
     name = "flowreduce-fail-at"
 
-    def __init__(self, rank: int, step: int | None, action: str = "kill", algorithm: str | None = None):
+    def __init__(self, rank: int, step: int | None, action: str = "kill", algorithm: str | None = None,
+                 more: tuple[tuple[int, int | None], ...] = ()):
         if action not in ACTIONS:
             raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
         self.rank, self.step, self.action, self.algorithm = rank, step, action, algorithm
+        self.pending = [(rank, step), *more]
         self.fired: list[tuple[Hashable, str]] = []
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
 
     def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if self.fired or start != "waiting" or finish not in ("processing", "no-worker"):
+        if not self.pending or start != "waiting" or finish not in ("processing", "no-worker"):
             return
         info = parse(key)
-        if (info is None or info["rank"] != self.rank or self.algorithm not in (None, info["algorithm"])
-                or (info["phase"] != "output" if self.step is None else info.get("step") != self.step)):
+        if info is None or self.algorithm not in (None, info["algorithm"]):
+            return
+        target = next(((r, s) for r, s in self.pending if info["rank"] == r
+                       and (info["phase"] == "output" if s is None else info.get("step") == s)), None)
+        if target is None:
             return
         ts = self.scheduler.tasks[key]
         ws = ts.processing_on or next((self.scheduler.workers[w] for w in sorted(ts.worker_restrictions or ())
                                        if w in self.scheduler.workers), None)
-        if ws is None:
+        if ws is None or any(w == ws.address for _, w in self.fired):
             return
+        self.pending.remove(target)
         self.fired.append((key, ws.address))
         if self.action == "retire":
             self.scheduler.loop.add_callback(self.scheduler.retire_workers, workers=[ws.address], close_workers=True,
@@ -70,9 +78,10 @@ class FailAt(SchedulerPlugin):
             os.kill(ws.pid, signal.SIGKILL if self.action == "kill" else signal.SIGSTOP)
 
 
-def fail_at(client: Any, rank: int, step: int | None, action: str = "kill", algorithm: str | None = None) -> None:
+def fail_at(client: Any, rank: int, step: int | None, action: str = "kill", algorithm: str | None = None,
+            more: tuple[tuple[int, int | None], ...] = ()) -> None:
     """Arm :class:`FailAt` on ``client``'s scheduler (replacing one armed before)."""
-    client.register_plugin(FailAt(rank, step, action, algorithm))
+    client.register_plugin(FailAt(rank, step, action, algorithm, more))
 
 
 def fired(client: Any) -> list[tuple[Hashable, str]]:

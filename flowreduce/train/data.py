@@ -60,3 +60,23 @@ def batch_indices(seed: int, epoch: int, rank: int, step: int, shard: int, batch
     """Indices into rank ``rank``'s shard for step ``step`` of ``epoch``."""
     perm = np.random.default_rng([seed, epoch, rank]).permutation(shard)
     return perm[step * batch:(step + 1) * batch]
+
+
+# -- elastic runs: the rank set changes, so batches are cut from one global order -----------------------
+
+
+def load_train(seed: int, dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    """The whole training set (every rank of an elastic run holds it: its
+    share of each step depends on how many ranks there are then)."""
+    X, y, _, _ = load_digits(seed, dtype=dtype)
+    return X, y
+
+
+def elastic_batch(seed: int, epoch: int, offset: int, rank: int, batch: int, n: int) -> np.ndarray:
+    """Rank ``rank``'s samples of the step that starts at position ``offset``
+    of ``epoch``'s seeded order of the ``n`` training samples: the global
+    batch is the next ``ranks × batch`` samples, rank r takes the r-th
+    ``batch`` of them (Horovod's ``ElasticSampler`` the same way re-shards
+    what is left of an epoch over whoever is there)."""
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    return perm[offset + rank * batch:offset + (rank + 1) * batch]
