@@ -210,6 +210,17 @@ def test_command_line_algorithm_options_reach_the_config():
         cli.config_from_args(cli_args(cli, "--algorithm", "rng"))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (("--framework", "torch", "--elastic"), "--elastic runs the numpy trainer only"),
+    (("--save", "model.pt"), "--save saves a torch model"),
+])
+def test_command_line_refuses_options_its_trainer_would_ignore(no_cluster, argv, message):
+    from flowreduce.cli import train as cli
+
+    with pytest.raises(SystemExit, match=message):
+        cli.run(cli_args(cli, *argv))
+
+
 # -- elastic training (issue #15) -------------------------------------------------------------------
 
 
