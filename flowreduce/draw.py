@@ -67,6 +67,7 @@ PHASE_COLOURS: dict[str, str] = {
     phases.REDUCE_SCATTER: "#fdae6b",
     phases.REDUCE: "#fd8d3c",
     phases.EXCHANGE: "#fdd0a2",
+    phases.READ_REDUCE: "#e6550d",
     phases.ALL_GATHER: "#9ecae1",
     phases.BROADCAST: "#a1d99b",
     phases.OUTPUT: "#bcbddc",
