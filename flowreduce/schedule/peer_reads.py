@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, cast
+
+from dask.typing import Key
 
 from flowreduce.errors import WorkerLostError
 
@@ -54,10 +56,10 @@ async def _read(worker: Any, address: str, wanted: dict[Hashable, list[int]]) ->
     where = {k: address for k in wanted}
     pause, lost_since = 0.001, None
     while True:
-        asked: dict[str, list[Hashable]] = {}
+        asked: dict[str, list[Key]] = {}
         for k in wanted:
             if k not in got:
-                asked.setdefault(where[k], []).append(k)
+                asked.setdefault(where[k], []).append(cast(Key, k))
         busy: set[Hashable] = set()
         for w, ks in asked.items():
             try:
