@@ -137,8 +137,8 @@ class Plan:
     finals: tuple[int, ...]
     chunks: int = 1
     options: Mapping[str, Any] = field(default_factory=dict)
-    #: The lowering reads the views inside the tasks that consume them (``direct``):
-    #: views are neither tasks nor a level of their own.
+    #: In one chunk, the lowering reads the views inside the tasks that consume
+    #: them (``direct``): views are neither tasks nor a level of their own.
     fused_views: bool = field(default=False, compare=False)
 
     def __repr__(self) -> str:
@@ -181,7 +181,12 @@ class Plan:
     def depth(self) -> int:
         """Dependent task levels, the views' level included unless they are fused."""
         lv = self.structure.levels
-        return max(lv[f] + self.output_is_separate(r) for r, f in enumerate(self.finals)) - self.fused_views
+        return max(lv[f] + self.output_is_separate(r) for r, f in enumerate(self.finals)) - self._fused
+
+    @property
+    def _fused(self) -> bool:
+        """Views fused into their readers: one chunk only (more are lowered as any plan)."""
+        return self.fused_views and self.chunks == 1
 
     def cost(self, nbytes: float = 0.0) -> CostCard:
         """Counts for a vector of ``nbytes`` bytes per rank (all chunks)."""
@@ -190,7 +195,7 @@ class Plan:
         outputs = sum(self.output_is_separate(r) for r in range(self.ranks))
         # an output made of several pieces is concatenated once (a fresh copy)
         pieced = self.ranks if c > 1 else st.pieced_finals
-        views = sum(n.kind == VIEW for n in self.nodes) if self.fused_views else 0
+        views = sum(n.kind == VIEW for n in self.nodes) if self._fused else 0
         return CostCard(
             steps=self.depth,
             tasks=c * (len(self.nodes) - views) + outputs,
