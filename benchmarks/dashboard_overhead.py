@@ -16,8 +16,14 @@ Protocol (docs/dashboard.md, "Overhead"):
   minute); in an *open* block the browser shows /flowreduce (refreshing every
   500 ms, the page's data loaded before the block starts), in a *closed* block
   it shows about:blank and the scheduler has no session of the page left;
-* ``--pairs`` pairs of blocks, open first in even pairs and closed first in
-  odd ones, after ``--warmup`` untimed pairs; each call gets fresh inputs,
+* a *paused* block is an open one whose browser processes are stopped
+  (SIGSTOP) for the block: the page's sessions stay connected and the
+  scheduler keeps refreshing them and sending their updates, but nothing
+  draws them here. It is what the cluster pays when the browser runs on
+  another machine (a user's laptop), which two shared cores cannot
+  otherwise emulate: a browser at any niceness still takes their cycles;
+* ``--pairs`` rounds of one block of each variant, in rotating order, after
+  ``--warmup`` untimed rounds; each call gets fresh inputs,
   made and waited for before its clock starts; the clock covers
   ``allreduce`` + ``wait`` for the outputs;
 * CPU seconds per block of this process (the client and the scheduler,
@@ -26,8 +32,8 @@ Protocol (docs/dashboard.md, "Overhead"):
 * the scheduler-side cost of one page refresh (build the page's data for the
   calls in the store) is timed on its own, on the scheduler.
 
-Reported: the median call time of each variant, the ratio open/closed of the
-medians with a bootstrap 95% interval (resampling calls), the median CPU
+Reported: the median call time of each variant, the ratios open/closed and
+paused/closed of the medians with bootstrap 95% intervals (resampling calls), the median CPU
 seconds per block of each variant (this process; the browser), and the refresh time.
 ``--json FILE`` writes every raw timing.
 
@@ -41,12 +47,15 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 
 import numpy as np
+
+VARIANTS = ("open", "paused", "closed")
 
 
 def _make(n: int, seed: int) -> np.ndarray:
@@ -66,6 +75,24 @@ def _browser_cpu(driver) -> float:
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def _browser_processes(driver) -> list:
+    import psutil
+
+    root = psutil.Process(driver.service.process.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _signal_browser(driver, sig: int) -> None:
+    """Stop (SIGSTOP) or resume (SIGCONT) every process of the browser."""
+    import psutil
+
+    for proc in _browser_processes(driver):
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _renice(driver, niceness: int) -> None:
@@ -118,9 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=float, default=1e6, help="float64 elements per rank (default 1e6)")
     ap.add_argument("--ranks", type=int, default=4, help="ranks = single-threaded worker processes (default 4)")
-    ap.add_argument("--pairs", type=int, default=8, help="timed (open, closed) pairs of blocks (default 8)")
+    ap.add_argument("--pairs", type=int, default=8,
+                    help="timed rounds of one (open, paused, closed) block each (default 8)")
     ap.add_argument("--calls", type=int, default=8, help="calls per block (default 8)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed pairs first (default 1)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     ap.add_argument("--rate", type=float, default=100.0, help="calls started per minute (default 100)")
     ap.add_argument("--algorithm", default="butterfly", help="default butterfly")
     ap.add_argument("--browser-nice", type=int, default=19,
@@ -170,42 +198,51 @@ def main(argv: list[str] | None = None) -> dict:
                 while client.run_on_scheduler(_sessions) and time.monotonic() < deadline:
                     time.sleep(0.1)
 
-        def block(open_: bool) -> dict:
-            show(open_)
+        def block(variant: str) -> dict:
+            show(variant != "closed")
+            if variant == "paused":
+                _signal_browser(browser, signal.SIGSTOP)
             times = []
             cpu0, browser0 = time.process_time(), _browser_cpu(browser)
-            for _ in range(a.calls):
-                t0 = time.monotonic()
-                times.append(call())
-                time.sleep(max(0.0, period - (time.monotonic() - t0)))
+            try:
+                for _ in range(a.calls):
+                    t0 = time.monotonic()
+                    times.append(call())
+                    time.sleep(max(0.0, period - (time.monotonic() - t0)))
+            finally:
+                if variant == "paused":
+                    _signal_browser(browser, signal.SIGCONT)
             return {"seconds": times, "process_cpu": time.process_time() - cpu0,
                     "browser_cpu": _browser_cpu(browser) - browser0}
 
         call()  # installs the dashboard plugin and the page
         for i in range(a.warmup + a.pairs):
-            order = (True, False) if i % 2 == 0 else (False, True)
-            pair = {("open" if o else "closed"): block(o) for o in order}
+            order = VARIANTS[i % 3:] + VARIANTS[:i % 3]
+            pair = {v: block(v) for v in order}
             if i >= a.warmup:
-                blocks.append({"pair": i - a.warmup, "first": "open" if order[0] else "closed", **pair})
-                print(f"pair {i - a.warmup + 1}/{a.pairs}: open median {statistics.median(pair['open']['seconds']):.4f}"
-                      f" s, closed median {statistics.median(pair['closed']['seconds']):.4f} s; CPU open "
-                      f"{pair['open']['process_cpu']:.2f} + browser {pair['open']['browser_cpu']:.2f} s, closed "
-                      f"{pair['closed']['process_cpu']:.2f} + browser {pair['closed']['browser_cpu']:.2f} s",
-                      file=sys.stderr, flush=True)
+                blocks.append({"pair": i - a.warmup, "first": order[0], **pair})
+                print(f"round {i - a.warmup + 1}/{a.pairs}: " + "; ".join(
+                    f"{v} median {statistics.median(pair[v]['seconds']):.4f} s, CPU {pair[v]['process_cpu']:.2f}"
+                    f" + browser {pair[v]['browser_cpu']:.2f} s" for v in VARIANTS), file=sys.stderr, flush=True)
         show(False)
         refresh = client.run_on_scheduler(_refresh_seconds, 20)
         in_store = client.run_on_scheduler(lambda dask_scheduler: len(
             dask_scheduler.plugins["flowreduce-dashboard"].listing()))
 
     opened = [t for b in blocks for t in b["open"]["seconds"]]
+    paused = [t for b in blocks for t in b["paused"]["seconds"]]
     closed = [t for b in blocks for t in b["closed"]["seconds"]]
     lo, hi = ratio_interval(opened, closed)
+    plo, phi = ratio_interval(paused, closed)
 
     def cpu(variant: str, what: str) -> float:
         return statistics.median(b[variant][what] for b in blocks)
 
     summary = {"open_median": statistics.median(opened), "closed_median": statistics.median(closed),
+               "paused_median": statistics.median(paused),
                "ratio_open_over_closed": statistics.median(opened) / statistics.median(closed),
+               "ratio_paused_over_closed": statistics.median(paused) / statistics.median(closed),
+               "ratio_paused_ci95": [plo, phi], "process_cpu_paused": cpu("paused", "process_cpu"),
                "process_cpu_open": cpu("open", "process_cpu"), "process_cpu_closed": cpu("closed", "process_cpu"),
                "browser_cpu_open": cpu("open", "browser_cpu"), "browser_cpu_closed": cpu("closed", "browser_cpu"),
                "block_seconds": a.calls * period,
@@ -215,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {"size": n, "bytes_per_rank": n * 8, "ranks": a.ranks, "pairs": a.pairs, "calls": a.calls,
                    "warmup": a.warmup, "rate_per_minute": a.rate, "algorithm": a.algorithm,
                    "browser_nice": a.browser_nice,
-                   "order": "pairs alternate open-first / closed-first, starting open-first"},
+                   "order": "rounds of open, paused, closed blocks in rotating order"},
         "machine": {"started": started, "host": platform.node(), "cpus": os.cpu_count(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                     "python": platform.python_version(), "distributed": distributed.__version__},
@@ -235,14 +272,18 @@ def report(doc: dict) -> str:
     c, s, m = doc["config"], doc["summary"], doc["machine"]
     return "\n".join([
         f"{c['algorithm']}, {c['ranks']} ranks x {c['size']:.3g} float64 ({c['bytes_per_rank'] / 1e6:.3g} MB) per "
-        f"rank, {c['rate_per_minute']:.0f} calls/min; {c['pairs']} interleaved pairs of {c['calls']}-call blocks "
+        f"rank, {c['rate_per_minute']:.0f} calls/min; {c['pairs']} rotating rounds of {c['calls']}-call blocks "
         f"after {c['warmup']} warm-up; browser niceness {c['browser_nice']}; load average {m['loadavg_before'][0]:.1f} before, "
         f"{m['loadavg_after'][0]:.1f} after",
         f"page open     median {s['open_median'] * 1e3:8.1f} ms",
+        f"page open, browser paused median {s['paused_median'] * 1e3:8.1f} ms",
         f"page closed   median {s['closed_median'] * 1e3:8.1f} ms",
-        f"open / closed {s['ratio_open_over_closed']:.3f}  (95% CI {s['ratio_ci95'][0]:.3f}-{s['ratio_ci95'][1]:.3f})",
+        f"open / closed {s['ratio_open_over_closed']:.3f}  (95% CI {s['ratio_ci95'][0]:.3f}-{s['ratio_ci95'][1]:.3f})"
+        "  (the browser on the cluster's own cores)",
+        f"paused / closed {s['ratio_paused_over_closed']:.3f}  (95% CI {s['ratio_paused_ci95'][0]:.3f}-"
+        f"{s['ratio_paused_ci95'][1]:.3f})  (the cluster's side: refreshes and updates sent, nothing drawn here)",
         f"CPU per {s['block_seconds']:.1f} s block (median): client+scheduler process {s['process_cpu_open']:.2f} s open, "
-        f"{s['process_cpu_closed']:.2f} s closed; browser {s['browser_cpu_open']:.2f} s open, "
+        f"{s['process_cpu_paused']:.2f} s paused, {s['process_cpu_closed']:.2f} s closed; browser {s['browser_cpu_open']:.2f} s open, "
         f"{s['browser_cpu_closed']:.2f} s closed",
         f"one page refresh on the scheduler: {s['refresh_seconds'] * 1e3:.2f} ms "
         f"({s['calls_in_store']} calls in the store)",

@@ -103,3 +103,18 @@ def test_bench_runs_algorithm_options(proc_client, tmp_path):
 def test_bench_rejects_bad_arguments_before_starting(no_cluster, argv, error, message):
     with pytest.raises(error, match=message):
         bench.run(_args("--sizes", "10", "--no-progress", *argv))
+
+
+def test_bench_refuses_to_time_inputs_that_are_not_only_on_their_workers(proc_client):
+    """A copy of a rank's input on another worker would let a run start
+    ahead: the bench checks before the clock starts."""
+    from distributed import wait
+
+    workers = sorted(proc_client.nthreads())[:2]
+    inputs = [proc_client.submit(bench.make_input, 10, r, "float64", workers=[w], pure=False)
+              for r, w in enumerate(workers)]
+    wait(inputs)
+    bench.check_placed(proc_client, inputs, workers)  # each on its own worker: fine
+    proc_client.replicate([inputs[1]], workers=workers)
+    with pytest.raises(RuntimeError, match="input of rank 1 is on"):
+        bench.check_placed(proc_client, inputs, workers)

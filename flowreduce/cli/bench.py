@@ -88,6 +88,16 @@ def check(result, n: int, ranks: int, dtype: str, op: str) -> bool:
     return result.shape == (n,) and bool(np.allclose(result, expected) if op == "mean" else np.array_equal(result, expected))
 
 
+def check_placed(client, inputs, workers) -> None:
+    """Every rank's input on its own worker only, before the clock starts: a
+    copy elsewhere (a previous run's fetch, the Active Memory Manager moving
+    data) would let a run start ahead and make it look fast."""
+    held = client.who_has(inputs)
+    for r, f in enumerate(inputs):
+        if list(held[f.key]) != [workers[r % len(workers)]]:
+            raise RuntimeError(f"input of rank {r} is on {list(held[f.key])}, not on {workers[r % len(workers)]}")
+
+
 def _sum_all(*xs):
     out = xs[0].copy()
     for x in xs[1:]:
@@ -182,6 +192,7 @@ def bench(
                     # all), and the next run on the same inputs would start ahead
                     inputs = fresh()
                     wait(inputs)
+                    check_placed(client, inputs, workers)
                     tr = None
                     if trace_dir and it == warmup + repeat - 1:
                         tr = flowreduce.trace(client).start()

@@ -28,9 +28,9 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from flowreduce.dashboard.record import CALL_STATES, CELL_STATES, CallRecord, record_of
+from flowreduce.dashboard.record import CALL_STATES, CELL_STATES, DashboardRecord, record_of
 
-__all__ = ["CALL_STATES", "CELL_STATES", "CallRecord", "dask_setup", "install", "publish", "record_of"]
+__all__ = ["CALL_STATES", "CELL_STATES", "DashboardRecord", "dask_setup", "install", "publish", "record_of"]
 
 logger = logging.getLogger("flowreduce.dashboard")
 

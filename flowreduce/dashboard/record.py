@@ -1,9 +1,9 @@
 """What a client tells the dashboard about one all-reduce call, and the
 vocabulary of states the page shows.
 
-The client sends the record as a plain, versioned dict (:meth:`CallRecord.message`)
+The client sends the record as a plain, versioned dict (:meth:`DashboardRecord.message`)
 so that a scheduler running another flowreduce version reads what it knows
-and ignores the rest (:meth:`CallRecord.from_message` never raises on a
+and ignores the rest (:meth:`DashboardRecord.from_message` never raises on a
 malformed message: it returns None). Imports neither dask nor distributed.
 """
 
@@ -31,7 +31,7 @@ PACK_COLUMN = -1
 
 
 @dataclass(frozen=True)
-class CallRecord:
+class DashboardRecord:
     """One all-reduce as the dashboard shows it (one bucket of a pytree call).
 
     ``output_columns[r]`` is the grid column of rank ``r``'s output key: the
@@ -67,7 +67,7 @@ class CallRecord:
                 "segment_bytes": self.segment_bytes, "widths": list(self.widths)}
 
     @classmethod
-    def from_message(cls, msg: Any) -> CallRecord | None:
+    def from_message(cls, msg: Any) -> DashboardRecord | None:
         """The record in ``msg``, or None when it is not one (wrong type,
         missing token): a client of another version must not break the page."""
         if not isinstance(msg, dict) or not isinstance(msg.get("token"), str):
@@ -95,7 +95,7 @@ class CallRecord:
             return None
 
 
-def record_of(info: Any, *, group: str = "", transport: str | None = None) -> CallRecord:
+def record_of(info: Any, *, group: str = "", transport: str | None = None) -> DashboardRecord:
     """The record of a call from what the schedule layer keeps of it: any
     object with ``plan``, ``token``, ``nbytes``, ``predicted`` and
     ``workers`` (and optionally ``transport``, ``shape``, ``dtype``)."""
@@ -103,7 +103,7 @@ def record_of(info: Any, *, group: str = "", transport: str | None = None) -> Ca
     last = max((n.step for n in plan.nodes), default=0)
     columns = tuple(plan.nodes[f].step if not plan.output_is_separate(r) else last + 1
                     for r, f in enumerate(plan.finals))
-    return CallRecord(
+    return DashboardRecord(
         token=info.token, algorithm=plan.algorithm, ranks=plan.ranks, nbytes=int(info.nbytes),
         chunks=plan.chunks, steps=max(columns, default=last) + 1, predicted=float(info.predicted),
         workers=tuple(info.workers), transport=transport or str(getattr(info, "transport", "dask")),

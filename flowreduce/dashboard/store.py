@@ -34,7 +34,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time
 
 from flowreduce import keys
-from flowreduce.dashboard.record import CallRecord
+from flowreduce.dashboard.record import DashboardRecord
 
 logger = logging.getLogger("flowreduce.dashboard")
 
@@ -62,7 +62,7 @@ class Call:
     token: str
     algorithm: str
     submitted: float
-    record: CallRecord | None = None
+    record: DashboardRecord | None = None
     state: str = "submitted"
     finished: float | None = None
     error: str = ""
@@ -112,7 +112,7 @@ class DashboardStore(SchedulerPlugin):
     # -- recording -----------------------------------------------------------
     def publish(self, record: Any = None, **_: Any) -> None:
         """Stream handler: a client's record of one call."""
-        rec = CallRecord.from_message(record)
+        rec = DashboardRecord.from_message(record)
         if rec is None:
             self.malformed += 1
             logger.debug("flowreduce dashboard: ignored a record it cannot read: %r", record)
