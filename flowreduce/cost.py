@@ -517,14 +517,24 @@ def choose(
     if groups is not None and len(groups) < 2:
         groups = None
     direct = direct and chunks in (None, 1)
-    variants = [(n, o) for n, o in candidates(ranks, groups, direct=direct) if not algorithms or n in algorithms]
-    if not variants:
-        names = sorted({n for n, _ in candidates(2, [[0], [1]])})
-        raise ValueError(f"no candidate algorithm among {algorithms}; auto considers {names}")
-    best, best_t = _fastest(model, variants, ranks, nbytes, chunks, groups)
+    frozen = tuple(tuple(g) for g in groups) if groups is not None else None
+    best, best_t = _choice(model, ranks, float(nbytes), chunks, tuple(algorithms) if algorithms else None, frozen,
+                           direct)
     logger.info("auto chose %r (predicted %.3g s for %d bytes on %d ranks%s)", best, best_t, nbytes, ranks,
                 f", {len(groups)} hosts" if groups else "")
     return best
+
+
+@functools.lru_cache(maxsize=1024)
+def _choice(model: CostModel, ranks: int, nbytes: float, chunks: int | None, algorithms: tuple[str, ...] | None,
+            groups: tuple[tuple[int, ...], ...] | None, direct: bool) -> tuple[Plan, float]:
+    """:func:`choose`'s pick and its predicted time, once per question: a
+    training loop asks the same one every step (plans are immutable)."""
+    variants = [(n, o) for n, o in candidates(ranks, groups, direct=direct) if not algorithms or n in algorithms]
+    if not variants:
+        names = sorted({n for n, _ in candidates(2, [[0], [1]])})
+        raise ValueError(f"no candidate algorithm among {list(algorithms or [])}; auto considers {names}")
+    return _fastest(model, variants, ranks, nbytes, chunks, groups)
 
 
 def choose_sparse(
