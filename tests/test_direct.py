@@ -177,10 +177,9 @@ def test_inputs_dropped_right_after_the_call_are_still_read(proc_client):
     assert_clean(proc_client)
 
 
-def test_an_input_nobody_holds_fails_the_read_naming_rank_and_key(monkeypatch):
-    """A peer's input that no worker holds any more (its worker died, it was
-    released): the reading task fails with WorkerLostError naming the rank."""
-    monkeypatch.setattr(peer_reads, "LOST_INPUT_PATIENCE", 0.2)  # an in-process cluster sees it
+def test_an_input_nobody_holds_fails_the_read_naming_rank_and_key():
+    """A peer's input that no worker holds any more and the scheduler has
+    forgotten: the reading task fails with WorkerLostError naming the rank."""
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         a, b = workers_of(client)
@@ -188,3 +187,45 @@ def test_an_input_nobody_holds_fails_the_read_naming_rank_and_key(monkeypatch):
         reader = client.submit(peer_reads.read_peers, [(3, b, gone)], workers=[a], pure=False)
         with pytest.raises(WorkerLostError, match=r"input of rank 3 \(key \('no-such-input', 3\)\) was on worker"):
             reader.result()
+
+
+def _die():
+    import os
+
+    os._exit(1)
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["recomputable", "pinned"])
+def test_a_peer_killed_mid_call_recovers_or_names_the_rank(pinned):
+    """The worker holding rank 3's input dies while another rank's task has
+    yet to read it. Recomputable (unpinned): Dask recomputes it, the reader
+    reads it where it lands, and the result is right. Pinned to the dead
+    worker: WorkerLostError naming the input, nothing hangs."""
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        ws = workers_of(client)
+        arrays = [np.arange(1000) * (r + 1) for r in range(4)]
+        parts = [client.submit(np.array, a, workers=[ws[r]] if pinned else None, pure=False)
+                 for r, a in enumerate(arrays)]
+        wait(parts)
+        (victim,) = _holders(client, [parts[3].key])[parts[3].key]
+        reader = next(w for w in ws if w != victim)
+        busy = client.submit(time.sleep, 1.0, workers=[reader], pure=False)  # its read comes after the death
+        futures = flowreduce.allreduce(client, parts)
+        assert describe(futures).plan.algorithm == "direct"
+        try:
+            client.run(_die, workers=[victim])
+        except Exception:
+            pass  # the worker died under the call: that is the point
+        if pinned:
+            for f in futures:
+                with pytest.raises(WorkerLostError, match=r"left the cluster") as caught:
+                    f.result()
+                caught.value.__traceback__ = None  # its frames hold the future (see test_errors.py)
+            del f, caught
+        else:
+            for o in client.gather(futures):
+                np.testing.assert_array_equal(o, sum(arrays))
+        del futures, parts, busy
+        gc.collect()
+        assert_clean(client)
