@@ -68,7 +68,7 @@ from itertools import product
 from typing import Any
 
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
+from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS, direct_lowered
 from flowreduce.algorithms.ir import CostCard, Plan
 from flowreduce.algorithms.sparse import SparsePlan
 
@@ -138,9 +138,11 @@ class CostModel:
         if plan.algorithm == "shm-direct" and plan.chunks == 1 and (groups is None or len(groups) < 2):
             return self.shm_direct_time(plan, nbytes)  # one host: lowered over shared memory
         loads = link_loads(plan, groups, nbytes) if groups is not None and len(groups) > 1 else None
-        return self._time(plan.ranks, plan.chunks, plan.cost(nbytes), loads, nbytes)
+        return self._time(plan.ranks, plan.chunks, lowered_card(plan, plan.cost(nbytes)), loads, nbytes,
+                          shm_inside=shm_inside(plan))
 
-    def _time(self, ranks: int, chunks: int, card: CostCard, loads: LinkLoads | None, nbytes: float) -> float:
+    def _time(self, ranks: int, chunks: int, card: CostCard, loads: LinkLoads | None, nbytes: float,
+              shm_inside: bool = False) -> float:
         copy = (nbytes if card.copy_bytes else 0.0) / self.copy_rate
         cores = self.cores if self.cores and self.cores < ranks else None  # set when the ranks share cores
         # every byte costs CPU at both ends and all of it queues on the shared cores
@@ -155,6 +157,9 @@ class CostModel:
                 body = max(comm, compute) + min(comm, compute) / chunks + copy
             return self.call + card.steps * self.level + card.tasks * self.task + body
         intra = self.intra or Link(self.level, 1.0 / self.bandwidth)
+        if shm_inside:  # hierarchical over shared memory inside hosts: only inter-host bytes go through Dask
+            intra = self.shm or DEFAULT_SHM
+            work -= 2 * (card.bytes_on_wire - loads.inter_total) / self.bandwidth
         inter = self.inter or DEFAULT_INTER
         link = link_seconds(loads, chunks, inter.beta, intra.beta)
         latency = sum(inter.alpha if i else intra.alpha if a else self.level
@@ -250,6 +255,22 @@ class CostModel:
 
 
 DEFAULT_MODEL = CostModel()
+
+
+def shm_inside(plan: Plan) -> bool:
+    """``hierarchical`` with the shared-memory collective inside each host
+    (priced on :attr:`CostModel.shm` for its intra-host transfers)."""
+    return plan.algorithm == "hierarchical" and plan.options.get("inner") == "shm-direct" and plan.chunks == 1
+
+
+def lowered_card(plan: Plan, card: CostCard) -> CostCard:
+    """``card`` with the tasks and levels of the graph ``plan`` is lowered
+    to, where that differs from its nodes (:func:`shm_inside` plans fuse
+    their views and sums into a task per worker)."""
+    if not shm_inside(plan):
+        return card
+    tasks, steps = direct_lowered(plan)
+    return replace(card, tasks=tasks, steps=steps)
 
 _LOADED: dict[tuple[str, float], CostModel] = {}
 
@@ -440,7 +461,9 @@ def _fastest(model: CostModel, variants: list[tuple[str, dict]], ranks: int, nby
             unit_loads.host_max * nbytes, unit_loads.inter_total * nbytes)
         # fused views read whole inputs in the task: one chunk
         for c in [chunks] if chunks else [1] if base.fused_views else chunk_choices(nbytes):
-            t = model._time(ranks, c, card_at(one, two, c, len(base.nodes), nbytes), loads, nbytes)
+            card = card_at(one, two, c, len(base.nodes), nbytes)
+            t = model._time(ranks, c, lowered_card(base.with_chunks(c), card), loads, nbytes,
+                            shm_inside=shm_inside(base.with_chunks(c)))
             if t < best_t:
                 best, best_t = base.with_chunks(c), t
     if best is None:

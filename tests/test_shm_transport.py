@@ -348,3 +348,67 @@ def test_sixty_four_ranks_on_four_workers(client, shm_dir):
         np.testing.assert_array_equal(o, np.arange(1000) * (63 * 64 // 2), err_msg=f"rank {r}")
     del futures
     settled(client, shm_dir)
+
+
+def _process_memory(dask_worker=None) -> int:
+    """What Dask's memory manager reads (pause, spill, terminate): the process's RSS."""
+    return dask_worker.monitor.get_process_memory()
+
+
+def _keep_idle(seconds: float, dask_worker=None) -> float:
+    pool = shm_pool.pool()
+    before, pool.idle = pool.idle, seconds
+    return before
+
+
+def _drop_pool(dask_worker=None) -> int:
+    """Unlink every free segment and unmap every peer's now (as idle expiry does)."""
+    import time
+
+    dropped = shm_pool.current().release_idle(now=time.monotonic() + 1e9)
+    gc.collect()  # the segments' last views
+    return dropped
+
+
+def _pooled_segment_in_rss(nbytes: int, dask_worker=None) -> tuple[int, int, int]:
+    """A segment written and given back to this worker's pool (free, still
+    mapped), then dropped: (pool bytes, RSS held, RSS after the drop)."""
+    pool = shm_pool.pool()
+    seg = pool.lease(nbytes)
+    seg.view(np.uint8, nbytes)[:] = 1  # the pages a call's write touches
+    pool.give_back(seg)
+    del seg
+    held = (pool.nbytes, _process_memory(dask_worker))
+    _drop_pool()
+    return (*held, _process_memory(dask_worker))
+
+
+def test_pool_counts_in_the_workers_process_memory(client, shm_dir):
+    """Dask's memory manager watches each worker's RSS, which on Linux
+    includes the shared pages a process touched (RssShmem): its pool's
+    segments, and the pages of peers' segments it read. After a large call
+    every worker's RSS has grown by at least its pool's bytes (usage()),
+    and dropping a pooled segment gives its bytes back."""
+    n = 4_000_000  # 32 MB per rank
+    parts = scatter(client, [np.full(n, float(r)) for r in range(4)])
+    client.run(_keep_idle, 3600)  # this cluster drops idle segments after IDLE seconds
+    try:
+        client.run(_drop_pool)
+        before = client.run(_process_memory)
+        futures = flowreduce.allreduce(client, parts, algorithm="shm-direct")
+        client.gather(futures)
+        del futures  # the results are fresh arrays: gone with their keys
+        assert wait_until(lambda: leased(client) == 0, 30), usage(client)
+        pool = usage(client)
+        grown = {w: m - before[w] for w, m in client.run(_process_memory).items()}
+        client.run(_drop_pool)
+        own = client.run(_pooled_segment_in_rss, 8 * n)
+    finally:
+        client.run(_keep_idle, IDLE)
+    for w, s in pool.items():
+        assert s["bytes"] >= n * 8, s
+        assert grown[w] >= 0.9 * s["bytes"], (w, grown[w], s)
+    for w, (nbytes, held, dropped) in own.items():
+        assert nbytes >= 8 * n and held - dropped >= 0.9 * nbytes, (w, nbytes, held, dropped)
+    del parts
+    settled(client, shm_dir)

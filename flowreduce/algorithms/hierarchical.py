@@ -45,8 +45,17 @@ from types import ModuleType
 
 from flowreduce import phases
 from flowreduce.algorithms import butterfly, recursive_doubling, reduce_broadcast, ring
-from flowreduce.algorithms.ir import Draft, Plan
-from flowreduce.algorithms.patterns import Shards, Source, Tiles, check_members, finish, lcm, view_source
+from flowreduce.algorithms.ir import REDUCE, VIEW, Draft, Plan, split_range
+from flowreduce.algorithms.patterns import (
+    Shards,
+    Source,
+    Tiles,
+    check_members,
+    finish,
+    lcm,
+    memoized,
+    view_source,
+)
 
 NAME = "hierarchical"
 
@@ -56,6 +65,8 @@ Grouping = list[list[int]]
 _SCATTER: dict[str, ModuleType] = {m.NAME: m for m in (butterfly, ring)}
 #: The patterns that all-reduce a range among a subset of ranks (``outer``).
 _ALLREDUCE: dict[str, ModuleType] = {m.NAME: m for m in (butterfly, ring, recursive_doubling, reduce_broadcast)}
+#: The inner collective of workers that share memory (one level of hosts only).
+DIRECT = "shm-direct"
 #: Algorithms that split into a reduce-scatter and an all-gather.
 SCATTER_ALGORITHMS: tuple[str, ...] = tuple(_SCATTER)
 #: Algorithms :func:`all_reduce` runs on a subset of ranks.
@@ -71,6 +82,7 @@ def plan(
     inner: str | Sequence[str] = "butterfly",
     outer: str = "butterfly",
     radix: int = 2,
+    workers: Sequence[Sequence[int]] | None = None,
 ) -> Plan:
     """The hierarchical plan over ``ranks`` ranks.
 
@@ -84,13 +96,18 @@ def plan(
     levels : list of groupings, optional
         Nested partitions, innermost (host) first; each coarser grouping is
         a union of finer groups (e.g. hosts, then racks).
-    inner : {"butterfly", "ring"} or a list of them, one per level
+    inner : {"butterfly", "ring", "shm-direct"} or a list of them, one per level
         Reduce-scatter / all-gather inside a group: one algorithm for every
-        level, or one per level, innermost first.
+        level, or one per level, innermost first. ``"shm-direct"`` (one level
+        of hosts only): the one-level collective of workers sharing memory,
+        see :func:`direct_inner`.
     outer : {"butterfly", "ring", "recursive-doubling", "reduce-broadcast"}
         All-reduce among the shard owners across the top-level groups.
     radix : int
         Radix of butterfly stages and of recursive doubling.
+    workers : list of lists of int, optional
+        With ``inner="shm-direct"``: the ranks of each worker process
+        (default: a worker per rank); each worker's ranks are summed first.
 
     Raises
     ------
@@ -102,6 +119,12 @@ def plan(
              if v is not None]
     if len(given) > 1:
         raise ValueError(f"pass one of groups, group_size, levels; got {' and '.join(given)}")
+    if inner == DIRECT:
+        if given and given != ["groups"]:
+            raise ValueError(f"inner={DIRECT!r} takes the hosts as groups, not {given[0]}")
+        return direct_inner(ranks, groups=groups, workers=workers, outer=outer, radix=radix)
+    if workers is not None:
+        raise ValueError(f"workers is an option of inner={DIRECT!r}, not of inner={inner!r}")
     inners = [inner] if isinstance(inner, str) else list(inner)
     bad = [i for i in inners if i not in SCATTER_ALGORITHMS]
     if bad or not inners:
@@ -134,6 +157,98 @@ def plan(
     tiles, step = allreduce_levels(d, everyone, 0, segments, view_source(d), nested,
                                    inner=inners, outer=outer, radix=radix)
     return finish(d, tiles, step)
+
+
+def direct_inner(ranks: int, *, groups: Sequence[Sequence[int]] | None, workers: Sequence[Sequence[int]] | None,
+                 outer: str = "butterfly", radix: int = 2) -> Plan:
+    """Hierarchical with ``inner="shm-direct"``: inside each host, the
+    one-level collective of its workers (BlueConnect's layout, as NCCL runs
+    it: every worker of a host owns a slice, so every worker's link works)::
+
+        1 each worker sums its ranks' inputs            (in memory, one task)
+        2 worker j of host h reduces slice j of h over  (reads every peer of
+          its host                                       its host at once)
+        3 slice ranges all-reduced across hosts among   (outer algorithm; the
+          their owners, one per host                     only inter-host bytes)
+        4 each owner publishes its finished slice       (one task per worker)
+        5 each rank copies every slice of its host      (its result)
+
+    Lowered over shared memory (:mod:`flowreduce.build.shm_hierarchical`),
+    steps 1, 2, 4 and 5 are one task per worker (5: per rank) reading
+    peers' segments in place; the views and pre-reductions the plan lists
+    per range (so that any lowering moves exact ranges) fuse into step 1."""
+    hosts = normalize_levels(ranks, [groups if groups is not None else [[r] for r in range(ranks)]])[0]
+    procs = normalize_levels(ranks, [workers if workers is not None else [[r] for r in range(ranks)]])[0]
+    host_of = {r: h for h, g in enumerate(hosts) for r in g}
+    split = [w for w in procs if len({host_of[r] for r in w}) > 1]
+    if split:
+        raise ValueError(f"workers {split} hold ranks of several groups (hosts); a worker is on one host")
+    leaders = [[w[0] for w in sorted(procs, key=min) if host_of[w[0]] == h] for h in range(len(hosts))]
+    ranks_of = {w[0]: sorted(w) for w in procs}
+    segments = lcm([len(ls) for ls in leaders]) * divisor(outer, len(hosts), radix)
+    options: dict = {"groups": [list(g) for g in hosts], "inner": DIRECT, "outer": outer, "radix": radix}
+    if len(procs) < ranks:
+        options["workers"] = [sorted(w) for w in sorted(procs, key=min)]
+    d = Draft(NAME, ranks, segments, **options)
+    owned = {}  # leader -> its slice of its host's vector
+    for ls in leaders:
+        for j, (a, b) in enumerate(split_range(0, segments, len(ls))):
+            owned[ls[j]] = (a, b)
+
+    def summed(leader: int, a: int, b: int) -> list[int]:  # step 1: the worker's ranks summed
+        views = [d.view(r, a, b) for r in ranks_of[leader]]
+        return views if len(views) == 1 else [d.reduce(leader, a, b, views, 1, phases.REDUCE)]
+
+    local = memoized(summed)
+    peers = {r: ls for ls in leaders for r in ls}
+
+    def scattered(leader: int, a: int, b: int) -> list[int]:  # step 2: the slice over the host
+        inputs = [n for w in [leader] + [p for p in peers[leader] if p != leader] for n in local(w, a, b)]
+        return [d.reduce(leader, a, b, inputs, 2, phases.REDUCE_SCATTER)]
+
+    source = memoized(scattered)
+    cuts = sorted({x for ab in owned.values() for x in ab})
+    held: Tiles = {o: [] for o in owned}
+    end = 2
+    for a, b in zip(cuts, cuts[1:]):
+        owners = [next(o for o in ls if owned[o][0] <= a and b <= owned[o][1]) for ls in leaders]
+        tiles, last = all_reduce(d, owners, a, b, source, algorithm=outer, radix=radix, step=2)
+        end = max(end, last)
+        for o in owners:
+            held[o].extend(tiles[o])
+    published = {o: d.gather(o, *owned[o], held[o], end + 1, phases.ALL_GATHER) for o in owned}
+    finals = [d.gather(r, 0, segments, [published[o] for o in leaders[host_of[r]]], end + 2, phases.ALL_GATHER)
+              for r in range(ranks)]
+    return d.finish(finals)
+
+
+def direct_fused(plan: Plan) -> dict[int, int]:
+    """Of a :func:`direct_inner` plan lowered over shared memory: each
+    publishing node whose one input is the outer algorithm's last reduction,
+    read by nothing else, mapped to that reduction (it writes into the
+    segment itself: a task and a level fewer)."""
+    nodes, consumers = plan.nodes, plan.consumers()
+    last = max(n.step for n in nodes)
+    return {n.id: n.inputs[0] for n in nodes if n.step == last - 1 and len(n.inputs) == 1
+            and nodes[n.inputs[0]].kind == REDUCE and consumers[n.inputs[0]] == [n.id]}
+
+
+def direct_lowered(plan: Plan) -> tuple[int, int]:
+    """(tasks, dependent levels) of a :func:`direct_inner` plan lowered over
+    shared memory: the views and step-1 sums fuse into one task per worker,
+    and :func:`direct_fused` publishes into their reductions."""
+    workers = len(plan.options.get("workers") or range(plan.ranks))
+    fused = direct_fused(plan)
+    level: dict[int, int] = {}
+    for n in plan.nodes:  # topological order
+        if n.kind == VIEW or n.step == 1:
+            level[n.id] = 1  # the worker's write
+        elif n.id in fused:
+            level[n.id] = level[fused[n.id]]
+        else:
+            level[n.id] = 1 + max(level[i] for i in n.inputs)
+    kept = sum(1 for n in plan.nodes if n.kind != VIEW and n.step != 1)
+    return workers + kept - len(fused), max(level[f] for f in plan.finals)
 
 
 def normalize_levels(ranks: int, levels: Sequence[Sequence[Sequence[int]]]) -> list[Grouping]:

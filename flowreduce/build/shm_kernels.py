@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 from dask.sizeof import sizeof
 
-from flowreduce.build import shm_pool
+from flowreduce.build import kernels, shm_pool
 from flowreduce.ops import Op
 
 #: Copies through shared memory in this process, for traces: (seq, start,
@@ -259,7 +259,21 @@ def reduce_slice(op: Op, ranks: int, lo: int, hi: int, blocks: Sequence, key: st
     """Level 2 on worker i: slice [lo, hi) reduced over every worker's block,
     read in place from their segments, and written into its own block's
     slice (nobody else reads that slice of it)."""
-    own = blocks[0]  # made by write() on this worker: private, and only this task touches [lo, hi) of it
+    own, acc = _reduce_into(op, lo, hi, blocks, key)
+    if finishes_in_place(op, acc.dtype):
+        finished = op.finish(acc, ranks, owned=True)
+        if finished is not acc:
+            acc[...] = finished
+    if isinstance(own, Block):
+        return Block(own.lease, own.dtype, own.count, lo, hi)
+    return acc
+
+
+def _reduce_into(op: Op, lo: int, hi: int, blocks: Sequence, key: str) -> tuple[Any, np.ndarray]:
+    """Elements [lo, hi) of ``blocks[0]`` (this worker's, written by
+    :func:`write`: private, and only this task touches [lo, hi) of it)
+    combined in place with the same elements of every other block."""
+    own = blocks[0]
     acc = own.array[lo:hi] if isinstance(own, Block) else np.asarray(own).reshape(-1)[lo:hi]
     checks: list[Check] = []
     for value in blocks[1:]:
@@ -271,19 +285,91 @@ def reduce_slice(op: Op, ranks: int, lo: int, hi: int, blocks: Sequence, key: st
             _logged("read", key, owner_pid(check[0].name), x.nbytes, t0)
     for handle, seg in checks:
         handle.check(seg)
-    if finishes_in_place(op, acc.dtype):
-        finished = op.finish(acc, ranks, owned=True)
-        if finished is not acc:
-            acc[...] = finished
-    if isinstance(own, Block):
-        return Block(own.lease, own.dtype, own.count, lo, hi)
-    return acc
+    return own, acc
+
+
+# -- hierarchical across hosts: shared memory inside each host -------------------
+class Private(tuple):
+    """A plan node's pieces that are views of this worker's segment (held
+    here, so the lease lives while they do); sent to another host, a plain
+    tuple of copies."""
+
+    _keep: Any
+
+    def __new__(cls, pieces: Sequence[np.ndarray], keep: Any) -> Private:
+        self = super().__new__(cls, pieces)
+        self._keep = keep
+        return self
+
+    def __reduce__(self) -> tuple[type[tuple], tuple[tuple[np.ndarray, ...]]]:
+        return (tuple, (tuple(self),))
+
+
+def reduce_range(op: Op, ranks: int, lo: int, hi: int, finish: bool, blocks: Sequence,
+                 key: str = "") -> tuple[np.ndarray, ...]:
+    """A host's part of elements [lo, hi): this worker's block reduced with
+    every peer's of its host, read in place (as :func:`reduce_slice`), as a
+    plan node's pieces for the inter-host algorithm; ``finish`` when that
+    already covers every rank (one host)."""
+    own, acc = _reduce_into(op, lo, hi, blocks, key)
+    if finish:
+        acc = op.finish(acc, ranks, owned=True)
+    return Private((acc,), own) if isinstance(own, Block) else (acc,)
+
+
+def reduce_published(op: Op, ranks: int, finish: bool, shape: Any, inputs: Sequence[tuple[np.ndarray, ...]],
+                     picks: Sequence[Sequence[tuple[int, int, int]]], owned: Sequence[bool], key: str = "",
+                     owner: str = "") -> Block | np.ndarray:
+    """A worker's finished slice reduced straight into a leased segment (the
+    inter-host algorithm's last reduction fused with :func:`publish_slice`:
+    one copy and one level fewer); the plan kernel and a copy otherwise."""
+    arrays = [np.concatenate([v[i][a:b] for i, a, b in p]) if len(p) > 1 else v[p[0][0]][p[0][1]:p[0][2]]
+              for v, p in zip(inputs, picks)]
+    dtype = np.result_type(*arrays)
+    count = arrays[0].size
+    fits = op.in_place and len(arrays) > 1 and (not finish or finishes_in_place(op, dtype))
+    lease = _lease(count * dtype.itemsize, owner) if fits and count * dtype.itemsize >= shm_pool.pool().min_bytes \
+        else None
+    if lease is None:
+        acc = kernels.reduce(op, ranks, finish, None, inputs, picks, owned)[0]  # pieces: shape is None
+        return publish_slice([(acc,)], [[(0, 0, acc.size)]], key, owner)
+    t0 = time.time()
+    out = lease.segment.view(dtype, count)
+    op.combine(arrays[0], arrays[1], out=out)
+    for x in arrays[2:]:
+        op.combine(out, x, out=out)
+    if finish:
+        op.finish(out, ranks, owned=True)
+    _logged("write", key, os.getpid(), out.nbytes, t0)
+    return Block(lease, dtype, count)
+
+
+def publish_slice(inputs: Sequence[tuple[np.ndarray, ...]], picks: Sequence[Sequence[tuple[int, int, int]]],
+                  key: str = "", owner: str = "") -> Block | np.ndarray:
+    """A worker's finished slice (its tiles from the inter-host algorithm)
+    copied into a leased segment, for its host's ranks to copy out in
+    place; a plain array when no segment can be had or it is small."""
+    parts = [v[i][a:b] for v, p in zip(inputs, picks) for i, a, b in p]
+    dtype = np.result_type(*parts) if parts else np.dtype("f8")
+    count = sum(x.size for x in parts)
+    nbytes = count * dtype.itemsize
+    t0 = time.time()
+    lease = _lease(nbytes, owner) if nbytes >= shm_pool.pool().min_bytes else None
+    out = lease.segment.view(dtype, count) if lease is not None else np.empty(count, dtype)
+    at = 0
+    for x in parts:
+        out[at:at + x.size] = x
+        at += x.size
+    if lease is None:
+        return out
+    _logged("write", key, os.getpid(), nbytes, t0)
+    return Block(lease, dtype, count)
 
 
 def gather(op: Op, ranks: int, shape: tuple[int, ...], dtype: npt.DTypeLike, slices: Sequence,
-           key: str = "") -> np.ndarray:
+           key: str = "", finish: bool = True) -> np.ndarray:
     """Level 3 on each rank: its result, a fresh array of its own, copied
-    from every worker's finished slice."""
+    from every worker's finished slice (``finish=False``: already finished)."""
     parts = [_slice_of(v) for v in slices]
     count = sum(x.size for x, _ in parts)
     out = np.empty(count, np.dtype(dtype))
@@ -298,7 +384,7 @@ def gather(op: Op, ranks: int, shape: tuple[int, ...], dtype: npt.DTypeLike, sli
         if check is not None:
             handle, seg = check
             handle.check(seg)
-    if not finishes_in_place(op, out.dtype):
+    if finish and not finishes_in_place(op, out.dtype):
         out = op.finish(out, ranks, owned=True)
     return out.reshape(shape)
 

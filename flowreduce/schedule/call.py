@@ -169,6 +169,10 @@ def allreduce(
         ``"auto"`` (default): between worker processes of one host, payloads
         go through shared memory (Dask moves a small handle), and ``auto``
         may pick the one-level intra-host collective ``"shm-direct"``;
+        across hosts, ``"hierarchical"`` (and ``auto``, when the model says
+        so) runs that collective inside each host and its outer algorithm
+        between hosts (``inner="shm-direct"``; ``describe(result).links``
+        says which transport each pair of workers used);
         ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.transport`).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
@@ -471,9 +475,9 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     keys = tuple(f.key for f in inputs)
 
     def job(graph: Graph, plan: Plan, nbytes: int, groups: list[list[int]] | None, shape: tuple[int, ...],
-            dtype: str, how: str = "dask", hold: bool = False) -> Job:
+            dtype: str, how: str = "dask", links: _transport.Links = (), hold: bool = False) -> Job:
         record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, groups), tuple(workers),
-                            tuple(shape), dtype, keys, how)
+                            tuple(shape), dtype, keys, how, links)
         summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
         return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary,
                    hold=hold)
@@ -517,13 +521,16 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     plan = choose_plan(p, nbytes, levels, model, settings, direct=True)  # the inputs are in memory: readable
     if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
         plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
+    plan = _transport.prefer_hierarchical(plan, settings.algorithm, settings.options, settings.chunks_for(nbytes),
+                                          model, nbytes, workers, domains, levels)
     if plan.algorithm == _direct.NAME and plan.chunks == 1:
         return direct(plan, nbytes, shape, dtype.str)
-    graph, how = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
-                                  op=settings.op, in_place=ranks.in_place, accumulate=settings.op.accumulator(dtype))
+    graph, how, links = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
+                                         op=settings.op, in_place=ranks.in_place,
+                                         accumulate=settings.op.accumulator(dtype))
     if how != "dask":
         ensure_shm(client)
-    return job(graph, plan, nbytes, levels[0], shape, dtype.str, how)
+    return job(graph, plan, nbytes, levels[0], shape, dtype.str, how, links)
 
 
 def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], model: CostModel,

@@ -32,6 +32,13 @@ class CallRecord:
     dtype: str = ""
     input_keys: tuple[Hashable, ...] = ()
     transport: str = "dask"  # how links between workers moved bytes ("shared memory", ...)
+    #: per pair of workers that exchanged values: (source, destination, "same worker" / "shared memory" / "dask")
+    links: tuple[tuple[str, str, str], ...] = ()
+
+    def link_transports(self) -> dict[tuple[str, str], str]:
+        """``(source worker, destination worker) -> transport`` for every
+        pair of workers the plan moved values between."""
+        return {(a, b): how for a, b, how in self.links}
 
     @property
     def algorithm(self) -> str:

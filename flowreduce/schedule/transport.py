@@ -4,7 +4,9 @@ between shared memory and Dask's comm, per rank and per plan.
 ``transport="auto"`` (the default) moves the payload of every edge between
 two worker processes of one host through shared memory, and lets ``auto``
 choose the one-level intra-host collective (``shm-direct``) when all ranks
-share a host; ``"dask"`` turns all of it off (every byte through Dask's
+share a host; across hosts, ``hierarchical`` runs that collective inside
+each host (``inner="shm-direct"``) and its outer algorithm between hosts,
+and ``auto`` may choose it; ``"dask"`` turns all of it off (every byte through Dask's
 comm, as before); ``"shm"`` is ``auto`` that says so.
 
 A worker's memory domain is its node and machine (its
@@ -15,16 +17,17 @@ over by reference and need no shared memory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from flowreduce.algorithms import plan as make_plan
+from flowreduce.algorithms.hierarchical import DIRECT as DIRECT_INNER
 from flowreduce.algorithms.ir import Plan
-from flowreduce.build import shm_direct, shm_edges
+from flowreduce.build import shm_direct, shm_edges, shm_hierarchical, shm_pool
 from flowreduce.build.graph import Graph, build_graph
-from flowreduce.cost import CostModel
+from flowreduce.cost import CostModel, tune
 from flowreduce.ops import Op
 
 TRANSPORTS = ("auto", "shm", "dask")
@@ -86,23 +89,103 @@ def prefer_direct(plan: Plan, model: CostModel, nbytes: int, workers: Sequence[s
     return plan
 
 
+def hosts_share_memory(hosts: Sequence[Sequence[int]], domains: Sequence[Any]) -> bool:
+    """Every host's ranks share one memory domain, and there are several
+    domains: hierarchical's inner phases can go through shared memory."""
+    doms = [{domains[r] for r in g} for g in hosts]
+    return (len(hosts) > 1 and all(len(d) == 1 and None not in d and IN_PROCESS not in d for d in doms)
+            and len({next(iter(d)) for d in doms}) > 1)
+
+
+def direct_hierarchical(p: int, nbytes: int, model: CostModel, workers: Sequence[str],
+                        hosts: Sequence[Sequence[int]], **options: Any) -> Plan:
+    """``hierarchical`` with the one-level shared-memory collective inside
+    each host, its outer algorithm (unless in ``options``) chosen by the model."""
+    groups = shm_direct.worker_groups(workers)
+    extra = {"workers": groups} if len(groups) < p else {}
+    return tune("hierarchical", p, nbytes, model=model, chunks=1, hosts=hosts,
+                **{**options, "groups": [list(g) for g in hosts], "inner": DIRECT_INNER, **extra})
+
+
+def prefer_hierarchical(plan: Plan, algorithm: str, options: Mapping[str, Any], chunks: int | None,
+                        model: CostModel, nbytes: int, workers: Sequence[str], domains: Sequence[Any],
+                        levels: Sequence[Sequence[Sequence[int]]]) -> Plan:
+    """Across hosts whose workers share memory: a named ``hierarchical``
+    that leaves its inner algorithm and groups open runs ``shm-direct``
+    inside each host; ``auto`` takes that plan when the model predicts it
+    faster than its pick. Anything else: ``plan`` as chosen."""
+    if len(levels) != 1 or chunks not in (None, 1) or not hosts_share_memory(levels[0], domains):
+        return plan
+    if algorithm == "hierarchical" and not {"inner", "groups", "group_size", "levels", "workers"} & set(options):
+        return direct_hierarchical(plan.ranks, nbytes, model, workers, levels[0], **options)
+    if algorithm == "auto" and chunks is None:
+        direct = direct_hierarchical(plan.ranks, nbytes, model, workers, levels[0])
+        if model.predict(direct, nbytes, levels[0]) < model.predict(plan, nbytes, levels[0]):
+            return direct
+    return plan
+
+
+def uses_shm_hierarchical(plan: Plan, workers: Sequence[str], domains: Sequence[Any]) -> bool:
+    """Whether ``plan`` is lowered as hierarchical over shared memory inside hosts."""
+    return (plan.algorithm == "hierarchical" and plan.options.get("inner") == DIRECT_INNER and plan.chunks == 1
+            and hosts_share_memory(plan.options["groups"], domains))
+
+
 def uses_shm(plan: Plan, workers: Sequence[str], domains: Sequence[Any]) -> bool:
     """Whether ``plan`` is lowered as the shared-memory collective."""
     return plan.algorithm == DIRECT and plan.chunks == 1 and one_host(workers, domains)
 
 
+#: Per link, how it moved bytes: ``(source worker, destination worker, transport)``.
+Links = tuple[tuple[str, str, str], ...]
+
+
 def lower(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], domains: Sequence[Any], *, size: int,
-          shape: tuple[int, ...], dtype: np.dtype, op: Op, in_place: bool, accumulate: Any) -> tuple[Graph, str]:
-    """The graph of ``plan``, with shared memory where it applies, and a
-    word for :func:`describe` saying how its links moved bytes."""
+          shape: tuple[int, ...], dtype: np.dtype, op: Op, in_place: bool, accumulate: Any) -> tuple[Graph, str, Links]:
+    """The graph of ``plan``, with shared memory where it applies, a word
+    for :func:`describe` saying how its links moved bytes, and per link
+    (pair of workers) which transport it used."""
+    nbytes = size * np.dtype(accumulate or dtype).itemsize
     if uses_shm(plan, workers, domains):
         graph = shm_direct.build_direct(plan, inputs, workers, size=size, shape=shape, dtype=dtype, op=op,
                                         accumulate=accumulate)
-        return graph, ("same worker" if len(set(workers)) == 1 else
-                       "in-process" if domains[0] == IN_PROCESS else "shared memory")
+        how = ("same worker" if len(set(workers)) == 1 else
+               "in-process" if domains[0] == IN_PROCESS else "shared memory")
+        return graph, how, links(plan, workers, domains, nbytes, direct=True)
+    if uses_shm_hierarchical(plan, workers, domains):
+        graph = shm_hierarchical.build_hierarchical(plan, inputs, workers, size=size, shape=shape, dtype=dtype,
+                                                    op=op, in_place=in_place, accumulate=accumulate)
+        return graph, "shared memory within hosts, dask across", links(plan, workers, domains, nbytes, direct=True)
     graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op, in_place=in_place,
                         accumulate=accumulate)
     shared = shm_edges.published_nodes(plan, workers, [None if d == IN_PROCESS else d for d in domains])
+    found = links(plan, workers, domains, nbytes, published=shared)
     if not shared:
-        return graph, "dask"
-    return shm_edges.publish(graph, shared), "shared memory within hosts, dask across"
+        return graph, "dask", found
+    return shm_edges.publish(graph, shared), "shared memory within hosts, dask across", found
+
+
+def links(plan: Plan, workers: Sequence[str], domains: Sequence[Any], nbytes: float, *, direct: bool = False,
+          published: Collection[int] = ()) -> Links:
+    """Which transport each pair of workers exchanging values used:
+    ``same worker``, ``in-process``, ``shared memory`` (a lowering over
+    segments, ``direct``, or a ``published`` node), else ``dask``. Values
+    under ``flowreduce.shm.min-bytes`` (the client's setting) go by Dask."""
+    small = shm_pool.config()["min-bytes"]
+    unit = nbytes / plan.segments / plan.chunks if plan.segments else 0.0
+    found: dict[tuple[str, str], set[str]] = {}
+    for t in plan.transfers():
+        a, b = workers[t.source], workers[t.dest]
+        same_host = domains[t.source] is not None and domains[t.source] == domains[t.dest]
+        if a == b:
+            kind = "same worker"
+        elif same_host and domains[t.source] == IN_PROCESS:
+            kind = "in-process"
+        elif same_host and direct and nbytes >= small:
+            kind = "shared memory"
+        elif same_host and t.src in published and (t.hi - t.lo) * unit >= small:
+            kind = "shared memory"
+        else:
+            kind = "dask"
+        found.setdefault((a, b), set()).add(kind)
+    return tuple((a, b, " and ".join(sorted(k))) for (a, b), k in sorted(found.items()))
