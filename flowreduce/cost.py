@@ -370,12 +370,16 @@ def link_loads(plan: Plan, groups: Groups, nbytes: float) -> LinkLoads:
 QUADRATIC_PLANS_UP_TO = 16
 
 
-def candidates(ranks: int, groups: Groups | None = None) -> list[tuple[str, dict]]:
+def candidates(ranks: int, groups: Groups | None = None, *, direct: bool = False) -> list[tuple[str, dict]]:
     """Flat algorithms (radix 2, 4 and p; ring and radix-p butterfly only up
-    to :data:`QUADRATIC_PLANS_UP_TO` ranks), and, when ``groups`` holds more
-    than one host, ``hierarchical`` over those hosts with every inner/outer pair."""
+    to :data:`QUADRATIC_PLANS_UP_TO` ranks), ``direct`` when the call can
+    lower it (its inputs are in memory on known workers: ``direct=True``),
+    and, when ``groups`` holds more than one host, ``hierarchical`` over
+    those hosts with every inner/outer pair."""
     small = ranks <= QUADRATIC_PLANS_UP_TO
     out: list[tuple[str, dict]] = [("reduce-broadcast", {})] + ([("ring", {})] if small else [])
+    if direct and ranks > 1:
+        out.insert(0, ("direct", {}))  # first: on a tie with the radix-p exchange, one level fewer wins
     for k in sorted({2, 4, ranks}):
         if k >= 2:
             if k < ranks or small:
@@ -455,7 +459,8 @@ def _fastest(model: CostModel, variants: list[tuple[str, dict]], ranks: int, nby
         loads = None if unit_loads is None else LinkLoads(
             tuple(x * nbytes for x in unit_loads.inter), tuple(x * nbytes for x in unit_loads.intra),
             unit_loads.host_max * nbytes, unit_loads.inter_total * nbytes)
-        for c in [chunks] if chunks else chunk_choices(nbytes):
+        # fused views read whole inputs in the task: one chunk
+        for c in [chunks] if chunks else [1] if base.fused_views else chunk_choices(nbytes):
             card = card_at(one, two, c, len(base.nodes), nbytes)
             t = model._time(ranks, c, lowered_card(base.with_chunks(c), card), loads, nbytes,
                             shm_inside=shm_inside(base.with_chunks(c)))
@@ -504,6 +509,7 @@ def choose(
     chunks: int | None = None,
     algorithms: list[str] | None = None,
     groups: Groups | None = None,
+    direct: bool = False,
 ) -> Plan:
     """The plan with the lowest predicted time (``algorithm="auto"``).
 
@@ -522,6 +528,9 @@ def choose(
         The ranks of each host. With more than one host, transfers between
         hosts are priced on the model's inter-host link and ``hierarchical``
         over these hosts is a candidate.
+    direct : bool
+        Whether the one-level ``direct`` plan is a candidate: the call's
+        inputs are in memory on known workers, whole (one chunk).
 
     Returns
     -------
@@ -530,14 +539,25 @@ def choose(
     model = model_for(model, None)
     if groups is not None and len(groups) < 2:
         groups = None
-    variants = [(n, o) for n, o in candidates(ranks, groups) if not algorithms or n in algorithms]
-    if not variants:
-        names = sorted({n for n, _ in candidates(2, [[0], [1]])})
-        raise ValueError(f"no candidate algorithm among {algorithms}; auto considers {names}")
-    best, best_t = _fastest(model, variants, ranks, nbytes, chunks, groups)
+    direct = direct and chunks in (None, 1)
+    frozen = tuple(tuple(g) for g in groups) if groups is not None else None
+    best, best_t = _choice(model, ranks, float(nbytes), chunks, tuple(algorithms) if algorithms else None, frozen,
+                           direct)
     logger.info("auto chose %r (predicted %.3g s for %d bytes on %d ranks%s)", best, best_t, nbytes, ranks,
                 f", {len(groups)} hosts" if groups else "")
     return best
+
+
+@functools.lru_cache(maxsize=1024)
+def _choice(model: CostModel, ranks: int, nbytes: float, chunks: int | None, algorithms: tuple[str, ...] | None,
+            groups: tuple[tuple[int, ...], ...] | None, direct: bool) -> tuple[Plan, float]:
+    """:func:`choose`'s pick and its predicted time, once per question: a
+    training loop asks the same one every step (plans are immutable)."""
+    variants = [(n, o) for n, o in candidates(ranks, groups, direct=direct) if not algorithms or n in algorithms]
+    if not variants:
+        names = sorted({n for n, _ in candidates(2, [[0], [1]])})
+        raise ValueError(f"no candidate algorithm among {list(algorithms or [])}; auto considers {names}")
+    return _fastest(model, variants, ranks, nbytes, chunks, groups)
 
 
 def choose_sparse(

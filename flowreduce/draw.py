@@ -67,6 +67,7 @@ PHASE_COLOURS: dict[str, str] = {
     phases.REDUCE_SCATTER: "#fdae6b",
     phases.REDUCE: "#fd8d3c",
     phases.EXCHANGE: "#fdd0a2",
+    phases.READ_REDUCE: "#e6550d",
     phases.ALL_GATHER: "#9ecae1",
     phases.BROADCAST: "#a1d99b",
     phases.OUTPUT: "#bcbddc",
@@ -291,13 +292,20 @@ def task_graph(plan: Plan, *, size: int | None = None, op: str = "sum") -> dict[
     """The Dask tasks ``plan`` lowers to, built on stand-in inputs
     ``TaskRef(("input", rank))`` and workers ``"worker-<rank>"`` with a fixed
     token, so the keys are the same on every call. ``size`` (elements per
-    rank) defaults to one element per segment per chunk."""
+    rank) defaults to one element per segment per chunk. ``direct`` in one
+    chunk is lowered as the front door lowers it (:mod:`flowreduce.build.direct`:
+    a task per rank, reading its peers' inputs itself)."""
     from dask.task_spec import TaskRef
 
+    from flowreduce.build.direct import build_direct
     from flowreduce.build.graph import build_graph
     from flowreduce.ops import resolve_op
 
     size = plan.segments * plan.chunks if size is None else size
+    if plan.fused_views and plan.chunks == 1:
+        refs = [TaskRef(("input", r)) for r in range(plan.ranks)]
+        return build_direct(plan, refs, [f"worker-{r}" for r in range(plan.ranks)],
+                            input_keys=[ref.key for ref in refs], op=resolve_op(op), read=None, token="0" * 32).tasks
     return build_graph(
         plan, [TaskRef(("input", r)) for r in range(plan.ranks)], [f"worker-{r}" for r in range(plan.ranks)],
         size=size, shape=(size,), op=resolve_op(op), token="0" * 32,
@@ -454,6 +462,7 @@ CANONICAL: tuple[Drawing, ...] = (
     Drawing("recursive-doubling", 8, {"radix": 8}, note="direct all-to-all exchange in one step"),
     Drawing("tree", 8, {"fan_in": 3}),
     Drawing("butterfly", 4, chunks=2, tasks=True, note="the Dask task graph, 2 chunks"),
+    Drawing("direct", 4, tasks=True, note="one task per rank, reading its peers' inputs itself: one level"),
 )
 
 

@@ -31,9 +31,11 @@ ALL_GATHER = "all-gather"
 BROADCAST = "broadcast"
 COMPACT = "compact"  # sparse: a rank's non-zeros (or non-zero blocks) of a range
 AGGREGATE = "aggregate"  # block-sparse: an aggregator adds the compacted ranges it owns
+READ_REDUCE = "read-reduce"  # direct: a task reads its peers' inputs itself and reduces all of them
 
 #: Every phase a planner may give a node, in drawing-legend order.
-PLAN_PHASES: tuple[str, ...] = (SPLIT, REDUCE_SCATTER, REDUCE, EXCHANGE, ALL_GATHER, BROADCAST, COMPACT, AGGREGATE)
+PLAN_PHASES: tuple[str, ...] = (SPLIT, REDUCE_SCATTER, REDUCE, EXCHANGE, READ_REDUCE, ALL_GATHER, BROADCAST, COMPACT,
+                                AGGREGATE)
 
 # -- key-only phases: tasks the builder adds around a plan ------------------------
 OUTPUT = "output"  # a rank's result (a copy, or the concatenation of its pieces)
@@ -77,6 +79,7 @@ TRACE_PHASE_OF: dict[str, str] = {
     BROADCAST: COPY,
     COMPACT: SPLIT,
     AGGREGATE: REDUCE,
+    READ_REDUCE: REDUCE,  # the reads happen inside the task: its time is the reduction's and the reads'
     OUTPUT: COPY,
     PACK: FUSION,
     UNPACK: FUSION,

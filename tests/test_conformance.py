@@ -23,8 +23,10 @@ from conftest import assert_clean, scatter_ranks
 from dask.task_spec import DataNode, TaskRef
 
 import flowreduce
+from flowreduce.build.direct import build_direct
 from flowreduce.build.graph import build_graph
 from flowreduce.ops import resolve_op
+from flowreduce.schedule.inputs import check_values
 
 ALGS = list(flowreduce.ALGORITHMS)  # every registered algorithm, and auto
 #: Planner options the defaults do not reach (the front door picks them by cost).
@@ -55,17 +57,25 @@ def _plan(algorithm, options, p, nbytes, chunks):
     return flowreduce.plan(algorithm, p, chunks=chunks, **options)
 
 
-def run_graph(arrays, algorithm, options=(), *, op="sum", chunks=1):
+def run_graph(arrays, algorithm, options=(), *, op="sum", chunks=1, workers=None):
     """All-reduce ``arrays`` (one per rank) without a cluster: plan, lower,
     and run the graph with dask's synchronous scheduler. Objects pass by
     reference there, so the graph is built not to reduce in place (as for
-    ``inproc://`` workers)."""
+    ``inproc://`` workers). ``direct`` in one chunk is lowered as the front
+    door lowers it (:mod:`flowreduce.build.direct`), with no workers to read
+    from: every input a dependency, its tasks checking the inputs;
+    ``workers`` (default one per rank) groups ranks sharing a worker."""
     p, a0 = len(arrays), arrays[0]
     op_ = resolve_op(op)
     plan = _plan(algorithm, dict(options), p, a0.nbytes, chunks)
     refs = [TaskRef(("input", r)) for r in range(p)]
-    graph = build_graph(plan, refs, [f"worker-{r}" for r in range(p)], size=a0.size, shape=a0.shape, op=op_,
-                        in_place=False, accumulate=op_.accumulator(a0.dtype))
+    workers = workers or [f"worker-{r}" for r in range(p)]
+    if plan.algorithm == "direct" and plan.chunks == 1:
+        graph = build_direct(plan, refs, workers, input_keys=[ref.key for ref in refs], op=op_, read=None,
+                             check=check_values)
+    else:
+        graph = build_graph(plan, refs, workers, size=a0.size, shape=a0.shape, op=op_, in_place=False,
+                            accumulate=op_.accumulator(a0.dtype))
     tasks = {**graph.tasks, **{ref.key: DataNode(ref.key, a) for ref, a in zip(refs, arrays)}}
     return dask.get(tasks, graph.outputs, scheduler="sync")
 
@@ -142,6 +152,7 @@ OPS_DTYPES = (
     + [("logaddexp", dt) for dt in FLOATS] + [(np.bitwise_xor, dt) for dt in INTS + ["bool"]]
 )
 OPS_FAST = [(a, p) for a in ALGS for p in range(1, 9)]
+OPS_DIRECT = list(range(1, 9))  # direct's own lowering (one chunk), ranks sharing 3 workers
 OPS_CASES = [("butterfly", 3), ("ring", 5), ("auto", 4)]  # through the front door
 
 
@@ -192,6 +203,18 @@ def test_ops_and_dtypes(algorithm, ranks):
         arrays = _inputs(rng, dtype, ranks, 257, op)
         out = run_graph(arrays, algorithm, op=op, chunks=2)
         _check_op(out, _reference(op, arrays), f"{algorithm} ranks={ranks} n=257 {_opname(op)} {dtype}", ranks)
+
+
+@pytest.mark.parametrize("ranks", OPS_DIRECT, ids=[f"direct-p{p}" for p in OPS_DIRECT])
+def test_ops_and_dtypes_direct(ranks):
+    """The same for the one-level ``direct`` lowering: its kernel sums in
+    rank order (ranks sharing a worker summed once, copied per rank)."""
+    rng = np.random.default_rng(7)
+    workers = [f"w{r % 3}" for r in range(ranks)]
+    for op, dtype in OPS_DTYPES:
+        arrays = _inputs(rng, dtype, ranks, 257, op)
+        out = run_graph(arrays, "direct", op=op, workers=workers)
+        _check_op(out, _reference(op, arrays), f"direct ranks={ranks} n=257 {_opname(op)} {dtype}", ranks)
 
 
 @pytest.mark.parametrize("algorithm,ranks", OPS_CASES, ids=[f"{a}-p{p}" for a, p in OPS_CASES])

@@ -25,6 +25,7 @@ OPTIONS = {
     "butterfly": [{"radix": 2}, {"radix": 3}, {"radix": 4}, {"radix": 8}, {"radix": 17}],
     "ring": [{}],
     "shm-direct": [{}],
+    "direct": [{}],
     "hierarchical": [{}, {"group_size": 2}, {"group_size": 3, "inner": "ring"},
                      {"group_size": 4, "outer": "ring", "radix": 3}],
 }
@@ -269,6 +270,7 @@ def fingerprint_cases():
     sparse plans. ``drawn``: the plan's DOT is fingerprinted too."""
     for p in RANKS:
         yield "ring", "ring", p, {}, True
+        yield "direct", "direct", p, {}, True
         yield "reduce-broadcast root=0", "reduce-broadcast", p, {"root": 0}, True
         yield "reduce-broadcast root=last", "reduce-broadcast", p, {"root": p - 1}, True
         for k in KNOBS:

@@ -17,6 +17,7 @@ from typing import Any
 from flowreduce.algorithms import (
     block_sparse,
     butterfly,
+    direct,
     hierarchical,
     kary_tree,
     recursive_doubling,
@@ -29,7 +30,8 @@ from flowreduce.algorithms import (
 from flowreduce.algorithms.ir import Plan
 
 _PLANNERS: dict[str, Callable[..., Plan]] = {
-    m.NAME: m.plan for m in (reduce_broadcast, kary_tree, recursive_doubling, butterfly, ring, hierarchical, shm_direct)
+    m.NAME: m.plan for m in (reduce_broadcast, kary_tree, recursive_doubling, butterfly, ring, hierarchical, shm_direct,
+                             direct)
 }
 _SPARSE_PLANNERS: dict[str, Callable[..., Plan]] = {
     m.NAME: m.plan for m in (sparse_recursive_doubling, sparse_split_allgather, block_sparse)

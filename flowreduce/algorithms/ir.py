@@ -137,6 +137,9 @@ class Plan:
     finals: tuple[int, ...]
     chunks: int = 1
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: In one chunk, the lowering reads the views inside the tasks that consume
+    #: them (``direct``): views are neither tasks nor a level of their own.
+    fused_views: bool = field(default=False, compare=False)
 
     def __repr__(self) -> str:
         opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
@@ -176,8 +179,14 @@ class Plan:
 
     @property
     def depth(self) -> int:
+        """Dependent task levels, the views' level included unless they are fused."""
         lv = self.structure.levels
-        return max(lv[f] + self.output_is_separate(r) for r, f in enumerate(self.finals))
+        return max(lv[f] + self.output_is_separate(r) for r, f in enumerate(self.finals)) - self._fused
+
+    @property
+    def _fused(self) -> bool:
+        """Views fused into their readers: one chunk only (more are lowered as any plan)."""
+        return self.fused_views and self.chunks == 1
 
     def cost(self, nbytes: float = 0.0) -> CostCard:
         """Counts for a vector of ``nbytes`` bytes per rank (all chunks)."""
@@ -186,9 +195,10 @@ class Plan:
         outputs = sum(self.output_is_separate(r) for r in range(self.ranks))
         # an output made of several pieces is concatenated once (a fresh copy)
         pieced = self.ranks if c > 1 else st.pieced_finals
+        views = sum(n.kind == VIEW for n in self.nodes) if self._fused else 0
         return CostCard(
             steps=self.depth,
-            tasks=c * len(self.nodes) + outputs,
+            tasks=c * (len(self.nodes) - views) + outputs,
             messages=c * len(st.transfers),
             bytes_on_wire=st.wire_width * unit,
             max_rank_bytes=st.max_rank_width * unit,
@@ -267,10 +277,10 @@ class Draft:
         n = self.nodes[node]
         return n.lo, n.hi
 
-    def finish(self, finals) -> Plan:
+    def finish(self, finals, *, fused_views: bool = False) -> Plan:
         return Plan(
             self.algorithm, self.ranks, self.segments, tuple(self.nodes),
-            tuple(finals), options=dict(self.options),
+            tuple(finals), options=dict(self.options), fused_views=fused_views,
         )
 
 

@@ -34,10 +34,12 @@ from distributed import Client, Future
 
 from flowreduce import config, dashboard
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
+from flowreduce.algorithms import direct as _direct
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.algorithms.sparse import SparsePlan
 from flowreduce.build.buckets import build_tree_graph
+from flowreduce.build.direct import build_direct
 from flowreduce.build.graph import Graph
 from flowreduce.build.sparse import (
     BlockCall,
@@ -61,13 +63,15 @@ from flowreduce.schedule.inputs import (
     SparseMeta,
     TreeMeta,
     check_cluster,
-    check_dtype,
     check_dtypes,
+    check_values,
+    checked_array,
     common_array,
     common_layout,
     common_sparse,
     rank_futures,
 )
+from flowreduce.schedule.peer_reads import read_peers
 from flowreduce.schedule.records import CallRecord, PytreeRecord
 from flowreduce.schedule.shm_plugin import ensure_shm
 
@@ -312,9 +316,18 @@ def _check_cap(what: str, chunks: int) -> None:
                           "plan node; the dask config key 'flowreduce.max-chunks' sets the cap)")
 
 
+@dataclass(frozen=True)
+class Unseen:
+    """Numpy arrays in memory, known only by their bytes (what the scheduler
+    knows of them): the tasks of the call check the rest."""
+
+    nbytes: int
+
+
 #: What a call's ranks hold, agreed by all: one numpy array each, scipy.sparse
-#: inputs, or tensors (pytrees, or arrays described by a template).
-Held = ArrayMeta | SparseInputs | Layout
+#: inputs, tensors (pytrees, or arrays described by a template), or numpy
+#: arrays the call's tasks check.
+Held = ArrayMeta | SparseInputs | Layout | Unseen
 
 
 @dataclass(frozen=True)
@@ -323,7 +336,9 @@ class Ranks:
     ``futures[r]`` (in the order of ``outer``'s leaves) run on
     ``workers[r]``; ``held`` is what every rank holds. ``check``: the first
     task of each rank checks its input against ``held`` (from a template:
-    nothing was waited for)."""
+    nothing was waited for), or, for :class:`Unseen` inputs, all ranks'
+    inputs against each other. ``plan``: the plan, when choosing it decided
+    how the inputs are checked (``direct`` on :class:`Unseen` inputs)."""
 
     outer: TreeDef
     futures: tuple[tuple[Future, ...], ...]
@@ -331,6 +346,7 @@ class Ranks:
     places: Mapping[str, hosts.Place]
     held: Held
     check: bool = False
+    plan: Plan | None = None
 
     @property
     def in_place(self) -> bool:
@@ -342,9 +358,15 @@ class Ranks:
 def describe_inputs(client: Client, outer: TreeDef, futures: list[list[Future]], like: Any,
                     settings: Settings) -> Ranks:
     """Place the ranks and check what they hold, once. With a template
-    (``like``) nothing is waited for; else the inputs are waited for and
-    the workers say what they hold."""
+    (``like``) nothing is waited for; numpy arrays already in memory, small
+    enough that the cost model picks the one-level ``direct`` plan, are
+    placed from one scheduler call and checked by that plan's tasks
+    (:func:`glance`); else the inputs are waited for and the workers say
+    what they hold."""
     frozen = tuple(tuple(fs) for fs in futures)
+    quick = glance(client, outer, frozen, settings) if like is None else None
+    if quick is not None:
+        return quick
     if like is not None:
         with raised_as(InputError):
             layout = Layout.from_template(outer, like)
@@ -363,19 +385,42 @@ def describe_inputs(client: Client, outer: TreeDef, futures: list[list[Future]],
     elif settings.algorithm in SPARSE_ALGORITHMS or any(isinstance(m[0], SparseMeta) for m in metas):
         held = common_sparse([m[0] for m in metas])
     else:
-        held = common_array([m[0] for m in metas])
-        check_dtype(np.dtype(held.dtype), settings.op)
+        held = checked_array([m[0] for m in metas], settings.op)
     return Ranks(outer, frozen, tuple(workers), places, held)
 
 
+def glance(client: Client, outer: TreeDef, futures: tuple[tuple[Future, ...], ...],
+           settings: Settings) -> Ranks | None:
+    """The ranks of a call whose plan is ``direct`` (named, or ``auto``'s
+    pick at this size), placed from what the scheduler knows of their
+    inputs (:func:`~flowreduce.schedule.placement.glance`: numpy arrays in
+    memory) without asking the workers: the plan's tasks check the inputs.
+    None when that does not apply."""
+    if not outer.is_leaf or settings.algorithm not in ("auto", _direct.NAME):
+        return None
+    seen = placement.glance(client, [fs[0] for fs in futures])
+    if seen is None:
+        return None
+    workers, nbytes = seen
+    places = hosts.worker_places(client, workers)  # asked once per worker and client, then kept
+    model = model_for(settings.model, hosts.shared_cores(workers, places))
+    levels = hosts.rank_levels(client, workers, places, settings.topology)
+    plan = choose_plan(len(workers), nbytes, levels, model, settings, direct=True)
+    if plan.algorithm != _direct.NAME or plan.chunks != 1:
+        return None
+    return Ranks(outer, futures, tuple(workers), places, Unseen(nbytes), check=True, plan=plan)
+
+
 def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings,
-                wire: SparseCall | BlockCall | None = None, aggregators: int = 0) -> Plan:
+                wire: SparseCall | BlockCall | None = None, aggregators: int = 0, direct: bool = False) -> Plan:
     """The plan for ``p`` ranks of ``nbytes`` each, judged by ``model``, the
     ranks grouped by host (and coarser levels) as in ``levels``: ``auto``
     chooses among all algorithms (among the sparse ones for scipy.sparse
-    inputs, ``wire``); a named one is tuned in what the call leaves open
-    (chunks; hierarchical's groups, inner and outer). Block-sparse calls
-    (``wire``) have one plan, over ``aggregators`` aggregating workers."""
+    inputs, ``wire``; ``direct`` only when the call can lower it: its
+    inputs are arrays in memory on known workers); a named one is tuned in
+    what the call leaves open (chunks; hierarchical's groups, inner and
+    outer). Block-sparse calls (``wire``) have one plan, over
+    ``aggregators`` aggregating workers."""
     chunks = settings.chunks_for(nbytes)
     options = dict(settings.options)
     with raised_as(OptionError):
@@ -393,7 +438,7 @@ def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostM
         if settings.algorithm == "auto":
             if options:
                 raise OptionError(f"options {sorted(options)} need a named algorithm, not 'auto'")
-            return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0])
+            return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0], direct=direct)
         if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
             options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
         return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
@@ -414,6 +459,7 @@ class Job:
     whole: PytreeRecord | None = None
     priority: int = 0
     summary: tuple[Any, ...] = ()  # what the log says of it: a format and its arguments
+    hold: bool = False  # the tasks read inputs they do not depend on: the guard keeps them until the call is done
 
 
 def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
@@ -429,11 +475,23 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     keys = tuple(f.key for f in inputs)
 
     def job(graph: Graph, plan: Plan, nbytes: int, groups: list[list[int]] | None, shape: tuple[int, ...],
-            dtype: np.dtype, how: str = "dask", links: _transport.Links = ()) -> Job:
+            dtype: str, how: str = "dask", links: _transport.Links = (), hold: bool = False) -> Job:
         record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, groups), tuple(workers),
-                            tuple(shape), dtype.str, keys, how, links)
+                            tuple(shape), dtype, keys, how, links)
         summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
-        return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
+        return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary,
+                   hold=hold)
+
+    def direct(plan: Plan, nbytes: int, shape: tuple[int, ...], dtype: str) -> Job:
+        """The one-level plan: its tasks read the peers' inputs themselves (and check them if asked)."""
+        graph = build_direct(plan, inputs, workers, input_keys=keys, op=settings.op, read=read_peers,
+                             check=check_values if ranks.check else None)
+        return job(graph, plan, nbytes, levels[0], shape, dtype, "dask", hold=True)
+
+    if isinstance(held, Unseen):
+        levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
+        assert ranks.plan is not None  # glance() chose it
+        return direct(ranks.plan, held.nbytes, (), "")
 
     if isinstance(held, SparseInputs):
         if settings.chunks is None and settings.chunk_bytes is not None:
@@ -442,7 +500,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
             sparse = sparse_call(held, op=settings.op, algorithm=settings.algorithm, options=settings.options)
         plan = choose_plan(p, held.size * np.dtype(held.dtype).itemsize, [], model, settings, sparse)
         low = lower_sparse(cast(SparsePlan, plan), inputs, workers, sparse, in_place=ranks.in_place)
-        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
+        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype.str)
     shape, dtype = held.shape, np.dtype(held.dtype)
     size = math.prod(shape)
     nbytes = size * dtype.itemsize
@@ -454,22 +512,25 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         plan = choose_plan(p, nbytes, [], model, settings, blocks, aggregators=len(aggregators))
         low = lower_blocks(cast(SparsePlan, plan), inputs, workers, blocks, in_place=ranks.in_place,
                            aggregators=aggregators)
-        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype)
+        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype.str)
     levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
     domains = _transport.memory_domains(workers, ranks.places, settings.transport)
     if settings.algorithm == _transport.DIRECT:  # its groups: the ranks of each worker; one chunk unless asked
         settings = replace(settings, options=_transport.direct_options(dict(settings.options), workers),
                            chunks=settings.chunks_for(nbytes) or 1)
-    plan = choose_plan(p, nbytes, levels, model, settings)
+    plan = choose_plan(p, nbytes, levels, model, settings, direct=True)  # the inputs are in memory: readable
     if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
         plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
     plan = _transport.prefer_hierarchical(plan, settings.algorithm, settings.options, settings.chunks_for(nbytes),
                                           model, nbytes, workers, domains, levels)
+    if plan.algorithm == _direct.NAME and plan.chunks == 1:
+        return direct(plan, nbytes, shape, dtype.str)
     graph, how, links = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
-                                  op=settings.op, in_place=ranks.in_place, accumulate=settings.op.accumulator(dtype))
+                                         op=settings.op, in_place=ranks.in_place,
+                                         accumulate=settings.op.accumulator(dtype))
     if how != "dask":
         ensure_shm(client)
-    return job(graph, plan, nbytes, levels[0], shape, dtype, how, links)
+    return job(graph, plan, nbytes, levels[0], shape, dtype.str, how, links)
 
 
 def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], model: CostModel,
@@ -517,7 +578,7 @@ def submit(client: Client, job: Job, ranks: Ranks | None = None, timeout: float 
     with dask.annotate(workers=job.placement.get, allow_other_workers=False):
         futures = client.get(named_graph(job.tasks, job.token), job.keys, sync=False, priority=job.priority)
     inputs = [[f.key for f in fs] for fs in ranks.futures] if ranks is not None else []
-    guard.watch(client, job.token, job.keys, inputs, timeout)
+    guard.watch(client, job.token, job.keys, inputs, timeout, hold=job.hold)
     records.remember(client, job.calls, job.whole)
     dashboard.publish(client, job.calls, group=job.token)
     logger.info(*job.summary)

@@ -99,6 +99,7 @@ class Watch:
     pending: set[Hashable] = field(default_factory=set)  # results not done yet
     timer: Any = None
     patched: list[Any] = field(default_factory=list)  # scattered inputs given a run_spec that names them when lost
+    holder: str | None = None  # the pseudo-client keeping the inputs while the call reads them without depending
 
 
 class PinGuard(SchedulerPlugin):
@@ -128,8 +129,10 @@ class PinGuard(SchedulerPlugin):
     # -- the client's message at submission ------------------------------------------------------------
 
     def watch(self, token: str = "", outputs: Sequence[Hashable] = (), inputs: Sequence[Sequence[Hashable]] = (),
-              timeout: float | None = None, client: Any = None, **_: Any) -> None:
-        """Watch call ``token``: its ``outputs`` keys, ``inputs[r]`` the input keys of rank ``r``."""
+              timeout: float | None = None, client: Any = None, hold: bool = False, **_: Any) -> None:
+        """Watch call ``token``: its ``outputs`` keys, ``inputs[r]`` the input keys of rank ``r``.
+        ``hold``: its tasks read inputs they do not depend on (``direct``), so
+        the inputs are kept, as a client's futures keep them, until the call is done."""
         s = self.scheduler
         ranks: dict[Hashable, list[int]] = {}
         for r, keys in enumerate(inputs):
@@ -142,6 +145,9 @@ class PinGuard(SchedulerPlugin):
         self.watches[token] = w
         for k in w.outputs:
             self.watch_of[k] = token
+        if hold:
+            w.holder = f"flowreduce-hold-{token}"
+            s.client_desires_keys(keys=[k for k in ranks if k in s.tasks], client=w.holder)
         for k, rs in ranks.items():
             self.input_ranks.setdefault(k, []).extend(rs)
             ts = s.tasks.get(k)
@@ -162,6 +168,10 @@ class PinGuard(SchedulerPlugin):
             w.timer.cancel()
         for k in w.outputs:
             self.watch_of.pop(k, None)
+        if w.holder is not None and w.holder in self.scheduler.clients:
+            self.scheduler.client_releases_keys(keys=list(w.inputs), client=w.holder,
+                                                stimulus_id=f"flowreduce-release-{token}")
+            self.scheduler.clients.pop(w.holder, None)
         for k, rs in w.inputs.items():
             left = self.input_ranks.get(k, [])
             for r in rs:
@@ -293,10 +303,12 @@ def _explain_inputs(keys: list[Hashable], ranks: dict[Hashable, list[int]], dask
 
 
 def watch(client: Any, token: str, outputs: Sequence[Hashable], inputs: Sequence[Sequence[Hashable]],
-          timeout: float | None) -> None:
+          timeout: float | None, hold: bool = False) -> None:
     """Tell the guard about a call just submitted: its result keys, each
-    rank's input keys, and how long it may take (None: forever). Sent on the
-    client's stream after the graph, so the scheduler knows the keys by then."""
+    rank's input keys, and how long it may take (None: forever); ``hold``:
+    keep the inputs until the call is done (its tasks read them without
+    depending on them). Sent on the client's stream after the graph, so the
+    scheduler knows the keys by then, and before the caller can release an input."""
     ensure_guard(client)
     client._send_to_scheduler({"op": "flowreduce-watch", "token": token, "outputs": list(outputs),
-                               "inputs": [list(ks) for ks in inputs], "timeout": timeout})
+                               "inputs": [list(ks) for ks in inputs], "timeout": timeout, "hold": hold})

@@ -210,6 +210,20 @@ def common_array(metas: Sequence[Meta]) -> ArrayMeta:
     return ArrayMeta(tuple(spec.shape), np.dtype(spec.dtype).str)
 
 
+def checked_array(metas: Sequence[Meta], op: Op) -> ArrayMeta:
+    """:func:`common_array`, and a dtype ``op`` can reduce (:func:`check_dtype`)."""
+    held = common_array(metas)
+    check_dtype(np.dtype(held.dtype), op)
+    return held
+
+
+def check_values(values: Sequence[Any], op: Op) -> None:
+    """:func:`checked_array` on the ranks' values themselves (in rank order):
+    the same errors, naming the same ranks. Runs in the tasks of a call that
+    did not ask the workers what they hold (:mod:`flowreduce.build.direct`)."""
+    checked_array([meta_of(v) for v in values], op)
+
+
 def common_sparse(metas: Sequence[Meta]) -> SparseInputs:
     """The common description of all ranks' sparse inputs.
 

@@ -14,7 +14,13 @@ Two ways, one per kind of call:
   loosely or to several workers) could run anywhere, so it is waited for and
   then placed where it landed.
 
-Both check the futures' status with :func:`check_status` and wait with
+* :func:`glance` neither waits nor asks the workers: one scheduler call
+  reports every input key's state, holders, size and type. When every input
+  is a numpy array in memory, that places the ranks and sizes the call, and
+  the call's first tasks check what the ranks hold (the one-level ``direct``
+  collective does: :mod:`flowreduce.build.direct`).
+
+All check the futures' status with :func:`check_status` and wait with
 :func:`wait_on`, on the client's own event loop.
 """
 
@@ -98,6 +104,12 @@ def locate(client: Any, ranks: Sequence[Sequence[Any]], timeout: float | None = 
         pinned = client.run_on_scheduler(_restrictions, replicated)
         for k in replicated:
             holders[k] = [w for w in holders[k] if w in pinned.get(k, ())] or holders[k]
+    return _spread(ranks, holders), [[meta[f.key] for f in fs] for fs in ranks]
+
+
+def _spread(ranks: Sequence[Sequence[Any]], holders: dict[Hashable, list[str]]) -> list[list[str]]:
+    """The worker of each rank's futures among their holders: sole holders
+    first, then the least loaded holder."""
     load: Counter[str] = Counter()
     chosen: dict[tuple[int, int], str] = {}
     order = sorted(((r, j) for r, fs in enumerate(ranks) for j in range(len(fs))),
@@ -106,8 +118,49 @@ def locate(client: Any, ranks: Sequence[Sequence[Any]], timeout: float | None = 
         w = min(holders[ranks[r][j].key], key=lambda w: load[w])
         chosen[r, j] = w
         load[w] += 1
-    workers = [[chosen[r, j] for j in range(len(fs))] for r, fs in enumerate(ranks)]
-    return workers, [[meta[f.key] for f in fs] for fs in ranks]
+    return [[chosen[r, j] for j in range(len(fs))] for r, fs in enumerate(ranks)]
+
+
+#: What the scheduler calls a numpy array's type (``ts.type``; None for scattered data).
+NDARRAY = "numpy.ndarray"
+
+
+def glance(client: Any, ranks: Sequence[Any]) -> tuple[list[str], int] | None:
+    """The worker of each rank's future and the bytes of each input, from one
+    scheduler call, when every input is a numpy array in memory of one size
+    (its shape and dtype are not known here: the call's tasks check them).
+    None otherwise (pending, scattered, other types, sizes that disagree): the
+    caller waits for the inputs and asks the workers (:func:`locate`).
+
+    Raises
+    ------
+    InputStateError
+        An input that failed, was cancelled or lost.
+    """
+    check_status([[f] for f in ranks])
+    keys = list(dict.fromkeys(f.key for f in ranks))
+    states = client.run_on_scheduler(_array_states, keys)
+    if states is None or len({st[3] for st in states.values()}) != 1:
+        return None
+    holders: dict[Hashable, list[str]] = {}
+    for k, (state, held, pinned, _, kind) in states.items():
+        if state != "memory" or kind != NDARRAY or not held:
+            return None
+        holders[k] = [w for w in held if w in pinned] or list(held)
+    workers = _spread([[f] for f in ranks], holders)
+    return [ws[0] for ws in workers], next(iter(states.values()))[3]
+
+
+def _array_states(keys: list[Hashable], dask_scheduler: Any = None) -> dict[Hashable, tuple] | None:
+    """On the scheduler: ``key -> (state, holders, restrictions, nbytes, type)``; None if a key is unknown."""
+    out = {}
+    for k in keys:
+        ts = dask_scheduler.tasks.get(k)
+        if ts is None:
+            return None
+        out[k] = (ts.state, sorted(ws.address for ws in ts.who_has or ()), sorted(ts.worker_restrictions or ()),
+                  ts.nbytes, ts.type)
+    return out
 
 
 def _held(keys: list[Hashable], dask_worker: Any = None) -> tuple[dict[Hashable, Meta], hosts.Place]:

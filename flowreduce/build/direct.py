@@ -1,0 +1,98 @@
+"""Lower the ``direct`` plan (:mod:`flowreduce.algorithms.direct`): one
+dependent level. Imports dask, never distributed.
+
+One task per worker, pinned there, depending only on the inputs of the
+ranks that worker holds; it reads the other ranks' inputs itself, worker to
+worker (``read``: :func:`flowreduce.schedule.peer_reads.read_peers`, passed
+in by the schedule layer, the only one talking to distributed), checks that
+the ranks agree (``check``: the client's own input check, run on the values)
+and sums all of them in rank order. With one rank on the worker, that task
+is the rank's result; with several, each of them gets a copy of the sum (a
+second, local level): p tasks, plus one per worker holding several ranks.
+No input is fetched by Dask, so no replica of an input is
+left behind on another worker.
+
+Without ``read`` (dask's synchronous scheduler, no workers to read from)
+every input is a dependency of every task instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import numpy as np
+from dask.task_spec import List, Task, TaskRef
+
+from flowreduce import keys, phases
+from flowreduce.algorithms.ir import Plan
+from flowreduce.build.graph import Graph
+from flowreduce.build.shm_direct import worker_groups
+from flowreduce.ops import Op
+
+#: ``(rank, worker, key)``: a peer rank's input, where it is held.
+Peer = tuple[int, str, Hashable]
+#: Reads peers' inputs on a worker: ``read(peers) -> {rank: value}``.
+Read = Callable[[Sequence[Peer]], dict[int, Any]]
+#: Checks the ranks' values (in rank order) agree and suit the op, raising an error naming the ranks.
+Check = Callable[[Sequence[Any], Op], None]
+
+
+def reduce_in_rank_order(op: Op, values: Sequence[Any]) -> np.ndarray:
+    """``values[0] op values[1] op ...``, into a fresh array (in the op's
+    accumulating dtype), then the op's finish: the same bits on every rank."""
+    first = np.asarray(values[0])
+    acc = first.astype(op.accumulator(first.dtype) or first.dtype, copy=True)
+    for x in values[1:]:
+        acc = np.asarray(op.combine(acc, x, out=acc))
+    return op.finish(acc, len(values), owned=True)
+
+
+def read_reduce(op: Op, ranks: int, local_ranks: Sequence[int], local: Sequence[Any], peers: Sequence[Peer],
+                read: Read | None, check: Check | None) -> np.ndarray:
+    """The task: the local ranks' inputs (dependencies), the peers' read
+    from their workers, checked, reduced in rank order."""
+    values = dict(zip(local_ranks, local))
+    if peers:
+        if read is None:
+            raise RuntimeError("direct: peers to read but no reader (the graph was built without one)")
+        values.update(read(peers))
+    ordered = [values[r] for r in range(ranks)]
+    if check is not None:
+        check(ordered, op)
+    return reduce_in_rank_order(op, ordered)
+
+
+def copy(x: np.ndarray) -> np.ndarray:
+    """A rank's own result, copied from its worker's sum."""
+    return x.copy()
+
+
+def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, input_keys: Sequence[Hashable],
+                 op: Op, read: Read | None, check: Check | None = None, token: str | None = None) -> Graph:
+    """The graph of ``plan`` (``direct``, one chunk) for rank inputs
+    ``inputs`` (futures or TaskRefs, keyed ``input_keys``) held on
+    ``workers``; ``read`` None makes every input a dependency (no workers)."""
+    p = plan.ranks
+    if len(inputs) != p or len(workers) != p or len(input_keys) != p:
+        raise ValueError(f"plan is for {p} ranks, got {len(inputs)} inputs, {len(workers)} workers, "
+                         f"{len(input_keys)} keys")
+    token = token or keys.new_token()
+    name = plan.algorithm
+    tasks: dict[Hashable, Task] = {}
+    placement: dict[Hashable, str] = {}
+    outputs = [keys.output_key(name, token, r) for r in range(p)]
+    for g, ranks in enumerate(worker_groups(workers)):
+        local = list(ranks) if read is not None else list(range(p))
+        peers = tuple((r, workers[r], input_keys[r]) for r in range(p) if r not in local)
+        first = outputs[ranks[0]]
+        if len(ranks) > 1:  # the worker's sum, copied into each of its ranks' results
+            first = keys.node_key(name, phases.READ_REDUCE, token, 1, ranks[0], 0, g)
+        tasks[first] = Task(first, read_reduce, op, p, tuple(local), List(*(inputs[r] for r in local)), peers,
+                            read, check)
+        placement[first] = workers[ranks[0]]
+        if len(ranks) > 1:
+            for r in ranks:
+                tasks[outputs[r]] = Task(outputs[r], copy, TaskRef(first))
+                placement[outputs[r]] = workers[r]
+    return Graph(tasks, outputs, placement, token)

@@ -1,0 +1,125 @@
+"""Read peers' inputs from their workers inside a task: the reads of the
+one-level ``direct`` collective (:mod:`flowreduce.build.direct`).
+
+A task that depends only on its own rank's input asks each peer's worker for
+the peer's input itself, with the call Dask's own dependency fetch uses
+(``distributed.worker.get_data_from_worker``), all peers at once, one
+request per worker. A worker that is busy serving others says so, and is
+asked again (as Dask does). A worker that no longer holds the input, or is
+gone, is replaced by a holder the scheduler names; when none holds it any
+more and it is not being recomputed (it failed, was forgotten, or nothing
+happens for :data:`LOST_INPUT_PATIENCE` s) the task fails with
+:class:`~flowreduce.errors.WorkerLostError` naming the rank and the key.
+While it waits for a recomputation the task secedes from the worker's
+thread pool: the recomputation may need that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable, Sequence
+from typing import Any, cast
+
+from dask.typing import Key
+
+from flowreduce.errors import WorkerLostError
+
+#: Scheduler states of an input being (re)computed: a reader waits for it.
+COMPUTING = frozenset({"waiting", "queued", "processing"})
+#: Seconds a read waits for a lost input in any other state (released, no-worker)
+#: to be recomputed or failed by the guard, before the task fails on its own.
+LOST_INPUT_PATIENCE = 10.0
+#: Seconds to connect to a peer before asking the scheduler again who holds
+#: its input (a worker that died is still listed until the scheduler notices).
+CONNECT_SECONDS = 2.0
+
+
+def read_peers(peers: Sequence[tuple[int, str, Hashable]]) -> dict[int, Any]:
+    """``{rank: value}`` of the peers ``(rank, worker, key)``; runs in a task."""
+    from distributed import get_worker
+    from distributed.utils import sync
+
+    worker = get_worker()
+    by_worker: dict[str, dict[Hashable, list[int]]] = {}
+    for r, w, k in peers:
+        by_worker.setdefault(w, {}).setdefault(k, []).append(r)
+
+    async def read_all(patient: bool) -> list[dict[Hashable, Any]]:
+        return await asyncio.gather(*(_read(worker, w, ks, patient) for w, ks in by_worker.items()))
+
+    try:
+        values = sync(worker.loop, read_all, False)
+    except _Absent:  # an input no worker holds now: wait for Dask to recompute it, off the worker's thread
+        from distributed import rejoin, secede
+
+        secede()  # the recomputation may need this very thread (all readers waiting would be a deadlock)
+        try:
+            values = sync(worker.loop, read_all, True)
+        finally:
+            rejoin()
+    out: dict[int, Any] = {}
+    for ks, got in zip(by_worker.values(), values):
+        for k, rs in ks.items():
+            for r in rs:
+                out[r] = got[k]
+    return out
+
+
+class _Absent(Exception):
+    """No worker holds an input now (the first, impatient read gives up at once)."""
+
+
+async def _read(worker: Any, address: str, wanted: dict[Hashable, list[int]], patient: bool) -> dict[Hashable, Any]:
+    """The values of the ``wanted`` keys (key -> ranks), asked of ``address``
+    first; an input nobody holds raises :class:`_Absent` unless ``patient``."""
+    from distributed.metrics import monotonic
+    from distributed.worker import get_data_from_worker
+
+    got: dict[Hashable, Any] = {}
+    where = {k: address for k in wanted}
+    pause, lost_since = 0.001, None
+    while True:
+        asked: dict[str, list[Key]] = {}
+        for k in wanted:
+            if k not in got:
+                asked.setdefault(where[k], []).append(cast(Key, k))
+        busy: set[Hashable] = set()
+        for w, ks in asked.items():
+            try:
+                # connect first, briefly: a dead worker's address would otherwise take the whole
+                # connect timeout (30 s) to fail; the connection goes back to the pool for the read
+                worker.rpc.reuse(w, await worker.rpc.connect(w, timeout=CONNECT_SECONDS))
+                reply = await get_data_from_worker(worker.rpc, ks, w, who=worker.address)
+            except OSError:  # the worker is gone (CommClosedError is an OSError): ask who else holds it
+                continue
+            if reply["status"] == "busy":  # it serves too many transfers: ask again shortly
+                busy.update(ks)
+                continue
+            got.update((k, v) for k, v in reply["data"].items() if k in wanted)
+        absent = [k for k in wanted if k not in got]
+        if not absent:
+            return got
+        if busy.issuperset(absent):
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            continue
+        holders = await worker.scheduler.who_has(keys=absent)
+        for k in absent:
+            if holders.get(k):
+                where[k] = holders[k][0]
+        if any(holders.get(k) for k in absent):
+            lost_since = None
+        elif not patient:
+            raise _Absent()
+        else:
+            states = await worker.scheduler.get_task_status(keys=absent)
+            lost_since = monotonic() if lost_since is None else lost_since
+            gone = [k for k in absent if states.get(k) in (None, "erred", "forgotten")]
+            stuck = [k for k in absent if states.get(k) not in COMPUTING]
+            if gone or (stuck and monotonic() - lost_since > LOST_INPUT_PATIENCE):
+                k = (gone or stuck)[0]
+                raise WorkerLostError(
+                    f"input of rank {', '.join(map(str, wanted[k]))} (key {k!r}) was on worker {address}, and "
+                    f"no worker holds it any more (its worker left the cluster, or it was released); this "
+                    "all-reduce cannot read it. Recompute it and call allreduce again.")
+        await asyncio.sleep(0.01)

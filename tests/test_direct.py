@@ -1,0 +1,231 @@
+"""The one-level ``direct`` all-reduce for small vectors: its plan and cost
+card, the graph it lowers to (one task per rank, depending only on its own
+input; ranks sharing a worker summed once), and, on real worker processes,
+the front door's path that asks the scheduler, not the workers, before
+submitting: numbers against numpy, the same bits on every rank, the input
+check run in the tasks (errors naming the ranks), inputs kept while they
+are read, no replica and no key left behind."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+import pytest
+from conftest import assert_clean, workers_of
+from dask.task_spec import TaskRef
+from distributed import Client, LocalCluster, wait
+
+import flowreduce
+from flowreduce import describe
+from flowreduce.algorithms import plan as make_plan
+from flowreduce.build.direct import build_direct
+from flowreduce.cost import choose
+from flowreduce.errors import InputError, InputTypeError, WorkerLostError
+from flowreduce.ops import resolve_op
+from flowreduce.schedule import peer_reads, placement
+
+# -- plan and cost card ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 7, 64])
+def test_plan_is_complete_and_one_level(p):
+    plan = make_plan("direct", p)
+    plan.check()
+    card = plan.cost(1000.0)
+    assert (card.steps, card.tasks, card.messages) == (1, p, p * (p - 1))
+    assert card.max_rank_bytes == pytest.approx(2 * (p - 1) * 1000.0)  # p-1 reads of n in, as many served
+
+
+def test_auto_picks_direct_for_small_vectors_only_when_it_can_lower_it():
+    assert choose(4, 8e3, direct=True).algorithm == "direct"
+    assert choose(4, 8e3).algorithm != "direct"  # e.g. a template call: nothing in memory to read
+    assert choose(4, 8e8, direct=True).algorithm != "direct"  # p²·n bytes: the bandwidth plans win
+    assert choose(4, 8e3, direct=True, chunks=3).algorithm != "direct"  # it reads whole inputs
+
+
+# -- the lowered graph -------------------------------------------------------------------------------
+
+def _graph(p, workers):
+    refs = [TaskRef(("input", r)) for r in range(p)]
+    return build_direct(make_plan("direct", p), refs, workers, input_keys=[r.key for r in refs],
+                        op=resolve_op("sum"), read=peer_reads.read_peers)
+
+
+def _levels(graph):
+    level = {}
+
+    def of(key):
+        if key not in graph.tasks:
+            return 0
+        if key not in level:
+            level[key] = 1 + max((of(d) for d in graph.tasks[key].dependencies), default=0)
+        return level[key]
+
+    return max(of(k) for k in graph.outputs)
+
+
+def test_four_ranks_on_four_workers_are_four_tasks_in_one_level():
+    workers = [f"w{r}" for r in range(4)]
+    g = _graph(4, workers)
+    assert len(g.tasks) == 4 and _levels(g) == 1
+    for r, key in enumerate(g.outputs):
+        assert g.tasks[key].dependencies == {("input", r)}  # its own input only: the peers are read
+        assert g.placement[key] == workers[r]
+
+
+def test_sixty_four_ranks_on_four_workers_sum_once_per_worker():
+    p, w = 64, 4
+    workers = [f"w{r % w}" for r in range(p)]
+    g = _graph(p, workers)
+    assert len(g.tasks) <= 3 * p + w * 2  # at most 3 tasks per rank plus O(w log w)
+    assert len(g.tasks) == p + w and _levels(g) == 2
+    sums = [k for k in g.tasks if k not in set(g.outputs)]
+    assert len(sums) == w
+    for k in sums:  # each worker's sum depends on that worker's inputs only
+        mine = {("input", r) for r in range(p) if workers[r] == g.placement[k]}
+        assert g.tasks[k].dependencies == mine
+    for r, key in enumerate(g.outputs):
+        (dep,) = g.tasks[key].dependencies
+        assert g.placement[dep] == g.placement[key] == workers[r]
+
+
+# -- through the front door, on worker processes -----------------------------------------------------
+
+def _submitted(client, arrays, workers=None):
+    """Rank r's array computed by a task on worker r mod W (so the scheduler knows its type and size)."""
+    ws = workers or workers_of(client)
+    out = [client.submit(np.array, a, workers=[ws[r % len(ws)]], pure=False) for r, a in enumerate(arrays)]
+    wait(out)
+    return out
+
+
+def _holders(client, keys):
+    return client.run_on_scheduler(
+        lambda dask_scheduler: {k: sorted(ws.address for ws in dask_scheduler.tasks[k].who_has) for k in keys})
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 6])
+def test_small_vectors_take_one_level_without_asking_the_workers(proc_client, monkeypatch, ranks):
+    """Integers exact, ranks sharing workers (6 on 4), and no broadcast to
+    the workers before submitting (locating would fail here)."""
+
+    def no_locate(*args, **kwargs):
+        raise AssertionError("the small-vector path must not ask the workers")
+
+    monkeypatch.setattr(placement, "locate", no_locate)
+    rng = np.random.default_rng(ranks)
+    arrays = [rng.integers(-10**6, 10**6, size=1000) for _ in range(ranks)]
+    parts = _submitted(proc_client, arrays)
+    futures = flowreduce.allreduce(proc_client, parts)
+    assert describe(futures).plan.algorithm == "direct"
+    for r, o in enumerate(proc_client.gather(futures)):
+        np.testing.assert_array_equal(o, sum(arrays), err_msg=f"rank {r}")
+    where = _holders(proc_client, [f.key for f in parts])
+    assert all(len(ws) == 1 for ws in where.values()), f"inputs copied to other workers: {where}"
+    del futures, parts
+    assert_clean(proc_client)
+
+
+def test_every_rank_gets_the_same_bits(proc_client):
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(777) * 10.0 ** rng.integers(-8, 8, size=777) for _ in range(6)]
+    out = proc_client.gather(flowreduce.allreduce(proc_client, _submitted(proc_client, arrays), algorithm="direct"))
+    expected = arrays[0].copy()
+    for a in arrays[1:]:
+        expected += a  # rank order
+    for r, o in enumerate(out):
+        assert o.tobytes() == expected.tobytes(), f"rank {r} differs"
+
+
+@pytest.mark.parametrize("arrays,error,match", [
+    ([np.ones(4), np.ones(4), np.ones(4, dtype=np.int64), np.ones(4)], InputError,
+     r"ranks disagree on dtypes: ranks \[0, 1, 3\]: shape \(4,\), dtype float64; ranks \[2\]: shape \(4,\), dtype int64"),
+    ([np.ones(4), np.ones((2, 2)), np.ones(4)], InputError,
+     r"ranks disagree on shapes: ranks \[0, 2\]: shape \(4,\).*ranks \[1\]: shape \(2, 2\)"),
+    ([np.ones(3, dtype=bool)] * 3, InputTypeError, "mean' of boolean"),
+], ids=["dtypes", "shapes", "mean-of-bool"])
+def test_the_tasks_check_the_inputs_and_name_the_ranks(proc_client, arrays, error, match):
+    """Same sizes, so the scheduler cannot tell them apart: the tasks check,
+    with the client's own message, and every rank's result fails with it."""
+    parts = _submitted(proc_client, arrays)
+    futures = flowreduce.allreduce(proc_client, parts, op="mean" if arrays[0].dtype == bool else "sum")
+    assert describe(futures).plan.algorithm == "direct"
+    for f in futures:
+        with pytest.raises(error, match=match) as caught:
+            f.result()
+        caught.value.__traceback__ = None  # its frames hold `futures` (see test_errors.py)
+    del futures, parts, caught, f
+    gc.collect()
+    assert_clean(proc_client)
+
+
+def test_inputs_dropped_right_after_the_call_are_still_read(proc_client):
+    """The tasks read peers' inputs they do not depend on: the call keeps
+    them until it is done, even when the caller lets go at once."""
+    rng = np.random.default_rng(2)
+    arrays = [rng.integers(0, 100, size=1000) for _ in range(4)]
+    parts = _submitted(proc_client, arrays)
+    last = workers_of(proc_client)[-1]
+    busy = proc_client.submit(time.sleep, 1.0, workers=[last], pure=False)  # its reader starts after the others end
+    futures = flowreduce.allreduce(proc_client, parts)
+    del parts
+    for o in proc_client.gather(futures):
+        np.testing.assert_array_equal(o, sum(arrays))
+    del futures, busy
+    assert_clean(proc_client)
+
+
+def test_an_input_nobody_holds_fails_the_read_naming_rank_and_key():
+    """A peer's input that no worker holds any more and the scheduler has
+    forgotten: the reading task fails with WorkerLostError naming the rank."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        a, b = workers_of(client)
+        gone = ("no-such-input", 3)
+        reader = client.submit(peer_reads.read_peers, [(3, b, gone)], workers=[a], pure=False)
+        with pytest.raises(WorkerLostError, match=r"input of rank 3 \(key \('no-such-input', 3\)\) was on worker"):
+            reader.result()
+
+
+def _die():
+    import os
+
+    os._exit(1)
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["recomputable", "pinned"])
+def test_a_peer_killed_mid_call_recovers_or_names_the_rank(pinned):
+    """The worker holding rank 3's input dies while another rank's task has
+    yet to read it. Recomputable (unpinned): Dask recomputes it, the reader
+    reads it where it lands, and the result is right. Pinned to the dead
+    worker: WorkerLostError naming the input, nothing hangs."""
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        ws = workers_of(client)
+        arrays = [np.arange(1000) * (r + 1) for r in range(4)]
+        parts = [client.submit(np.array, a, workers=[ws[r]] if pinned else None, pure=False)
+                 for r, a in enumerate(arrays)]
+        wait(parts)
+        (victim,) = _holders(client, [parts[3].key])[parts[3].key]
+        reader = next(w for w in ws if w != victim)
+        busy = client.submit(time.sleep, 1.0, workers=[reader], pure=False)  # its read comes after the death
+        futures = flowreduce.allreduce(client, parts)
+        assert describe(futures).plan.algorithm == "direct"
+        try:
+            client.run(_die, workers=[victim])
+        except Exception:
+            pass  # the worker died under the call: that is the point
+        if pinned:
+            for f in futures:
+                with pytest.raises(WorkerLostError, match=r"left the cluster") as caught:
+                    f.result()
+                caught.value.__traceback__ = None  # its frames hold the future (see test_errors.py)
+            del f, caught
+        else:
+            for o in client.gather(futures):
+                np.testing.assert_array_equal(o, sum(arrays))
+        del futures, parts, busy
+        gc.collect()
+        assert_clean(client)
