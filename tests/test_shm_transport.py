@@ -412,3 +412,27 @@ def test_pool_counts_in_the_workers_process_memory(client, shm_dir):
         assert nbytes >= 8 * n and held - dropped >= 0.9 * nbytes, (w, nbytes, held, dropped)
     del parts
     settled(client, shm_dir)
+
+
+def test_pool_stays_within_a_share_of_the_workers_memory_limit(tmp_path):
+    """The pool's pages count in the worker's RSS, by which Dask's memory
+    manager pauses and kills workers: the bound is at most
+    ``memory-fraction`` of the memory limit, and a value past it goes
+    through Dask's comm (the result stays right)."""
+    d = str(tmp_path)
+    settings = {"flowreduce.shm.directory": d, "flowreduce.shm.idle-seconds": IDLE,
+                "flowreduce.shm.memory-fraction": 0.25}
+    with dask.config.set(settings):
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                               memory_limit="400MiB")
+    with cluster, Client(cluster) as c:
+        small = [np.arange(100_000, dtype=np.int64) * (r + 1) for r in range(2)]  # 0.8 MB: through the pool
+        out = flowreduce.allreduce(c, scatter(c, small), algorithm="shm-direct")
+        np.testing.assert_array_equal(c.gather(out)[1], small[0] + small[1])
+        limits = {s["limit"] for s in usage(c).values()}
+        assert limits == {int(0.25 * (400 << 20))}, usage(c)
+        big = [np.arange(15_000_000, dtype=np.int64) + r for r in range(2)]  # 120 MB: past the 100 MiB bound
+        out = flowreduce.allreduce(c, scatter(c, big), algorithm="shm-direct")
+        np.testing.assert_array_equal(c.gather(out)[0], big[0] + big[1])
+        assert all(s["bytes"] <= 100 << 20 for s in usage(c).values()), usage(c)
+        del out

@@ -24,6 +24,10 @@ when the process's pool is made):
 ``flowreduce.shm.enabled``      false: never use shared memory
 ``flowreduce.shm.directory``    where segments live (default ``/dev/shm``)
 ``flowreduce.shm.pool-bytes``   bound on this process's segments, leased or free
+``flowreduce.shm.memory-fraction``  and at most this share of the worker's memory
+                                limit (the plugin applies it: the pool's pages
+                                count in the worker's RSS, which Dask's memory
+                                manager pauses and kills by)
 ``flowreduce.shm.idle-seconds`` free segments and peer mappings unused this long are dropped
 ``flowreduce.shm.min-bytes``    a plan node's value smaller than this goes through Dask's comm
                                 (a message that small costs no more than the handle)
@@ -49,7 +53,7 @@ logger = logging.getLogger("flowreduce")
 
 PREFIX = "flowreduce-shm-"
 #: The settings' keys under ``flowreduce.shm`` (defaults in flowreduce/flowreduce.yaml).
-KEYS = ("enabled", "directory", "pool-bytes", "idle-seconds", "min-bytes")
+KEYS = ("enabled", "directory", "pool-bytes", "memory-fraction", "idle-seconds", "min-bytes")
 #: Segments are sized in these units so calls of nearby sizes share them.
 GRAIN = 1 << 20
 #: Bytes at the head of a segment: its lease generation (an int64), so a
@@ -69,6 +73,7 @@ def config() -> dict:
     for k in ("pool-bytes", "min-bytes"):
         got[k] = parse_bytes(got[k]) if isinstance(got[k], str) else int(got[k])
     got["idle-seconds"] = float(got["idle-seconds"])
+    got["memory-fraction"] = float(got["memory-fraction"])
     got["enabled"] = bool(got["enabled"])
     return got
 
@@ -164,7 +169,8 @@ class Pool:
         with self._lock:
             return {"leased": len(self._leased), "free": len(self._free), "peers": len(self._peers),
                     "bytes": sum(s.size for s in (*self._leased.values(), *self._free.values())),
-                    "peer_bytes": sum(s.size for s in self._peers.values()), "directory": self.directory,
+                    "peer_bytes": sum(s.size for s in self._peers.values()), "limit": self.limit,
+                    "directory": self.directory,
                     "reason": self.reason}
 
     def names(self) -> list[str]:

@@ -42,6 +42,7 @@ class SharedMemoryPlugin(WorkerPlugin):
         if self.settings is not None and shm_pool.current() is None:
             dask.config.set({f"flowreduce.shm.{k}": v for k, v in self.settings.items()})
         pool = shm_pool.pool()
+        bound_by_memory(pool, worker.memory_manager.memory_limit, shm_pool.config()["memory-fraction"])
         interval = max(0.05, min(pool.idle / 2, 5.0)) * 1000
         self._idle = PeriodicCallback(self._release_idle, interval)
         self._idle.start()
@@ -74,6 +75,15 @@ class SharedMemoryPlugin(WorkerPlugin):
             idle.stop()
         if worker.status in (Status.closing, Status.closed, Status.closing_gracefully, Status.failed):
             shm_pool.close()  # the worker is going; a replaced plugin leaves the pool to its successor
+
+
+def bound_by_memory(pool: shm_pool.Pool, memory_limit: int | None, fraction: float) -> None:
+    """Keep the pool within ``fraction`` of the worker's memory limit: its
+    pages count in the worker's RSS, and a worker past its limit is paused,
+    then killed by its nanny (seen at 1e8 elements with the 4 GiB default
+    and 6 GiB workers). No limit, no change."""
+    if memory_limit:
+        pool.limit = min(pool.limit, int(fraction * memory_limit))
 
 
 def pool_stats(dask_worker: Worker | None = None) -> dict:
