@@ -76,19 +76,16 @@ def test_four_ranks_on_four_workers_are_four_tasks_in_one_level():
 
 
 def test_sixty_four_ranks_on_four_workers_sum_once_per_worker():
+    """One task per worker, in one level: its key is the result of every rank on that worker."""
     p, w = 64, 4
     workers = [f"w{r % w}" for r in range(p)]
     g = _graph(p, workers)
-    assert len(g.tasks) <= 3 * p + w * 2  # at most 3 tasks per rank plus O(w log w)
-    assert len(g.tasks) == p + w and _levels(g) == 2
-    sums = [k for k in g.tasks if k not in set(g.outputs)]
-    assert len(sums) == w
-    for k in sums:  # each worker's sum depends on that worker's inputs only
-        mine = {("input", r) for r in range(p) if workers[r] == g.placement[k]}
-        assert g.tasks[k].dependencies == mine
+    assert len(g.tasks) == w and _levels(g) == 1
     for r, key in enumerate(g.outputs):
-        (dep,) = g.tasks[key].dependencies
-        assert g.placement[dep] == g.placement[key] == workers[r]
+        assert g.placement[key] == workers[r]
+        mine = {("input", s) for s in range(p) if workers[s] == workers[r]}
+        assert g.tasks[key].dependencies == mine  # that worker's inputs only: the others are read
+    assert len(set(g.outputs)) == w
 
 
 # -- through the front door, on worker processes -----------------------------------------------------
@@ -124,7 +121,13 @@ def test_small_vectors_take_one_level_without_asking_the_workers(proc_client, mo
         np.testing.assert_array_equal(o, sum(arrays), err_msg=f"rank {r}")
     where = _holders(proc_client, [f.key for f in parts])
     assert all(len(ws) == 1 for ws in where.values()), f"inputs copied to other workers: {where}"
-    del futures, parts
+    # a result per worker: the ranks it holds share it, and it lives there only
+    results = _holders(proc_client, {f.key for f in futures})
+    for r, f in enumerate(futures):
+        assert results[f.key] == where[parts[r].key], f"rank {r}'s result is not where its input is"
+        for s in range(ranks):
+            assert (f.key == futures[s].key) == (where[parts[r].key] == where[parts[s].key])
+    del futures, parts, f
     assert_clean(proc_client)
 
 

@@ -13,7 +13,7 @@ the reducing task depends only on its own rank's input and reads its peers'
 inputs itself, worker to worker, as Dask's dependency fetch would, so the
 views are not tasks and no scheduler round trip separates them from the
 reduction. Ranks that share a worker are summed once by one task on that
-worker, and each of them gets a copy.
+worker, whose key is the result of all of them.
 
 Every rank sums all p inputs in rank order, so all results are bitwise
 identical. The reducing task sees every input, so it also checks that the

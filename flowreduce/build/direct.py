@@ -6,11 +6,12 @@ ranks that worker holds; it reads the other ranks' inputs itself, worker to
 worker (``read``: :func:`flowreduce.schedule.peer_reads.read_peers`, passed
 in by the schedule layer, the only one talking to distributed), checks that
 the ranks agree (``check``: the client's own input check, run on the values)
-and sums all of them in rank order. With one rank on the worker, that task
-is the rank's result; with several, each of them gets a copy of the sum (a
-second, local level): p tasks, plus one per worker holding several ranks.
-No input is fetched by Dask, so no replica of an input is
-left behind on another worker.
+and sums all of them in rank order. That task's key is the result of every
+rank the worker holds: ranks sharing a worker share one result key (Dask
+keys are immutable values, and one copy per worker serves them all, as
+``client.replicate`` does), so the graph is one task per worker, in one
+level, whatever the number of ranks. No input is fetched by Dask, so no
+replica of an input is left behind on another worker.
 
 Without ``read`` (dask's synchronous scheduler, no workers to read from)
 every input is a dependency of every task instead.
@@ -22,9 +23,9 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
-from dask.task_spec import List, Task, TaskRef
+from dask.task_spec import List, Task
 
-from flowreduce import keys, phases
+from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
 from flowreduce.build.graph import Graph
 from flowreduce.build.shm_direct import worker_groups
@@ -63,11 +64,6 @@ def read_reduce(op: Op, ranks: int, local_ranks: Sequence[int], local: Sequence[
     return reduce_in_rank_order(op, ordered)
 
 
-def copy(x: np.ndarray) -> np.ndarray:
-    """A rank's own result, copied from its worker's sum."""
-    return x.copy()
-
-
 def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, input_keys: Sequence[Hashable],
                  op: Op, read: Read | None, check: Check | None = None, token: str | None = None) -> Graph:
     """The graph of ``plan`` (``direct``, one chunk) for rank inputs
@@ -81,18 +77,14 @@ def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, i
     name = plan.algorithm
     tasks: dict[Hashable, Task] = {}
     placement: dict[Hashable, str] = {}
-    outputs = [keys.output_key(name, token, r) for r in range(p)]
-    for g, ranks in enumerate(worker_groups(workers)):
+    outputs: list[Hashable] = [None] * p
+    for ranks in worker_groups(workers):
         local = list(ranks) if read is not None else list(range(p))
         peers = tuple((r, workers[r], input_keys[r]) for r in range(p) if r not in local)
-        first = outputs[ranks[0]]
-        if len(ranks) > 1:  # the worker's sum, copied into each of its ranks' results
-            first = keys.node_key(name, phases.READ_REDUCE, token, 1, ranks[0], 0, g)
-        tasks[first] = Task(first, read_reduce, op, p, tuple(local), List(*(inputs[r] for r in local)), peers,
-                            read, check)
-        placement[first] = workers[ranks[0]]
-        if len(ranks) > 1:
-            for r in ranks:
-                tasks[outputs[r]] = Task(outputs[r], copy, TaskRef(first))
-                placement[outputs[r]] = workers[r]
+        key = keys.output_key(name, token, ranks[0])  # the result of every rank on this worker
+        tasks[key] = Task(key, read_reduce, op, p, tuple(local), List(*(inputs[r] for r in local)), peers,
+                          read, check)
+        placement[key] = workers[ranks[0]]
+        for r in ranks:
+            outputs[r] = key
     return Graph(tasks, outputs, placement, token)
