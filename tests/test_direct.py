@@ -131,15 +131,92 @@ def test_small_vectors_take_one_level_without_asking_the_workers(proc_client, mo
     assert_clean(proc_client)
 
 
-def test_every_rank_gets_the_same_bits(proc_client):
-    rng = np.random.default_rng(1)
-    arrays = [rng.standard_normal(777) * 10.0 ** rng.integers(-8, 8, size=777) for _ in range(6)]
+def _in_worker_order(arrays, workers):
+    """The sum ``direct`` promises, bit for bit: each worker's ranks in rank
+    order, then the workers' sums in the order of their first ranks."""
+    groups: dict[str, list[int]] = {}
+    for r, w in enumerate(workers):
+        groups.setdefault(w, []).append(r)
+    total = None
+    for ranks in groups.values():
+        part = arrays[ranks[0]].copy()
+        for r in ranks[1:]:
+            part += arrays[r]
+        total = part if total is None else total + part
+    return total
+
+
+@pytest.mark.parametrize("ranks", [4, 6, 64])
+def test_every_rank_gets_the_same_bits(proc_client, ranks):
+    """Float values spanning 16 orders of magnitude, where any other order of
+    the sum gives other bits; 4 ranks on 4 workers is rank order; 6 and 64
+    have workers holding several ranks, whose peers ask them for their sums."""
+    rng = np.random.default_rng(ranks)
+    arrays = [rng.standard_normal(777) * 10.0 ** rng.integers(-8, 8, size=777) for _ in range(ranks)]
+    ws = workers_of(proc_client)
     out = proc_client.gather(flowreduce.allreduce(proc_client, _submitted(proc_client, arrays), algorithm="direct"))
-    expected = arrays[0].copy()
-    for a in arrays[1:]:
-        expected += a  # rank order
+    expected = _in_worker_order(arrays, [ws[r % len(ws)] for r in range(ranks)])
+    if ranks == len(ws):
+        assert expected.tobytes() == sum(arrays[1:], arrays[0].copy()).tobytes()  # rank order
     for r, o in enumerate(out):
         assert o.tobytes() == expected.tobytes(), f"rank {r} differs"
+
+
+def _sent_by_get_data(client, keys):
+    """The keys of ``keys`` some worker sent to another with Dask's get_data."""
+    def sent(dask_worker):
+        return [k for t in dask_worker.transfer_outgoing_log for k in t["keys"]]
+
+    wanted = set(keys)
+    return {k for ks in client.run(sent).values() for k in ks if k in wanted}
+
+
+def test_a_worker_holding_several_ranks_sends_their_sum_not_their_values(proc_client):
+    """64 integer ranks on 4 workers: exact, and no input travelled through
+    get_data (each worker sent its peers one array, the sum of its ranks)."""
+    rng = np.random.default_rng(64)
+    arrays = [rng.integers(-10**9, 10**9, size=500) for _ in range(64)]
+    parts = _submitted(proc_client, arrays)
+    futures = flowreduce.allreduce(proc_client, parts, algorithm="direct")
+    for r, o in enumerate(proc_client.gather(futures)):
+        np.testing.assert_array_equal(o, np.sum(arrays, axis=0), err_msg=f"rank {r}")
+    assert not _sent_by_get_data(proc_client, [f.key for f in parts])
+    del futures, parts
+    assert_clean(proc_client)
+
+
+def test_a_peer_without_the_handler_is_read_value_by_value():
+    """Readers fall back to get_data when a peer cannot sum its ranks (no
+    plugin on this cluster): the same bits."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        a, b = workers_of(client)
+        rng = np.random.default_rng(3)
+        arrays = [rng.standard_normal(100) * 10.0 ** rng.integers(-8, 8, size=100) for _ in range(5)]
+        parts = [client.submit(np.array, x, workers=[b], pure=False) for x in arrays]
+        wait(parts)
+        peers = [(r, b, f.key) for r, f in enumerate(parts)]
+        values, partials = client.submit(peer_reads.read_peers, peers, resolve_op("sum"), workers=[a],
+                                         pure=False).result()
+        assert partials == {} and sorted(values) == list(range(5))
+        for r in range(5):
+            np.testing.assert_array_equal(values[r], arrays[r])
+        assert set(_sent_by_get_data(client, [f.key for f in parts])) == {f.key for f in parts}
+
+
+def test_a_bad_rank_on_a_worker_holding_several_is_named(proc_client):
+    """The peer sends what each of its ranks holds: the tasks' check names
+    the rank (a shape of the same bytes, which the client does not see)."""
+    arrays = [np.ones(10) for _ in range(8)]
+    arrays[5] = np.ones((2, 5))
+    futures = flowreduce.allreduce(proc_client, _submitted(proc_client, arrays), algorithm="direct")
+    for f in futures:
+        with pytest.raises(InputError, match=r"ranks \[5\]: shape \(2, 5\)") as caught:
+            f.result()
+        caught.value.__traceback__ = None  # its frames hold `futures` (see test_errors.py)
+    del futures, caught, f
+    gc.collect()
+    assert_clean(proc_client)
 
 
 @pytest.mark.parametrize("arrays,error,match", [

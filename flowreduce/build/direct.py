@@ -5,13 +5,19 @@ One task per worker, pinned there, depending only on the inputs of the
 ranks that worker holds; it reads the other ranks' inputs itself, worker to
 worker (``read``: :func:`flowreduce.schedule.peer_reads.read_peers`, passed
 in by the schedule layer, the only one talking to distributed), checks that
-the ranks agree (``check``: the client's own input check, run on the values)
-and sums all of them in rank order. That task's key is the result of every
-rank the worker holds: ranks sharing a worker share one result key (Dask
-keys are immutable values, and one copy per worker serves them all, as
+the ranks agree (``check``: the client's own input check, run on what the
+ranks hold) and reduces them. That task's key is the result of every rank
+the worker holds: ranks sharing a worker share one result key (Dask keys
+are immutable values, and one copy per worker serves them all, as
 ``client.replicate`` does), so the graph is one task per worker, in one
 level, whatever the number of ranks. No input is fetched by Dask, so no
 replica of an input is left behind on another worker.
+
+The order of the reduction is fixed by the ranks' workers, so every rank
+gets the same bits: each worker's ranks are reduced in rank order (a peer
+worker holding several ranks does that itself and sends one array, their
+:class:`Partial`), then the workers' partials in the order of their first
+ranks. With one rank per worker that is rank order.
 
 Without ``read`` (dask's synchronous scheduler, no workers to read from)
 every input is a dependency of every task instead.
@@ -20,6 +26,7 @@ every input is a dependency of every task instead.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,35 +40,70 @@ from flowreduce.ops import Op
 
 #: ``(rank, worker, key)``: a peer rank's input, where it is held.
 Peer = tuple[int, str, Hashable]
-#: Reads peers' inputs on a worker: ``read(peers) -> {rank: value}``.
-Read = Callable[[Sequence[Peer]], dict[int, Any]]
-#: Checks the ranks' values (in rank order) agree and suit the op, raising an error naming the ranks.
+
+
+@dataclass(frozen=True)
+class Partial:
+    """What a peer worker sends for the ranks it holds: their values reduced
+    in rank order (:func:`accumulate`) and what each of them is (a
+    :data:`~flowreduce.schedule.inputs.Meta`, for the input check)."""
+
+    value: Any
+    metas: tuple[Any, ...]
+
+
+#: Reads peers' inputs on a worker: ``read(peers, op) -> ({rank: value},
+#: {first rank of a worker's ranks: Partial})``; a peer worker holding
+#: several ranks may send their :class:`Partial` instead of their values.
+Read = Callable[[Sequence[Peer], Op], tuple[dict[int, Any], dict[int, Partial]]]
+#: Checks the ranks' values or metas (in rank order) agree and suit the op, raising an error naming the ranks.
 Check = Callable[[Sequence[Any], Op], None]
+
+
+def accumulate(op: Op, values: Sequence[Any]) -> np.ndarray:
+    """``values[0] op values[1] op ...`` into a fresh array, in the op's
+    accumulating dtype (no finish): one worker's ranks, on any worker the
+    same bits."""
+    first = np.asarray(values[0])
+    acc = first.astype(op.accumulator(first.dtype) or first.dtype, copy=True)
+    for x in values[1:]:
+        acc = np.asarray(op.combine(acc, x, out=acc))
+    return acc
 
 
 def reduce_in_rank_order(op: Op, values: Sequence[Any]) -> np.ndarray:
     """``values[0] op values[1] op ...``, into a fresh array (in the op's
     accumulating dtype), then the op's finish: the same bits on every rank."""
-    first = np.asarray(values[0])
-    acc = first.astype(op.accumulator(first.dtype) or first.dtype, copy=True)
-    for x in values[1:]:
-        acc = np.asarray(op.combine(acc, x, out=acc))
-    return op.finish(acc, len(values), owned=True)
+    return op.finish(accumulate(op, values), len(values), owned=True)
 
 
-def read_reduce(op: Op, ranks: int, local_ranks: Sequence[int], local: Sequence[Any], peers: Sequence[Peer],
-                read: Read | None, check: Check | None) -> np.ndarray:
+def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local_ranks: Sequence[int],
+                local: Sequence[Any], peers: Sequence[Peer], read: Read | None, check: Check | None) -> np.ndarray:
     """The task: the local ranks' inputs (dependencies), the peers' read
-    from their workers, checked, reduced in rank order."""
+    from their workers (or their workers' partials), checked, reduced worker
+    group by worker group (``groups``: the ranks of each worker, in order)."""
     values = dict(zip(local_ranks, local))
+    partials: dict[int, Partial] = {}
     if peers:
         if read is None:
             raise RuntimeError("direct: peers to read but no reader (the graph was built without one)")
-        values.update(read(peers))
-    ordered = [values[r] for r in range(ranks)]
+        got, partials = read(peers, op)
+        values.update(got)
     if check is not None:
-        check(ordered, op)
-    return reduce_in_rank_order(op, ordered)
+        metas: dict[int, Any] = {}
+        for g in groups:
+            if g[0] in partials:
+                metas.update(zip(g, partials[g[0]].metas))
+        check([metas[r] if r in metas else values[r] for r in range(ranks)], op)
+    acc: np.ndarray | None = None
+    for g in groups:
+        part = partials[g[0]].value if g[0] in partials else accumulate(op, [values[r] for r in g])
+        if acc is None:
+            acc = part if part.flags.writeable else part.copy()  # a received array may be read-only
+        else:
+            acc = np.asarray(op.combine(acc, part, out=acc))
+    assert acc is not None
+    return op.finish(acc, ranks, owned=True)
 
 
 def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, input_keys: Sequence[Hashable],
@@ -78,12 +120,13 @@ def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, i
     tasks: dict[Hashable, Task] = {}
     placement: dict[Hashable, str] = {}
     outputs: list[Hashable] = [None] * p
-    for ranks in worker_groups(workers):
+    groups = tuple(tuple(g) for g in worker_groups(workers))
+    for ranks in groups:
         local = list(ranks) if read is not None else list(range(p))
         peers = tuple((r, workers[r], input_keys[r]) for r in range(p) if r not in local)
         key = keys.output_key(name, token, ranks[0])  # the result of every rank on this worker
-        tasks[key] = Task(key, read_reduce, op, p, tuple(local), List(*(inputs[r] for r in local)), peers,
-                          read, check)
+        tasks[key] = Task(key, read_reduce, op, p, groups, tuple(local), List(*(inputs[r] for r in local)),
+                          peers, read, check)
         placement[key] = workers[ranks[0]]
         for r in ranks:
             outputs[r] = key

@@ -71,7 +71,7 @@ from flowreduce.schedule.inputs import (
     common_sparse,
     rank_futures,
 )
-from flowreduce.schedule.peer_reads import read_peers
+from flowreduce.schedule.peer_reads import ensure_peer_reduce, read_peers
 from flowreduce.schedule.records import CallRecord, PytreeRecord
 from flowreduce.schedule.shm_plugin import ensure_shm
 
@@ -486,6 +486,8 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         """The one-level plan: its tasks read the peers' inputs themselves (and check them if asked)."""
         graph = build_direct(plan, inputs, workers, input_keys=keys, op=settings.op, read=read_peers,
                              check=check_values if ranks.check else None)
+        if 1 < len(set(workers)) < p:  # a worker holds several ranks: its peers ask it for their partial
+            ensure_peer_reduce(client)
         return job(graph, plan, nbytes, levels[0], shape, dtype, "dask", hold=True)
 
     if isinstance(held, Unseen):

@@ -74,6 +74,7 @@ class TreeMeta:
 
 
 Meta = ArrayMeta | SparseMeta | TreeMeta | OtherMeta
+META_TYPES = (ArrayMeta, SparseMeta, TreeMeta, OtherMeta)
 
 
 def meta_of(x: Any) -> Meta:
@@ -218,10 +219,11 @@ def checked_array(metas: Sequence[Meta], op: Op) -> ArrayMeta:
 
 
 def check_values(values: Sequence[Any], op: Op) -> None:
-    """:func:`checked_array` on the ranks' values themselves (in rank order):
-    the same errors, naming the same ranks. Runs in the tasks of a call that
-    did not ask the workers what they hold (:mod:`flowreduce.build.direct`)."""
-    checked_array([meta_of(v) for v in values], op)
+    """:func:`checked_array` on the ranks' values themselves, or what a peer
+    worker said they are (a :data:`Meta`), in rank order: the same errors,
+    naming the same ranks. Runs in the tasks of a call that did not ask the
+    workers what they hold (:mod:`flowreduce.build.direct`)."""
+    checked_array([v if isinstance(v, META_TYPES) else meta_of(v) for v in values], op)
 
 
 def common_sparse(metas: Sequence[Meta]) -> SparseInputs:

@@ -12,17 +12,30 @@ happens for :data:`LOST_INPUT_PATIENCE` s) the task fails with
 :class:`~flowreduce.errors.WorkerLostError` naming the rank and the key.
 While it waits for a recomputation the task secedes from the worker's
 thread pool: the recomputation may need that thread.
+
+A peer worker holding several of the ranks (64 ranks on 4 workers) is
+asked instead to reduce them itself, in rank order, and to send one array
+and what each rank holds (:class:`~flowreduce.build.direct.Partial`): the
+handler :data:`HANDLER`, which :class:`PeerReducePlugin` gives every worker.
+Anything that keeps it from answering (an input it no longer holds, inputs
+it cannot reduce, no handler) makes the reader read those ranks' values
+instead, as above.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, cast
 
+import numpy as np
 from dask.typing import Key
+from distributed.diagnostics.plugin import WorkerPlugin
 
+from flowreduce.build.direct import Partial
 from flowreduce.errors import WorkerLostError
+from flowreduce.ops import Op
 
 #: Scheduler states of an input being (re)computed: a reader waits for it.
 COMPUTING = frozenset({"waiting", "queued", "processing"})
@@ -32,10 +45,17 @@ LOST_INPUT_PATIENCE = 10.0
 #: Seconds to connect to a peer before asking the scheduler again who holds
 #: its input (a worker that died is still listed until the scheduler notices).
 CONNECT_SECONDS = 2.0
+#: The worker handler reducing the ranks a worker holds for a reader (:func:`reduce_held`).
+HANDLER = "flowreduce_reduce_held"
+#: Above this many bytes a peer reduces its ranks off its event loop.
+OFF_LOOP_BYTES = 4 << 20
 
 
-def read_peers(peers: Sequence[tuple[int, str, Hashable]]) -> dict[int, Any]:
-    """``{rank: value}`` of the peers ``(rank, worker, key)``; runs in a task."""
+def read_peers(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None
+               ) -> tuple[dict[int, Any], dict[int, Partial]]:
+    """``({rank: value}, {first rank: Partial})`` of the peers ``(rank,
+    worker, key)``, the ranks of a worker holding several of them reduced
+    there with ``op`` (when given) into one :class:`Partial`; runs in a task."""
     from distributed import get_worker
     from distributed.utils import sync
 
@@ -43,6 +63,15 @@ def read_peers(peers: Sequence[tuple[int, str, Hashable]]) -> dict[int, Any]:
     by_worker: dict[str, dict[Hashable, list[int]]] = {}
     for r, w, k in peers:
         by_worker.setdefault(w, {}).setdefault(k, []).append(r)
+    partials: dict[int, Partial] = {}
+    if op is not None:
+        several = {w: ks for w, ks in by_worker.items() if sum(map(len, ks.values())) > 1}
+        if several:
+            got = sync(worker.loop, _reduce_at_peers, worker, several, op)
+            for w, part in got.items():
+                if part is not None:
+                    partials[min(r for rs in several[w].values() for r in rs)] = part
+                    del by_worker[w]
 
     async def read_all(patient: bool) -> list[dict[Hashable, Any]]:
         return await asyncio.gather(*(_read(worker, w, ks, patient) for w, ks in by_worker.items()))
@@ -58,11 +87,89 @@ def read_peers(peers: Sequence[tuple[int, str, Hashable]]) -> dict[int, Any]:
         finally:
             rejoin()
     out: dict[int, Any] = {}
-    for ks, got in zip(by_worker.values(), values):
+    for ks, got_values in zip(by_worker.values(), values):
         for k, rs in ks.items():
             for r in rs:
-                out[r] = got[k]
-    return out
+                out[r] = got_values[k]
+    return out, partials
+
+
+async def _reduce_at_peers(worker: Any, several: dict[str, dict[Hashable, list[int]]], op: Op
+                           ) -> dict[str, Partial | None]:
+    """Ask each worker of ``several`` to reduce the ranks it holds (its keys
+    in rank order); None for a worker that did not."""
+    from distributed.protocol import pickle
+
+    blob = pickle.dumps(op)
+
+    async def ask(address: str, wanted: dict[Hashable, list[int]]) -> Partial | None:
+        order = sorted((r, k) for k, rs in wanted.items() for r in rs)
+        try:
+            worker.rpc.reuse(address, await worker.rpc.connect(address, timeout=CONNECT_SECONDS))
+            reply = await getattr(worker.rpc(address), HANDLER)(keys=[k for _, k in order], reduce_with=blob)
+        except Exception:  # gone, or no handler: read the values instead
+            return None
+        if not isinstance(reply, dict) or reply.get("status") != "OK":
+            return None
+        return Partial(reply["value"], tuple(reply["metas"]))
+
+    replies = await asyncio.gather(*(ask(w, ks) for w, ks in several.items()))
+    return dict(zip(several, replies))
+
+
+async def reduce_held(worker: Any, keys: Sequence[Hashable], reduce_with: bytes) -> dict[str, Any]:
+    """The handler: the values of ``keys`` held here (in the reader's rank
+    order, a key once per rank) reduced in that order, with what each is.
+    ``{"status": "missing"}`` when one is not held here, ``"unreduced"``
+    when they cannot be reduced together (the reader's check names why)."""
+    from distributed.protocol import pickle
+    from distributed.protocol.serialize import to_serialize
+
+    from flowreduce.build.direct import accumulate
+    from flowreduce.schedule.inputs import meta_of
+
+    try:
+        values = [worker.data[k] for k in keys]
+    except KeyError:
+        return {"status": "missing"}
+    metas = [meta_of(v) for v in values]
+    if len(set(metas)) > 1 or not all(isinstance(v, np.ndarray) for v in values):
+        return {"status": "unreduced"}
+    how: Op = pickle.loads(reduce_with)  # the op, pickled: a message's own "op" names the handler
+    try:
+        if sum(v.nbytes for v in values) > OFF_LOOP_BYTES:  # a large sum would stall this worker's event loop
+            value = await asyncio.get_running_loop().run_in_executor(None, accumulate, how, values)
+        else:
+            value = accumulate(how, values)
+    except Exception:
+        return {"status": "unreduced"}
+    return {"status": "OK", "value": to_serialize(value), "metas": to_serialize(metas)}
+
+
+class PeerReducePlugin(WorkerPlugin):
+    """Gives a worker the :data:`HANDLER` that reduces the ranks it holds for a reading peer."""
+
+    name = "flowreduce-peer-reduce"
+    idempotent = True
+
+    def setup(self, worker: Any) -> None:
+        async def handler(keys: Sequence[Hashable], reduce_with: bytes) -> dict[str, Any]:
+            return await reduce_held(worker, keys, reduce_with)
+
+        worker.handlers[HANDLER] = handler
+
+    def teardown(self, worker: Any) -> None:
+        worker.handlers.pop(HANDLER, None)
+
+
+_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ensure_peer_reduce(client: Any) -> None:
+    """Install :class:`PeerReducePlugin` once per client (on every worker, present and future)."""
+    if client not in _installed:
+        client.register_plugin(PeerReducePlugin())
+        _installed[client] = True
 
 
 class _Absent(Exception):
