@@ -25,7 +25,8 @@ every input is a dependency of every task instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ from flowreduce.build.graph import Graph
 from flowreduce.build.shm_direct import worker_groups
 from flowreduce.ops import Op
 
+#: Above this many bytes a task reduces off its worker's event loop (and a peer its ranks).
+OFF_LOOP_BYTES = 4 << 20
 #: ``(rank, worker, key)``: a peer rank's input, where it is held.
 Peer = tuple[int, str, Hashable]
 
@@ -52,10 +55,11 @@ class Partial:
     metas: tuple[Any, ...]
 
 
-#: Reads peers' inputs on a worker: ``read(peers, op) -> ({rank: value},
-#: {first rank of a worker's ranks: Partial})``; a peer worker holding
-#: several ranks may send their :class:`Partial` instead of their values.
-Read = Callable[[Sequence[Peer], Op], tuple[dict[int, Any], dict[int, Partial]]]
+#: Reads peers' inputs on a worker, in a task running on its event loop:
+#: ``await read(peers, op, key) -> ({rank: value}, {first rank of a worker's
+#: ranks: Partial})``; a peer worker holding several ranks may send their
+#: :class:`Partial` instead of their values; ``key`` is the reading task's.
+Read = Callable[[Sequence[Peer], Op, Hashable], Awaitable[tuple[dict[int, Any], dict[int, Partial]]]]
 #: Checks the ranks' values or metas (in rank order) agree and suit the op, raising an error naming the ranks.
 Check = Callable[[Sequence[Any], Op], None]
 
@@ -77,18 +81,32 @@ def reduce_in_rank_order(op: Op, values: Sequence[Any]) -> np.ndarray:
     return op.finish(accumulate(op, values), len(values), owned=True)
 
 
-def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local_ranks: Sequence[int],
-                local: Sequence[Any], peers: Sequence[Peer], read: Read | None, check: Check | None) -> np.ndarray:
-    """The task: the local ranks' inputs (dependencies), the peers' read
-    from their workers (or their workers' partials), checked, reduced worker
-    group by worker group (``groups``: the ranks of each worker, in order)."""
-    values = dict(zip(local_ranks, local))
-    partials: dict[int, Partial] = {}
-    if peers:
-        if read is None:
-            raise RuntimeError("direct: peers to read but no reader (the graph was built without one)")
-        got, partials = read(peers, op)
-        values.update(got)
+async def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local_ranks: Sequence[int],
+                      local: Sequence[Any], peers: Sequence[Peer], read: Read, check: Check | None,
+                      key: Hashable) -> np.ndarray:
+    """The task (a coroutine: the worker runs it on its event loop, where the
+    reads go, with no hand-off to a thread and back): the local ranks'
+    inputs (dependencies), the peers' read from their workers (or their
+    workers' partials), checked and reduced (:func:`reduce_groups`)."""
+    got, partials = await read(peers, op, key) if peers else ({}, {})
+    values = {**dict(zip(local_ranks, local)), **got}
+    if sum(getattr(v, "nbytes", 0) for v in values.values()) > OFF_LOOP_BYTES:  # would stall the event loop
+        return await asyncio.get_running_loop().run_in_executor(
+            None, reduce_groups, op, ranks, groups, values, partials, check)
+    return reduce_groups(op, ranks, groups, values, partials, check)
+
+
+def reduce_local(op: Op, ranks: int, groups: Sequence[Sequence[int]], local: Sequence[Any],
+                 check: Check | None) -> np.ndarray:
+    """The task without workers to read from: every rank's input is a dependency."""
+    return reduce_groups(op, ranks, groups, dict(enumerate(local)), {}, check)
+
+
+def reduce_groups(op: Op, ranks: int, groups: Sequence[Sequence[int]], values: dict[int, Any],
+                  partials: dict[int, Partial], check: Check | None) -> np.ndarray:
+    """Every rank's value (or its worker's partial) checked, then reduced
+    worker group by worker group (``groups``: the ranks of each worker, in
+    order), each group in rank order: the same bits on every rank."""
     if check is not None:
         metas: dict[int, Any] = {}
         for g in groups:
@@ -122,11 +140,13 @@ def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, i
     outputs: list[Hashable] = [None] * p
     groups = tuple(tuple(g) for g in worker_groups(workers))
     for ranks in groups:
-        local = list(ranks) if read is not None else list(range(p))
-        peers = tuple((r, workers[r], input_keys[r]) for r in range(p) if r not in local)
         key = keys.output_key(name, token, ranks[0])  # the result of every rank on this worker
-        tasks[key] = Task(key, read_reduce, op, p, groups, tuple(local), List(*(inputs[r] for r in local)),
-                          peers, read, check)
+        if read is None:
+            tasks[key] = Task(key, reduce_local, op, p, groups, List(*inputs), check)
+        else:
+            peers = tuple((r, workers[r], input_keys[r]) for r in range(p) if r not in ranks)
+            tasks[key] = Task(key, read_reduce, op, p, groups, tuple(ranks), List(*(inputs[r] for r in ranks)),
+                              peers, read, check, key)
         placement[key] = workers[ranks[0]]
         for r in ranks:
             outputs[r] = key

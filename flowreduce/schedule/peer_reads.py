@@ -10,8 +10,11 @@ gone, is replaced by a holder the scheduler names; when none holds it any
 more and it is not being recomputed (it failed, was forgotten, or nothing
 happens for :data:`LOST_INPUT_PATIENCE` s) the task fails with
 :class:`~flowreduce.errors.WorkerLostError` naming the rank and the key.
-While it waits for a recomputation the task secedes from the worker's
-thread pool: the recomputation may need that thread.
+The reading task is a coroutine, run on its worker's event loop, where the
+reads go (no hand-off to a thread and back, which costs milliseconds on
+shared cores). While it waits for a recomputation it leaves the worker's
+slot, as :func:`distributed.secede` does for a task in a thread: the
+recomputation may need that slot.
 
 A peer worker holding several of the ranks (64 ranks on 4 workers) is
 asked instead to reduce them itself, in rank order, and to send one array
@@ -33,7 +36,7 @@ import numpy as np
 from dask.typing import Key
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from flowreduce.build.direct import Partial
+from flowreduce.build.direct import OFF_LOOP_BYTES, Partial
 from flowreduce.errors import WorkerLostError
 from flowreduce.ops import Op
 
@@ -47,51 +50,56 @@ LOST_INPUT_PATIENCE = 10.0
 CONNECT_SECONDS = 2.0
 #: The worker handler reducing the ranks a worker holds for a reader (:func:`reduce_held`).
 HANDLER = "flowreduce_reduce_held"
-#: Above this many bytes a peer reduces its ranks off its event loop.
-OFF_LOOP_BYTES = 4 << 20
 
 
-def read_peers(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None
-               ) -> tuple[dict[int, Any], dict[int, Partial]]:
+async def read_peers(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None, key: Hashable = None
+                     ) -> tuple[dict[int, Any], dict[int, Partial]]:
     """``({rank: value}, {first rank: Partial})`` of the peers ``(rank,
     worker, key)``, the ranks of a worker holding several of them reduced
-    there with ``op`` (when given) into one :class:`Partial`; runs in a task."""
+    there with ``op`` (when given) into one :class:`Partial`. Runs in a task
+    on its worker's event loop; ``key``, the task's, lets the task leave its
+    slot while it waits for an input Dask recomputes."""
     from distributed import get_worker
-    from distributed.utils import sync
 
     worker = get_worker()
     by_worker: dict[str, dict[Hashable, list[int]]] = {}
     for r, w, k in peers:
         by_worker.setdefault(w, {}).setdefault(k, []).append(r)
     partials: dict[int, Partial] = {}
-    if op is not None:
-        several = {w: ks for w, ks in by_worker.items() if sum(map(len, ks.values())) > 1}
-        if several:
-            got = sync(worker.loop, _reduce_at_peers, worker, several, op)
-            for w, part in got.items():
-                if part is not None:
-                    partials[min(r for rs in several[w].values() for r in rs)] = part
-                    del by_worker[w]
+    several = {w: ks for w, ks in by_worker.items() if sum(map(len, ks.values())) > 1}
+    if op is not None and several:
+        for w, part in (await _reduce_at_peers(worker, several, op)).items():
+            if part is not None:
+                partials[min(r for rs in several[w].values() for r in rs)] = part
+                del by_worker[w]
 
     async def read_all(patient: bool) -> list[dict[Hashable, Any]]:
         return await asyncio.gather(*(_read(worker, w, ks, patient) for w, ks in by_worker.items()))
 
     try:
-        values = sync(worker.loop, read_all, False)
-    except _Absent:  # an input no worker holds now: wait for Dask to recompute it, off the worker's thread
-        from distributed import rejoin, secede
-
-        secede()  # the recomputation may need this very thread (all readers waiting would be a deadlock)
-        try:
-            values = sync(worker.loop, read_all, True)
-        finally:
-            rejoin()
+        values = await read_all(False)
+    except _Absent:  # an input no worker holds now: wait for Dask to recompute it
+        _leave_slot(worker, key)  # the recomputation may need this worker's slot (all readers waiting: a deadlock)
+        values = await read_all(True)
     out: dict[int, Any] = {}
-    for ks, got_values in zip(by_worker.values(), values):
+    for ks, got in zip(by_worker.values(), values):
         for k, rs in ks.items():
             for r in rs:
-                out[r] = got_values[k]
+                out[r] = got[k]
     return out, partials
+
+
+def _leave_slot(worker: Any, key: Hashable) -> None:
+    """What :func:`distributed.secede` does for a task in a thread, for the
+    task ``key`` running on the event loop: it stops counting against the
+    worker's threads (long-running), so another task can run meanwhile."""
+    if key is None:
+        return
+    from distributed.metrics import time
+    from distributed.worker_state_machine import SecedeEvent
+
+    worker.handle_stimulus(SecedeEvent(key=cast(Key, key), compute_duration=0.0,
+                                       stimulus_id=f"flowreduce-read-wait-{time()}"))
 
 
 async def _reduce_at_peers(worker: Any, several: dict[str, dict[Hashable, list[int]]], op: Op

@@ -31,6 +31,7 @@ new run finishes. Results already in memory on survivors are kept.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import pickle
 from collections import Counter, defaultdict
@@ -55,10 +56,16 @@ def private_copies(func: Any, *args: Any, **kwargs: Any) -> Any:
     return func(*copy.deepcopy(args), **copy.deepcopy(kwargs))
 
 
+async def private_copies_async(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """:func:`private_copies` of a coroutine function (a task the worker runs on its event loop)."""
+    return await func(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+
+
 def _on_private_copies(spec: Any) -> Any:
-    if not isinstance(spec, Task) or spec.func is private_copies:
+    if not isinstance(spec, Task) or spec.func in (private_copies, private_copies_async):
         return spec
-    return Task(spec.key, private_copies, spec.func, *spec.args, **spec.kwargs)
+    wrap = private_copies_async if inspect.iscoroutinefunction(spec.func) else private_copies
+    return Task(spec.key, wrap, spec.func, *spec.args, **spec.kwargs)
 
 
 def _raise_lost(key: Hashable, ranks: tuple[int, ...], message: str) -> None:
