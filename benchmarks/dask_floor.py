@@ -29,7 +29,10 @@ times, interleaved and in rotating order:
     flowreduce algorithm): one task per worker that depends on its own
     input only and reads the other ranks' inputs itself, worker to worker
     (distributed's ``get_data_from_worker``, as a dependency fetch does),
-    then sums. One level instead of flowreduce's two, no input check.
+    then sums. One level, no input check, in the worker's thread pool;
+``direct-reads-async``
+    the same task as a coroutine, run on the worker's event loop (as
+    flowreduce's ``direct`` runs).
 
 Expected: ``graph-(L+1) - graph-L`` is the price of one dependent level
 (the scheduler's 5 ms batching window to a worker, the worker's 2 ms one
@@ -90,19 +93,42 @@ def _sum_with_direct_reads(own, peers):
     return total
 
 
+async def _sum_with_direct_reads_async(own, peers):
+    """:func:`_sum_with_direct_reads` as a coroutine: the worker runs it on
+    its event loop, where the reads go (no hand-off to a thread and back)."""
+    import asyncio
+
+    from distributed import get_worker
+    from distributed.worker import get_data_from_worker
+
+    worker = get_worker()
+
+    async def read(address, key):
+        while True:
+            reply = await get_data_from_worker(worker.rpc, [key], address, who=worker.address)
+            if reply["status"] == "OK":
+                return reply["data"][key]
+            await asyncio.sleep(0.001)
+
+    total = own.copy()
+    for x in await asyncio.gather(*(read(a, k) for a, k in peers)):
+        total += x
+    return total
+
+
 def submit_pinned(client, tasks: dict, placement: dict, token: str, keys: list):
     """Submit ``tasks`` with every key pinned to its worker, as flowreduce does."""
     with dask.annotate(workers=placement.get, allow_other_workers=False):
         return client.get(named_graph(tasks, token), keys, sync=False)
 
 
-def direct_reads_graph(client, inputs, workers):
+def direct_reads_graph(client, inputs, workers, reads=_sum_with_direct_reads):
     token = uuid.uuid4().hex
     tasks, placement = {}, {}
     for r, w in enumerate(workers):
         key = (f"floor-direct-{token}", r)
         peers = [(workers[s], inputs[s].key) for s in range(len(inputs)) if s != r]
-        tasks[key] = Task(key, _sum_with_direct_reads, TaskRef(inputs[r].key), peers)
+        tasks[key] = Task(key, reads, TaskRef(inputs[r].key), peers)
         placement[key] = w
     return submit_pinned(client, tasks, placement, token, list(tasks))
 
@@ -134,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     n = int(a.size)
     names = ["submit", "graph-1", "graph-2", "graph-3", "local-2", "local-3", "run", "run-on-scheduler",
-             "replicate", "baseline", "flowreduce", "direct-reads"]
+             "replicate", "baseline", "flowreduce", "direct-reads", "direct-reads-async"]
     times: dict[str, list[float]] = {k: [] for k in names}
     with cluster("local", workers=a.workers, memory_limit="2GiB") as client:
         workers = sorted(client.nthreads())
@@ -163,8 +189,10 @@ def main(argv: list[str] | None = None) -> dict:
                     out = run_baseline(client, inputs, workers)
                 elif name == "flowreduce":
                     out = flowreduce.allreduce(client, inputs)
-                else:
+                elif name == "direct-reads":
                     out = direct_reads_graph(client, inputs, workers)
+                else:
+                    out = direct_reads_graph(client, inputs, workers, _sum_with_direct_reads_async)
                 if isinstance(out, list):
                     wait(out)
                 elapsed = time.perf_counter() - t0

@@ -115,7 +115,12 @@ def reduce_groups(op: Op, ranks: int, groups: Sequence[Sequence[int]], values: d
         check([metas[r] if r in metas else values[r] for r in range(ranks)], op)
     acc: np.ndarray | None = None
     for g in groups:
-        part = partials[g[0]].value if g[0] in partials else accumulate(op, [values[r] for r in g])
+        if g[0] in partials:
+            part = partials[g[0]].value
+        elif acc is None or len(g) > 1:
+            part = accumulate(op, [values[r] for r in g])
+        else:  # one rank: combined as it is, as accumulate would
+            part = values[g[0]]
         if acc is None:
             acc = part if part.flags.writeable else part.copy()  # a received array may be read-only
         else:
