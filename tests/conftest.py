@@ -4,7 +4,10 @@ for real once per session, and a check that no flowreduce key survives."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
+import uuid
 
 import pytest
 from distributed import Client, LocalCluster
@@ -27,8 +30,25 @@ def wait_until(ready, timeout: float, step: float = 0.1) -> bool:
     return True
 
 
+def flush(client, timeout: float = 10.0) -> None:
+    """Wait until the scheduler has handled every message this client sent
+    on its batched stream so far (graphs, cancels, releases): a task sent
+    after them on that ordered stream, and its result. Without it a poll
+    through a separate comm can run before a just-submitted graph arrives,
+    see no keys, and pass. Bounded: a cluster with no worker able to run it
+    (all dead or paused) only skips the barrier."""
+    marker = client.submit(int, 0, pure=False)
+    try:
+        marker.result(timeout=timeout)
+    except TimeoutError:
+        pass
+    finally:
+        del marker
+
+
 def assert_clean(client, timeout: float = 10.0) -> None:
     """Poll (bounded) until the scheduler holds no flowreduce key."""
+    flush(client, timeout)
     wait_until(lambda: not flowreduce_keys(client), timeout, step=0.05)
     left = flowreduce_keys(client)
     assert not left, f"{len(left)} flowreduce keys leaked, e.g. {left[:3]}"
@@ -85,3 +105,12 @@ def no_cluster(monkeypatch):
     """Fail the test if the command under test starts or joins a cluster
     (for errors that must come before that)."""
     monkeypatch.setattr("flowreduce.launch.from_args", lambda *a, **k: pytest.fail("a cluster was started"))
+
+
+@pytest.fixture(scope="module")
+def shm_dir():
+    """A fresh directory for a module's shared-memory segments, removed after it."""
+    d = f"/dev/shm/flowreduce-test-{uuid.uuid4().hex[:8]}"
+    os.mkdir(d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
-import shutil
-import uuid
 
 import dask
 import numpy as np
@@ -105,14 +102,6 @@ def emulated_hosts(directory: str, hosts: int = 2, per_host: int = 2) -> SpecClu
     settings = {"flowreduce.shm.directory": directory, "flowreduce.shm.idle-seconds": IDLE}
     with dask.config.set(settings):
         return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}})
-
-
-@pytest.fixture(scope="module")
-def shm_dir():
-    d = f"/dev/shm/flowreduce-test-{uuid.uuid4().hex[:8]}"
-    os.mkdir(d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

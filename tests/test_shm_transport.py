@@ -37,14 +37,6 @@ def shm_cluster(directory, n_workers=4, **config):
 
 
 @pytest.fixture(scope="module")
-def shm_dir():
-    d = f"/dev/shm/flowreduce-test-{uuid.uuid4().hex[:8]}"
-    os.mkdir(d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def client(shm_dir):
     with shm_cluster(shm_dir) as cluster, Client(cluster) as c:
         yield c
