@@ -294,7 +294,7 @@ def task_graph(plan: Plan, *, size: int | None = None, op: str = "sum") -> dict[
     token, so the keys are the same on every call. ``size`` (elements per
     rank) defaults to one element per segment per chunk. ``direct`` in one
     chunk is lowered as the front door lowers it (:mod:`flowreduce.build.direct`:
-    a task per rank, reading its peers' inputs itself)."""
+    a task per worker, reading its peers' inputs itself)."""
     from dask.task_spec import TaskRef
 
     from flowreduce.build.direct import build_direct

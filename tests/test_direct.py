@@ -1,6 +1,7 @@
 """The one-level ``direct`` all-reduce for small vectors: its plan and cost
-card, the graph it lowers to (one task per rank, depending only on its own
-input; ranks sharing a worker summed once), and, on real worker processes,
+card, the graph it lowers to (one task per worker, depending only on its
+own ranks' inputs; ranks sharing a worker share its result), and, on real
+worker processes,
 the front door's path that asks the scheduler, not the workers, before
 submitting: numbers against numpy, the same bits on every rank, the input
 check run in the tasks (errors naming the ranks), inputs kept while they
@@ -205,16 +206,19 @@ def test_a_peer_without_the_handler_is_read_value_by_value():
 
 
 def test_a_bad_rank_on_a_worker_holding_several_is_named(proc_client):
-    """The peer sends what each of its ranks holds: the tasks' check names
-    the rank (a shape of the same bytes, which the client does not see)."""
+    """Ranks 1 and 5 share a worker and agree with each other, not with the
+    rest: that worker sends their sum with what each holds, and the readers'
+    check names them from that (no input read value by value)."""
     arrays = [np.ones(10) for _ in range(8)]
-    arrays[5] = np.ones((2, 5))
-    futures = flowreduce.allreduce(proc_client, _submitted(proc_client, arrays), algorithm="direct")
+    arrays[1] = arrays[5] = np.ones((2, 5))  # same bytes: the client does not see it
+    parts = _submitted(proc_client, arrays)
+    futures = flowreduce.allreduce(proc_client, parts, algorithm="direct")
     for f in futures:
-        with pytest.raises(InputError, match=r"ranks \[5\]: shape \(2, 5\)") as caught:
+        with pytest.raises(InputError, match=r"ranks \[1, 5\]: shape \(2, 5\)") as caught:
             f.result()
         caught.value.__traceback__ = None  # its frames hold `futures` (see test_errors.py)
-    del futures, caught, f
+    assert not _sent_by_get_data(proc_client, [f.key for f in parts])
+    del futures, parts, caught, f
     gc.collect()
     assert_clean(proc_client)
 

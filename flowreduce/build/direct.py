@@ -90,7 +90,8 @@ async def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local
     workers' partials), checked and reduced (:func:`reduce_groups`)."""
     got, partials = await read(peers, op, key) if peers else ({}, {})
     values = {**dict(zip(local_ranks, local)), **got}
-    if sum(getattr(v, "nbytes", 0) for v in values.values()) > OFF_LOOP_BYTES:  # would stall the event loop
+    nbytes = sum(getattr(v, "nbytes", 0) for v in [*values.values(), *(part.value for part in partials.values())])
+    if nbytes > OFF_LOOP_BYTES:  # would stall the event loop
         return await asyncio.get_running_loop().run_in_executor(
             None, reduce_groups, op, ranks, groups, values, partials, check)
     return reduce_groups(op, ranks, groups, values, partials, check)

@@ -28,6 +28,7 @@ instead, as above.
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, cast
@@ -39,6 +40,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from flowreduce.build.direct import OFF_LOOP_BYTES, Partial
 from flowreduce.errors import WorkerLostError
 from flowreduce.ops import Op
+
+logger = logging.getLogger("flowreduce")
 
 #: Scheduler states of an input being (re)computed: a reader waits for it.
 COMPUTING = frozenset({"waiting", "queued", "processing"})
@@ -65,24 +68,27 @@ async def read_peers(peers: Sequence[tuple[int, str, Hashable]], op: Op | None =
     by_worker: dict[str, dict[Hashable, list[int]]] = {}
     for r, w, k in peers:
         by_worker.setdefault(w, {}).setdefault(k, []).append(r)
-    partials: dict[int, Partial] = {}
-    several = {w: ks for w, ks in by_worker.items() if sum(map(len, ks.values())) > 1}
-    if op is not None and several:
-        for w, part in (await _reduce_at_peers(worker, several, op)).items():
-            if part is not None:
-                partials[min(r for rs in several[w].values() for r in rs)] = part
-                del by_worker[w]
+    several = {w: ks for w, ks in by_worker.items() if sum(map(len, ks.values())) > 1} if op is not None else {}
+    singles = {w: ks for w, ks in by_worker.items() if w not in several}
 
-    async def read_all(patient: bool) -> list[dict[Hashable, Any]]:
-        return await asyncio.gather(*(_read(worker, w, ks, patient) for w, ks in by_worker.items()))
+    async def read_values(groups: dict[str, dict[Hashable, list[int]]]) -> list[dict[Hashable, Any]]:
+        async def read_all(patient: bool) -> list[dict[Hashable, Any]]:
+            return await asyncio.gather(*(_read(worker, w, ks, patient) for w, ks in groups.items()))
 
-    try:
-        values = await read_all(False)
-    except _Absent:  # an input no worker holds now: wait for Dask to recompute it
-        _leave_slot(worker, key)  # the recomputation may need this worker's slot (all readers waiting: a deadlock)
-        values = await read_all(True)
+        try:
+            return await read_all(False)
+        except _Absent:  # an input no worker holds now: wait for Dask to recompute it
+            _leave_slot(worker, key)  # the recomputation may need this worker's slot (all readers waiting: a deadlock)
+            return await read_all(True)
+
+    # the sums asked of peers holding several ranks and the other peers' values, at once
+    replies, values = await asyncio.gather(_reduce_at_peers(worker, several, cast(Op, op)), read_values(singles))
+    partials = {min(r for rs in several[w].values() for r in rs): part for w, part in replies.items()
+                if part is not None}
+    unreduced = {w: several[w] for w, part in replies.items() if part is None}  # read value by value instead
+    read = [*zip(singles.values(), values), *zip(unreduced.values(), await read_values(unreduced) if unreduced else [])]
     out: dict[int, Any] = {}
-    for ks, got in zip(by_worker.values(), values):
+    for ks, got in read:
         for k, rs in ks.items():
             for r in rs:
                 out[r] = got[k]
@@ -98,7 +104,9 @@ def _leave_slot(worker: Any, key: Hashable) -> None:
     from distributed.metrics import time
     from distributed.worker_state_machine import SecedeEvent
 
-    worker.handle_stimulus(SecedeEvent(key=cast(Key, key), compute_duration=0.0,
+    ts = worker.state.tasks.get(key)
+    started = getattr(ts, "start_time", None)  # the time so far counts as the task's compute time, as secede's does
+    worker.handle_stimulus(SecedeEvent(key=cast(Key, key), compute_duration=time() - started if started else 0.0,
                                        stimulus_id=f"flowreduce-read-wait-{time()}"))
 
 
@@ -108,6 +116,8 @@ async def _reduce_at_peers(worker: Any, several: dict[str, dict[Hashable, list[i
     in rank order); None for a worker that did not."""
     from distributed.protocol import pickle
 
+    if not several:
+        return {}
     blob = pickle.dumps(op)
 
     async def ask(address: str, wanted: dict[Hashable, list[int]]) -> Partial | None:
@@ -115,9 +125,11 @@ async def _reduce_at_peers(worker: Any, several: dict[str, dict[Hashable, list[i
         try:
             worker.rpc.reuse(address, await worker.rpc.connect(address, timeout=CONNECT_SECONDS))
             reply = await getattr(worker.rpc(address), HANDLER)(keys=[k for _, k in order], reduce_with=blob)
-        except Exception:  # gone, or no handler: read the values instead
+        except Exception as e:  # gone, or no handler: read the values instead
+            logger.debug("flowreduce: %s did not sum its ranks (%r); reading their values", address, e)
             return None
         if not isinstance(reply, dict) or reply.get("status") != "OK":
+            logger.debug("flowreduce: %s did not sum its ranks (%r); reading their values", address, reply)
             return None
         return Partial(reply["value"], tuple(reply["metas"]))
 
@@ -174,9 +186,15 @@ _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def ensure_peer_reduce(client: Any) -> None:
-    """Install :class:`PeerReducePlugin` once per client (on every worker, present and future)."""
+    """Install :class:`PeerReducePlugin` once per client (on every worker,
+    present and future). If that fails, readers read values instead."""
     if client not in _installed:
-        client.register_plugin(PeerReducePlugin())
+        try:
+            client.register_plugin(PeerReducePlugin())
+        except Exception as e:
+            logger.warning("flowreduce: could not install the peer-sum handler on the workers (%r); peers of "
+                           "workers holding several ranks will be read value by value", e)
+            return
         _installed[client] = True
 
 

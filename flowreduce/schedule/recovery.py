@@ -57,8 +57,12 @@ def private_copies(func: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 async def private_copies_async(func: Any, *args: Any, **kwargs: Any) -> Any:
-    """:func:`private_copies` of a coroutine function (a task the worker runs on its event loop)."""
-    return await func(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    """:func:`private_copies` of a coroutine function (a task the worker runs
+    on its event loop; the copies are made off it: the inputs may be large)."""
+    import asyncio
+
+    args, kwargs = await asyncio.get_running_loop().run_in_executor(None, copy.deepcopy, (args, kwargs))
+    return await func(*args, **kwargs)
 
 
 def _on_private_copies(spec: Any) -> Any:
