@@ -114,3 +114,24 @@ def shm_dir():
     os.mkdir(d)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+def task_levels(graph) -> dict:
+    """The dependent level of each task a built graph's outputs need: 1 for
+    a task that reads only inputs (keys outside the graph)."""
+    depth: dict = {}
+
+    def level(key):
+        if key not in depth:
+            deps = [d for d in graph.tasks[key].dependencies if d in graph.tasks]
+            depth[key] = 1 + max((level(d) for d in deps), default=0)
+        return depth[key]
+
+    for k in graph.outputs:
+        level(k)
+    return depth
+
+
+def graph_depth(graph) -> int:
+    """How many dependent levels a built graph has."""
+    return max(task_levels(graph).values())

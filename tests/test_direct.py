@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_clean, workers_of
+from conftest import assert_clean, graph_depth, workers_of
 from dask.task_spec import TaskRef
 from distributed import Client, LocalCluster, wait
 
@@ -54,23 +54,10 @@ def _graph(p, workers):
                         op=resolve_op("sum"), read=peer_reads.read_peers)
 
 
-def _levels(graph):
-    level = {}
-
-    def of(key):
-        if key not in graph.tasks:
-            return 0
-        if key not in level:
-            level[key] = 1 + max((of(d) for d in graph.tasks[key].dependencies), default=0)
-        return level[key]
-
-    return max(of(k) for k in graph.outputs)
-
-
 def test_four_ranks_on_four_workers_are_four_tasks_in_one_level():
     workers = [f"w{r}" for r in range(4)]
     g = _graph(4, workers)
-    assert len(g.tasks) == 4 and _levels(g) == 1
+    assert len(g.tasks) == 4 and graph_depth(g) == 1
     for r, key in enumerate(g.outputs):
         assert g.tasks[key].dependencies == {("input", r)}  # its own input only: the peers are read
         assert g.placement[key] == workers[r]
@@ -81,7 +68,7 @@ def test_sixty_four_ranks_on_four_workers_sum_once_per_worker():
     p, w = 64, 4
     workers = [f"w{r % w}" for r in range(p)]
     g = _graph(p, workers)
-    assert len(g.tasks) == w and _levels(g) == 1
+    assert len(g.tasks) == w and graph_depth(g) == 1
     for r, key in enumerate(g.outputs):
         assert g.placement[key] == workers[r]
         mine = {("input", s) for s in range(p) if workers[s] == workers[r]}

@@ -13,7 +13,7 @@ import gc
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, wait_until
+from conftest import assert_clean, graph_depth, task_levels, wait_until
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import flowreduce
@@ -26,20 +26,6 @@ from flowreduce.ops import resolve_op
 from flowreduce.schedule.shm_plugin import usage
 
 IDLE = 0.5
-
-
-def levels(graph) -> dict:
-    depth: dict = {}
-
-    def level(key):
-        if key not in depth:
-            deps = [d for d in graph.tasks[key].dependencies if d in graph.tasks]
-            depth[key] = 1 + max((level(d) for d in deps), default=0)
-        return depth[key]
-
-    for k in graph.outputs:
-        level(k)
-    return depth
 
 
 @pytest.mark.parametrize("outer,depth", [("butterfly", 6), ("ring", 6), ("recursive-doubling", 4)])
@@ -61,7 +47,7 @@ def test_graph_two_hosts_of_two_workers(outer, depth, ranks_per_worker):
     plan.check()
     graph = build_hierarchical(plan, [(f"x-{r}",) for r in range(p)], ws, size=1000, shape=(1000,),
                                dtype=np.dtype("f8"), op=resolve_op("sum"))
-    levels_of = levels(graph)
+    levels_of = task_levels(graph)
     by_func: dict = {}
     for key, task in graph.tasks.items():
         name = task.func.__name__ if getattr(task.func, "__module__", "") == shm_kernels.__name__ else "outer"
@@ -308,5 +294,5 @@ def test_cost_card_counts_the_lowered_graph(outer, layout):
     graph = build_hierarchical(plan, [(f"x-{r}",) for r in range(p)], list(ws), size=1000, shape=(1000,),
                                dtype=np.dtype("f8"), op=resolve_op("sum"))
     card = lowered_card(plan, plan.cost(1.0))
-    assert (card.tasks, card.steps) == (len(graph.tasks), max(levels(graph).values()))
+    assert (card.tasks, card.steps) == (len(graph.tasks), graph_depth(graph))
     assert card.tasks < plan.cost(1.0).tasks

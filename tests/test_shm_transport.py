@@ -15,7 +15,7 @@ import uuid
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, wait_until, workers_of
+from conftest import assert_clean, graph_depth, wait_until, workers_of
 from distributed import Client, LocalCluster
 
 import flowreduce
@@ -58,18 +58,6 @@ def settled(client, directory) -> None:
     assert wait_until(lambda: not shm_pool.segments(directory), 30 + 4 * IDLE), shm_pool.segments(directory)
 
 
-def levels(graph) -> int:
-    depth: dict = {}
-
-    def level(key):
-        if key not in depth:
-            deps = [d for d in graph.tasks[key].dependencies if d in graph.tasks]
-            depth[key] = 1 + max((level(d) for d in deps), default=0)
-        return depth[key]
-
-    return max(level(k) for k in graph.outputs)
-
-
 @pytest.mark.parametrize("ranks,workers", [(4, 4), (8, 4), (64, 4), (3, 1)])
 def test_direct_graph_is_three_levels(ranks, workers):
     ws = [f"tcp://10.0.0.1:{9000 + r % workers}" for r in range(ranks)]
@@ -77,7 +65,7 @@ def test_direct_graph_is_three_levels(ranks, workers):
     plan = make_plan("shm-direct", ranks, **({"groups": groups} if workers < ranks else {}))
     inputs = [(f"x-{r}",) for r in range(ranks)]
     graph = build_direct(plan, inputs, ws, size=1000, shape=(1000,), dtype=np.dtype("f8"), op=resolve_op("sum"))
-    assert levels(graph) == 3
+    assert graph_depth(graph) == 3
     assert len(graph.tasks) == 2 * workers + ranks <= 3 * ranks + 2 * workers
     assert {graph.placement[k] for k in graph.outputs} == set(ws)
     assert all(graph.placement[o] == ws[r] for r, o in enumerate(graph.outputs))
