@@ -76,6 +76,19 @@ def test_sixty_four_ranks_on_four_workers_sum_once_per_worker():
     assert len(set(g.outputs)) == w
 
 
+def _same_host_pick_over_direct(model, p):
+    """A size (float64 elements) where ``auto``'s choice among the plans is
+    ``direct`` but the model prices the same-host collective lower still."""
+    from flowreduce.algorithms import plan as make
+
+    for n in np.geomspace(1e4, 1e7, 31):
+        nbytes = int(n) * 8
+        if (choose(p, nbytes, model=model, direct=True).algorithm == "direct"
+                and model.predict(make("shm-direct", p), nbytes) < model.predict(make("direct", p), nbytes)):
+            return int(n)
+    return None
+
+
 # -- through the front door, on worker processes -----------------------------------------------------
 
 def _submitted(client, arrays, workers=None):
@@ -300,3 +313,23 @@ def test_a_peer_killed_mid_call_recovers_or_names_the_rank(pinned):
         del futures, parts, busy
         gc.collect()
         assert_clean(client)
+
+
+
+def test_auto_takes_one_decision_whether_or_not_it_glanced(proc_client):
+    """Inputs already in memory go through the glance route, which once
+    skipped the same-host preference that lower() applies, and ran
+    ``direct`` where the model priced ``shm-direct`` lower (at 1e6 on 4
+    ranks: 80 ms against 61). Both routes now take one decision."""
+    from flowreduce.cost import CostModel
+
+    model = CostModel(cores=2)
+    n = _same_host_pick_over_direct(model, 4)
+    assert n is not None, "the default model has no such size any more: pick another case"
+    parts = _submitted(proc_client, [np.full(n, float(r)) for r in range(4)], workers_of(proc_client))
+    futures = flowreduce.allreduce(proc_client, parts, model=model)
+    assert describe(futures).plan.algorithm == "shm-direct"
+    for o in proc_client.gather(futures):
+        np.testing.assert_array_equal(o, np.full(n, 6.0))
+    del futures, parts
+    assert_clean(proc_client)

@@ -405,7 +405,8 @@ def glance(client: Client, outer: TreeDef, futures: tuple[tuple[Future, ...], ..
     places = hosts.worker_places(client, workers)  # asked once per worker and client, then kept
     model = model_for(settings.model, hosts.shared_cores(workers, places))
     levels = hosts.rank_levels(client, workers, places, settings.topology)
-    plan = choose_plan(len(workers), nbytes, levels, model, settings, direct=True)
+    plan = dense_plan(nbytes, levels, model, settings, workers,
+                      _transport.memory_domains(workers, places, settings.transport))
     if plan.algorithm != _direct.NAME or plan.chunks != 1:
         return None
     return Ranks(outer, futures, tuple(workers), places, Unseen(nbytes), check=True, plan=plan)
@@ -442,6 +443,20 @@ def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostM
         if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
             options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
         return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
+
+
+def dense_plan(nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings,
+               workers: Sequence[str], domains: Sequence[Any]) -> Plan:
+    """The plan of a dense call whose inputs are arrays in memory on
+    ``workers`` (so ``direct`` can read them): :func:`choose_plan`, then
+    ``auto``'s same-host (``shm-direct``) and across-host (``hierarchical``
+    over shared memory) preferences. The one decision both routes of a
+    dense call take: the glance before submitting and :func:`lower`."""
+    plan = choose_plan(len(workers), nbytes, levels, model, settings, direct=True)
+    if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
+        plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
+    return _transport.prefer_hierarchical(plan, settings.algorithm, settings.options, settings.chunks_for(nbytes),
+                                          model, nbytes, workers, domains, levels)
 
 
 @dataclass(frozen=True)
@@ -520,11 +535,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     if settings.algorithm == _transport.DIRECT:  # its groups: the ranks of each worker; one chunk unless asked
         settings = replace(settings, options=_transport.direct_options(dict(settings.options), workers),
                            chunks=settings.chunks_for(nbytes) or 1)
-    plan = choose_plan(p, nbytes, levels, model, settings, direct=True)  # the inputs are in memory: readable
-    if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
-        plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
-    plan = _transport.prefer_hierarchical(plan, settings.algorithm, settings.options, settings.chunks_for(nbytes),
-                                          model, nbytes, workers, domains, levels)
+    plan = dense_plan(nbytes, levels, model, settings, workers, domains)
     if plan.algorithm == _direct.NAME and plan.chunks == 1:
         return direct(plan, nbytes, shape, dtype.str)
     graph, how, links = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
