@@ -75,10 +75,13 @@ def accumulate(op: Op, values: Sequence[Any]) -> np.ndarray:
     return acc
 
 
-def reduce_in_rank_order(op: Op, values: Sequence[Any]) -> np.ndarray:
-    """``values[0] op values[1] op ...``, into a fresh array (in the op's
-    accumulating dtype), then the op's finish: the same bits on every rank."""
-    return op.finish(accumulate(op, values), len(values), owned=True)
+async def off_loop_if_large(nbytes: int, func: Callable[..., Any], *args: Any) -> Any:
+    """``func(*args)`` from a coroutine on a worker's event loop: inline, or
+    in a thread when it works through more than :data:`OFF_LOOP_BYTES`
+    (a large reduction would stall the loop: heartbeats, transfers)."""
+    if nbytes > OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, func, *args)
+    return func(*args)
 
 
 async def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local_ranks: Sequence[int],
@@ -91,10 +94,7 @@ async def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local
     got, partials = await read(peers, op, key) if peers else ({}, {})
     values = {**dict(zip(local_ranks, local)), **got}
     nbytes = sum(getattr(v, "nbytes", 0) for v in [*values.values(), *(part.value for part in partials.values())])
-    if nbytes > OFF_LOOP_BYTES:  # would stall the event loop
-        return await asyncio.get_running_loop().run_in_executor(
-            None, reduce_groups, op, ranks, groups, values, partials, check)
-    return reduce_groups(op, ranks, groups, values, partials, check)
+    return await off_loop_if_large(nbytes, reduce_groups, op, ranks, groups, values, partials, check)
 
 
 def reduce_local(op: Op, ranks: int, groups: Sequence[Sequence[int]], local: Sequence[Any],

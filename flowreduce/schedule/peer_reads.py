@@ -37,7 +37,7 @@ import numpy as np
 from dask.typing import Key
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from flowreduce.build.direct import OFF_LOOP_BYTES, Partial
+from flowreduce.build.direct import Partial
 from flowreduce.errors import WorkerLostError
 from flowreduce.ops import Op
 
@@ -123,7 +123,7 @@ async def _reduce_at_peers(worker: Any, several: dict[str, dict[Hashable, list[i
     async def ask(address: str, wanted: dict[Hashable, list[int]]) -> Partial | None:
         order = sorted((r, k) for k, rs in wanted.items() for r in rs)
         try:
-            worker.rpc.reuse(address, await worker.rpc.connect(address, timeout=CONNECT_SECONDS))
+            await _connect_briefly(worker, address)
             reply = await getattr(worker.rpc(address), HANDLER)(keys=[k for _, k in order], reduce_with=blob)
         except Exception as e:  # gone, or no handler: read the values instead
             logger.debug("flowreduce: %s did not sum its ranks (%r); reading their values", address, e)
@@ -145,7 +145,7 @@ async def reduce_held(worker: Any, keys: Sequence[Hashable], reduce_with: bytes)
     from distributed.protocol import pickle
     from distributed.protocol.serialize import to_serialize
 
-    from flowreduce.build.direct import accumulate
+    from flowreduce.build.direct import accumulate, off_loop_if_large
     from flowreduce.schedule.inputs import meta_of
 
     try:
@@ -157,10 +157,7 @@ async def reduce_held(worker: Any, keys: Sequence[Hashable], reduce_with: bytes)
         return {"status": "unreduced"}
     how: Op = pickle.loads(reduce_with)  # the op, pickled: a message's own "op" names the handler
     try:
-        if sum(v.nbytes for v in values) > OFF_LOOP_BYTES:  # a large sum would stall this worker's event loop
-            value = await asyncio.get_running_loop().run_in_executor(None, accumulate, how, values)
-        else:
-            value = accumulate(how, values)
+        value = await off_loop_if_large(sum(v.nbytes for v in values), accumulate, how, values)
     except Exception:
         return {"status": "unreduced"}
     return {"status": "OK", "value": to_serialize(value), "metas": to_serialize(metas)}
@@ -198,6 +195,14 @@ def ensure_peer_reduce(client: Any) -> None:
         _installed[client] = True
 
 
+async def _connect_briefly(worker: Any, address: str) -> None:
+    """Connect to ``address`` within :data:`CONNECT_SECONDS` (OSError past
+    it) and put the connection back in the pool for the request that
+    follows: a dead worker's address would otherwise take Dask's whole
+    connect timeout (30 s) to fail."""
+    worker.rpc.reuse(address, await worker.rpc.connect(address, timeout=CONNECT_SECONDS))
+
+
 class _Absent(Exception):
     """No worker holds an input now (the first, impatient read gives up at once)."""
 
@@ -219,9 +224,7 @@ async def _read(worker: Any, address: str, wanted: dict[Hashable, list[int]], pa
         busy: set[Hashable] = set()
         for w, ks in asked.items():
             try:
-                # connect first, briefly: a dead worker's address would otherwise take the whole
-                # connect timeout (30 s) to fail; the connection goes back to the pool for the read
-                worker.rpc.reuse(w, await worker.rpc.connect(w, timeout=CONNECT_SECONDS))
+                await _connect_briefly(worker, w)
                 reply = await get_data_from_worker(worker.rpc, ks, w, who=worker.address)
             except OSError:  # the worker is gone (CommClosedError is an OSError): ask who else holds it
                 continue
