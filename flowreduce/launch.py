@@ -97,7 +97,8 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
                 yield client
             return
         options = jobqueue_arguments(args)
-        with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress, **options) as client:
+        with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress,
+                     release_within=RELEASE_WITHIN, **options) as client:
             yield client
 
 
@@ -132,7 +133,8 @@ def sigterm_unwinds() -> Iterator[None]:
 
 @contextmanager
 def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, timeout: float = 300.0,
-            progress: bool = True, memory_limit: Any = "system", **options: Any) -> Iterator[Any]:
+            progress: bool = True, memory_limit: Any = "system", release_within: float | None = None,
+            **options: Any) -> Iterator[Any]:
     """Start a cluster, wait for its workers, yield a Client, release it all.
 
     ``kind="local"``: a LocalCluster of ``workers`` single-threaded worker
@@ -141,6 +143,12 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
     ``memory``, ``processes``, ``walltime``, ``queue``, ``interface``, ...;
     the rest from ``jobqueue.yaml``). Waits for ``jobs × processes`` workers
     or raises :class:`TimeoutError` naming the jobs still pending and why.
+
+    ``release_within`` (for commands, not for library callers: it ends the
+    process): when Ctrl-C or SIGTERM unwinds the block, closing the client
+    and the cluster gets that many seconds; if they are not done by then,
+    the jobs are cancelled with the queue's own command and the process
+    exits, so an interrupted command never hangs.
     """
     from distributed import Client, LocalCluster
 
@@ -152,12 +160,67 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
             yield stack.enter_context(Client(c))
             return
         c = jobqueue_cluster(kind, options)
+        deadline = ReleaseDeadline(c, release_within)
+        stack.callback(deadline.disarm)  # the last to run: the release ended in time
         stack.callback(_release, c)  # runs on error and Ctrl-C too
-        client = stack.enter_context(Client(c))
-        c.scale(jobs=jobs)
-        expected = jobs * _processes(c)
-        wait_for_workers(client, c, expected, timeout=timeout, progress=progress)
-        yield client
+        try:
+            client = stack.enter_context(Client(c))
+            c.scale(jobs=jobs)
+            expected = jobs * _processes(c)
+            wait_for_workers(client, c, expected, timeout=timeout, progress=progress)
+            yield client
+        except KeyboardInterrupt:
+            deadline.arm(128 + 2)  # the shell's status for SIGINT
+            raise
+        except SystemExit as e:
+            deadline.arm(e.code if isinstance(e.code, int) else 1)
+            raise
+
+
+#: How long an interrupted command's client and cluster may take to close
+#: before its jobs are cancelled directly (:class:`ReleaseDeadline`).
+RELEASE_WITHIN = 60.0
+
+
+class ReleaseDeadline:
+    """Once armed, a timer: unless disarmed within ``seconds``, it cancels
+    every job of the dask-jobqueue cluster ``c`` with the queue's own
+    command (``scancel``, ``qdel``, ...), says so on stderr, and ends the
+    process with the given status. ``seconds=None`` never arms."""
+
+    def __init__(self, c: Any, seconds: float | None):
+        self.c, self.seconds = c, seconds
+        self._timer: Any = None
+
+    def arm(self, status: int) -> None:
+        import threading
+
+        if self.seconds is None or self._timer is not None:
+            return
+        self._timer = threading.Timer(self.seconds, self._cut_short, args=(status,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _cut_short(self, status: int) -> None:
+        import os
+        import shlex
+        import sys
+
+        ids: list[str] = []
+        with suppress(Exception):  # the cluster's state is read from another thread, mid-close
+            ids = [str(j.job_id) for j in list(self.c.workers.values()) if getattr(j, "job_id", None)]
+        command = shlex.split(self.c.job_cls.cancel_command)
+        print(f"flowreduce: the cluster did not close within {self.seconds:g} s of the interrupt; "
+              f"cancelling its jobs ({' '.join(command + ids) if ids else 'none known'}) and exiting",
+              file=sys.stderr, flush=True)
+        if ids:
+            with suppress(Exception):
+                subprocess.run(command + ids, timeout=30, capture_output=True)
+        os._exit(status)
 
 
 def jobqueue_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -178,10 +241,12 @@ def jobqueue_cluster(kind: str, options: dict) -> Any:
 def import_dask_jobqueue(kind: str) -> Any:
     """``import dask_jobqueue``, keeping Ctrl-C a KeyboardInterrupt.
 
-    Its first import replaces Python's SIGINT handler with ``sys.exit()``
+    Its first import replaces the SIGINT handler with ``sys.exit()``
     (``dask_jobqueue.runner``, meant for its batch-job runners): a Ctrl-C'd
     command would still unwind, but exit with status 0, as if it had
-    succeeded. When Python's own handler was in place, it is put back."""
+    succeeded. Whatever was there before is put back: Python's own handler,
+    or ``SIG_IGN`` for a command started in the background or under
+    ``nohup``, where SIGINT is meant to be ignored."""
     import signal
     import threading
 
@@ -190,7 +255,7 @@ def import_dask_jobqueue(kind: str) -> Any:
         import dask_jobqueue
     except ImportError:
         raise ImportError(f"--cluster {kind} needs dask-jobqueue: pip install 'flowreduce[hpc]'") from None
-    if (before is signal.default_int_handler and signal.getsignal(signal.SIGINT) is not before
+    if (before is not None and signal.getsignal(signal.SIGINT) is not before
             and threading.current_thread() is threading.main_thread()):
         signal.signal(signal.SIGINT, before)
     return dask_jobqueue

@@ -393,14 +393,52 @@ def test_sigterm_unwinds_restores_the_previous_handler():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_importing_dask_jobqueue_keeps_ctrl_c_a_keyboard_interrupt():
+@pytest.mark.parametrize("started_with", ["SIG_DFL", "SIG_IGN"])
+def test_importing_dask_jobqueue_keeps_the_sigint_handler_it_found(started_with):
     """dask_jobqueue's first import makes SIGINT call sys.exit() (exit status
-    0 after Ctrl-C); launch imports it and puts Python's handler back."""
+    0 after Ctrl-C); launch imports it and puts back what was there: Python's
+    KeyboardInterrupt handler, or SIG_IGN for a command started in the
+    background (``cmd &`` in a script, ``nohup``), which must keep ignoring
+    SIGINT rather than exit 0 on it."""
     pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    disposition = getattr(signal, started_with)
+    expected = "default_int_handler" if started_with == "SIG_DFL" else "SIG_IGN"
     code = ("import signal; from flowreduce import launch; launch.import_dask_jobqueue('slurm'); "
-            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
-    out = _python("-c", code, timeout=120)
-    assert out.stdout.strip() == "True", out.stdout + out.stderr
+            "h = signal.getsignal(signal.SIGINT); "
+            "print('SIG_IGN' if h is signal.SIG_IGN else getattr(h, '__name__', repr(h)))")
+    env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
+    assert out.stdout.strip() == expected, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("closes_in_time", [False, True], ids=["hung-release", "release-in-time"])
+def test_an_interrupted_release_that_hangs_cancels_the_jobs_and_exits(tmp_path, closes_in_time):
+    """After Ctrl-C a command's release gets ReleaseDeadline's seconds: a
+    release that hangs has its jobs cancelled with the queue's own command
+    (here ``touch``, whose argument is the job id) and the process ends with
+    the interrupt's status; a release in time cancels nothing and ends as
+    usual."""
+    job = tmp_path / "cancelled-job-17"
+    code = textwrap.dedent(f"""
+        import time
+        from types import SimpleNamespace
+        from flowreduce.launch import ReleaseDeadline
+        c = SimpleNamespace(workers={{"w": SimpleNamespace(job_id={str(job)!r})}},
+                            job_cls=SimpleNamespace(cancel_command="touch"))
+        deadline = ReleaseDeadline(c, 0.5)
+        deadline.arm(130)
+        if {closes_in_time}:
+            deadline.disarm()
+        time.sleep(1.5)  # the release, hung or not
+        print("released")
+    """)
+    out = _python("-c", code, timeout=60)
+    if closes_in_time:
+        assert (out.returncode, out.stdout.strip(), job.exists()) == (0, "released", False), out.stderr
+    else:
+        assert (out.returncode, out.stdout, job.exists()) == (130, "", True), out.stderr
+        assert f"cancelling its jobs (touch {job})" in out.stderr
 
 
 def test_tls_and_dashboard_options_reach_the_scheduler_and_the_job_script(tmp_path):

@@ -16,10 +16,12 @@ starts it); skips with the reason otherwise."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -164,6 +166,12 @@ def test_cli_train_on_slurm(dask_jobqueue, tmp_path):
         _leftovers_cancelled(name)
 
 
+def _terminal_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 @pytest.mark.timeout(600)  # up to 180 s for the jobs, 120 s to exit, 60 s to leave the queue
 @pytest.mark.parametrize("signum, exit_codes", [
     # KeyboardInterrupt: Python ends by re-raising SIGINT (not 0: dask_jobqueue's import makes Ctrl-C
@@ -179,7 +187,10 @@ def test_cli_releases_its_jobs_when_interrupted(dask_jobqueue, tmp_path, signum,
     cmd = _cli(name, tmp_path, "bench") + [  # far more repetitions than the test waits for
         "--sizes", "100000", "--algorithms", "butterfly", "--repeat", "100000", "--warmup", "0", "--no-progress"]
     stdout, stderr = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
-    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=REPO_ROOT)
+    # as from a terminal: SIGINT and SIGTERM neither ignored nor blocked, whatever runs the tests;
+    # PYTHONFAULTHANDLER so that a hung command's threads can be dumped (SIGABRT) for the message
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=REPO_ROOT, preexec_fn=_terminal_signals,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     try:
         def running(jobs):
             return len(jobs) == 2 and all(state == "RUNNING" for _, state in jobs)
@@ -197,7 +208,12 @@ def test_cli_releases_its_jobs_when_interrupted(dask_jobqueue, tmp_path, signum,
         try:
             rc = proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"still running 120 s after {signal.Signals(signum).name}")
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            proc.wait(timeout=30)
+            pytest.fail(f"still running 120 s after {signal.Signals(signum).name}; "
+                        f"{[line for line in status.splitlines() if line.startswith('Sig')]}; stderr:\n"
+                        f"{(tmp_path / 'stderr').read_text()[-6000:]}")
         assert rc in exit_codes, (rc, (tmp_path / "stderr").read_text()[-3000:])
         _assert_released(name, ids, tmp_path / "logs", f"after {signal.Signals(signum).name}")
     finally:
