@@ -73,6 +73,35 @@ class Shards:
         return DigitsShard(rank, ranks, self.batch, self.seed)
 
 
+@dataclass(frozen=True)
+class ElasticShards:
+    """``data=`` of :class:`flowreduce.torch.elastic.ElasticTrainer`: every
+    rank's worker holds the whole (small) training set (:meth:`load`), and
+    the global batch of a step is the next ``ranks × batch`` samples of the
+    epoch's seeded order, rank r taking the r-th ``batch`` of them
+    (:func:`flowreduce.train.data.elastic_batch`, as the numpy trainer's
+    elastic runs): a change of the rank set re-cuts the rest of the epoch."""
+
+    batch: int = 16
+    seed: int = 0
+
+    def size(self) -> int:
+        """Samples in the training set (an epoch ends when fewer than a global batch are left)."""
+        return len(_data.load_digits(self.seed)[1])
+
+    def load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training set as images and labels (run on every rank's worker)."""
+        X, y = _data.load_train(self.seed)
+        return _images(X), torch.from_numpy(y)
+
+    def take(self, dataset: tuple[torch.Tensor, torch.Tensor], epoch: int, offset: int,
+             rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s batch of the step starting at ``offset`` of ``epoch``."""
+        X, y = dataset
+        idx = torch.from_numpy(_data.elastic_batch(self.seed, epoch, offset, rank, self.batch, len(y)))
+        return X[idx], y[idx]
+
+
 def steps_per_epoch(ranks: int, batch: int, seed: int = 0) -> int:
     n_train = len(_data.load_digits(seed)[1])
     return _data.shard_size(n_train, ranks) // batch

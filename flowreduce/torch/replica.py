@@ -265,3 +265,61 @@ def load(replica: Replica, path: str) -> int:
     replica.model.load_state_dict(state["model"])
     replica.optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])
+
+
+# -- elastic runs (flowreduce.torch.elastic): every step makes new replicas, the committed ones stay as they were --
+def build_elastic(make_model: Callable, make_optimizer: Callable, loss: Callable, seed: int,
+                  threads: int | None) -> Replica:
+    """The run's one initial replica (built on rank 0's worker under
+    ``torch.manual_seed(seed)``; the other ranks get copies of it). It holds
+    no data: an elastic run cuts each step's batches from the training set
+    by (progress, rank, ranks)."""
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    model = make_model()
+    return Replica(0, model, make_optimizer(model.parameters()), loss, None)
+
+
+def _copy(replica: Replica) -> Replica:
+    """A deep copy of the model and its optimizer together (the optimizer's
+    state keyed by the copy's own parameters)."""
+    import copy
+
+    return copy.deepcopy(replica)
+
+
+def grads_elastic(replica: Replica, dataset: Any, data: Any, epoch: int, offset: int, rank: int, ranks: int,
+                  micro: int, threads: int | None) -> dict:
+    """Rank ``rank``'s gradients of the step that starts at ``offset`` of
+    ``epoch`` on ``ranks`` ranks (:func:`gradients`' payload): ``micro``
+    micro-batches, micro-batch m being ``data.take(dataset, epoch, offset + m
+    * ranks * data.batch, rank)``. On a copy of the replica: the committed
+    replica is not touched, so an abandoned step can be re-run from it."""
+    if threads:
+        torch.set_num_threads(threads)
+    work = _copy(replica)
+    work.model.train()
+    for m in range(micro):
+        inputs, target = data.take(dataset, epoch, offset + m * ranks * data.batch, rank)
+        work.loss(_call(work.model, inputs), target).backward()
+    return gradients(work)
+
+
+def update_elastic(replica: Replica, reduced: dict) -> Replica:
+    """A new replica: a copy of ``replica`` after one optimizer step with
+    the averaged gradients (``reduced``: the all-reduce's output)."""
+    new = _copy(replica)
+    for p, g, u in zip(new.params(), reduced["grads"].values(), reduced["used"].tolist()):
+        p.grad = g.view_as(p) if u > 0 else None  # None where no rank used it: the optimizer skips it
+    new.optimizer.step()
+    new.optimizer.zero_grad(set_to_none=True)
+    return new
+
+
+def state_dicts(replica: Replica) -> dict:
+    """Copies of the model's and the optimizer's ``state_dict()`` (for comparing ranks)."""
+    import copy
+
+    return {"model": OrderedDict((k, v.detach().clone()) for k, v in replica.model.state_dict().items()),
+            "optimizer": copy.deepcopy(replica.optimizer.state_dict())}
