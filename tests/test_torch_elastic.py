@@ -89,3 +89,38 @@ def test_elastic_torch_run_loses_a_worker_grows_again_and_reaches_the_accuracy()
         del states
         gc.collect()
         assert_clean(client)
+
+
+def test_flowreduce_train_framework_torch_elastic_command(tmp_path):
+    """``flowreduce train --framework torch --elastic`` as a user runs it (its
+    own embedded LocalCluster, no worker lost): it trains, prints and writes
+    its epochs, and the model it saves has the test accuracy it reported."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    ckpt, report = tmp_path / "digits.pt", tmp_path / "report.json"
+    out = subprocess.run([sys.executable, "-m", "flowreduce", "train", "--framework", "torch", "--elastic", "--ranks",
+                          "2", "--max-ranks", "2", "--epochs", "1", "--json", str(report), "--save", str(ckpt)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "elastic training CNN" in out.stdout and "epoch   1" in out.stdout, out.stdout
+    printed = float(re.search(r"final test accuracy ([\d.]+)%", out.stdout).group(1)) / 100
+    written = json.loads(report.read_text())
+    assert [e["ranks"] for e in written["epochs"]] == [2] and written["changes"] == []
+    n_train = digits.ElasticShards().size()
+    assert written["final"]["steps"] == n_train // (2 * 16)  # one epoch of 2 x 16 samples per step
+
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["step"] == written["final"]["steps"] and saved["optimizer"]["state"]
+    model = digits.DigitsCNN()
+    model.load_state_dict(saved["model"])
+    with torch.no_grad():
+        accuracy = digits.Accuracy()(model.eval())["test_acc"]
+    assert accuracy == pytest.approx(written["final"]["test_acc"], abs=1e-6)
+    assert printed == pytest.approx(accuracy, abs=5e-5)
+    assert accuracy > 0.5  # it learnt: 10% is chance

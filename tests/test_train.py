@@ -211,7 +211,7 @@ def test_command_line_algorithm_options_reach_the_config():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--framework", "torch", "--elastic"), "--elastic runs the numpy trainer only"),
+    (("--framework", "torch", "--elastic", "--trace", "out"), "--trace is not supported with --elastic"),
     (("--save", "model.pt"), "--save saves a torch model"),
 ])
 def test_command_line_refuses_options_its_trainer_would_ignore(no_cluster, argv, message):

@@ -37,9 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--framework", choices=("numpy", "torch"), default="numpy",
                         help="numpy: the MLP study; torch: a CNN trained by flowreduce.torch.Trainer "
+                             "(ElasticTrainer with --elastic) "
                              "(needs pip install 'flowreduce[torch]'; uses --ranks, --algorithm, --epochs, "
                              "--batch-size, --lr, --momentum, --seed, --bucket-bytes, --trace, --trace-steps, --json, "
-                             "cluster options)")
+                             "--save, --elastic, --min-ranks, --max-ranks, cluster options)")
     parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks = workers (default 4)")
     parser.add_argument("--algorithm", default="auto", help="all-reduce algorithm, with options as "
                         "NAME:OPTION=VALUE[:...], e.g. hierarchical:group_size=2 (default: auto)")
@@ -67,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch: save the trained model and optimizer (state_dict, torch.save) to FILE")
     parser.add_argument("--elastic", action="store_true",
                         help="keep training when workers leave (the survivors re-shard the data and re-run the "
-                             "interrupted step) and grow when workers join (they get rank 0's weights); "
-                             "see docs/training.md")
+                             "interrupted step) and grow when workers join (they get rank 0's weights and "
+                             "momentum); with --framework numpy or torch; see docs/training.md")
     parser.add_argument("--max-ranks", type=int, default=None,
                         help="with --elastic: never grow past this many ranks (default: every worker that joins)")
     parser.add_argument("--min-ranks", type=int, default=1,
@@ -88,9 +89,6 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.framework == "torch" and args.elastic:
-        raise SystemExit("--elastic runs the numpy trainer only for now (docs/training.md says what the torch "
-                         "trainer still needs)")
     if args.framework != "torch" and args.save:
         raise SystemExit("--save saves a torch model: it needs --framework torch")
     if args.framework == "torch":

@@ -5,6 +5,8 @@
 >>> trainer.train(100)                                                                    # doctest: +SKIP
 
 * :class:`~flowreduce.torch.trainer.Trainer`: the trainer (client side);
+* :class:`~flowreduce.torch.elastic.ElasticTrainer`: the same, surviving
+  lost workers and growing when workers join (``--elastic``);
 * :mod:`flowreduce.torch.replica`: what runs on each rank's worker;
 * :mod:`flowreduce.torch.direct`: the gradients' average through shared
   memory when every rank shares one host (lowered into the step graph);
@@ -24,6 +26,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised without the extra
     raise ImportError("flowreduce.torch needs PyTorch: pip install 'flowreduce[torch]'") from e
 
+from flowreduce.torch.elastic import ElasticTrainer
 from flowreduce.torch.trainer import StepRecord, StepTiming, Trainer
 
-__all__ = ["StepRecord", "StepTiming", "Trainer"]
+__all__ = ["ElasticTrainer", "StepRecord", "StepTiming", "Trainer"]

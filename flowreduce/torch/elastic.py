@@ -34,6 +34,7 @@ What differs from :class:`flowreduce.torch.Trainer`:
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +52,10 @@ from flowreduce.train import elastic
 class ElasticData(Protocol):
     """The data of an elastic run, sharded by (progress, rank, ranks)."""
 
-    batch: int  # samples per rank and micro-batch
+    @property
+    def batch(self) -> int:
+        """Samples per rank and micro-batch."""
+        ...
 
     def size(self) -> int:
         """Samples in the training set (asked on the client)."""
@@ -79,6 +83,8 @@ class ElasticStep:
     ranks: int
     tokens: tuple[str, ...] = ()
     failed: bool = False
+    submitted: float = 0.0  # perf_counter when its first task was submitted
+    seconds: float = 0.0  # from then until it was committed (0: not committed)
 
 
 @dataclass
@@ -206,7 +212,7 @@ class ElasticTrainer:
         """Submit one step from the committed replicas; returns its new replicas."""
         ws = self.workers or []
         n, p = len(self.steps), len(ws)
-        rec = ElasticStep(n, self.epoch, self.offset, p)
+        rec = ElasticStep(n, self.epoch, self.offset, p, submitted=time.perf_counter())
         grad_keys = [(f"torch-grads-{self.token}", n, r) for r in range(p)]
         tasks = {k: Task(k, _replica.grads_elastic, TaskRef(self.replicas[r].key),
                          TaskRef(self.train_sets[ws[r]].key), self.data, self.epoch, self.offset, r, p,
@@ -225,6 +231,7 @@ class ElasticTrainer:
         return self._new
 
     def commit(self) -> None:
+        self.steps[-1].seconds = time.perf_counter() - self.steps[-1].submitted
         self.offset += self._global_batch()
         self.replicas, self._new, self._step = self._new, [], []
         self.committed.commit(self.workers or [], self.replicas, epoch=self.epoch, offset=self.offset)
