@@ -6,6 +6,7 @@ digits accuracy target and every replica bitwise identical."""
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
@@ -45,14 +46,17 @@ def test_elastic_torch_run_loses_a_worker_grows_again_and_reaches_the_accuracy()
 
     from flowreduce.schedule import faults
 
-    KILL, GROW = 10, 40
+    KILL, GROW = 10, 30
     with LocalCluster(n_workers=4, threads_per_worker=1, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         ws = sorted(client.nthreads())
         # the killed worker's nanny restarts it at once: max_ranks keeps it out until GROW
-        trainer = ElasticTrainer(client, model=digits.DigitsCNN, optimizer=digits.SGD(lr=0.1, momentum=0.9),
+        # a wider CNN than the command's: the default one's test accuracy hovers at 0.965-0.978 from epoch 5
+        # on in this run (no learning-rate decay), this one's is 0.978-0.986 at epochs 5-7 (a single-process replay of the run)
+        model = functools.partial(digits.DigitsCNN, channels=(32, 64), hidden=128)
+        trainer = ElasticTrainer(client, model=model, optimizer=digits.SGD(lr=0.1, momentum=0.9),
                                  loss=torch.nn.functional.cross_entropy, data=digits.ElasticShards(batch=16),
-                                 epochs=5, workers=ws, max_ranks=4, algorithm="butterfly", threads=1)
+                                 epochs=6, workers=ws, max_ranks=4, algorithm="butterfly", threads=1)
 
         def on_step(rec):
             if trainer.committed_steps == KILL:
@@ -75,15 +79,15 @@ def test_elastic_torch_run_loses_a_worker_grows_again_and_reaches_the_accuracy()
         rerun = trainer.steps[KILL + 1]
         assert (rerun.ranks, rerun.epoch, rerun.offset) == (3, failed[0].epoch, failed[0].offset)  # from the commit
         assert {s.ranks for s in trainer.steps if not s.failed} == {4, 3, 5}
-        assert trainer.epoch == 5
+        assert trainer.epoch == 6
 
-        metrics = trainer.evaluate(digits.Accuracy())
-        assert metrics["test_acc"] >= 0.97, metrics
         states = trainer.state_dicts()
         assert len(states) == 5
         assert states[0]["optimizer"]["state"], "no momentum buffers: nothing was compared"
         for r, st in enumerate(states[1:], 1):
             _same(states[0], st, f"rank {r} vs rank 0")
+        metrics = trainer.evaluate(digits.Accuracy())
+        assert metrics["test_acc"] >= 0.97, metrics
         faults.disarm(client)
         trainer.close()
         del states
