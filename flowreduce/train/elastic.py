@@ -29,7 +29,8 @@ their workers (``allow_other_workers=False``), a step that is a pure function
 of (committed replicas, progress, rank set) so it can be re-run, its data
 sharded by (progress, rank, ranks) rather than by a fixed rank count, and a
 ``resize(change)`` that rebuilds whatever it holds per worker. The loop is
-then :func:`run` (see :class:`flowreduce.train.loop.ElasticDataParallel`).
+then :func:`run` (see :class:`flowreduce.train.loop.ElasticDataParallel`
+and :class:`flowreduce.torch.elastic.ElasticTrainer`).
 """
 
 from __future__ import annotations
