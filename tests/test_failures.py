@@ -126,6 +126,9 @@ def test_fail_at_kills_the_worker_of_rank_r_when_step_s_starts(client):
     ("butterfly", "last", "kill"),
     ("ring", None, "kill"),  # when a rank's result task starts
     ("ring", 2, "retire"),
+    ("tree", 1, "kill"),
+    ("hierarchical", 1, "kill"),
+    ("shm-direct", 2, "kill"),  # its reduce-scatter over shared memory (step 1 has no task of rank 1)
 ])
 def test_worker_lost_mid_call_recovers(client, algorithm, step, action):
     step = _last_step(algorithm) if step == "last" else step
