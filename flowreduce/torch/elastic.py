@@ -46,6 +46,7 @@ from dask.task_spec import Task, TaskRef
 import flowreduce
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.torch import replica as _replica
+from flowreduce.torch.trainer import rank_workers
 from flowreduce.train import elastic
 
 
@@ -130,16 +131,7 @@ class ElasticTrainer:
     def __post_init__(self) -> None:
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 micro-batches per step, got {self.accumulate}")
-        if self.workers is None:
-            from flowreduce.launch import ranked_workers
-
-            ws = ranked_workers(self.client)
-            n = len(ws) if self.ranks is None else self.ranks
-            if n > len(ws):
-                raise ValueError(f"{n} ranks need {n} workers, the cluster has {len(ws)}")
-            ws = ws[:n]
-        else:
-            ws = list(self.workers)
+        ws = rank_workers(self.client, self.ranks, self.workers)
         self.membership = elastic.Membership(self.client, ws, self.max_ranks, self.min_ranks)
         self.workers = list(self.membership.workers)
         self.ranks = len(self.workers)

@@ -88,6 +88,21 @@ class StepTiming:
     comm: float
 
 
+def rank_workers(client: Any, ranks: int | None, workers: list[str] | None) -> list[str]:
+    """The workers of a trainer's ranks, in rank order: ``workers`` as
+    given, else the first ``ranks`` (default: all) of the cluster's workers
+    in :func:`~flowreduce.launch.ranked_workers` order."""
+    if workers is not None:
+        return list(workers)
+    from flowreduce.launch import ranked_workers
+
+    ws = ranked_workers(client)
+    n = len(ws) if ranks is None else ranks
+    if n > len(ws):
+        raise ValueError(f"{n} ranks need {n} workers, the cluster has {len(ws)}")
+    return ws[:n]
+
+
 @dataclass
 class Trainer:
     """Data-parallel training of a PyTorch model on a Dask cluster.
@@ -141,16 +156,7 @@ class Trainer:
     def __post_init__(self) -> None:
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 micro-batches per step, got {self.accumulate}")
-        if self.workers is None:
-            from flowreduce.launch import ranked_workers
-
-            ws = ranked_workers(self.client)
-            n = len(ws) if self.ranks is None else self.ranks
-            if n > len(ws):
-                raise ValueError(f"{n} ranks need {n} workers, the cluster has {len(ws)}")
-            ws = ws[:n]
-        else:
-            ws = list(self.workers)
+        ws = rank_workers(self.client, self.ranks, self.workers)
         # the workers and rank count as decided (typed, never None), and the fields for the caller
         self._ws: list[str] = ws
         self._p = len(ws)
