@@ -162,6 +162,55 @@ def test_results_are_ordinary_arrays(client, shm_dir):
     settled(client, shm_dir)
 
 
+def _buffer_of(key, dask_worker=None):
+    """id of the result buffer under a key's value on this worker (None: not in one)."""
+    import mmap
+
+    x = dask_worker.data[key]
+    while isinstance(x, np.ndarray):
+        x = x.base
+    x = x.obj if isinstance(x, memoryview) else x
+    return id(x) if isinstance(x, mmap.mmap) else None
+
+
+def test_results_are_made_in_warm_buffers_given_back_with_their_keys(shm_dir):
+    """A large result is written into a buffer of the worker's result pool
+    (pages touched by an earlier result, not fresh ones): the buffer is not
+    lent again while the result's key is held (a later call leaves it
+    unchanged), and once the key is released the next result on that
+    worker is made in it."""
+    from distributed import wait
+
+    n = 10**6  # 8 MB of int64 per rank
+    first = [np.full(n, r, dtype=np.int64) for r in range(4)]
+    with shm_cluster(shm_dir, **{"flowreduce.shm.idle-seconds": 600}) as cluster, Client(cluster) as client:
+        def buffers(futures):
+            where = {f.key: client.who_has([f])[f.key][0] for f in futures}
+            return {k: (w, client.run(_buffer_of, k, workers=[w])[w]) for k, w in where.items()}
+
+        kept = flowreduce.allreduce(client, scatter(client, first), algorithm="shm-direct")
+        wait(kept)
+        lent = buffers(kept)
+        assert all(b is not None for _, b in lent.values()), lent
+        second = flowreduce.allreduce(client, scatter(client, [a * 7 for a in first]), algorithm="shm-direct")
+        wait(second)
+        assert not {b for _, b in buffers(second).values()} & {b for _, b in lent.values()}
+        for r, f in enumerate(kept):
+            np.testing.assert_array_equal(f.result(), np.full(n, 6), err_msg=f"rank {r}")
+        keys = [f.key for f in kept]
+        del kept, f
+        assert wait_until(lambda: not any(client.run(lambda dask_worker: [k for k in keys if k in dask_worker.data])
+                                          .values()), 30)
+        third = flowreduce.allreduce(client, scatter(client, [a * 2 for a in first]), algorithm="shm-direct")
+        for r, x in enumerate(client.gather(third)):
+            np.testing.assert_array_equal(x, np.full(n, 12), err_msg=f"rank {r}")
+        again = sorted(buffers(third).values())
+        assert again == sorted(lent.values())  # each worker's given-back buffer, lent again
+        del second, third
+        assert_clean(client)
+    assert not shm_pool.segments(shm_dir)
+
+
 def _boom(a, b):
     raise ArithmeticError("no")
 

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 from dask.sizeof import sizeof
 
-from flowreduce.build import kernels, shm_pool
+from flowreduce.build import kernels, result_buffers, shm_pool
 from flowreduce.ops import Op
 
 #: Copies through shared memory in this process, for traces: (seq, start,
@@ -368,11 +368,12 @@ def publish_slice(inputs: Sequence[tuple[np.ndarray, ...]], picks: Sequence[Sequ
 
 def gather(op: Op, ranks: int, shape: tuple[int, ...], dtype: npt.DTypeLike, slices: Sequence,
            key: str = "", finish: bool = True) -> np.ndarray:
-    """Level 3 on each rank: its result, a fresh array of its own, copied
-    from every worker's finished slice (``finish=False``: already finished)."""
+    """Level 3 on each rank: its result, an array of its own (in a warm
+    buffer: :mod:`~flowreduce.build.result_buffers`), copied from every
+    worker's finished slice (``finish=False``: already finished)."""
     parts = [_slice_of(v) for v in slices]
     count = sum(x.size for x, _ in parts)
-    out = np.empty(count, np.dtype(dtype))
+    out = result_buffers.buffers().empty(count, dtype)
     at = 0
     for x, check in parts:
         t0 = time.time()

@@ -31,6 +31,8 @@ when the process's pool is made):
 ``flowreduce.shm.idle-seconds`` free segments and peer mappings unused this long are dropped
 ``flowreduce.shm.min-bytes``    a plan node's value smaller than this goes through Dask's comm
                                 (a message that small costs no more than the handle)
+``flowreduce.shm.result-pool-bytes``  free warm buffers kept for results
+                                (:mod:`flowreduce.build.result_buffers`)
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ logger = logging.getLogger("flowreduce")
 
 PREFIX = "flowreduce-shm-"
 #: The settings' keys under ``flowreduce.shm`` (defaults in flowreduce/flowreduce.yaml).
-KEYS = ("enabled", "directory", "pool-bytes", "memory-fraction", "idle-seconds", "min-bytes")
+KEYS = ("enabled", "directory", "pool-bytes", "memory-fraction", "idle-seconds", "min-bytes", "result-pool-bytes")
 #: Segments are sized in these units so calls of nearby sizes share them.
 GRAIN = 1 << 20
 #: Bytes at the head of a segment: its lease generation (an int64), so a
@@ -70,7 +72,7 @@ def config() -> dict:
     from flowreduce import config as settings
 
     got = {k: settings.get(f"shm.{k}") for k in KEYS}
-    for k in ("pool-bytes", "min-bytes"):
+    for k in ("pool-bytes", "min-bytes", "result-pool-bytes"):
         got[k] = parse_bytes(got[k]) if isinstance(got[k], str) else int(got[k])
     got["idle-seconds"] = float(got["idle-seconds"])
     got["memory-fraction"] = float(got["memory-fraction"])

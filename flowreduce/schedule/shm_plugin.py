@@ -6,7 +6,9 @@ workers on its host: a nanny's restart after SIGKILL reclaims them); while it
 runs, free segments and peer mappings idle for ``flowreduce.shm.idle-seconds``
 are dropped; at teardown (the worker closing) every segment it owns is
 unlinked. The pool itself lives in :mod:`flowreduce.build.shm_pool`, which
-tasks use without importing distributed.
+tasks use without importing distributed. The warm buffers results are made in
+(:mod:`flowreduce.build.result_buffers`) get the same bound by memory, idle
+release and close.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.worker_state_machine import TaskStateState
 
 from flowreduce import keys
-from flowreduce.build import shm_pool
+from flowreduce.build import result_buffers, shm_pool
 
 
 class SharedMemoryPlugin(WorkerPlugin):
@@ -42,15 +44,17 @@ class SharedMemoryPlugin(WorkerPlugin):
         if self.settings is not None and shm_pool.current() is None:
             dask.config.set({f"flowreduce.shm.{k}": v for k, v in self.settings.items()})
         pool = shm_pool.pool()
-        bound_by_memory(pool, worker.memory_manager.memory_limit, shm_pool.config()["memory-fraction"])
+        fraction = shm_pool.config()["memory-fraction"]
+        bound_by_memory(pool, worker.memory_manager.memory_limit, fraction)
+        bound_by_memory(result_buffers.buffers(), worker.memory_manager.memory_limit, fraction)
         interval = max(0.05, min(pool.idle / 2, 5.0)) * 1000
         self._idle = PeriodicCallback(self._release_idle, interval)
         self._idle.start()
 
     def _release_idle(self) -> None:
-        pool = shm_pool.current()
-        if pool is not None:
-            pool.release_idle()
+        for pool in (shm_pool.current(), result_buffers.current()):
+            if pool is not None:
+                pool.release_idle()
 
     def transition(self, key: Key, start: TaskStateState, finish: TaskStateState, **kwargs: Any) -> None:
         """Once the last key of a call leaves this worker, give back what the
@@ -75,9 +79,10 @@ class SharedMemoryPlugin(WorkerPlugin):
             idle.stop()
         if worker.status in (Status.closing, Status.closed, Status.closing_gracefully, Status.failed):
             shm_pool.close()  # the worker is going; a replaced plugin leaves the pool to its successor
+            result_buffers.close()
 
 
-def bound_by_memory(pool: shm_pool.Pool, memory_limit: int | None, fraction: float) -> None:
+def bound_by_memory(pool: shm_pool.Pool | result_buffers.Buffers, memory_limit: int | None, fraction: float) -> None:
     """Keep the pool within ``fraction`` of the worker's memory limit: its
     pages count in the worker's RSS, and a worker past its limit is paused,
     then killed by its nanny (seen at 1e8 elements with the 4 GiB default
@@ -89,8 +94,8 @@ def bound_by_memory(pool: shm_pool.Pool, memory_limit: int | None, fraction: flo
 def pool_stats(dask_worker: Worker | None = None) -> dict:
     """This worker's pool (leased and free segments, bytes): run by
     ``client.run``; what :func:`usage` reports."""
-    pool = shm_pool.current()
-    return pool.stats() if pool is not None else {}
+    pool, results = shm_pool.current(), result_buffers.current()
+    return {**(pool.stats() if pool is not None else {}), **(results.stats() if results is not None else {})}
 
 
 def usage(client: Client) -> dict[str, dict]:

@@ -1,0 +1,133 @@
+"""Warm memory for results: a per-process pool of private buffers that a
+call's result arrays are made in, and that go back to the pool when the
+result does. Pure (mmap, numpy, weakref).
+
+A fresh array of tens of MB is a fresh mapping (glibc maps large blocks
+anew and unmaps them on free), and its first write faults every page in:
+on the development machine filling 80 MB took 32 ms fresh and 18 ms in a
+buffer touched before. Open MPI writes into the user's own, warm, buffer;
+a Dask task has to return a new array. So the result is an ordinary numpy
+array, private to its worker and writable, whose memory is a buffer from
+this pool: when the last reference to it goes (Dask releases the result key
+and the user holds no view), a ``weakref.finalize`` on the array gives the
+buffer back, and the next call's result is written into pages already
+touched. Nothing can reuse a buffer while any view of the result lives, so
+a held result never changes.
+
+Only free buffers are bounded (``flowreduce.shm.result-pool-bytes``, and
+the worker plugin's share of its memory limit): results themselves are
+ordinary memory that Dask counts as such. Free buffers unused for
+``flowreduce.shm.idle-seconds`` are dropped, as the shared-memory pool's
+are.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+import weakref
+from collections import defaultdict
+
+import numpy as np
+import numpy.typing as npt
+
+#: Results smaller than this are plain ``np.empty`` (few pages to fault).
+MIN_BYTES = 1 << 20
+#: Buffers are sized in these units, so calls of nearby sizes share them.
+GRAIN = 1 << 20
+
+
+class Buffers:
+    """Free private buffers by size; :meth:`empty` lends one as an array."""
+
+    def __init__(self, limit: int = 1 << 30, idle: float = 30.0):
+        self.limit, self.idle = limit, idle
+        self._free: dict[int, list[tuple[mmap.mmap, float]]] = defaultdict(list)
+        self._free_bytes = 0
+        self._lent = 0  # buffers behind live arrays (for stats and tests)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def empty(self, count: int, dtype: npt.DTypeLike) -> np.ndarray:
+        """A 1-d array of ``count`` elements of ``dtype``, uninitialised, in
+        a warm buffer when one of its size is free (a fresh one otherwise)."""
+        dtype = np.dtype(dtype)
+        nbytes = count * dtype.itemsize
+        if nbytes < MIN_BYTES or self.closed:
+            return np.empty(count, dtype)
+        size = -(-nbytes // GRAIN) * GRAIN
+        with self._lock:
+            free = self._free.get(size)
+            buf = free.pop()[0] if free else None
+            if buf is not None:
+                self._free_bytes -= size
+            self._lent += 1
+        if buf is None:
+            buf = mmap.mmap(-1, size)  # private, anonymous
+        out = np.frombuffer(buf, dtype, count)
+        weakref.finalize(out, self._give_back, buf, size)
+        return out
+
+    def _give_back(self, buf: mmap.mmap, size: int) -> None:
+        # runs as the array dies, which still holds its export of ``buf``: keep it or drop
+        # the reference (the mapping goes with the array), never close it here
+        with self._lock:
+            self._lent -= 1
+            if self.closed or self._free_bytes + size > self.limit:
+                return
+            self._free[size].append((buf, time.monotonic()))
+            self._free_bytes += size
+
+    def release_idle(self, now: float | None = None) -> int:
+        """Drop free buffers unused for :attr:`idle` seconds; how many."""
+        now = time.monotonic() if now is None else now
+        dropped = 0
+        with self._lock:
+            for size, free in list(self._free.items()):
+                keep = [(b, t) for b, t in free if now - t < self.idle]
+                dropped += len(free) - len(keep)
+                self._free_bytes -= (len(free) - len(keep)) * size
+                self._free[size] = keep
+        return dropped
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"result_buffers_free": sum(map(len, self._free.values())),
+                    "result_buffers_free_bytes": self._free_bytes, "result_buffers_lent": self._lent}
+
+    def close(self) -> None:
+        """Keep nothing more (the worker is closing); lent buffers go with their arrays."""
+        with self._lock:
+            self.closed = True
+            self._free.clear()
+            self._free_bytes = 0
+
+
+_BUFFERS: Buffers | None = None
+_LOCK = threading.Lock()
+
+
+def buffers() -> Buffers:
+    """This process's buffers, bounded by the dask config on first use."""
+    global _BUFFERS
+    with _LOCK:
+        if _BUFFERS is None or _BUFFERS.closed:
+            from flowreduce.build import shm_pool
+
+            c = shm_pool.config()
+            _BUFFERS = Buffers(c["result-pool-bytes"], c["idle-seconds"])
+        return _BUFFERS
+
+
+def current() -> Buffers | None:
+    """The buffers if this process made them (housekeeping must not make them)."""
+    return _BUFFERS
+
+
+def close() -> None:
+    global _BUFFERS
+    with _LOCK:
+        if _BUFFERS is not None:
+            _BUFFERS.close()
+            _BUFFERS = None
