@@ -118,3 +118,15 @@ def test_bench_refuses_to_time_inputs_that_are_not_only_on_their_workers(proc_cl
     proc_client.replicate([inputs[1]], workers=workers)
     with pytest.raises(RuntimeError, match="input of rank 1 is on"):
         bench.check_placed(proc_client, inputs, workers)
+
+
+def test_bench_stops_naming_a_worker_that_left_instead_of_waiting_for_it():
+    """Inputs are pinned to the workers the ranks were given: a worker lost
+    mid-benchmark (e.g. killed out of memory) must stop the bench with its
+    name, not leave the next inputs waiting for it forever."""
+    from types import SimpleNamespace
+
+    client = SimpleNamespace(nthreads=lambda: {"tcp://a:1": 1, "tcp://c:3": 1})
+    bench.check_workers(client, ["tcp://a:1", "tcp://c:3"])
+    with pytest.raises(RuntimeError, match="tcp://b:2 left the cluster"):
+        bench.check_workers(client, ["tcp://a:1", "tcp://b:2", "tcp://c:3"])

@@ -41,7 +41,7 @@ GRAIN = 1 << 20
 class Buffers:
     """Free private buffers by size; :meth:`empty` lends one as an array."""
 
-    def __init__(self, limit: int = 1 << 30, idle: float = 30.0):
+    def __init__(self, limit: int = 256 << 20, idle: float = 30.0):
         self.limit, self.idle = limit, idle
         self._free: dict[int, list[tuple[mmap.mmap, float]]] = defaultdict(list)
         self._free_bytes = 0

@@ -98,6 +98,16 @@ def check_placed(client, inputs, workers) -> None:
             raise RuntimeError(f"input of rank {r} is on {list(held[f.key])}, not on {workers[r % len(workers)]}")
 
 
+def check_workers(client, workers) -> None:
+    """Every worker the ranks were given still in the cluster: the next
+    inputs are pinned to them, and would wait for a lost one forever."""
+    alive = set(client.nthreads())
+    lost = [w for w in workers if w not in alive]
+    if lost:
+        raise RuntimeError(f"worker(s) {', '.join(lost)} left the cluster during the benchmark (killed, e.g. out "
+                           "of memory: see the workers' logs and dmesg); stopping here")
+
+
 def _sum_all(*xs):
     out = xs[0].copy()
     for x in xs[1:]:
@@ -190,6 +200,7 @@ def bench(
                     # fresh inputs for every run (made untimed): a run may leave copies of
                     # its inputs on other workers (the baseline's sum task fetches them
                     # all), and the next run on the same inputs would start ahead
+                    check_workers(client, workers)
                     inputs = fresh()
                     wait(inputs)
                     check_placed(client, inputs, workers)
