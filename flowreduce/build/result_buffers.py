@@ -32,10 +32,11 @@ from collections import defaultdict
 import numpy as np
 import numpy.typing as npt
 
+from flowreduce.build import shm_pool
+from flowreduce.build.shm_pool import GRAIN  # sized as the segments are, so calls of nearby sizes share them
+
 #: Results smaller than this are plain ``np.empty`` (few pages to fault).
 MIN_BYTES = 1 << 20
-#: Buffers are sized in these units, so calls of nearby sizes share them.
-GRAIN = 1 << 20
 
 
 class Buffers:
@@ -113,8 +114,6 @@ def buffers() -> Buffers:
     global _BUFFERS
     with _LOCK:
         if _BUFFERS is None or _BUFFERS.closed:
-            from flowreduce.build import shm_pool
-
             c = shm_pool.config()
             _BUFFERS = Buffers(c["result-pool-bytes"], c["idle-seconds"])
         return _BUFFERS

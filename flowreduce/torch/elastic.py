@@ -40,13 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import dask
 from dask.task_spec import Task, TaskRef
 
 import flowreduce
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.torch import replica as _replica
-from flowreduce.torch.trainer import rank_workers
+from flowreduce.torch.trainer import on_ranks, rank_workers
 from flowreduce.train import elastic
 
 
@@ -173,12 +172,6 @@ class ElasticTrainer:
         if self.offset + self._global_batch() > self.n_train:
             self.epoch, self.offset = self.epoch + 1, 0
 
-    def _pinned(self, tasks: dict, wanted: list) -> list:
-        ws = self.workers or []
-        place = {k: ws[k[-1]] for k in tasks}  # every key ends with its rank
-        with dask.annotate(workers=place.get, allow_other_workers=False):
-            return self.client.get(tasks, wanted, sync=False)
-
     # -- what flowreduce.train.elastic.run drives --------------------------------------------
     def finished(self) -> bool:
         return self.epoch >= self.epochs
@@ -209,7 +202,7 @@ class ElasticTrainer:
         tasks = {k: Task(k, _replica.grads_elastic, TaskRef(self.replicas[r].key),
                          TaskRef(self.train_sets[ws[r]].key), self.data, self.epoch, self.offset, r, p,
                          self.accumulate, self.threads) for r, k in enumerate(grad_keys)}
-        grads = self._pinned(tasks, grad_keys)
+        grads = on_ranks(self.client, ws, tasks, grad_keys)
         reduced = flowreduce.allreduce(self.client, grads, op="mean", like=self.template, algorithm=self.algorithm,
                                        bucket_bytes=self.bucket_bytes, **self.options)
         info = flowreduce.describe(reduced)
@@ -217,7 +210,7 @@ class ElasticTrainer:
         update_keys = [(f"torch-update-{self.token}", n, r) for r in range(p)]
         tasks = {k: Task(k, _replica.update_elastic, TaskRef(self.replicas[r].key), TaskRef(reduced[r].key))
                  for r, k in enumerate(update_keys)}
-        self._new = self._pinned(tasks, update_keys)
+        self._new = on_ranks(self.client, ws, tasks, update_keys)
         self._step = [*grads, *reduced]
         self.steps.append(rec)
         return self._new

@@ -155,14 +155,20 @@ def buffers(replica: Replica, _after: Any = None) -> list[torch.Tensor]:
     return [b.detach().clone() for b in replica.model.buffers()]
 
 
-def _apply(replica: Replica, grads: list, used: torch.Tensor, t0: float) -> None:
+def _optimizer_step(replica: Replica, grads: list, used: torch.Tensor) -> None:
     """The averaged gradients into ``.grad`` (None where no rank used the
-    parameter), one optimizer step, gradients cleared; the step's record
-    (its micro-batches' stats and the update's start and stop) logged."""
+    parameter, so momentum and weight decay skip it, as DDP), one optimizer
+    step, gradients cleared."""
     for p, g, u in zip(replica.params(), grads, used.tolist()):
         p.grad = g.view_as(p) if u > 0 else None
     replica.optimizer.step()
     replica.optimizer.zero_grad(set_to_none=True)
+
+
+def _apply(replica: Replica, grads: list, used: torch.Tensor, t0: float) -> None:
+    """:func:`_optimizer_step`, then the step's record (its micro-batches'
+    stats and the update's start and stop) logged."""
+    _optimizer_step(replica, grads, used)
     stats, replica.stats = replica.stats, []
     replica.log.append({"backward": stats, "update": (t0, time.time())})
 
@@ -310,10 +316,7 @@ def update_elastic(replica: Replica, reduced: dict) -> Replica:
     """A new replica: a copy of ``replica`` after one optimizer step with
     the averaged gradients (``reduced``: the all-reduce's output)."""
     new = _copy(replica)
-    for p, g, u in zip(new.params(), reduced["grads"].values(), reduced["used"].tolist()):
-        p.grad = g.view_as(p) if u > 0 else None  # None where no rank used it: the optimizer skips it
-    new.optimizer.step()
-    new.optimizer.zero_grad(set_to_none=True)
+    _optimizer_step(new, list(reduced["grads"].values()), reduced["used"])
     return new
 
 

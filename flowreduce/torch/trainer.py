@@ -88,6 +88,14 @@ class StepTiming:
     comm: float
 
 
+def on_ranks(client: Any, workers: list[str], tasks: dict, wanted: list) -> list:
+    """Submit ``tasks`` (keys ending with their rank), each pinned to its
+    rank's worker; the futures of ``wanted``."""
+    place = {k: workers[k[-1]] for k in tasks}
+    with dask.annotate(workers=place.get, allow_other_workers=False):
+        return client.get(tasks, wanted, sync=False)
+
+
 def rank_workers(client: Any, ranks: int | None, workers: list[str] | None) -> list[str]:
     """The workers of a trainer's ranks, in rank order: ``workers`` as
     given, else the first ``ranks`` (default: all) of the cluster's workers
@@ -210,9 +218,7 @@ class Trainer:
         return (f"torch-{phase}-{self.token}", *index)
 
     def _on_ranks(self, tasks: dict, wanted: list) -> list:
-        place = {k: self._ws[k[-1]] for k in tasks}  # every key ends with its rank
-        with dask.annotate(workers=place.get, allow_other_workers=False):
-            return self.client.get(tasks, wanted, sync=False)
+        return on_ranks(self.client, self._ws, tasks, wanted)
 
     # -- training ------------------------------------------------------------------------------
     def step(self) -> StepRecord:
