@@ -51,7 +51,7 @@ def test_auto_picks_direct_for_small_vectors_only_when_it_can_lower_it():
 def _graph(p, workers):
     refs = [TaskRef(("input", r)) for r in range(p)]
     return build_direct(make_plan("direct", p), refs, workers, input_keys=[r.key for r in refs],
-                        op=resolve_op("sum"), read=peer_reads.read_peers)
+                        op=resolve_op("sum"), read=peer_reads.reading)
 
 
 def test_four_ranks_on_four_workers_are_four_tasks_in_one_level():

@@ -101,12 +101,60 @@ def test_same_host_edges_carry_a_handle(client, algorithm, transport, small):
         assert describe(futures).transport == "dask"
 
 
+def _input_transfers(input_keys, dask_worker=None) -> list[int]:
+    """Bytes of the given (input) keys this worker sent another worker over Dask's comm."""
+    return [e["compressed"] for e in dask_worker.transfer_outgoing_log if set(map(str, e["keys"])) & set(input_keys)]
+
+
+def _peer_writes(dask_worker=None) -> list[tuple[int, int]]:
+    """(bytes, reader pid) of each input this worker wrote into a direct reader's segment."""
+    from flowreduce.build.shm_kernels import COPIES
+
+    return [(nbytes, owner) for _, _, _, nbytes, direction, owner, _ in COPIES if direction == "peer-write"]
+
+
+@pytest.mark.parametrize("ranks", [4, 10])
+def test_direct_peers_on_the_host_write_into_the_readers_memory(client, ranks):
+    """``direct``: each task reads its peers' inputs; a peer process on the
+    same host writes its input (or the sum of the ranks it holds) into a
+    segment of the reader, and nothing of the inputs crosses Dask's comm.
+    With ``transport="dask"`` the same reads go through Dask's comm."""
+    ws = workers_of(client)
+    arrays = [np.random.default_rng(r).integers(0, 1000, 100_000) for r in range(ranks)]  # 800 kB, past min-bytes
+    pids = client.run(_pid)
+    for transport in ("auto", "dask"):
+        parts = scatter(client, arrays)
+        names = [str(f.key) for f in parts]
+        client.run(_clear_logs)
+        before = client.run(_peer_writes)
+        futures = flowreduce.allreduce(client, parts, algorithm="direct", transport=transport)
+        for o in client.gather(futures):
+            np.testing.assert_array_equal(o, sum(arrays))
+        sent = {w: b for w, b in client.run(_input_transfers, names).items()}
+        wrote = {w: got[len(before[w]):] for w, got in client.run(_peer_writes).items()}
+        if transport == "auto":
+            assert describe(futures).transport == "shared memory"
+            assert {k for _, _, k in describe(futures).links} <= {"shared memory", "same worker"}
+            assert not any(sent.values()), sent
+            # every worker wrote its ranks (summed, when several) once for each of the other workers
+            for w in ws:
+                assert sorted(owner for _, owner in wrote[w]) == sorted(pids[v] for v in ws if v != w), (w, wrote)
+                assert all(nbytes == 800_000 for nbytes, _ in wrote[w]), wrote[w]
+        else:
+            assert describe(futures).transport == "dask"
+            assert not any(wrote.values()), wrote
+            if ranks == 4:  # values, read by Dask's get_data (a worker holding several sends their sum by RPC)
+                assert all(len(sent[w]) == 3 and min(sent[w]) >= 800_000 for w in ws), sent
+        del futures, parts
+    settled(client, client.run(lambda: shm_pool.current().directory).popitem()[1])
+
+
 OPS = [("sum", "int64"), ("prod", "int32"), ("max", "uint8"), ("mean", "int16"), ("mean", "float32"),
        ("sum", "bool"), ("logaddexp", "float64"), ("sum", "complex64")]
 
 
 @pytest.mark.parametrize("op,dtype", OPS, ids=[f"{o}-{d}" for o, d in OPS])
-@pytest.mark.parametrize("algorithm", ["shm-direct", "ring"])
+@pytest.mark.parametrize("algorithm", ["shm-direct", "ring", "direct"])
 def test_numbers_match_numpy(client, algorithm, op, dtype):
     """Ranks 1..8 on 4 workers (ranks sharing workers from 5 on), lengths
     from empty to past the publishing threshold."""
@@ -215,20 +263,23 @@ def _boom(a, b):
     raise ArithmeticError("no")
 
 
-def test_no_segment_left_after_an_error(client, shm_dir):
+@pytest.mark.parametrize("algorithm", ["shm-direct", "direct", "direct@dask"])
+def test_no_segment_left_after_an_error(client, shm_dir, algorithm):
     parts = scatter(client, [np.ones(100_000) for _ in range(4)])
-    futures = flowreduce.allreduce(client, parts, algorithm="shm-direct", op=_boom)
+    algorithm, _, transport = algorithm.partition("@")
+    futures = flowreduce.allreduce(client, parts, algorithm=algorithm, op=_boom, transport=transport or "auto")
     with pytest.raises(ArithmeticError) as caught:
         client.gather(futures)
-    caught.value.__traceback__ = None  # its frames hold `futures` (see test_errors.py)
-    del futures, caught
+    for e in {id(x): x for x in [caught.value, *(f.exception() for f in futures)]}.values():
+        e.__traceback__ = e.__context__ = None  # frames holding `futures` (see test_errors.py)
+    del futures, caught, e
     gc.collect()
     settled(client, shm_dir)
 
 
 def test_no_segment_left_after_cancellation(client, shm_dir):
     parts = scatter(client, [np.ones(2_000_000) for _ in range(4)])
-    for alg in ("shm-direct", "ring"):
+    for alg in ("shm-direct", "ring", "direct"):
         futures = flowreduce.allreduce(client, parts, algorithm=alg)
         client.cancel(futures)
         del futures
@@ -285,7 +336,7 @@ def test_unusable_directory_falls_back_with_one_line(tmp_path, where):
     with shm_cluster(str(d), n_workers=2) as cluster, Client(cluster) as c:
         c.run(_record_logs)
         arrays = [np.arange(100_000.0) * (r + 1) for r in range(4)]
-        for alg in ("shm-direct", "ring", "shm-direct"):
+        for alg in ("shm-direct", "ring", "direct", "shm-direct"):
             out = c.gather(flowreduce.allreduce(c, scatter(c, arrays), algorithm=alg))
             for o in out:
                 np.testing.assert_array_equal(o, sum(arrays))
@@ -306,8 +357,8 @@ def test_tiny_tmpfs_falls_back(tmp_path):
         with shm_cluster(str(d), n_workers=2) as cluster, Client(cluster) as c:
             c.run(_record_logs)
             arrays = [np.arange(1_000_000.0) * (r + 1) for r in range(4)]  # 8 MB: no room
-            for _ in range(2):
-                out = c.gather(flowreduce.allreduce(c, scatter(c, arrays), algorithm="shm-direct"))
+            for alg in ("shm-direct", "direct", "shm-direct", "direct"):
+                out = c.gather(flowreduce.allreduce(c, scatter(c, arrays), algorithm=alg))
                 np.testing.assert_array_equal(out[1], sum(arrays))
             assert [len(said) for said in c.run(_fallback_lines).values()] == [1, 1]
             assert shm_pool.segments(str(d)) == []

@@ -26,7 +26,8 @@ every input is a dependency of every task instead.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,10 +57,11 @@ class Partial:
 
 
 #: Reads peers' inputs on a worker, in a task running on its event loop:
-#: ``await read(peers, op, key) -> ({rank: value}, {first rank of a worker's
-#: ranks: Partial})``; a peer worker holding several ranks may send their
-#: :class:`Partial` instead of their values; ``key`` is the reading task's.
-Read = Callable[[Sequence[Peer], Op, Hashable], Awaitable[tuple[dict[int, Any], dict[int, Partial]]]]
+#: ``async with read(peers, op, key) as ({rank: value}, {first rank of a
+#: worker's ranks: Partial})``, the values valid inside the block (they may
+#: be views of memory given back after it); a peer worker holding several
+#: ranks may send their :class:`Partial` instead of their values; ``key`` is the reading task's.
+Read = Callable[[Sequence[Peer], Op, Hashable], AbstractAsyncContextManager[tuple[dict[int, Any], dict[int, Partial]]]]
 #: Checks the ranks' values or metas (in rank order) agree and suit the op, raising an error naming the ranks.
 Check = Callable[[Sequence[Any], Op], None]
 
@@ -91,10 +93,10 @@ async def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local
     reads go, with no hand-off to a thread and back): the local ranks'
     inputs (dependencies), the peers' read from their workers (or their
     workers' partials), checked and reduced (:func:`reduce_groups`)."""
-    got, partials = await read(peers, op, key) if peers else ({}, {})
-    values = {**dict(zip(local_ranks, local)), **got}
-    nbytes = sum(getattr(v, "nbytes", 0) for v in [*values.values(), *(part.value for part in partials.values())])
-    return await off_loop_if_large(nbytes, reduce_groups, op, ranks, groups, values, partials, check)
+    async with read(peers, op, key) if peers else nullcontext(({}, {})) as (got, partials):
+        values = {**dict(zip(local_ranks, local)), **got}
+        nbytes = sum(getattr(v, "nbytes", 0) for v in [*values.values(), *(part.value for part in partials.values())])
+        return await off_loop_if_large(nbytes, reduce_groups, op, ranks, groups, values, partials, check)
 
 
 def reduce_local(op: Op, ranks: int, groups: Sequence[Sequence[int]], local: Sequence[Any],

@@ -46,7 +46,7 @@ COPIES: deque[tuple] = deque(maxlen=100_000)
 _seq = itertools.count(1)
 
 
-def _logged(direction: str, key: str, owner: int, nbytes: int, start: float) -> None:
+def log_copy(direction: str, key: str, owner: int, nbytes: int, start: float) -> None:
     COPIES.append((next(_seq), start, time.time(), nbytes, direction, owner, key))
 
 
@@ -140,7 +140,7 @@ def received(handle: Handle) -> tuple[np.ndarray, ...]:
     seg = handle.segment()
     out = tuple(a.copy() for a in handle.arrays(seg))
     handle.check(seg)
-    _logged("read", handle.key, owner_pid(handle.name), sum(a.nbytes for a in out), t0)
+    log_copy("read", handle.key, owner_pid(handle.name), sum(a.nbytes for a in out), t0)
     return out
 
 
@@ -165,7 +165,7 @@ class Publish:
         handle = _handle(lease, layout, self.key)
         for a, dst in zip(value, handle.arrays(lease.segment)):
             np.copyto(dst, a.reshape(-1))
-        _logged("write", self.key, os.getpid(), nbytes, t0)
+        log_copy("write", self.key, os.getpid(), nbytes, t0)
         return Shared(value, lease, handle)
 
     def __repr__(self) -> str:
@@ -238,7 +238,7 @@ def write(op: Op, dtype: npt.DTypeLike, inputs: Sequence, share: bool = True, ke
         _combine_into(op, dst, x)
     if lease is None:
         return dst
-    _logged("write", key, os.getpid(), dst.nbytes, t0)
+    log_copy("write", key, os.getpid(), dst.nbytes, t0)
     return Block(lease, dtype, count)
 
 
@@ -282,7 +282,7 @@ def _reduce_into(op: Op, lo: int, hi: int, blocks: Sequence, key: str) -> tuple[
         _combine_into(op, acc, x)
         if check is not None:
             checks.append(check)
-            _logged("read", key, owner_pid(check[0].name), x.nbytes, t0)
+            log_copy("read", key, owner_pid(check[0].name), x.nbytes, t0)
     for handle, seg in checks:
         handle.check(seg)
     return own, acc
@@ -340,7 +340,7 @@ def reduce_published(op: Op, ranks: int, finish: bool, shape: Any, inputs: Seque
         op.combine(out, x, out=out)
     if finish:
         op.finish(out, ranks, owned=True)
-    _logged("write", key, os.getpid(), out.nbytes, t0)
+    log_copy("write", key, os.getpid(), out.nbytes, t0)
     return Block(lease, dtype, count)
 
 
@@ -362,7 +362,7 @@ def publish_slice(inputs: Sequence[tuple[np.ndarray, ...]], picks: Sequence[Sequ
         at += x.size
     if lease is None:
         return out
-    _logged("write", key, os.getpid(), nbytes, t0)
+    log_copy("write", key, os.getpid(), nbytes, t0)
     return Block(lease, dtype, count)
 
 
@@ -380,7 +380,7 @@ def gather(op: Op, ranks: int, shape: tuple[int, ...], dtype: npt.DTypeLike, sli
         out[at:at + x.size] = x
         at += x.size
         if check is not None:
-            _logged("read", key, owner_pid(check[0].name), x.nbytes, t0)
+            log_copy("read", key, owner_pid(check[0].name), x.nbytes, t0)
     for _, check in parts:
         if check is not None:
             handle, seg = check

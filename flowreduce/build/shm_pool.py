@@ -117,6 +117,7 @@ class Segment:
     used: float = field(default_factory=time.monotonic)
     generation: int = 0
     owner: str = ""  # the call (key token) holding the lease
+    writable: bool = True  # a peer's segment mapped for writing (own segments always are)
 
     def view(self, dtype: npt.DTypeLike, count: int, offset: int = 0) -> np.ndarray:
         """``count`` items of ``dtype`` at byte ``offset`` of the payload."""
@@ -303,25 +304,26 @@ class Pool:
         return reason
 
     # -- peers' segments -------------------------------------------------
-    def attach(self, name: str, size: int) -> Segment:
-        """A peer's segment mapped read-only, kept mapped for the next call."""
+    def attach(self, name: str, size: int, writable: bool = False) -> Segment:
+        """A peer's segment mapped read-only (``writable``: for writing into
+        it, as a peer read does), kept mapped for the next call."""
         with self._lock:
             own = self._leased.get(name)
             if own is not None:
                 return own
             seg = self._peers.get(name)
-            if seg is not None:
+            if seg is not None and (seg.writable or not writable):
                 self._peers.move_to_end(name)
                 seg.used = time.monotonic()
                 return seg
         path = os.path.join(self.directory, name)
         try:
-            with open(path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+            with open(path, "r+b" if writable else "rb") as f:
+                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         except FileNotFoundError:
             raise RuntimeError(f"shared-memory segment {name} is gone: its worker died or released it "
                                f"before its readers ran") from None
-        seg = Segment(name, size, np.frombuffer(mm, dtype=np.uint8))
+        seg = Segment(name, size, np.frombuffer(mm, dtype=np.uint8), writable=writable)
         with self._lock:
             self._peers[name] = seg
             while len(self._peers) > 1 and sum(s.size for s in self._peers.values()) > self.limit:

@@ -25,6 +25,7 @@ import operator
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, cast
 
 import dask
@@ -71,7 +72,7 @@ from flowreduce.schedule.inputs import (
     common_sparse,
     rank_futures,
 )
-from flowreduce.schedule.peer_reads import ensure_peer_reduce, read_peers
+from flowreduce.schedule.peer_reads import ensure_peer_handlers, reading
 from flowreduce.schedule.records import CallRecord, PytreeRecord
 from flowreduce.schedule.shm_plugin import ensure_shm
 
@@ -498,12 +499,18 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
                    hold=hold)
 
     def direct(plan: Plan, nbytes: int, shape: tuple[int, ...], dtype: str) -> Job:
-        """The one-level plan: its tasks read the peers' inputs themselves (and check them if asked)."""
-        graph = build_direct(plan, inputs, workers, input_keys=keys, op=settings.op, read=read_peers,
+        """The one-level plan: its tasks read the peers' inputs themselves (and check them if asked),
+        peers on their host writing into their memory."""
+        domains = _transport.memory_domains(workers, ranks.places, settings.transport)
+        near, how, links = _transport.direct_reads(plan, workers, domains, nbytes)
+        read = partial(reading, domains=near, nbytes=nbytes) if near else reading
+        graph = build_direct(plan, inputs, workers, input_keys=keys, op=settings.op, read=read,
                              check=check_values if ranks.check else None)
-        if 1 < len(set(workers)) < p:  # a worker holds several ranks: its peers ask it for their partial
-            ensure_peer_reduce(client)
-        return job(graph, plan, nbytes, levels[0], shape, dtype, "dask", hold=True)
+        if near or 1 < len(set(workers)) < p:  # peers write into readers' memory, or sum the ranks they hold
+            ensure_peer_handlers(client)
+        if near:
+            ensure_shm(client)
+        return job(graph, plan, nbytes, levels[0], shape, dtype, how, links, hold=True)
 
     if isinstance(held, Unseen):
         levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)

@@ -119,12 +119,26 @@ class PinGuard(SchedulerPlugin):
         self.since: dict[Hashable, float] = {}  # key (ours or a watched input) -> when it started processing
         self.tries: OrderedDict[str, int] = OrderedDict()  # token -> recoveries so far
         scheduler.stream_handlers["flowreduce-watch"] = self.watch
+        scheduler.handlers[STATES] = self.states
         amm = scheduler.extensions.get("amm")
         if amm is not None:
             for policy in list(amm.policies):
                 if type(policy) is ReduceReplicas:
                     amm.policies.discard(policy)
                     amm.add_policy(KeepPinnedReplicas())
+
+    def states(self, keys: Sequence[Hashable]) -> list[tuple] | None:
+        """The :data:`STATES` request (a plain RPC, cheaper than ``run_on_scheduler``,
+        which ships a function): per key ``(state, holders, restrictions,
+        nbytes, type)``; None if a key is unknown."""
+        out = []
+        for k in keys:
+            ts = self.scheduler.tasks.get(k)
+            if ts is None:
+                return None
+            out.append((ts.state, sorted(ws.address for ws in ts.who_has or ()),
+                        sorted(ts.worker_restrictions or ()), ts.nbytes, ts.type))
+        return out
 
     # -- the client's message at submission ------------------------------------------------------------
 
@@ -265,6 +279,8 @@ def _ours(key: Hashable) -> bool:
 
 
 _guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+#: The guard's scheduler handler answering what the scheduler knows of some keys (:meth:`PinGuard.states`).
+STATES = "flowreduce_states"
 
 
 def ensure_guard(client: Any) -> None:

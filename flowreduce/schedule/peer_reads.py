@@ -23,14 +23,23 @@ handler :data:`HANDLER`, which :class:`PeerReducePlugin` gives every worker.
 Anything that keeps it from answering (an input it no longer holds, inputs
 it cannot reduce, no handler) makes the reader read those ranks' values
 instead, as above.
+
+Peers on the reader's host do not send at all (:func:`reading`): for
+inputs of at least ``flowreduce.shm.min-bytes`` the reader leases a
+segment with a slot per such peer worker, and each peer writes its input
+(or its ranks' sum) into its slot (:data:`WRITE_HANDLER`): one copy, no
+socket, no pickling. The segment goes back to the reader's pool when its
+sum is done, or is unlinked if the task fails (a peer may still be writing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -39,6 +48,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowreduce.build.direct import Partial
 from flowreduce.errors import WorkerLostError
+from flowreduce.keys import parse as parse_key
 from flowreduce.ops import Op
 
 logger = logging.getLogger("flowreduce")
@@ -53,6 +63,8 @@ LOST_INPUT_PATIENCE = 10.0
 CONNECT_SECONDS = 2.0
 #: The worker handler reducing the ranks a worker holds for a reader (:func:`reduce_held`).
 HANDLER = "flowreduce_reduce_held"
+#: The worker handler writing the ranks a worker holds into a reader's segment (:func:`write_held`).
+WRITE_HANDLER = "flowreduce_write_held"
 
 
 async def read_peers(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None, key: Hashable = None
@@ -163,34 +175,177 @@ async def reduce_held(worker: Any, keys: Sequence[Hashable], reduce_with: bytes)
     return {"status": "OK", "value": to_serialize(value), "metas": to_serialize(metas)}
 
 
-class PeerReducePlugin(WorkerPlugin):
-    """Gives a worker the :data:`HANDLER` that reduces the ranks it holds for a reading peer."""
+async def write_held(worker: Any, keys: Sequence[Hashable], reduce_with: bytes | None, segment: str, size: int,
+                     offset: int, capacity: int, reader: str = "") -> dict[str, Any]:
+    """The handler a reader on this host calls: the value of the one key,
+    or the values of ``keys`` reduced in that order (``reduce_with``, the
+    op pickled), written at ``offset`` of the reader's segment ``segment``,
+    one copy and no serialisation. Replies what was written and what each
+    key holds; ``{"status": "missing"}`` / ``"unfit"`` when a key is not
+    held here, or the value is not a numpy array that fits ``capacity``
+    bytes, or the segment cannot be mapped: the reader reads those over
+    Dask's comm instead."""
+    import time
 
-    name = "flowreduce-peer-reduce"
+    from distributed.protocol import pickle
+    from distributed.protocol.serialize import to_serialize
+
+    from flowreduce.build import shm_kernels, shm_pool
+    from flowreduce.build.direct import accumulate, off_loop_if_large
+    from flowreduce.schedule.inputs import meta_of
+
+    try:
+        values = [worker.data[k] for k in keys]
+    except KeyError:
+        return {"status": "missing"}
+    if not values or not all(isinstance(v, np.ndarray) and not v.dtype.hasobject for v in values):
+        return {"status": "unfit"}
+    metas = [meta_of(v) for v in values]
+    if reduce_with is None and len(values) == 1:
+        value = values[0]
+    elif reduce_with is not None and len(set(metas)) == 1:
+        try:
+            value = await off_loop_if_large(sum(v.nbytes for v in values), accumulate, pickle.loads(reduce_with),
+                                            values)
+        except Exception:
+            return {"status": "unfit"}
+    else:
+        return {"status": "unfit"}
+    if value.nbytes > capacity:
+        return {"status": "unfit"}
+    try:
+        seg = shm_pool.pool().attach(segment, size, writable=True)
+    except (RuntimeError, OSError, ValueError) as e:  # gone, or not on this host after all
+        logger.debug("flowreduce: cannot write into %s (%r); the reader reads over Dask's comm", segment, e)
+        return {"status": "unfit"}
+    t0 = time.time()
+    dest = seg.view(value.dtype, value.size, offset).reshape(value.shape)
+    await off_loop_if_large(value.nbytes, np.copyto, dest, value)
+    shm_kernels.log_copy("peer-write", reader, shm_kernels.owner_pid(segment), value.nbytes, t0)
+    return {"status": "OK", "dtype": value.dtype.str, "shape": value.shape, "metas": to_serialize(metas)}
+
+
+#: Bytes between the slots peers write into a reader's segment (cache lines apart).
+SLOT_ALIGN = 64
+
+
+@contextlib.asynccontextmanager
+async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None, key: Hashable = None, *,
+                  domains: Sequence[tuple[str, Any]] = (), nbytes: int = 0
+                  ) -> AsyncIterator[tuple[dict[int, Any], dict[int, Partial]]]:
+    """:func:`read_peers` as a context: the peers' values (and partials)
+    while the block runs. Peer workers sharing this worker's memory domain
+    (``domains``: ``(worker, domain)`` pairs) write them into a segment
+    this worker leases for the block (one copy each, no serialisation, no
+    socket), given back when the block ends; the rest, and anything such a
+    peer cannot write, are read over Dask's comm. Only for inputs of
+    ``nbytes`` at least ``flowreduce.shm.min-bytes``; the values are read-only views."""
+    from distributed import get_worker
+    from distributed.protocol import pickle
+
+    from flowreduce.build import shm_pool
+
+    worker = get_worker()
+    where = dict(domains)
+    own = where.get(worker.address)
+    near = sorted({w for _, w, _ in peers if own is not None and w != worker.address and where.get(w) == own})
+    pool = shm_pool.pool() if near else None
+    seg = None
+    if pool is not None and nbytes >= pool.min_bytes:
+        slot = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        try:
+            seg = pool.lease(slot * len(near), owner=(parse_key(key) or {}).get("token", ""))
+        except shm_pool.Unavailable:  # logged once by the pool
+            seg = None
+    if seg is None:
+        yield await read_peers(peers, op, key)
+        return
+    clean = True
+    try:
+        got: dict[int, Any] = {}
+        partials: dict[int, Partial] = {}
+        ranks_of = {w: sorted((r, k) for r, pw, k in peers if pw == w) for w in near}
+
+        async def write(i: int, w: str) -> bool:
+            nonlocal clean
+            order = ranks_of[w]
+            several = len(order) > 1
+            if several and op is None:
+                return False
+            try:
+                await _connect_briefly(worker, w)
+                reply = await getattr(worker.rpc(w), WRITE_HANDLER)(
+                    keys=[k for _, k in order], reduce_with=pickle.dumps(op) if several else None,
+                    segment=seg.name, size=seg.size, offset=i * slot, capacity=slot, reader=repr(key))
+            except Exception as e:  # gone, or no handler; a write may still be under way: never reuse the segment
+                clean = False
+                logger.debug("flowreduce: %s did not write into %s (%r); reading over Dask's comm", w, seg.name, e)
+                return False
+            if not isinstance(reply, dict) or reply.get("status") != "OK":
+                return False
+            count = math.prod(reply["shape"])
+            value = seg.view(np.dtype(reply["dtype"]), count, i * slot).reshape(reply["shape"])
+            value.flags.writeable = False  # the segment goes back to the pool: nothing may keep it as its own
+            if several:
+                partials[order[0][0]] = Partial(value, tuple(reply["metas"]))
+            else:
+                got[order[0][0]] = value
+            return True
+
+        far = [p for p in peers if p[1] not in near]
+        written, (far_got, far_partials) = await asyncio.gather(
+            asyncio.gather(*(write(i, w) for i, w in enumerate(near))), read_peers(far, op, key))
+        unwritten = [p for p in peers if p[1] in {w for w, ok in zip(near, written) if not ok}]
+        if unwritten:
+            more, more_partials = await read_peers(unwritten, op, key)
+            far_got, far_partials = {**far_got, **more}, {**far_partials, **more_partials}
+        yield {**got, **far_got}, {**partials, **far_partials}
+    except BaseException:
+        clean = False
+        raise
+    finally:
+        if clean:
+            pool.give_back(seg, seg.generation)  # type: ignore[union-attr]
+        else:
+            pool.discard(seg)  # type: ignore[union-attr]
+
+
+class PeerHandlersPlugin(WorkerPlugin):
+    """Gives a worker the handlers its reading peers call: :data:`HANDLER`
+    (reduce the ranks held here and send them) and :data:`WRITE_HANDLER`
+    (write them into the reader's segment)."""
+
+    name = "flowreduce-peer-handlers"
     idempotent = True
 
     def setup(self, worker: Any) -> None:
-        async def handler(keys: Sequence[Hashable], reduce_with: bytes) -> dict[str, Any]:
+        async def reduce_handler(keys: Sequence[Hashable], reduce_with: bytes) -> dict[str, Any]:
             return await reduce_held(worker, keys, reduce_with)
 
-        worker.handlers[HANDLER] = handler
+        async def write_handler(keys: Sequence[Hashable], reduce_with: bytes | None, segment: str, size: int,
+                                offset: int, capacity: int, reader: str = "") -> dict[str, Any]:
+            return await write_held(worker, keys, reduce_with, segment, size, offset, capacity, reader)
+
+        worker.handlers[HANDLER] = reduce_handler
+        worker.handlers[WRITE_HANDLER] = write_handler
 
     def teardown(self, worker: Any) -> None:
         worker.handlers.pop(HANDLER, None)
+        worker.handlers.pop(WRITE_HANDLER, None)
 
 
 _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def ensure_peer_reduce(client: Any) -> None:
-    """Install :class:`PeerReducePlugin` once per client (on every worker,
-    present and future). If that fails, readers read values instead."""
+def ensure_peer_handlers(client: Any) -> None:
+    """Install :class:`PeerHandlersPlugin` once per client (on every worker,
+    present and future). If that fails, readers read values over Dask's comm instead."""
     if client not in _installed:
         try:
-            client.register_plugin(PeerReducePlugin())
+            client.register_plugin(PeerHandlersPlugin())
         except Exception as e:
-            logger.warning("flowreduce: could not install the peer-sum handler on the workers (%r); peers of "
-                           "workers holding several ranks will be read value by value", e)
+            logger.warning("flowreduce: could not install the peer-read handlers on the workers (%r); peers "
+                           "will be read value by value over Dask's comm", e)
             return
         _installed[client] = True
 

@@ -32,7 +32,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from flowreduce.errors import InputStateError
-from flowreduce.schedule import hosts
+from flowreduce.schedule import guard, hosts
 from flowreduce.schedule.inputs import Meta, meta_of
 
 
@@ -139,7 +139,9 @@ def glance(client: Any, ranks: Sequence[Any]) -> tuple[list[str], int] | None:
     """
     check_status([[f] for f in ranks])
     keys = list(dict.fromkeys(f.key for f in ranks))
-    states = client.run_on_scheduler(_array_states, keys)
+    guard.ensure_guard(client)
+    found = client.sync(getattr(client.scheduler, guard.STATES), keys=keys)
+    states = None if found is None else dict(zip(keys, found))
     if states is None or len({st[3] for st in states.values()}) != 1:
         return None
     holders: dict[Hashable, list[str]] = {}
@@ -149,18 +151,6 @@ def glance(client: Any, ranks: Sequence[Any]) -> tuple[list[str], int] | None:
         holders[k] = [w for w in held if w in pinned] or list(held)
     workers = _spread([[f] for f in ranks], holders)
     return [ws[0] for ws in workers], next(iter(states.values()))[3]
-
-
-def _array_states(keys: list[Hashable], dask_scheduler: Any = None) -> dict[Hashable, tuple] | None:
-    """On the scheduler: ``key -> (state, holders, restrictions, nbytes, type)``; None if a key is unknown."""
-    out = {}
-    for k in keys:
-        ts = dask_scheduler.tasks.get(k)
-        if ts is None:
-            return None
-        out[k] = (ts.state, sorted(ws.address for ws in ts.who_has or ()), sorted(ts.worker_restrictions or ()),
-                  ts.nbytes, ts.type)
-    return out
 
 
 def _held(keys: list[Hashable], dask_worker: Any = None) -> tuple[dict[Hashable, Meta], hosts.Place]:

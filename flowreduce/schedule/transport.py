@@ -140,6 +140,28 @@ def uses_shm(plan: Plan, workers: Sequence[str], domains: Sequence[Any]) -> bool
 Links = tuple[tuple[str, str, str], ...]
 
 
+def direct_reads(plan: Plan, workers: Sequence[str], domains: Sequence[Any], nbytes: int
+                 ) -> tuple[tuple[tuple[str, Any], ...], str, Links]:
+    """How the ``direct`` plan's tasks read their peers: the ``(worker,
+    memory domain)`` pairs of workers sharing a host with another (a peer
+    there writes its input into the reader's segment:
+    :func:`flowreduce.schedule.peer_reads.reading`), empty when inputs are
+    under ``flowreduce.shm.min-bytes`` or no two workers share memory; the
+    word for :func:`describe`; and per link its transport."""
+    shared = {w: d for w, d in zip(workers, domains) if d is not None and d != IN_PROCESS}
+    hosts: dict[Any, set[str]] = {}
+    for w, d in shared.items():
+        hosts.setdefault(d, set()).add(w)
+    pairs = tuple(sorted((w, d) for w, d in shared.items() if len(hosts[d]) > 1))
+    if nbytes < shm_pool.config()["min-bytes"]:
+        pairs = ()
+    found = links(plan, workers, domains if pairs else [None] * len(workers), nbytes, direct=True)
+    kinds = {k for _, _, k in found}
+    how = ("dask" if "shared memory" not in kinds else
+           "shared memory within hosts, dask across" if "dask" in kinds else "shared memory")
+    return pairs, how, found
+
+
 def lower(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], domains: Sequence[Any], *, size: int,
           shape: tuple[int, ...], dtype: np.dtype, op: Op, in_place: bool, accumulate: Any) -> tuple[Graph, str, Links]:
     """The graph of ``plan``, with shared memory where it applies, a word

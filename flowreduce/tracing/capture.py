@@ -493,12 +493,14 @@ class Trace:
                 token = info.get("token", "")
                 if not token or not self._see(token, self.calls.get(token) or registry.lookup(token)):
                     continue
+                # "read": w read the owner's segment; "peer-write": w wrote into the owner's (a direct reader's)
                 source = by_pid.get(owner, "") if direction == "read" else w
+                dest = by_pid.get(owner, "") if direction == "peer-write" else w
                 start, stop = clock.align_interval(t0, t1, shifted=False)
                 out.append(Event("shm-copy", start, stop, w, clock.host, rank=info.get("rank"),
                                  algorithm=info.get("algorithm", ""), token=token, step=info.get("step"),
                                  chunk=info.get("chunk"), node=info.get("node"), key=key, nbytes=int(nbytes),
-                                 source=source, dest=w, detail=f"shm-{direction}"))
+                                 source=source, dest=dest, detail=f"shm-{direction}"))
 
     def _sent_bytes(self, key: Any, info: dict | None, logged: Any) -> int:
         """Bytes a fetch of ``key`` carried. Dask logs its size estimate;

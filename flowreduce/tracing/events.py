@@ -34,7 +34,9 @@ Phases
     A copy through shared memory between workers of one host (inside a
     task: ``detail="shm-write"`` a rank's data into its segment,
     ``"shm-read"`` a peer's segment read or copied out; ``source`` is the
-    segment's worker, ``dest`` the worker that read it). Counted as
+    segment's worker, ``dest`` the worker that read it; ``"shm-peer-write"``
+    a ``direct`` peer writing its input into the reader's segment, on the
+    writer, ``source`` the writer, ``dest`` the reader). Counted as
     communication, and part of the enclosing task's bar.
 ``reduce``
     A reduction task (reduce-scatter, reduce, exchange phases of the plan;
