@@ -12,6 +12,7 @@ import gc
 import os
 import socket
 
+import dask
 import numpy as np
 import pytest
 from conftest import assert_clean, wait_until, workers_of
@@ -227,7 +228,9 @@ def _init_params():
 CASES_DDP = {"butterfly": ("net", "butterfly", 1, STEPS), "ring": ("net", "ring", 1, STEPS),
              "auto": ("net", "auto", 1, STEPS), "auto-mixed-levels": ("net", "auto-mixed", 1, 7),
              "ring-accumulate3": ("net", "ring", 3, STEPS), "auto-accumulate3": ("net", "auto", 3, 6),
-             "batchnorm-auto": ("bn", "auto", 1, STEPS), "batchnorm-ring": ("bn", "ring", 1, 9)}
+             "batchnorm-auto": ("bn", "auto", 1, STEPS), "batchnorm-ring": ("bn", "ring", 1, 9),
+             # steps_per_task: "auto" steps fused 4 (and 3) to a task, blocks cut short at each train() call's end
+             "auto-fused4": ("net", "auto", 1, 7, 4), "auto-accumulate3-fused3": ("net", "auto", 3, 5, 3)}
 
 
 def _set_min_bytes(n):
@@ -249,7 +252,7 @@ def shm_for_small_values(proc_client):
 
 @pytest.mark.parametrize("case", list(CASES_DDP))
 def test_trainer_matches_ddp(proc_client, ddp_results, shm_for_small_values, monkeypatch, case):
-    name, algorithm, micro, per_call = CASES_DDP[case]
+    name, algorithm, micro, per_call, *fused = CASES_DDP[case]
     if algorithm == "auto-mixed":  # buckets of 4 kB averaged in the step tasks, larger ones by a reduce level
         from flowreduce.torch import direct
 
@@ -258,13 +261,15 @@ def test_trainer_matches_ddp(proc_client, ddp_results, shm_for_small_values, mon
     ws = workers_of(proc_client)
     trainer = Trainer(proc_client, model=MODELS[name], optimizer=make_optimizer,
                       loss=torch.nn.functional.cross_entropy, data=shard if micro == 1 else shard_accumulating,
-                      workers=ws[:RANKS], accumulate=micro, algorithm=algorithm, bucket_bytes=4096, threads=1)
+                      workers=ws[:RANKS], accumulate=micro, algorithm=algorithm, bucket_bytes=4096, threads=1,
+                      steps_per_task=fused[0] if fused else 1)
     graph = trainer.step_graph
     if algorithm == "auto":
         assert graph["all-reduce"] == "shared memory" and len(graph["levels"]) > 1
         assert set(graph["levels"]) == ({1, 2} if case == "auto-mixed-levels" else {1})
     else:
-        assert graph == {"all-reduce": "flowreduce.allreduce", "levels": None}
+        assert graph["all-reduce"] == "flowreduce.allreduce" and graph["levels"] is None
+    assert graph["steps_per_task"] == (fused[0] if fused else 1)
     timings = []
     while len(timings) < STEPS:
         timings += trainer.train(min(per_call, STEPS - len(timings)))
@@ -293,6 +298,106 @@ def test_trainer_matches_ddp(proc_client, ddp_results, shm_for_small_values, mon
     del trainer
     assert_clean(proc_client)
     assert_trainer_gone(proc_client)
+
+
+def _steps_tasks(dask_scheduler):
+    """The trainer's fused-step tasks the scheduler has seen (its task stream's keys)."""
+    ext = dask_scheduler.plugins.get("task-stream") or dask_scheduler.extensions.get("task-stream")
+    return [m["key"] for m in ext.buffer if "torch-steps-" in str(m["key"])] if ext else []
+
+
+def test_fused_steps_are_the_same_bits_in_fewer_tasks(proc_client):
+    """``steps_per_task``: 9 steps as blocks of 4, 4 and 1 tasks per rank
+    (across two train() calls and a step() graph step between them) end
+    with every rank holding the very bits of 9 steps one task each."""
+    ws = workers_of(proc_client)
+    out = {}
+    with flowreduce.trace(proc_client) as tr:
+        for fused in (1, 4):
+            with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                         data=shard, workers=ws, bucket_bytes=4096, threads=1, steps_per_task=fused) as trainer:
+                assert trainer.step_graph["steps_per_task"] == fused
+                timings = trainer.train(5)
+                trainer.step()  # one step of its own in between: its update is applied by the next block
+                timings += trainer.train(3)
+                out[fused] = [trainer.parameters(r) for r in range(4)]
+                assert [t.step for t in timings] == [0, 1, 2, 3, 4, 6, 7, 8]
+                assert all(t.seconds > 0 and t.compute > 0 for t in timings)
+                token = trainer.token
+    for r in range(4):
+        for n in out[1][0]:
+            assert torch.equal(out[4][r][n], out[1][0][n]), (r, n)
+    steps = {e.key for e in tr.events if f"torch-steps-{token}" in str(e.key)}
+    assert len(steps) == 4 * 3, sorted(steps)  # blocks of 4 and 1, then 3: three tasks per rank for 8 steps
+    assert_clean(proc_client)
+    assert_trainer_gone(proc_client)
+
+
+def _pid():
+    return os.getpid()
+
+
+def _wait_for(name):
+    from distributed import Event
+
+    return Event(name).wait(120)
+
+
+def _set(name):
+    from distributed import Event
+
+    Event(name).set()
+    return True
+
+
+def test_fused_steps_leave_the_slot_a_queued_task_needs(proc_client):
+    """Rank 0's worker is busy with a task that waits for one queued on rank
+    1's worker behind rank 1's fused task, which waits for rank 0's. Ranks
+    that wait leave their worker's slot, as distributed.secede does, so the
+    queued task runs and everything finishes (without it: a deadlock, ended
+    here by the timeout with an error)."""
+    import uuid
+
+    ws = workers_of(proc_client)
+    name = f"go-{uuid.uuid4().hex}"
+    with dask.config.set({"flowreduce.timeout": 60}), \
+            Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                    data=shard, workers=ws, threads=1, steps_per_task=6) as trainer:
+        trainer.train(1)
+        blocker = proc_client.submit(_wait_for, name, workers=[ws[0]], pure=False)  # holds rank 0's only thread
+        assert wait_until(lambda: ws[0] in proc_client.processing() and proc_client.processing()[ws[0]], 30)
+        trainer.steps_fused(6)
+        assert wait_until(lambda: any("torch-steps" in str(k) for k in proc_client.processing()[ws[1]]), 30)
+        setter = proc_client.submit(_set, name, workers=[ws[1]], pure=False)  # queued behind rank 1's block
+        assert setter.result(timeout=90) and blocker.result(timeout=90)
+        trainer.finish()
+        assert len(trainer.timings()) == 7
+    assert_clean(proc_client)
+
+
+def test_fused_steps_fail_when_a_rank_dies():
+    """A rank's worker killed in the middle of a block of fused steps: the
+    other ranks stop waiting for it and the trainer raises
+    WorkerLostError naming the rank, instead of hanging."""
+    import signal
+
+    from distributed import Client, LocalCluster
+
+    from flowreduce import WorkerLostError
+
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        ws = workers_of(client)
+        pids = client.run(_pid)
+        trainer = Trainer(client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                          data=shard, workers=ws, threads=1, steps_per_task=100_000)
+        trainer.train(2)
+        trainer.steps_fused(100_000)  # submitted, running on every rank for minutes
+        assert wait_until(lambda: len(client.processing()[ws[3]]) and all(client.processing().values()), 30)
+        os.kill(pids[ws[3]], signal.SIGKILL)
+        with pytest.raises(WorkerLostError, match="rank 3 of the trainer died"):
+            trainer.finish()
+        trainer.close()
 
 
 def _torch_keys(dask_scheduler):
@@ -375,9 +480,10 @@ def test_flowreduce_train_framework_torch_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     ckpt, report = tmp_path / "digits.pt", tmp_path / "report.json"
     out = subprocess.run([sys.executable, "-m", "flowreduce", "train", "--framework", "torch", "--ranks", "2",
-                          "--epochs", "2", "--json", str(report), "--save", str(ckpt)],
+                          "--epochs", "2", "--json", str(report), "--save", str(ckpt), "--steps-per-task", "8"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "8 steps per task" in out.stdout  # fused: 8 optimizer steps per task and rank
     printed = float(re.search(r"final test accuracy ([\d.]+)%", out.stdout).group(1)) / 100
     final = json.loads(report.read_text())["final"]
     saved = torch.load(ckpt, weights_only=True)

@@ -192,12 +192,15 @@ def busiest_link_mb(before: dict[str, int], steps: int) -> float:
 
 
 # -- flowreduce -------------------------------------------------------------------------------
-def run_flowreduce(client: Any, model: str, algorithm: str, warmup: int, steps: int) -> dict[str, float]:
+def run_flowreduce(client: Any, model: str, algorithm: str, warmup: int, steps: int,
+                   steps_per_task: int = 1) -> dict[str, float]:
     from flowreduce.torch import Trainer
 
     make, data = MODELS[model]
     with Trainer(client, model=make, optimizer=sgd, loss=torch.nn.functional.cross_entropy, data=data,
-                 algorithm=algorithm, threads=1) as trainer:
+                 algorithm=algorithm, threads=1, steps_per_task=steps_per_task) as trainer:
+        if trainer.step_graph["steps_per_task"] != steps_per_task:
+            print(f"# {model}: steps are not fused here ({trainer.step_graph})", flush=True)
         trainer.train(warmup)
         t0 = time.perf_counter()
         ts = trainer.train(steps)
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="alternate DDP and flowreduce this many times per model and report the medians "
                         "(on a machine whose load changes, runs side by side are what compare)")
+    p.add_argument("--steps-per-task", default="1",
+                   help="the trainer's steps_per_task, or several (1,10): each timed against the same DDP run")
     p.add_argument("--json", default=None)
     p.add_argument("--netem", action="store_true",
                    help="run on the emulated cluster this script runs in (benchmarks/netem/cluster.py, "
@@ -266,39 +271,46 @@ def main(argv: list[str] | None = None) -> int:
                                                        dashboard_address=None))
             client = stack.enter_context(Client(cluster))
             ddp_run = run_ddp
+        fused = [int(k) for k in args.steps_per_task.split(",")]
         for model in args.models.split(","):
             steps = steps_for.get(model, args.steps)
-            runs = []
+            runs: dict[int, list[dict]] = {k: [] for k in fused}
             for _ in range(args.repeat):
-                run: dict[str, float] = {}
                 links = link_counters() if args.netem else None
                 ddp = ddp_run(model, args.ranks, args.warmup, steps)
-                if links is not None:
-                    run["ddp_link_mb_per_step"] = busiest_link_mb(links, args.warmup + steps)
-                    links = link_counters()
-                fr = run_flowreduce(client, model, args.algorithm, args.warmup, steps)
-                if links is not None:
-                    run["flowreduce_link_mb_per_step"] = busiest_link_mb(links, args.warmup + steps)
-                runs.append({"ddp_ms": ddp * 1e3, "flowreduce_ms": fr["seconds"] * 1e3,
-                             "compute_ms": fr["compute"] * 1e3, "comm_ms": fr["comm"] * 1e3,
-                             "ratio": fr["seconds"] / ddp, "load": os.getloadavg()[0], **run,
-                             **({"plans": fr["plans"]} if fr["plans"] else {})})
-                print(f"# {model} run {len(runs)}: DDP {ddp * 1e3:.1f} ms, flowreduce {fr['seconds'] * 1e3:.1f} ms, "
-                      f"{runs[-1]['ratio']:.2f}x, load {runs[-1]['load']:.1f} {run or ''} {fr['plans']}", flush=True)
-            med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "plans"}
-            rows.append({"model": model, "ranks": args.ranks, "algorithm": args.algorithm, "steps": steps,
-                         "warmup": args.warmup, "netem": args.netem, "rate": args.rate, **med, "runs": runs})
-    print(f"| model | ranks | DDP/gloo ms/step | flowreduce.torch ms/step ({args.algorithm}) | of which compute / comm "
-          "(median, slowest rank) | ratio |")
-    print("|---|---|---|---|---|---|")
+                ddp_link = busiest_link_mb(links, args.warmup + steps) if links is not None else None
+                for k in fused:  # every variant against the same DDP run, back to back
+                    run: dict[str, float] = {}
+                    if ddp_link is not None:
+                        run["ddp_link_mb_per_step"] = ddp_link
+                        links = link_counters()
+                    fr = run_flowreduce(client, model, args.algorithm, args.warmup, steps, k)
+                    if links is not None:
+                        run["flowreduce_link_mb_per_step"] = busiest_link_mb(links, args.warmup + steps)
+                    runs[k].append({"ddp_ms": ddp * 1e3, "flowreduce_ms": fr["seconds"] * 1e3,
+                                    "compute_ms": fr["compute"] * 1e3, "comm_ms": fr["comm"] * 1e3,
+                                    "ratio": fr["seconds"] / ddp, "load": os.getloadavg()[0], **run,
+                                    **({"plans": fr["plans"]} if fr["plans"] else {})})
+                    print(f"# {model} steps/task {k} run {len(runs[k])}: DDP {ddp * 1e3:.1f} ms, flowreduce "
+                          f"{fr['seconds'] * 1e3:.1f} ms, {runs[k][-1]['ratio']:.2f}x, load {runs[k][-1]['load']:.1f} "
+                          f"{run or ''} {fr['plans']}", flush=True)
+            for k in fused:
+                med = {key: statistics.median(r[key] for r in runs[k]) for key in runs[k][0] if key != "plans"}
+                rows.append({"model": model, "ranks": args.ranks, "algorithm": args.algorithm, "steps": steps,
+                             "steps_per_task": k, "warmup": args.warmup, "netem": args.netem, "rate": args.rate,
+                             **med, "runs": runs[k]})
+    print(f"| model | ranks | steps per task | DDP/gloo ms/step | flowreduce.torch ms/step ({args.algorithm}) | "
+          "of which compute / comm (median, slowest rank) | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['ranks']} | {r['ddp_ms']:.1f} | {r['flowreduce_ms']:.1f} | "
+        print(f"| {r['model']} | {r['ranks']} | {r['steps_per_task']} | {r['ddp_ms']:.1f} | {r['flowreduce_ms']:.1f} | "
               f"{r['compute_ms']:.1f} / {r['comm_ms']:.1f} | {r['ratio']:.2f}x |")
     if args.repeat > 1:
         print("\nper run (DDP ms, flowreduce ms, ratio, 1-min load average after the pair):")
         for r in rows:
-            print(f"  {r['model']}: " + "; ".join(f"{x['ddp_ms']:.1f} / {x['flowreduce_ms']:.1f} = {x['ratio']:.2f}x "
-                                                 f"(load {x['load']:.1f})" for x in r["runs"]))
+            print(f"  {r['model']} ({r['steps_per_task']} steps/task): " + "; ".join(
+                f"{x['ddp_ms']:.1f} / {x['flowreduce_ms']:.1f} = {x['ratio']:.2f}x (load {x['load']:.1f})"
+                for x in r["runs"]))
     if args.netem:
         print(f"\nbusiest host link direction, MB per step (median; tbf qdisc bytes, warm-up included; {args.rate}):")
         for r in rows:

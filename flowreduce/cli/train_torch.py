@@ -40,10 +40,12 @@ def run(args: argparse.Namespace) -> int:
         with Trainer(client, model=digits.DigitsCNN, optimizer=digits.SGD(args.lr, args.momentum),
                      loss=torch.nn.functional.cross_entropy, data=digits.Shards(args.batch_size, args.seed),
                      workers=workers[:args.ranks], algorithm=algorithm, bucket_bytes=args.bucket_bytes,
-                     seed=args.seed, threads=1, options=options) as trainer:
+                     seed=args.seed, threads=1, options=options, steps_per_task=args.steps_per_task) as trainer:
+            fused = trainer.step_graph["steps_per_task"]
             console.print(f"training CNN on digits with flowreduce.torch: {args.ranks} ranks x {args.batch_size} "
                           f"samples/step, {steps} steps/epoch, algorithm {format_spec(algorithm, options)}, "
-                          f"bucket {args.bucket_bytes or 0} B", soft_wrap=True)
+                          f"bucket {args.bucket_bytes or 0} B" + (f", {fused} steps per task" if fused > 1 else ""),
+                          soft_wrap=True)
             report: dict[str, Any] = {"framework": "torch", "epochs": []}
             for epoch in range(args.epochs):
                 if epoch == 0 and args.trace:

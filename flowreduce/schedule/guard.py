@@ -75,10 +75,10 @@ class KeepPinnedReplicas(ReduceReplicas):
     def run(self) -> Generator[Suggestion, WorkerState | None, None]:
         workers = self.manager.scheduler.workers
         for s in super().run():
-            keep = {ws for waiter in s.ts.waiters or () if _ours(waiter.key)
+            keep = {ws for waiter in s.ts.waiters or () if _leasing(waiter.key)
                     for w in waiter.worker_restrictions or ()
                     if (ws := workers.get(w)) is not None and ws.status in (Status.running, Status.paused)}
-            if _ours(s.ts.key):  # its own worker keeps it: a shared-memory payload's lease lives there
+            if _leasing(s.ts.key):  # its own worker keeps it: a shared-memory payload's lease lives there
                 keep |= {ws for w in s.ts.worker_restrictions or ()
                          if (ws := workers.get(w)) is not None and ws.status in (Status.running, Status.paused)}
             if not keep:
@@ -274,8 +274,17 @@ class PinGuard(SchedulerPlugin):
         return n
 
 
+#: Key prefixes of tasks whose values may hold a shared-memory lease: a call's, and
+#: :class:`flowreduce.torch.Trainer`'s (its step blocks and mailboxes).
+LEASING = ("flowreduce-", "torch-")
+
+
 def _ours(key: Hashable) -> bool:
     return isinstance(key, tuple) and str(key[0]).startswith("flowreduce-")
+
+
+def _leasing(key: Hashable) -> bool:
+    return isinstance(key, tuple) and str(key[0]).startswith(LEASING)
 
 
 _guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()

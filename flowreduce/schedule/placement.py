@@ -36,7 +36,7 @@ from flowreduce.schedule import guard, hosts
 from flowreduce.schedule.inputs import Meta, meta_of
 
 
-def wait_on(client: Any, futures: Sequence[Any]) -> None:
+def wait_on(client: Any, futures: Sequence[Any], return_when: str = "ALL_COMPLETED") -> Any:
     """``distributed.wait`` on ``client``'s event loop. ``distributed.wait``
     alone runs on the *default* client's loop: with two clients in one
     process (an in-process cluster beside another), the futures' states
@@ -44,7 +44,7 @@ def wait_on(client: Any, futures: Sequence[Any]) -> None:
     from distributed import wait
 
     with client.as_current():
-        wait(list(futures))
+        return wait(list(futures), return_when=return_when)
 
 
 def check_status(ranks: Sequence[Sequence[Any]]) -> None:

@@ -174,3 +174,127 @@ def _mean_of(values: Sequence[Any]) -> np.ndarray:
         handle.check(seg)
     assert acc is not None
     return MEAN.finish(acc, len(values), owned=True)
+
+
+# -- fused steps: several optimizer steps in one task per rank ---------------------------------
+#: Bytes before a mailbox's two slots: each slot's step stamp (int64), padded to a cache line.
+STAMPS = 64
+#: Seconds between checks, while waiting for peers, that their workers are alive.
+ALIVE_EVERY = 1.0
+#: Seconds a fused task waits for its peers before it leaves its worker's thread
+#: slot (``distributed.secede``): a peer may be queued behind a task that needs this worker.
+SECEDE_AFTER = 0.05
+
+
+@dataclass
+class Waiting:
+    """A fused task's state across its steps: whether it left its worker's slot."""
+
+    seceded: bool = False
+
+    def long_wait(self) -> None:
+        """Leave the worker's thread slot, once (a task not run by a worker thread has none)."""
+        if not self.seceded:
+            self.seceded = True
+            from distributed import secede
+
+            try:
+                secede()
+            except (KeyError, ValueError, AttributeError):  # not in a worker's task thread
+                pass
+
+
+def mailbox_bytes(flat: Flat) -> int:
+    """A rank's mailbox: two stamps, then two slots of every bucket's gradients."""
+    return STAMPS + 2 * sum(b.size for b in flat.buckets) * np.dtype(flat.dtype).itemsize
+
+
+def mailbox(flat: Flat, owner: str = "") -> shm_kernels.Block | None:
+    """A rank's mailbox for fused steps (:func:`exchange`), leased from its
+    worker's pool with both stamps cleared; None when no segment can be had."""
+    pool = shm_pool.pool()
+    nbytes = mailbox_bytes(flat)
+    try:
+        lease = shm_kernels.Lease(pool, pool.lease(nbytes, owner))
+    except shm_pool.Unavailable:  # logged once by the pool
+        return None
+    block = shm_kernels.Block(lease, np.uint8, nbytes)
+    block.array[:STAMPS].view(np.int64)[:] = -1
+    return block
+
+
+class Mailbox:
+    """Views of a rank's mailbox: its own (a Block, written) or a peer's (read in place)."""
+
+    def __init__(self, value: Any, flat: Flat, own: bool = False):
+        if own and not isinstance(value, shm_kernels.Block):  # a handle: its lease is on another worker
+            raise RuntimeError("this rank's mailbox is not in its worker's memory any more (was it moved "
+                               "or released?); its segment cannot be written here")
+        if isinstance(value, shm_kernels.Block):
+            buf, self.segment = value.array, value.lease.segment
+        else:
+            self.segment = value.handle.segment()
+            buf = value.handle.arrays(self.segment)[0]
+        dtype = np.dtype(flat.dtype)
+        size = sum(b.size for b in flat.buckets)
+        self.stamps = buf[:STAMPS].view(np.int64)
+        self.slots = [buf[STAMPS + i * size * dtype.itemsize:STAMPS + (i + 1) * size * dtype.itemsize].view(dtype)
+                      for i in (0, 1)]
+        starts = np.cumsum([0] + [b.size for b in flat.buckets])
+        self.buckets = [[slot[lo:hi] for lo, hi in zip(starts[:-1], starts[1:])] for slot in self.slots]
+
+
+def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads: Sequence[torch.Tensor | None],
+             timeout: float, waiting: Waiting | None = None) -> list[torch.Tensor]:
+    """One step's all-reduce inside a fused task: this rank's gradients (the
+    ``used`` flags last) written into slot ``stamp % 2`` of its mailbox and
+    stamped, then, once every peer's slot carries the same stamp, every
+    bucket averaged over all ranks in rank order (the bits of
+    :func:`average`: every rank adds in the same order). A rank writes a
+    slot again two steps later, after every peer has stamped the step in
+    between, so after every peer has averaged this one. Raises
+    :class:`~flowreduce.errors.WorkerLostError` when a peer's worker is gone,
+    :class:`TimeoutError` after ``timeout`` seconds without every peer.
+    A wait past :data:`SECEDE_AFTER` leaves the worker's thread slot
+    (``waiting``), so that whatever a late peer waits for can run here."""
+    import time
+
+    from flowreduce.errors import WorkerLostError
+
+    slot = stamp % 2
+    own = boxes[rank]
+    for bucket, dst in zip(flat.buckets, own.buckets[slot]):
+        vec = torch.from_numpy(dst)
+        for i, at in zip(bucket.tensors, bucket.offsets):
+            g, n = grads[i], flat.specs[i].size
+            if g is None:
+                vec[at:at + n].zero_()
+            else:
+                vec[at:at + n].copy_(g.reshape(-1))
+    own.stamps[slot] = stamp  # after the data: x86 keeps stores in order, and peers read the stamp first
+    start = checked = time.monotonic()
+    pause = 0.0
+    while True:
+        missing = [r for r, box in enumerate(boxes) if box.stamps[slot] != stamp]
+        if not missing:
+            break
+        now = time.monotonic()
+        if now - checked > ALIVE_EVERY:
+            checked = now
+            gone = [r for r in missing if not shm_pool.owner_alive(boxes[r].segment.name)]
+            if gone:
+                raise WorkerLostError(f"rank {', '.join(map(str, gone))} of the trainer died during step {stamp} "
+                                      "(its worker process is gone); the fused steps cannot go on without it")
+        if now - start > timeout:
+            raise TimeoutError(f"ranks {missing} did not reach step {stamp} within {timeout:g} s")
+        if waiting is not None and now - start > SECEDE_AFTER:
+            waiting.long_wait()
+        time.sleep(pause)  # yield the core to the ranks being waited for
+        pause = min(max(2 * pause, 2e-5), 1e-3)
+    out: list[Any] = [None] * len(flat.specs)
+    for b, bucket in enumerate(flat.buckets):
+        t = torch.from_numpy(_mean_of([box.buckets[slot][b] for box in boxes]))
+        for i, at in zip(bucket.tensors, bucket.offsets):
+            spec = flat.specs[i]
+            out[i] = t[at:at + spec.size].view(spec.shape)
+    return out

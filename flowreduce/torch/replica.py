@@ -239,6 +239,27 @@ def update_direct(replica: Replica, after: Any, written: list, slices: list, fla
     return len(replica.log)
 
 
+def steps_fused(replica: Replica, after: Any, written: list | None, slices: list, micro: int, flat: direct.Flat,
+                boxes: list, first: int, count: int, timeout: float, key: str = "") -> int:
+    """``count`` whole optimizer steps in one task (the trainer's
+    ``steps_per_task``): a pending update first (as :func:`update_direct`),
+    then per step ``micro`` micro-batches, the gradients averaged with the
+    other ranks' fused tasks through their mailboxes (``boxes``, in rank
+    order: :func:`direct.exchange`, stamps ``first``, ``first + 1``, ...)
+    and applied. The other ranks' tasks run at the same time, each on its
+    worker; nothing goes through the scheduler between the steps."""
+    apply_direct(replica, flat, written, slices, key)
+    views = [direct.Mailbox(b, flat, own=r == replica.rank) for r, b in enumerate(boxes)]
+    waiting = direct.Waiting()
+    for stamp in range(first, first + count):
+        _micro_batches(replica, micro)
+        params = replica.params()
+        grads = [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])]
+        tensors = direct.exchange(flat, views, replica.rank, stamp, grads, timeout, waiting)
+        _apply(replica, tensors[:-1], tensors[-1], time.time())
+    return len(replica.log)
+
+
 def log(replica: Replica, _after: Any = None) -> list[dict]:
     """Every applied step's record: its micro-batches (loss, start, stop)
     and its update (start, stop)."""

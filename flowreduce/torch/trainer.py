@@ -29,6 +29,12 @@ allow. Step ``k`` submits, without waiting:
    * otherwise: ``flowreduce.allreduce(payloads, op="mean", like=template)``
      (placement, any algorithm, any cluster) between the step tasks.
 
+With ``steps_per_task=K`` (one host, every bucket averaged in the step
+tasks, no module buffers) :meth:`train` submits one task per rank for every
+K steps instead; the ranks' tasks average each step's gradients through
+shared-memory mailboxes (:func:`flowreduce.torch.direct.exchange`), with no
+scheduler between the steps.
+
 The first step after :meth:`finish` has no update to fuse (a
 ``torch-backward`` task); :meth:`finish` runs the last step's update alone
 (``torch-update``). At most two steps are in flight; the client waits for
@@ -49,12 +55,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
+import dask.utils
 from dask.task_spec import List, Task, TaskRef
 
 import flowreduce
-from flowreduce import keys
+from flowreduce import config, keys
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
-from flowreduce.schedule import hosts, transport
+from flowreduce.schedule import guard, hosts, transport
 from flowreduce.schedule.placement import wait_on
 from flowreduce.schedule.shm_plugin import ensure_shm
 from flowreduce.torch import direct
@@ -144,6 +151,15 @@ class Trainer:
         ``transport="dask"`` in the options turns it off).
     threads : int, optional
         ``torch.set_num_threads`` on every rank's worker.
+    steps_per_task : int
+        With the shared-memory step and every bucket averaged in the step
+        tasks (no reduce level) and no module buffers: :meth:`train` runs
+        this many optimizer steps in one task per rank, the ranks' tasks
+        averaging each step's gradients through shared-memory mailboxes
+        (:func:`flowreduce.torch.direct.exchange`), with no scheduler round
+        trip between them. The numbers are the same bits as one step per
+        task. Default 1 (every step a task of its own, on Dask's task
+        stream). :attr:`step_graph` says what runs.
     """
 
     client: Any
@@ -159,11 +175,14 @@ class Trainer:
     seed: int = 0
     threads: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    steps_per_task: int = 1
     steps: list[StepRecord] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 micro-batches per step, got {self.accumulate}")
+        if self.steps_per_task < 1:
+            raise ValueError(f"steps_per_task must be >= 1, got {self.steps_per_task}")
         ws = rank_workers(self.client, self.ranks, self.workers)
         # the workers and rank count as decided (typed, never None), and the fields for the caller
         self._ws: list[str] = ws
@@ -185,6 +204,8 @@ class Trainer:
         self._reduced: list | None = None  # the last submitted step's all-reduce, not applied yet
         self._buffers: Any = None  # rank 0's module buffers after its last forward
         self._inflight: list[list[Any]] = []
+        self._boxes: list | None = None  # the ranks' mailboxes for fused steps, once made
+        self._stamp = 0  # the next fused step's stamp: consecutive over fused steps only
 
     def _direct_layout(self) -> direct.Flat | None:
         """The shared-memory step's layout, when it applies: every rank on
@@ -203,16 +224,40 @@ class Trainer:
         share = self._p > 1 and domains[0] != transport.IN_PROCESS
         if share:
             ensure_shm(self.client)
+            # the active memory manager must not drop a shared-memory block from its own worker, where its
+            # lease lives, and keep a peer's copy (a handle): the guard's policy keeps it there
+            guard.ensure_guard(self.client)
         return direct.Flat.of(specs, self.bucket_bytes, self._p, share)
 
     @property
     def step_graph(self) -> dict[str, Any]:
         """How a step averages gradients: ``{"all-reduce": "shared memory"
         | "in-process" | "flowreduce.allreduce", "levels": per bucket, 1 (averaged in
-        the step tasks) or 2 (a reduce level); None for flowreduce.allreduce}``."""
+        the step tasks) or 2 (a reduce level); None for flowreduce.allreduce,
+        "steps_per_task": how many steps :meth:`train` runs in one task}``."""
+        fused = self.steps_per_task if self._fusable() else 1
         if self._flat is None:
-            return {"all-reduce": "flowreduce.allreduce", "levels": None}
-        return {"all-reduce": "shared memory" if self._flat.share else "in-process", "levels": self._flat.levels}
+            return {"all-reduce": "flowreduce.allreduce", "levels": None, "steps_per_task": fused}
+        return {"all-reduce": "shared memory" if self._flat.share else "in-process", "levels": self._flat.levels,
+                "steps_per_task": fused}
+
+    def _fusable(self) -> bool:
+        """Whether :meth:`train` may fuse steps: asked for, the shared-memory
+        step with no reduce level, and no buffers to broadcast every step."""
+        flat = self._flat
+        return (self.steps_per_task > 1 and flat is not None and flat.share and set(flat.levels) == {1}
+                and not self._broadcasts)
+
+    def _mailboxes(self) -> list | None:
+        """The ranks' mailboxes (made once, kept until the trainer goes); None if one cannot be had."""
+        if self._boxes is None:
+            assert self._flat is not None
+            tasks = {self.key("mailbox", r): Task(self.key("mailbox", r), direct.mailbox, self._flat)
+                     for r in range(self._p)}
+            futures = self._on_ranks(tasks, list(tasks))
+            boxes = self.client.gather(futures)  # handles of a few hundred bytes
+            self._boxes = futures if all(b is not None for b in boxes) else []
+        return self._boxes or None
 
     def key(self, phase: str, *index: int) -> tuple:
         return (f"torch-{phase}-{self.token}", *index)
@@ -294,18 +339,60 @@ class Trainer:
                 List(*(List(*(TaskRef(f.key) for f in per_worker)) for per_worker in slices)))
 
     def train(self, steps: int, progress: bool = False) -> list[StepTiming]:
-        """Run ``steps`` optimizer steps and return their timings."""
+        """Run ``steps`` optimizer steps and return their timings (in tasks
+        of ``steps_per_task`` steps when they can be fused)."""
         first = len(self.steps)
+        fused = self._fusable() and self._mailboxes() is not None
+        size = self.steps_per_task if fused else 1
+        blocks = [min(size, steps - done) for done in range(0, steps, size)]
+        run = self.steps_fused if fused else (lambda count: self.step())
         if progress:
             from rich.progress import track
 
-            for _ in track(range(steps), description="training", transient=True):
-                self.step()
+            for count in track(blocks, description="training", transient=True):
+                run(count)
         else:
-            for _ in range(steps):
-                self.step()
+            for count in blocks:
+                run(count)
         self.finish()
         return self.timings()[first:]
+
+    def steps_fused(self, count: int) -> list[StepRecord]:
+        """Submit ``count`` optimizer steps as one task per rank (see
+        ``steps_per_task``); returns at once unless two blocks are in flight."""
+        boxes = self._mailboxes()
+        if not self._fusable() or boxes is None:
+            raise ValueError(f"these steps cannot be fused: {self.step_graph}")
+        n, flat = len(self.steps), self._flat
+        timeout = config.get("timeout")
+        timeout = float("inf") if timeout is None else float(dask.utils.parse_timedelta(timeout))
+        written, slices = self._pending_direct()
+        tasks = {}
+        for r in range(self._p):
+            k = self.key("steps", n, r)
+            tasks[k] = Task(k, _replica.steps_fused, TaskRef(self.replicas[r].key), TaskRef(self._last[r].key),
+                            written, slices, self.accumulate, flat, List(*(TaskRef(b.key) for b in boxes)),
+                            self._stamp, count, timeout, repr(k))
+        self._last = self._on_ranks(tasks, list(tasks))
+        self._reduced = None
+        self._stamp += count
+        recs = [StepRecord(n + i) for i in range(count)]
+        self.steps.extend(recs)
+        self._inflight.append(list(self._last))
+        if len(self._inflight) > 2:
+            # the ranks' fused tasks wait for each other: one that fails (a peer died) ends the wait
+            self._raise_first(self._inflight.pop(0))
+        return recs
+
+    def _raise_first(self, futures: list) -> None:
+        """Wait until ``futures`` are all done or one failed; raise the first failure."""
+        pending = list(futures)
+        while pending:
+            done = wait_on(self.client, pending, return_when="FIRST_COMPLETED").done
+            for f in done:
+                if f.status == "error":
+                    f.result()
+            pending = [f for f in pending if f not in done]
 
     def finish(self) -> None:
         """Apply the last submitted step's update and wait until every
@@ -322,11 +409,8 @@ class Trainer:
                     tasks[k] = Task(k, _replica.update_payload, rep, last, TaskRef(self._reduced[r].key))
             self._last = self._on_ranks(tasks, update_keys)
             self._reduced = None
-        wait_on(self.client, self._last)
         self._inflight.clear()
-        for f in self._last:
-            if f.status == "error":
-                f.result()
+        self._raise_first(self._last)
 
     def timings(self) -> list[StepTiming]:
         """:class:`StepTiming` of every finished step (one gather of each rank's log of small tuples)."""
@@ -388,7 +472,7 @@ class Trainer:
     def close(self) -> None:
         """Drop the replicas and every future (the workers free them)."""
         self.replicas, self._last, self.steps, self._inflight = [], [], [], []
-        self._reduced = self._buffers = None
+        self._reduced = self._buffers = self._boxes = None
 
     def __enter__(self) -> Trainer:
         return self
