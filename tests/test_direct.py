@@ -76,16 +76,21 @@ def test_sixty_four_ranks_on_four_workers_sum_once_per_worker():
     assert len(set(g.outputs)) == w
 
 
-def _same_host_pick_over_direct(model, p):
-    """A size (float64 elements) where ``auto``'s choice among the plans is
-    ``direct`` but the model prices the same-host collective lower still."""
-    from flowreduce.algorithms import plan as make
+def _same_host_pick_over_choose(model, p):
+    """A size (float64 elements) and the plan ``auto`` runs there on one
+    host, where the same-host preference (``shm-direct``, or ``direct``
+    reading its peers through shared memory) overrides the model's choice
+    among the plans priced over Dask's comm; None if there is none."""
+    from flowreduce.schedule import transport
 
+    ws = [f"tcp://10.0.0.1:{9000 + r}" for r in range(p)]
+    domains = [("node", "machine")] * p
     for n in np.geomspace(1e4, 1e7, 31):
         nbytes = int(n) * 8
-        if (choose(p, nbytes, model=model, direct=True).algorithm == "direct"
-                and model.predict(make("shm-direct", p), nbytes) < model.predict(make("direct", p), nbytes)):
-            return int(n)
+        first = choose(p, nbytes, model=model, direct=True)
+        final = transport.prefer_direct(first, model, nbytes, ws, domains)
+        if final.algorithm != first.algorithm:
+            return int(n), final.algorithm
     return None
 
 
@@ -320,15 +325,18 @@ def test_auto_takes_one_decision_whether_or_not_it_glanced(proc_client):
     """Inputs already in memory go through the glance route, which once
     skipped the same-host preference that lower() applies, and ran
     ``direct`` where the model priced ``shm-direct`` lower (at 1e6 on 4
-    ranks: 80 ms against 61). Both routes now take one decision."""
+    ranks: 80 ms against 61). Both routes now take one decision: at a size
+    where the same-host preference overrides the model's first choice, the
+    call runs the preferred plan."""
     from flowreduce.cost import CostModel
 
     model = CostModel(cores=2)
-    n = _same_host_pick_over_direct(model, 4)
-    assert n is not None, "the default model has no such size any more: pick another case"
+    found = _same_host_pick_over_choose(model, 4)
+    assert found is not None, "the default model has no such size any more: pick another case"
+    n, expected = found
     parts = _submitted(proc_client, [np.full(n, float(r)) for r in range(4)], workers_of(proc_client))
     futures = flowreduce.allreduce(proc_client, parts, model=model)
-    assert describe(futures).plan.algorithm == "shm-direct"
+    assert describe(futures).plan.algorithm == expected
     for o in proc_client.gather(futures):
         np.testing.assert_array_equal(o, np.full(n, 6.0))
     del futures, parts

@@ -491,9 +491,12 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
     keys = tuple(f.key for f in inputs)
 
     def job(graph: Graph, plan: Plan, nbytes: int, groups: list[list[int]] | None, shape: tuple[int, ...],
-            dtype: str, how: str = "dask", links: _transport.Links = (), hold: bool = False) -> Job:
-        record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, groups), tuple(workers),
-                            tuple(shape), dtype, keys, how, links)
+            dtype: str, how: str = "dask", links: _transport.Links = (), hold: bool = False,
+            predicted: float | None = None) -> Job:
+        if predicted is None:
+            predicted = model.predict(plan, nbytes, groups)
+        record = CallRecord(graph.token, plan, nbytes, predicted, tuple(workers), tuple(shape), dtype, keys, how,
+                            links)
         summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
         return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary,
                    hold=hold)
@@ -510,7 +513,8 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
             ensure_peer_handlers(client)
         if near:
             ensure_shm(client)
-        return job(graph, plan, nbytes, levels[0], shape, dtype, how, links, hold=True)
+        return job(graph, plan, nbytes, levels[0], shape, dtype, how, links, hold=True,
+                   predicted=_transport.predict(plan, model, nbytes, workers, domains, levels[0]))
 
     if isinstance(held, Unseen):
         levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)

@@ -32,6 +32,8 @@ from flowreduce.ops import Op
 
 TRANSPORTS = ("auto", "shm", "dask")
 DIRECT = "shm-direct"
+#: The one-level plan whose tasks read their peers' inputs (:mod:`flowreduce.algorithms.direct`).
+READ_DIRECT = "direct"
 #: The memory domain of in-process workers: nothing to publish between them.
 IN_PROCESS = "in-process"
 
@@ -79,14 +81,25 @@ def direct_options(options: dict, workers: Sequence[str]) -> dict:
 
 def prefer_direct(plan: Plan, model: CostModel, nbytes: int, workers: Sequence[str],
                   domains: Sequence[Any], hosts: Any = None) -> Plan:
-    """``auto``'s pick, or ``shm-direct`` when all ranks share a host and the
-    model predicts it faster (priced with the shared-memory link)."""
+    """``auto``'s pick, ``shm-direct``, or ``direct`` reading its peers
+    through shared memory, whichever the model predicts fastest, when all
+    ranks share a host (each priced as it will be lowered: :func:`predict`)."""
     if not one_host(workers, domains):
         return plan
-    direct = direct_plan(plan.ranks, workers)
-    if model.predict(direct, nbytes, hosts) < model.predict(plan, nbytes, hosts):
-        return direct
-    return plan
+    options = [plan, direct_plan(plan.ranks, workers)]
+    if plan.algorithm != READ_DIRECT and direct_reads_shared(workers, domains, nbytes):
+        options.append(make_plan(READ_DIRECT, plan.ranks))
+    return min(options, key=lambda q: predict(q, model, nbytes, workers, domains, hosts))
+
+
+def predict(plan: Plan, model: CostModel, nbytes: int, workers: Sequence[str], domains: Sequence[Any],
+            hosts: Any = None) -> float:
+    """The model's seconds for ``plan`` as this call lowers it: ``direct``
+    whose peers share its host reads them through shared memory."""
+    if plan.algorithm == READ_DIRECT and plan.chunks == 1 and one_host(workers, domains) and \
+            direct_reads_shared(workers, domains, nbytes):
+        return model.direct_shm_time(plan, nbytes, len(set(workers)))
+    return model.predict(plan, nbytes, hosts)
 
 
 def hosts_share_memory(hosts: Sequence[Sequence[int]], domains: Sequence[Any]) -> bool:
@@ -140,6 +153,22 @@ def uses_shm(plan: Plan, workers: Sequence[str], domains: Sequence[Any]) -> bool
 Links = tuple[tuple[str, str, str], ...]
 
 
+def direct_reads_shared(workers: Sequence[str], domains: Sequence[Any], nbytes: int) -> bool:
+    """Whether ``direct``'s peers write into its readers' memory (:func:`direct_reads`)."""
+    return bool(_sharing(workers, domains, nbytes))
+
+
+def _sharing(workers: Sequence[str], domains: Sequence[Any], nbytes: int) -> tuple[tuple[str, Any], ...]:
+    """``(worker, domain)`` of the workers sharing a host with another, for inputs past ``min-bytes``."""
+    if nbytes < shm_pool.config()["min-bytes"]:
+        return ()
+    shared = {w: d for w, d in zip(workers, domains) if d is not None and d != IN_PROCESS}
+    hosts: dict[Any, set[str]] = {}
+    for w, d in shared.items():
+        hosts.setdefault(d, set()).add(w)
+    return tuple(sorted((w, d) for w, d in shared.items() if len(hosts[d]) > 1))
+
+
 def direct_reads(plan: Plan, workers: Sequence[str], domains: Sequence[Any], nbytes: int
                  ) -> tuple[tuple[tuple[str, Any], ...], str, Links]:
     """How the ``direct`` plan's tasks read their peers: the ``(worker,
@@ -148,13 +177,7 @@ def direct_reads(plan: Plan, workers: Sequence[str], domains: Sequence[Any], nby
     :func:`flowreduce.schedule.peer_reads.reading`), empty when inputs are
     under ``flowreduce.shm.min-bytes`` or no two workers share memory; the
     word for :func:`describe`; and per link its transport."""
-    shared = {w: d for w, d in zip(workers, domains) if d is not None and d != IN_PROCESS}
-    hosts: dict[Any, set[str]] = {}
-    for w, d in shared.items():
-        hosts.setdefault(d, set()).add(w)
-    pairs = tuple(sorted((w, d) for w, d in shared.items() if len(hosts[d]) > 1))
-    if nbytes < shm_pool.config()["min-bytes"]:
-        pairs = ()
+    pairs = _sharing(workers, domains, nbytes)
     found = links(plan, workers, domains if pairs else [None] * len(workers), nbytes, direct=True)
     kinds = {k for _, _, k in found}
     how = ("dask" if "shared memory" not in kinds else
