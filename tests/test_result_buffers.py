@@ -71,3 +71,21 @@ def test_free_buffers_are_bounded_and_dropped_when_idle():
     b.close()
     x = b.empty(N, np.float64)  # closed: plain memory
     assert x.base is None
+
+
+def test_a_buffer_is_kept_only_while_the_host_has_memory_to_spare(monkeypatch):
+    """Each worker's pool is bounded on its own; the host's available
+    memory (``/proc/meminfo``) is the bound that sees them all: under half
+    of it available, a freed buffer is let go instead of kept."""
+    from flowreduce.build import result_buffers
+
+    available, total = result_buffers.host_memory()  # this Linux host's, read as the pool reads it
+    assert 0 < available <= total
+    b = Buffers(limit=1 << 30, idle=60)
+    for share, kept in ((0.9, 1), (0.1, 0)):
+        monkeypatch.setattr(result_buffers, "host_memory", lambda s=share: (int(s * total), total))
+        x = b.empty(N, np.float64)
+        del x
+        gc.collect()
+        assert b.stats()["result_buffers_free"] == kept, share
+        b.release_idle(now=float("inf"))

@@ -14,8 +14,9 @@ buffer back, and the next call's result is written into pages already
 touched. Nothing can reuse a buffer while any view of the result lives, so
 a held result never changes.
 
-Only free buffers are bounded (``flowreduce.shm.result-pool-bytes``, and
-the worker plugin's share of its memory limit): results themselves are
+Only free buffers are bounded (``flowreduce.shm.result-pool-bytes``, the
+worker plugin's share of its memory limit, and :data:`HOST_RESERVE` of the
+host's memory left available): results themselves are
 ordinary memory that Dask counts as such. Free buffers unused for
 ``flowreduce.shm.idle-seconds`` are dropped, as the shared-memory pool's
 are.
@@ -37,12 +38,28 @@ from flowreduce.build.shm_pool import GRAIN  # sized as the segments are, so cal
 
 #: Results smaller than this are plain ``np.empty`` (few pages to fault).
 MIN_BYTES = 1 << 20
+#: A freed buffer is kept only while this share of the host's memory stays
+#: available to everybody (``MemAvailable``): every worker of the host keeps
+#: its own pool, and their bounds are per worker, so this is the one bound that
+#: sees them all (and whatever else runs there).
+HOST_RESERVE = 0.5
+
+
+def host_memory() -> tuple[int, int] | None:
+    """``(available, total)`` bytes of this host's memory (Linux
+    ``/proc/meminfo``); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 class Buffers:
     """Free private buffers by size; :meth:`empty` lends one as an array."""
 
-    def __init__(self, limit: int = 256 << 20, idle: float = 30.0):
+    def __init__(self, limit: int = 1 << 30, idle: float = 30.0):
         self.limit, self.idle = limit, idle
         self._free: dict[int, list[tuple[mmap.mmap, float]]] = defaultdict(list)
         self._free_bytes = 0
@@ -75,6 +92,12 @@ class Buffers:
         # the reference (the mapping goes with the array), never close it here
         with self._lock:
             self._lent -= 1
+            if self.closed or self._free_bytes + size > self.limit:
+                return
+        host = host_memory()
+        if host is not None and host[0] < HOST_RESERVE * host[1]:  # the host is short of memory: let it go
+            return
+        with self._lock:
             if self.closed or self._free_bytes + size > self.limit:
                 return
             self._free[size].append((buf, time.monotonic()))
