@@ -113,23 +113,30 @@ def _peer_writes(dask_worker=None) -> list[tuple[int, int]]:
     return [(nbytes, owner) for _, _, _, nbytes, direction, owner, _ in COPIES if direction == "peer-write"]
 
 
-@pytest.mark.parametrize("ranks", [4, 10])
-def test_direct_peers_on_the_host_write_into_the_readers_memory(client, ranks):
+@pytest.mark.parametrize("ranks,dtype,op", [(4, "int64", "sum"), (10, "int64", "sum"), (10, "int32", "mean")])
+def test_direct_peers_on_the_host_write_into_the_readers_memory(client, ranks, dtype, op):
     """``direct``: each task reads its peers' inputs; a peer process on the
-    same host writes its input (or the sum of the ranks it holds) into a
-    segment of the reader, and nothing of the inputs crosses Dask's comm.
-    With ``transport="dask"`` the same reads go through Dask's comm."""
+    same host writes its input (or the sum of the ranks it holds, in the
+    op's accumulating dtype: int64 for an int32 mean) into a segment of the
+    reader, and nothing of the inputs crosses Dask's comm. With
+    ``transport="dask"`` the same reads go through Dask's comm."""
     ws = workers_of(client)
-    arrays = [np.random.default_rng(r).integers(0, 1000, 100_000) for r in range(ranks)]  # 800 kB, past min-bytes
+    n = 100_000  # past min-bytes
+    arrays = [np.random.default_rng(r).integers(0, 1000, n).astype(dtype) for r in range(ranks)]
+    total = sum(a.astype(np.int64) for a in arrays)
+    expected = total / ranks if op == "mean" else total
+    acc = np.dtype(resolve_op(op).accumulator(np.dtype(dtype)) or dtype)
+    # what a peer writes: its one input, or its ranks' sum (every worker holds several of 10 ranks)
+    written = n * (acc.itemsize if ranks > len(ws) else np.dtype(dtype).itemsize)
     pids = client.run(_pid)
     for transport in ("auto", "dask"):
         parts = scatter(client, arrays)
         names = [str(f.key) for f in parts]
         client.run(_clear_logs)
         before = client.run(_peer_writes)
-        futures = flowreduce.allreduce(client, parts, algorithm="direct", transport=transport)
+        futures = flowreduce.allreduce(client, parts, algorithm="direct", op=op, transport=transport)
         for o in client.gather(futures):
-            np.testing.assert_array_equal(o, sum(arrays))
+            np.testing.assert_array_equal(o, expected)
         sent = {w: b for w, b in client.run(_input_transfers, names).items()}
         wrote = {w: got[len(before[w]):] for w, got in client.run(_peer_writes).items()}
         if transport == "auto":
@@ -139,7 +146,7 @@ def test_direct_peers_on_the_host_write_into_the_readers_memory(client, ranks):
             # every worker wrote its ranks (summed, when several) once for each of the other workers
             for w in ws:
                 assert sorted(owner for _, owner in wrote[w]) == sorted(pids[v] for v in ws if v != w), (w, wrote)
-                assert all(nbytes == 800_000 for nbytes, _ in wrote[w]), wrote[w]
+                assert all(nbytes == written for nbytes, _ in wrote[w]), (written, wrote[w])
         else:
             assert describe(futures).transport == "dask"
             assert not any(wrote.values()), wrote

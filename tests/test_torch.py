@@ -229,7 +229,9 @@ CASES_DDP = {"butterfly": ("net", "butterfly", 1, STEPS), "ring": ("net", "ring"
              "auto": ("net", "auto", 1, STEPS), "auto-mixed-levels": ("net", "auto-mixed", 1, 7),
              "ring-accumulate3": ("net", "ring", 3, STEPS), "auto-accumulate3": ("net", "auto", 3, 6),
              "batchnorm-auto": ("bn", "auto", 1, STEPS), "batchnorm-ring": ("bn", "ring", 1, 9),
-             # steps_per_task: "auto" steps fused 4 (and 3) to a task, blocks cut short at each train() call's end
+             # steps_per_task (default: 10 where steps can be fused, so "auto" above runs 10 to a task):
+             # 1, 4 and 3 to a task, blocks cut short at each train() call's end
+             "auto-one-step-per-task": ("net", "auto", 1, STEPS, 1),
              "auto-fused4": ("net", "auto", 1, 7, 4), "auto-accumulate3-fused3": ("net", "auto", 3, 5, 3)}
 
 
@@ -262,14 +264,15 @@ def test_trainer_matches_ddp(proc_client, ddp_results, shm_for_small_values, mon
     trainer = Trainer(proc_client, model=MODELS[name], optimizer=make_optimizer,
                       loss=torch.nn.functional.cross_entropy, data=shard if micro == 1 else shard_accumulating,
                       workers=ws[:RANKS], accumulate=micro, algorithm=algorithm, bucket_bytes=4096, threads=1,
-                      steps_per_task=fused[0] if fused else 1)
+                      steps_per_task=fused[0] if fused else None)
     graph = trainer.step_graph
     if algorithm == "auto":
         assert graph["all-reduce"] == "shared memory" and len(graph["levels"]) > 1
         assert set(graph["levels"]) == ({1, 2} if case == "auto-mixed-levels" else {1})
     else:
         assert graph["all-reduce"] == "flowreduce.allreduce" and graph["levels"] is None
-    assert graph["steps_per_task"] == (fused[0] if fused else 1)
+    fusable = algorithm == "auto" and case != "auto-mixed-levels" and name != "bn"  # buffers are not fused
+    assert graph["steps_per_task"] == ((fused[0] if fused else 10) if fusable else 1)
     timings = []
     while len(timings) < STEPS:
         timings += trainer.train(min(per_call, STEPS - len(timings)))
@@ -335,6 +338,36 @@ def test_fused_steps_are_the_same_bits_in_fewer_tasks(proc_client):
 
 def _pid():
     return os.getpid()
+
+
+def _shard_failing_on_rank_2(rank, ranks):
+    """``shard``, except that rank 2's data runs dry with an error after 3 batches."""
+    batches = list(shard(rank, ranks))
+    for i in range(3 if rank == 2 else 10**9):
+        yield batches[i % len(batches)]
+    raise LookupError("rank 2's data source failed")
+
+
+def test_a_rank_failing_in_fused_steps_stops_the_others(proc_client):
+    """Rank 2's task fails in the middle of a block of fused steps (its data
+    source raises): it stamps its mailbox failed, the other ranks stop
+    waiting for it, and train() raises rank 2's error; nothing keeps running."""
+    ws = workers_of(proc_client)
+    with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                 data=_shard_failing_on_rank_2, workers=ws, threads=1, steps_per_task=50) as trainer:
+        with pytest.raises(LookupError, match="rank 2's data source failed") as caught:  # the failure, not its echoes
+            trainer.train(50)
+        caught.value.__traceback__ = None
+        del caught
+        assert wait_until(lambda: not any(proc_client.processing().values()), 30), proc_client.processing()
+        errors = [f.exception() for f in trainer._last]
+        assert isinstance(errors[2], LookupError)
+        import re
+
+        for r, e in enumerate(errors):  # the others stopped at step 3, naming rank 2 (and others that stopped first)
+            if r != 2:
+                named = re.search(r"rank ([\d, ]+) of the trainer failed before step 3", str(e))
+                assert named and "2" in named.group(1).split(", "), (r, e)
 
 
 def _wait_for(name):

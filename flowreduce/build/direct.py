@@ -3,7 +3,7 @@ dependent level. Imports dask, never distributed.
 
 One task per worker, pinned there, depending only on the inputs of the
 ranks that worker holds; it reads the other ranks' inputs itself, worker to
-worker (``read``: :func:`flowreduce.schedule.peer_reads.read_peers`, passed
+worker (``read``: :func:`flowreduce.schedule.peer_reads.reading`, passed
 in by the schedule layer, the only one talking to distributed), checks that
 the ranks agree (``check``: the client's own input check, run on what the
 ranks hold) and reduces them. That task's key is the result of every rank
@@ -57,11 +57,13 @@ class Partial:
 
 
 #: Reads peers' inputs on a worker, in a task running on its event loop:
-#: ``async with read(peers, op, key) as ({rank: value}, {first rank of a
-#: worker's ranks: Partial})``, the values valid inside the block (they may
+#: ``async with read(peers, op, key, like) as ({rank: value}, {first rank of
+#: a worker's ranks: Partial})``, the values valid inside the block (they may
 #: be views of memory given back after it); a peer worker holding several
-#: ranks may send their :class:`Partial` instead of their values; ``key`` is the reading task's.
-Read = Callable[[Sequence[Peer], Op, Hashable], AbstractAsyncContextManager[tuple[dict[int, Any], dict[int, Partial]]]]
+#: ranks may send their :class:`Partial` instead of their values; ``key`` is
+#: the reading task's, ``like`` one of its own inputs (None if it has none).
+Read = Callable[[Sequence[Peer], Op, Hashable, Any],
+                AbstractAsyncContextManager[tuple[dict[int, Any], dict[int, Partial]]]]
 #: Checks the ranks' values or metas (in rank order) agree and suit the op, raising an error naming the ranks.
 Check = Callable[[Sequence[Any], Op], None]
 
@@ -93,10 +95,13 @@ async def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local
     reads go, with no hand-off to a thread and back): the local ranks'
     inputs (dependencies), the peers' read from their workers (or their
     workers' partials), checked and reduced (:func:`reduce_groups`)."""
-    async with read(peers, op, key) if peers else nullcontext(({}, {})) as (got, partials):
+    async with read(peers, op, key, local[0] if local else None) if peers else nullcontext(({}, {})) as (got,
+                                                                                                       partials):
         values = {**dict(zip(local_ranks, local)), **got}
         nbytes = sum(getattr(v, "nbytes", 0) for v in [*values.values(), *(part.value for part in partials.values())])
-        return await off_loop_if_large(nbytes, reduce_groups, op, ranks, groups, values, partials, check)
+        out = await off_loop_if_large(nbytes, reduce_groups, op, ranks, groups, values, partials, check)
+        # a callable op may return one of its arguments: never a view of memory given back after the block
+        return out if not isinstance(out, np.ndarray) or out.flags.writeable else out.copy()
 
 
 def reduce_local(op: Op, ranks: int, groups: Sequence[Sequence[int]], local: Sequence[Any],

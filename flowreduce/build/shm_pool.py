@@ -239,10 +239,13 @@ class Pool:
             self.give_back(s, s.generation)
         return len(held)
 
-    def discard(self, seg: Segment) -> None:
+    def discard(self, seg: Segment, generation: int | None = None) -> None:
         """Unlink a leased segment (a call that ended abnormally: a task of
-        it may still read or write the memory, so it is never reused)."""
+        it may still read or write the memory, so it is never reused); with
+        ``generation``, only if it is still that lease."""
         with self._lock:
+            if generation is not None and seg.generation != generation:
+                return
             if self._leased.pop(seg.name, None) is not None:
                 self._unlink(seg)
 

@@ -133,7 +133,7 @@ def _traced_epoch(client: Any, trainer: Any, steps: int, args: argparse.Namespac
     count = max(0, min(args.trace_steps, steps - first))
     ts = trainer.train(first)
     with flowreduce.trace(client) as tr:
-        ts += trainer.train(count)
+        ts += trainer.train(count, steps_per_task=1)  # a task per step, so the trace shows each one
     ts += trainer.train(steps - first - count)
     os.makedirs(args.trace, exist_ok=True)
     written = [to_chrome(tr, os.path.join(args.trace, "trace.json"))]

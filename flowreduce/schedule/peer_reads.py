@@ -19,7 +19,7 @@ recomputation may need that slot.
 A peer worker holding several of the ranks (64 ranks on 4 workers) is
 asked instead to reduce them itself, in rank order, and to send one array
 and what each rank holds (:class:`~flowreduce.build.direct.Partial`): the
-handler :data:`HANDLER`, which :class:`PeerReducePlugin` gives every worker.
+handler :data:`HANDLER`, which :class:`PeerHandlersPlugin` gives every worker.
 Anything that keeps it from answering (an input it no longer holds, inputs
 it cannot reduce, no handler) makes the reader read those ranks' values
 instead, as above.
@@ -230,16 +230,20 @@ SLOT_ALIGN = 64
 
 
 @contextlib.asynccontextmanager
-async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None, key: Hashable = None, *,
-                  domains: Sequence[tuple[str, Any]] = (), nbytes: int = 0
+async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None, key: Hashable = None,
+                  like: Any = None, *, domains: Sequence[tuple[str, Any]] = (), nbytes: int = 0
                   ) -> AsyncIterator[tuple[dict[int, Any], dict[int, Partial]]]:
     """:func:`read_peers` as a context: the peers' values (and partials)
     while the block runs. Peer workers sharing this worker's memory domain
-    (``domains``: ``(worker, domain)`` pairs) write them into a segment
-    this worker leases for the block (one copy each, no serialisation, no
-    socket), given back when the block ends; the rest, and anything such a
-    peer cannot write, are read over Dask's comm. Only for inputs of
-    ``nbytes`` at least ``flowreduce.shm.min-bytes``; the values are read-only views."""
+    (``domains``: ``(worker, domain)`` pairs, given by the client, which
+    decided from the inputs' size: :func:`flowreduce.schedule.transport.direct_reads`)
+    write them into a segment this worker leases for the block (one copy
+    each, no serialisation, no socket), given back when the block ends; the
+    rest, and anything such a peer cannot write, are read over Dask's comm.
+    A slot holds ``nbytes`` (one rank's input), or, for a peer holding
+    several ranks, their sum in the op's accumulating dtype (``like``: this
+    worker's own input, whose dtype the ranks share). Values written here
+    are read-only views of the segment."""
     from distributed import get_worker
     from distributed.protocol import pickle
 
@@ -249,22 +253,27 @@ async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = No
     where = dict(domains)
     own = where.get(worker.address)
     near = sorted({w for _, w, _ in peers if own is not None and w != worker.address and where.get(w) == own})
-    pool = shm_pool.pool() if near else None
+    ranks_of = {w: sorted((r, k) for r, pw, k in peers if pw == w) for w in near}
+    widen = 1
+    if op is not None and isinstance(like, np.ndarray) and like.dtype.itemsize:
+        widen = max(1, np.dtype(op.accumulator(like.dtype) or like.dtype).itemsize // like.dtype.itemsize)
+    slots = [-(-nbytes * (widen if len(ranks_of[w]) > 1 else 1) // SLOT_ALIGN) * SLOT_ALIGN for w in near]
+    offsets = [sum(slots[:i]) for i in range(len(slots))]
+    pool = shm_pool.pool() if near and nbytes else None
     seg = None
-    if pool is not None and nbytes >= pool.min_bytes:
-        slot = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+    if pool is not None:
         try:
-            seg = pool.lease(slot * len(near), owner=(parse_key(key) or {}).get("token", ""))
+            seg = pool.lease(sum(slots), owner=(parse_key(key) or {}).get("token", ""))
         except shm_pool.Unavailable:  # logged once by the pool
             seg = None
     if seg is None:
         yield await read_peers(peers, op, key)
         return
+    generation = seg.generation  # this lease's: giving back or unlinking must not touch a later one
     clean = True
     try:
         got: dict[int, Any] = {}
         partials: dict[int, Partial] = {}
-        ranks_of = {w: sorted((r, k) for r, pw, k in peers if pw == w) for w in near}
 
         async def write(i: int, w: str) -> bool:
             nonlocal clean
@@ -276,7 +285,7 @@ async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = No
                 await _connect_briefly(worker, w)
                 reply = await getattr(worker.rpc(w), WRITE_HANDLER)(
                     keys=[k for _, k in order], reduce_with=pickle.dumps(op) if several else None,
-                    segment=seg.name, size=seg.size, offset=i * slot, capacity=slot, reader=repr(key))
+                    segment=seg.name, size=seg.size, offset=offsets[i], capacity=slots[i], reader=repr(key))
             except Exception as e:  # gone, or no handler; a write may still be under way: never reuse the segment
                 clean = False
                 logger.debug("flowreduce: %s did not write into %s (%r); reading over Dask's comm", w, seg.name, e)
@@ -284,7 +293,7 @@ async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = No
             if not isinstance(reply, dict) or reply.get("status") != "OK":
                 return False
             count = math.prod(reply["shape"])
-            value = seg.view(np.dtype(reply["dtype"]), count, i * slot).reshape(reply["shape"])
+            value = seg.view(np.dtype(reply["dtype"]), count, offsets[i]).reshape(reply["shape"])
             value.flags.writeable = False  # the segment goes back to the pool: nothing may keep it as its own
             if several:
                 partials[order[0][0]] = Partial(value, tuple(reply["metas"]))
@@ -305,9 +314,9 @@ async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = No
         raise
     finally:
         if clean:
-            pool.give_back(seg, seg.generation)  # type: ignore[union-attr]
+            pool.give_back(seg, generation)  # type: ignore[union-attr]
         else:
-            pool.discard(seg)  # type: ignore[union-attr]
+            pool.discard(seg, generation)  # type: ignore[union-attr]
 
 
 class PeerHandlersPlugin(WorkerPlugin):

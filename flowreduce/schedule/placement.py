@@ -32,11 +32,12 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from flowreduce.errors import InputStateError
-from flowreduce.schedule import guard, hosts
+from flowreduce.schedule import hosts
 from flowreduce.schedule.inputs import Meta, meta_of
 
 
-def wait_on(client: Any, futures: Sequence[Any], return_when: str = "ALL_COMPLETED") -> Any:
+def wait_on(client: Any, futures: Sequence[Any], return_when: str = "ALL_COMPLETED", timeout: float | None = None
+            ) -> Any:
     """``distributed.wait`` on ``client``'s event loop. ``distributed.wait``
     alone runs on the *default* client's loop: with two clients in one
     process (an in-process cluster beside another), the futures' states
@@ -44,7 +45,7 @@ def wait_on(client: Any, futures: Sequence[Any], return_when: str = "ALL_COMPLET
     from distributed import wait
 
     with client.as_current():
-        return wait(list(futures), return_when=return_when)
+        return wait(list(futures), return_when=return_when, timeout=timeout)
 
 
 def check_status(ranks: Sequence[Sequence[Any]]) -> None:
@@ -137,6 +138,9 @@ def glance(client: Any, ranks: Sequence[Any]) -> tuple[list[str], int] | None:
     InputStateError
         An input that failed, was cancelled or lost.
     """
+    # the guard imports distributed: not at import time (flowreduce.train imports wait_on without it)
+    from flowreduce.schedule import guard
+
     check_status([[f] for f in ranks])
     keys = list(dict.fromkeys(f.key for f in ranks))
     guard.ensure_guard(client)

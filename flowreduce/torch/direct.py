@@ -179,11 +179,22 @@ def _mean_of(values: Sequence[Any]) -> np.ndarray:
 # -- fused steps: several optimizer steps in one task per rank ---------------------------------
 #: Bytes before a mailbox's two slots: each slot's step stamp (int64), padded to a cache line.
 STAMPS = 64
+#: The stamp a rank's failing fused task leaves in both its slots: its peers stop waiting and fail too.
+FAILED = -2
+#: Seconds a fused step waits for its peers when ``flowreduce.timeout`` is not set.
+WAIT_SECONDS = 600.0
+#: Machines whose stores reach other cores in program order (x86's total store order): a
+#: stamp written after the data is never seen before it, with no fence (Python has none).
+ORDERED_STORES = ("x86_64", "AMD64", "i386", "i686")
 #: Seconds between checks, while waiting for peers, that their workers are alive.
 ALIVE_EVERY = 1.0
 #: Seconds a fused task waits for its peers before it leaves its worker's thread
 #: slot (``distributed.secede``): a peer may be queued behind a task that needs this worker.
 SECEDE_AFTER = 0.05
+
+
+class PeerFailed(RuntimeError):
+    """A fused step's peer rank failed first: the other ranks stop with this; the trainer raises the peer's own error."""
 
 
 @dataclass
@@ -211,7 +222,12 @@ def mailbox_bytes(flat: Flat) -> int:
 
 def mailbox(flat: Flat, owner: str = "") -> shm_kernels.Block | None:
     """A rank's mailbox for fused steps (:func:`exchange`), leased from its
-    worker's pool with both stamps cleared; None when no segment can be had."""
+    worker's pool with both stamps cleared; None when no segment can be had,
+    or the machine may reorder stores (:data:`ORDERED_STORES`)."""
+    import platform
+
+    if platform.machine() not in ORDERED_STORES:
+        return None
     pool = shm_pool.pool()
     nbytes = mailbox_bytes(flat)
     try:
@@ -226,15 +242,25 @@ def mailbox(flat: Flat, owner: str = "") -> shm_kernels.Block | None:
 class Mailbox:
     """Views of a rank's mailbox: its own (a Block, written) or a peer's (read in place)."""
 
+    def fail(self) -> None:
+        """Stamp both slots :data:`FAILED` (this rank's task is failing)."""
+        self.stamps[:2] = FAILED
+
+    def check(self) -> None:
+        """Raise if the segment was given back and leased again (e.g. its value was spilled)."""
+        if self.segment.stamped() != self.generation:
+            raise RuntimeError(f"mailbox segment {self.segment.name} was leased again during fused steps "
+                               "(was the trainer's mailbox spilled or released?)")
+
     def __init__(self, value: Any, flat: Flat, own: bool = False):
         if own and not isinstance(value, shm_kernels.Block):  # a handle: its lease is on another worker
             raise RuntimeError("this rank's mailbox is not in its worker's memory any more (was it moved "
                                "or released?); its segment cannot be written here")
         if isinstance(value, shm_kernels.Block):
-            buf, self.segment = value.array, value.lease.segment
+            buf, self.segment, self.generation = value.array, value.lease.segment, value.lease.generation
         else:
             self.segment = value.handle.segment()
-            buf = value.handle.arrays(self.segment)[0]
+            buf, self.generation = value.handle.arrays(self.segment)[0], value.handle.generation
         dtype = np.dtype(flat.dtype)
         size = sum(b.size for b in flat.buckets)
         self.stamps = buf[:STAMPS].view(np.int64)
@@ -278,6 +304,10 @@ def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads:
         missing = [r for r, box in enumerate(boxes) if box.stamps[slot] != stamp]
         if not missing:
             break
+        failed = [r for r in missing if boxes[r].stamps[slot] == FAILED]
+        if failed:
+            raise PeerFailed(f"rank {', '.join(map(str, failed))} of the trainer failed before step {stamp} "
+                             "(its own error is the trainer's); the other ranks stop with it")
         now = time.monotonic()
         if now - checked > ALIVE_EVERY:
             checked = now
@@ -286,7 +316,10 @@ def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads:
                 raise WorkerLostError(f"rank {', '.join(map(str, gone))} of the trainer died during step {stamp} "
                                       "(its worker process is gone); the fused steps cannot go on without it")
         if now - start > timeout:
-            raise TimeoutError(f"ranks {missing} did not reach step {stamp} within {timeout:g} s")
+            from flowreduce.errors import AllreduceTimeoutError
+
+            raise AllreduceTimeoutError(f"ranks {missing} of the trainer did not reach step {stamp} within "
+                                        f"{timeout:g} s (flowreduce.timeout; {WAIT_SECONDS:g} s when unset)")
         if waiting is not None and now - start > SECEDE_AFTER:
             waiting.long_wait()
         time.sleep(pause)  # yield the core to the ranks being waited for
@@ -297,4 +330,6 @@ def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads:
         for i, at in zip(bucket.tensors, bucket.offsets):
             spec = flat.specs[i]
             out[i] = t[at:at + spec.size].view(spec.shape)
+    for box in boxes:  # what was read was still the mailbox it was stamped in
+        box.check()
     return out

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from dask.sizeof import sizeof
 
+from flowreduce.build import shm_kernels
 from flowreduce.torch import direct
 
 
@@ -248,15 +249,21 @@ def steps_fused(replica: Replica, after: Any, written: list | None, slices: list
     order: :func:`direct.exchange`, stamps ``first``, ``first + 1``, ...)
     and applied. The other ranks' tasks run at the same time, each on its
     worker; nothing goes through the scheduler between the steps."""
-    apply_direct(replica, flat, written, slices, key)
-    views = [direct.Mailbox(b, flat, own=r == replica.rank) for r, b in enumerate(boxes)]
-    waiting = direct.Waiting()
-    for stamp in range(first, first + count):
-        _micro_batches(replica, micro)
-        params = replica.params()
-        grads = [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])]
-        tensors = direct.exchange(flat, views, replica.rank, stamp, grads, timeout, waiting)
-        _apply(replica, tensors[:-1], tensors[-1], time.time())
+    own = boxes[replica.rank]
+    try:
+        apply_direct(replica, flat, written, slices, key)
+        views = [direct.Mailbox(b, flat, own=r == replica.rank) for r, b in enumerate(boxes)]
+        waiting = direct.Waiting()
+        for stamp in range(first, first + count):
+            _micro_batches(replica, micro)
+            params = replica.params()
+            grads = [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])]
+            tensors = direct.exchange(flat, views, replica.rank, stamp, grads, timeout, waiting)
+            _apply(replica, tensors[:-1], tensors[-1], time.time())
+    except BaseException:
+        if isinstance(own, shm_kernels.Block):  # the peers waiting for this rank stop and fail too
+            direct.Mailbox(own, flat).fail()
+        raise
     return len(replica.log)
 
 

@@ -49,17 +49,17 @@ steps overlap their submission.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import dask
-import dask.utils
 from dask.task_spec import List, Task, TaskRef
 
 import flowreduce
-from flowreduce import config, keys
+from flowreduce import keys
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.schedule import guard, hosts, transport
 from flowreduce.schedule.placement import wait_on
@@ -67,6 +67,11 @@ from flowreduce.schedule.shm_plugin import ensure_shm
 from flowreduce.torch import direct
 from flowreduce.torch import replica as _replica
 
+#: Optimizer steps per task by default, where they can be fused (``Trainer.steps_per_task``):
+#: the scheduler's ~20-30 ms between tasks, paid once per 10 steps of ~10 ms.
+STEPS_PER_TASK = 10
+#: Seconds to let the other ranks' fused tasks stop after one failed, to tell the failure from theirs.
+ORIGIN_SECONDS = 10.0
 #: Key prefixes of the trainer's tasks: ``("torch-<phase>-<token>", step, rank)``.
 PHASES = ("build", "backward", "step", "update", "buffers")
 
@@ -151,15 +156,16 @@ class Trainer:
         ``transport="dask"`` in the options turns it off).
     threads : int, optional
         ``torch.set_num_threads`` on every rank's worker.
-    steps_per_task : int
+    steps_per_task : int, optional
         With the shared-memory step and every bucket averaged in the step
         tasks (no reduce level) and no module buffers: :meth:`train` runs
         this many optimizer steps in one task per rank, the ranks' tasks
         averaging each step's gradients through shared-memory mailboxes
         (:func:`flowreduce.torch.direct.exchange`), with no scheduler round
         trip between them. The numbers are the same bits as one step per
-        task. Default 1 (every step a task of its own, on Dask's task
-        stream). :attr:`step_graph` says what runs.
+        task. Default: :data:`STEPS_PER_TASK` where steps can be fused, else
+        1; ``1``: every step a task of its own on Dask's task stream.
+        :attr:`step_graph` says what runs.
     """
 
     client: Any
@@ -175,13 +181,13 @@ class Trainer:
     seed: int = 0
     threads: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
-    steps_per_task: int = 1
+    steps_per_task: int | None = None
     steps: list[StepRecord] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 micro-batches per step, got {self.accumulate}")
-        if self.steps_per_task < 1:
+        if self.steps_per_task is not None and self.steps_per_task < 1:
             raise ValueError(f"steps_per_task must be >= 1, got {self.steps_per_task}")
         ws = rank_workers(self.client, self.ranks, self.workers)
         # the workers and rank count as decided (typed, never None), and the fields for the caller
@@ -235,18 +241,25 @@ class Trainer:
         | "in-process" | "flowreduce.allreduce", "levels": per bucket, 1 (averaged in
         the step tasks) or 2 (a reduce level); None for flowreduce.allreduce,
         "steps_per_task": how many steps :meth:`train` runs in one task}``."""
-        fused = self.steps_per_task if self._fusable() else 1
+        fused = self._block() if self._can_fuse() else 1
         if self._flat is None:
             return {"all-reduce": "flowreduce.allreduce", "levels": None, "steps_per_task": fused}
         return {"all-reduce": "shared memory" if self._flat.share else "in-process", "levels": self._flat.levels,
                 "steps_per_task": fused}
 
-    def _fusable(self) -> bool:
-        """Whether :meth:`train` may fuse steps: asked for, the shared-memory
-        step with no reduce level, and no buffers to broadcast every step."""
+    def _can_fuse(self) -> bool:
+        """Whether steps can be fused: the shared-memory step with no reduce
+        level, and no buffers to broadcast every step."""
         flat = self._flat
-        return (self.steps_per_task > 1 and flat is not None and flat.share and set(flat.levels) == {1}
-                and not self._broadcasts)
+        return (flat is not None and flat.share and set(flat.levels) == {1} and not self._broadcasts
+                and self._boxes != [])  # [] once the mailboxes could not be had
+
+    def _block(self, asked: int | None = None) -> int:
+        """Steps per task asked for (by :meth:`train`, else the trainer), or the default."""
+        for k in (asked, self.steps_per_task):
+            if k is not None:
+                return k
+        return STEPS_PER_TASK
 
     def _mailboxes(self) -> list | None:
         """The ranks' mailboxes (made once, kept until the trainer goes); None if one cannot be had."""
@@ -338,12 +351,13 @@ class Trainer:
         return (List(*(TaskRef(f.key) for f in steps)),
                 List(*(List(*(TaskRef(f.key) for f in per_worker)) for per_worker in slices)))
 
-    def train(self, steps: int, progress: bool = False) -> list[StepTiming]:
+    def train(self, steps: int, progress: bool = False, steps_per_task: int | None = None) -> list[StepTiming]:
         """Run ``steps`` optimizer steps and return their timings (in tasks
-        of ``steps_per_task`` steps when they can be fused)."""
+        of ``steps_per_task`` steps, this call's or the trainer's, when they can be fused)."""
         first = len(self.steps)
-        fused = self._fusable() and self._mailboxes() is not None
-        size = self.steps_per_task if fused else 1
+        size = self._block(steps_per_task)
+        fused = size > 1 and self._can_fuse() and self._mailboxes() is not None
+        size = size if fused else 1
         blocks = [min(size, steps - done) for done in range(0, steps, size)]
         run = self.steps_fused if fused else (lambda count: self.step())
         if progress:
@@ -360,12 +374,11 @@ class Trainer:
     def steps_fused(self, count: int) -> list[StepRecord]:
         """Submit ``count`` optimizer steps as one task per rank (see
         ``steps_per_task``); returns at once unless two blocks are in flight."""
-        boxes = self._mailboxes()
-        if not self._fusable() or boxes is None:
+        boxes = self._mailboxes() if self._can_fuse() else None
+        if boxes is None:
             raise ValueError(f"these steps cannot be fused: {self.step_graph}")
         n, flat = len(self.steps), self._flat
-        timeout = config.get("timeout")
-        timeout = float("inf") if timeout is None else float(dask.utils.parse_timedelta(timeout))
+        timeout = guard.resolve_timeout(None) or direct.WAIT_SECONDS
         written, slices = self._pending_direct()
         tasks = {}
         for r in range(self._p):
@@ -389,9 +402,13 @@ class Trainer:
         pending = list(futures)
         while pending:
             done = wait_on(self.client, pending, return_when="FIRST_COMPLETED").done
-            for f in done:
-                if f.status == "error":
-                    f.result()
+            if any(f.status == "error" for f in done):
+                # fused ranks stop within moments of a failing peer: raise the failure itself, not theirs
+                with contextlib.suppress(Exception):
+                    wait_on(self.client, futures, timeout=ORIGIN_SECONDS)
+                failed = [f for f in futures if f.status == "error"]
+                origin = next((f for f in failed if not isinstance(f.exception(), direct.PeerFailed)), failed[0])
+                origin.result()
             pending = [f for f in pending if f not in done]
 
     def finish(self) -> None:
