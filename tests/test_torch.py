@@ -364,10 +364,12 @@ def test_a_rank_failing_in_fused_steps_stops_the_others(proc_client):
         assert isinstance(errors[2], LookupError)
         import re
 
-        for r, e in enumerate(errors):  # the others stopped at step 3, naming rank 2 (and others that stopped first)
+        # the others stopped by step 3 (one still waiting for a third rank at step 2 sees rank 2's mark
+        # there too), naming rank 2 and any rank that stopped before them
+        for r, e in enumerate(errors):
             if r != 2:
-                named = re.search(r"rank ([\d, ]+) of the trainer failed before step 3", str(e))
-                assert named and "2" in named.group(1).split(", "), (r, e)
+                named = re.search(r"rank ([\d, ]+) of the trainer failed before step (\d+)", str(e))
+                assert named and "2" in named.group(1).split(", ") and int(named.group(2)) <= 3, (r, e)
 
 
 def _wait_for(name):
