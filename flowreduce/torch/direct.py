@@ -109,15 +109,28 @@ def write(flat: Flat, grads: Sequence[torch.Tensor | None], tokens: Sequence[str
         owner = token if flat.levels[len(out)] == 2 else ""
         lease = _lease(bucket.size * dtype.itemsize, owner) if flat.share else None
         dst = lease.segment.view(dtype, bucket.size) if lease is not None else np.empty(bucket.size, dtype)
-        vec = torch.from_numpy(dst)
-        for i, at in zip(bucket.tensors, bucket.offsets):
-            g, n = grads[i], flat.specs[i].size
-            if g is None:
-                vec[at:at + n].zero_()
-            else:
-                vec[at:at + n].copy_(g.reshape(-1))
+        _pack(flat, bucket, grads, dst)
         out.append(shm_kernels.Block(lease, dtype, bucket.size) if lease is not None else dst)
     return out
+
+
+def _pack(flat: Flat, bucket: Bucket, grads: Sequence[torch.Tensor | None], dst: np.ndarray) -> None:
+    """``bucket``'s gradients copied into the flat vector ``dst`` (zeros for a parameter this rank did not use)."""
+    vec = torch.from_numpy(dst)
+    for i, at in zip(bucket.tensors, bucket.offsets):
+        g, n = grads[i], flat.specs[i].size
+        if g is None:
+            vec[at:at + n].zero_()
+        else:
+            vec[at:at + n].copy_(g.reshape(-1))
+
+
+def _unpack(flat: Flat, bucket: Bucket, vec: np.ndarray, out: list) -> None:
+    """``out[i]``, for each tensor ``i`` of ``bucket``: its view of the averaged flat vector ``vec``."""
+    t = torch.from_numpy(vec)
+    for i, at in zip(bucket.tensors, bucket.offsets):
+        spec = flat.specs[i]
+        out[i] = t[at:at + spec.size].view(spec.shape)
 
 
 def reduce_bucket(ranks: int, bucket: int, lo: int, hi: int, written: Sequence[tuple], key: str = "") -> Any:
@@ -152,10 +165,7 @@ def average(flat: Flat, written: Sequence[Sequence[Any]], slices: Sequence[Seque
             vec = shm_kernels.gather(MEAN, len(written), (bucket.size,), flat.dtype, slices[scattered[b]], key)
         else:
             vec = _mean_of([w[b] for w in written])
-        t = torch.from_numpy(vec)
-        for i, at in zip(bucket.tensors, bucket.offsets):
-            spec = flat.specs[i]
-            out[i] = t[at:at + spec.size].view(spec.shape)
+        _unpack(flat, bucket, vec, out)
     return out
 
 
@@ -290,13 +300,7 @@ def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads:
     slot = stamp % 2
     own = boxes[rank]
     for bucket, dst in zip(flat.buckets, own.buckets[slot]):
-        vec = torch.from_numpy(dst)
-        for i, at in zip(bucket.tensors, bucket.offsets):
-            g, n = grads[i], flat.specs[i].size
-            if g is None:
-                vec[at:at + n].zero_()
-            else:
-                vec[at:at + n].copy_(g.reshape(-1))
+        _pack(flat, bucket, grads, dst)
     own.stamps[slot] = stamp  # after the data: x86 keeps stores in order, and peers read the stamp first
     start = checked = time.monotonic()
     pause = 0.0
@@ -326,10 +330,7 @@ def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads:
         pause = min(max(2 * pause, 2e-5), 1e-3)
     out: list[Any] = [None] * len(flat.specs)
     for b, bucket in enumerate(flat.buckets):
-        t = torch.from_numpy(_mean_of([box.buckets[slot][b] for box in boxes]))
-        for i, at in zip(bucket.tensors, bucket.offsets):
-            spec = flat.specs[i]
-            out[i] = t[at:at + spec.size].view(spec.shape)
+        _unpack(flat, bucket, _mean_of([box.buckets[slot][b] for box in boxes]), out)
     for box in boxes:  # what was read was still the mailbox it was stamped in
         box.check()
     return out
