@@ -190,18 +190,19 @@ class CostModel:
         return self.call + 3 * link.alpha + (2 * workers + p) * self.task + body
 
     def direct_shm_time(self, plan: Plan, nbytes: float, workers: int) -> float:
-        """``direct`` on one host with its peers' inputs written into each
-        reader's segment (:func:`flowreduce.schedule.peer_reads.reading`):
-        one level, a task per worker; each worker gets its W-1 peer workers'
-        inputs (or sums) copied in, then combines all p into a fresh result.
-        Ranks sharing C cores share the CPU work."""
+        """``direct`` on one host, its workers reading each other's posts
+        (:func:`flowreduce.schedule.peer_reads.reading`): one level, a task
+        per worker; each worker posts its ranks' sum (one copy), then reads
+        its W-1 peer workers' posts in place and combines them into a fresh
+        result. Ranks sharing C cores share the CPU work."""
         link = self.shm or DEFAULT_SHM
-        copy_in = (workers - 1) * nbytes * link.beta
-        combine = plan.ranks * nbytes / self.reduce_rate + nbytes / self.copy_rate
+        per_worker = math.ceil(plan.ranks / workers)
+        post = nbytes * link.beta + (per_worker - 1) * nbytes / self.reduce_rate
+        combine = (workers - 1) * nbytes * (link.beta + 1 / self.reduce_rate) + nbytes / self.copy_rate
         if self.cores and self.cores < workers:
-            body = workers * (copy_in + combine) / self.cores
+            body = workers * (post + combine) / self.cores
         else:
-            body = copy_in + combine
+            body = post + combine
         return self.call + self.level + workers * self.task + body
 
     # -- files ----------------------------------------------------------------------

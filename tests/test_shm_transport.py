@@ -106,54 +106,68 @@ def _input_transfers(input_keys, dask_worker=None) -> list[int]:
     return [e["compressed"] for e in dask_worker.transfer_outgoing_log if set(map(str, e["keys"])) & set(input_keys)]
 
 
-def _peer_writes(dask_worker=None) -> list[tuple[int, int]]:
-    """(bytes, reader pid) of each input this worker wrote into a direct reader's segment."""
+def _post_copies(token, dask_worker=None) -> list[tuple[str, int, int]]:
+    """(direction, bytes, segment owner's pid) of each shared-memory copy of the call ``token`` on this worker."""
     from flowreduce.build.shm_kernels import COPIES
 
-    return [(nbytes, owner) for _, _, _, nbytes, direction, owner, _ in COPIES if direction == "peer-write"]
+    return [(direction, nbytes, owner) for _, _, _, nbytes, direction, owner, key in COPIES if token in key]
 
 
-@pytest.mark.parametrize("ranks,dtype,op", [(4, "int64", "sum"), (10, "int64", "sum"), (10, "int32", "mean")])
-def test_direct_peers_on_the_host_write_into_the_readers_memory(client, ranks, dtype, op):
-    """``direct``: each task reads its peers' inputs; a peer process on the
-    same host writes its input (or the sum of the ranks it holds, in the
-    op's accumulating dtype: int64 for an int32 mean) into a segment of the
-    reader, and nothing of the inputs crosses Dask's comm. With
+@pytest.mark.parametrize("ranks,dtype,op,n", [(4, "int64", "sum", 100_000), (4, "float64", "sum", 1000),
+                                              (10, "int64", "sum", 100_000), (10, "int32", "mean", 1000)])
+def test_direct_peers_on_the_host_read_each_others_posts(client, ranks, dtype, op, n):
+    """``direct``: each worker posts its input (or the sum of the ranks it
+    holds, in the op's accumulating dtype: int64 for an int32 mean) in
+    shared memory once, and reads every other worker's post in place:
+    nothing of the inputs crosses Dask's comm, whatever the size. With
     ``transport="dask"`` the same reads go through Dask's comm."""
     ws = workers_of(client)
-    n = 100_000  # past min-bytes
     arrays = [np.random.default_rng(r).integers(0, 1000, n).astype(dtype) for r in range(ranks)]
     total = sum(a.astype(np.int64) for a in arrays)
     expected = total / ranks if op == "mean" else total
     acc = np.dtype(resolve_op(op).accumulator(np.dtype(dtype)) or dtype)
-    # what a peer writes: its one input, or its ranks' sum (every worker holds several of 10 ranks)
-    written = n * (acc.itemsize if ranks > len(ws) else np.dtype(dtype).itemsize)
+    # what a worker posts: its one input, or its ranks' sum (every worker holds several of 10 ranks)
+    posted = n * (acc.itemsize if ranks > len(ws) else np.dtype(dtype).itemsize)
     pids = client.run(_pid)
     for transport in ("auto", "dask"):
         parts = scatter(client, arrays)
         names = [str(f.key) for f in parts]
         client.run(_clear_logs)
-        before = client.run(_peer_writes)
         futures = flowreduce.allreduce(client, parts, algorithm="direct", op=op, transport=transport)
         for o in client.gather(futures):
             np.testing.assert_array_equal(o, expected)
+        token = str(futures[0].key[0]).rpartition("-")[2]
         sent = {w: b for w, b in client.run(_input_transfers, names).items()}
-        wrote = {w: got[len(before[w]):] for w, got in client.run(_peer_writes).items()}
+        copies = client.run(_post_copies, token)
         if transport == "auto":
             assert describe(futures).transport == "shared memory"
             assert {k for _, _, k in describe(futures).links} <= {"shared memory", "same worker"}
             assert not any(sent.values()), sent
-            # every worker wrote its ranks (summed, when several) once for each of the other workers
-            for w in ws:
-                assert sorted(owner for _, owner in wrote[w]) == sorted(pids[v] for v in ws if v != w), (w, wrote)
-                assert all(nbytes == written for nbytes, _ in wrote[w]), (written, wrote[w])
+            for w in ws:  # one post of its own, one read of every other worker's
+                assert [c for c in copies[w] if c[0] == "write"] == [("write", posted, pids[w])], copies[w]
+                reads = [c for c in copies[w] if c[0] == "read"]
+                assert sorted(owner for _, _, owner in reads) == sorted(pids[v] for v in ws if v != w), reads
+                assert all(nbytes == posted for _, nbytes, _ in reads), reads
         else:
             assert describe(futures).transport == "dask"
-            assert not any(wrote.values()), wrote
+            assert not any(copies.values()), copies
             if ranks == 4:  # values, read by Dask's get_data (a worker holding several sends their sum by RPC)
-                assert all(len(sent[w]) == 3 and min(sent[w]) >= 800_000 for w in ws), sent
+                assert all(len(sent[w]) == 3 and min(sent[w]) >= n * 8 for w in ws), sent
         del futures, parts
     settled(client, client.run(lambda: shm_pool.current().directory).popitem()[1])
+
+
+def test_direct_calls_started_in_opposite_orders_do_not_wait_for_each_other(client, shm_dir):
+    """Several ``direct`` calls at once, whose tasks each worker may run in
+    any order: a task waiting for a peer's post leaves its worker's slot, so
+    another call's task runs and posts; all finish with the right sums."""
+    data = [[np.arange(5_000) * (c + 1) + r for r in range(4)] for c in range(6)]
+    launched = [flowreduce.allreduce(client, scatter(client, arrays), algorithm="direct") for arrays in data]
+    for arrays, out in zip(data, client.gather(launched)):
+        for o in out:
+            np.testing.assert_array_equal(o, sum(arrays))
+    del launched
+    settled(client, shm_dir)
 
 
 OPS = [("sum", "int64"), ("prod", "int32"), ("max", "uint8"), ("mean", "int16"), ("mean", "float32"),

@@ -57,25 +57,34 @@ class Partial:
 
 
 #: Reads peers' inputs on a worker, in a task running on its event loop:
-#: ``async with read(peers, op, key, like) as ({rank: value}, {first rank of
+#: ``async with read(peers, op, key, local) as ({rank: value}, {first rank of
 #: a worker's ranks: Partial})``, the values valid inside the block (they may
 #: be views of memory given back after it); a peer worker holding several
-#: ranks may send their :class:`Partial` instead of their values; ``key`` is
-#: the reading task's, ``like`` one of its own inputs (None if it has none).
+#: ranks may send their :class:`Partial` instead of their values (and this
+#: worker's own ranks may come back as one); ``key`` is the reading task's,
+#: ``local`` its own ranks' inputs, ``{rank: value}`` (peers on its host may
+#: read them where they lie).
 Read = Callable[[Sequence[Peer], Op, Hashable, Any],
                 AbstractAsyncContextManager[tuple[dict[int, Any], dict[int, Partial]]]]
 #: Checks the ranks' values or metas (in rank order) agree and suit the op, raising an error naming the ranks.
 Check = Callable[[Sequence[Any], Op], None]
 
 
-def accumulate(op: Op, values: Sequence[Any]) -> np.ndarray:
-    """``values[0] op values[1] op ...`` into a fresh array, in the op's
-    accumulating dtype (no finish): one worker's ranks, on any worker the
-    same bits."""
+def accumulate(op: Op, values: Sequence[Any], out: np.ndarray | None = None) -> np.ndarray:
+    """``values[0] op values[1] op ...`` into a fresh array (or ``out``), in
+    the op's accumulating dtype (no finish): one worker's ranks, on any
+    worker the same bits."""
     first = np.asarray(values[0])
-    acc = first.astype(op.accumulator(first.dtype) or first.dtype, copy=True)
+    if out is None:
+        acc = first.astype(op.accumulator(first.dtype) or first.dtype, copy=True)
+    else:
+        acc = out
+        np.copyto(acc, first, casting="unsafe")
     for x in values[1:]:
         acc = np.asarray(op.combine(acc, x, out=acc))
+    if out is not None and acc is not out:  # an op without out=: its result copied where asked
+        np.copyto(out, acc)
+        return out
     return acc
 
 
@@ -95,8 +104,8 @@ async def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local
     reads go, with no hand-off to a thread and back): the local ranks'
     inputs (dependencies), the peers' read from their workers (or their
     workers' partials), checked and reduced (:func:`reduce_groups`)."""
-    async with read(peers, op, key, local[0] if local else None) if peers else nullcontext(({}, {})) as (got,
-                                                                                                       partials):
+    async with read(peers, op, key, dict(zip(local_ranks, local))) if peers else nullcontext(({}, {})) as (
+            got, partials):
         values = {**dict(zip(local_ranks, local)), **got}
         nbytes = sum(getattr(v, "nbytes", 0) for v in [*values.values(), *(part.value for part in partials.values())])
         out = await off_loop_if_large(nbytes, reduce_groups, op, ranks, groups, values, partials, check)

@@ -46,8 +46,8 @@ COPIES: deque[tuple] = deque(maxlen=100_000)
 _seq = itertools.count(1)
 
 
-def log_copy(direction: str, key: str, owner: int, nbytes: int, start: float) -> None:
-    COPIES.append((next(_seq), start, time.time(), nbytes, direction, owner, key))
+def log_copy(direction: str, key: str, owner: int, nbytes: int, start: float, stop: float | None = None) -> None:
+    COPIES.append((next(_seq), start, time.time() if stop is None else stop, nbytes, direction, owner, key))
 
 
 def owner_pid(segment_name: str) -> int:

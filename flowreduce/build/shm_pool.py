@@ -16,7 +16,10 @@ first touch.
 Names carry the owner's pid and process start time
 (``flowreduce-shm-<pid>-<start>-<n>``): the first pool of a process on a host
 unlinks segments whose owner is gone (a worker killed with SIGKILL that its
-nanny restarted).
+nanny restarted). The pool also makes symbolic links, named by what they
+announce (:mod:`flowreduce.build.shm_posts`), whose target starts with the
+name of the segment (or the stem of the process) they belong to: they are
+judged by that owner.
 
 Configuration (dask config, defaults in flowreduce/flowreduce.yaml, read
 when the process's pool is made):
@@ -54,6 +57,8 @@ import numpy.typing as npt
 logger = logging.getLogger("flowreduce")
 
 PREFIX = "flowreduce-shm-"
+#: After :data:`PREFIX`, the start of a link's name (:mod:`flowreduce.build.shm_posts`).
+LINK = "post-"
 #: The settings' keys under ``flowreduce.shm`` (defaults in flowreduce/flowreduce.yaml).
 KEYS = ("enabled", "directory", "pool-bytes", "memory-fraction", "idle-seconds", "min-bytes", "result-pool-bytes")
 #: Segments are sized in these units so calls of nearby sizes share them.
@@ -90,8 +95,14 @@ def _start_time(pid: int) -> str:
         return "0"
 
 
-def owner_alive(name: str) -> bool:
-    """Whether the process that made segment ``name`` still runs."""
+def owner_alive(name: str, directory: str | None = None) -> bool:
+    """Whether the process that made segment ``name`` still runs (for a
+    link in ``directory``: the process its target names)."""
+    if directory is not None and name[len(PREFIX):].startswith(LINK):
+        try:
+            name = os.readlink(os.path.join(directory, name)).split(":")[0]
+        except OSError:
+            return True  # gone already, or not a link: not ours to judge
     try:
         pid_s, start = name[len(PREFIX):].split("-")[:2]
         pid = int(pid_s)
@@ -147,6 +158,7 @@ class Pool:
         self._leased: dict[str, Segment] = {}
         self._free: OrderedDict[str, Segment] = OrderedDict()
         self._peers: OrderedDict[str, Segment] = OrderedDict()
+        self._links: set[str] = set()
         self._count = itertools.count()
         self._stem = f"{PREFIX}{os.getpid()}-{_start_time(os.getpid())}-"
         self._warned: set[str] = set()
@@ -306,6 +318,33 @@ class Pool:
         logger.warning("flowreduce: same-host transfers use Dask's comm (%s)", reason)
         return reason
 
+    # -- links ------------------------------------------------------------
+    @property
+    def stem(self) -> str:
+        """This process's names start with it (a link without a segment names its owner by it)."""
+        return self._stem
+
+    def link(self, name: str, target: str) -> None:
+        """Make the symbolic link ``name`` to ``target`` (which starts with
+        this process's stem or one of its segments' names), replacing one
+        left by an earlier attempt; unlinked on :meth:`close`."""
+        path = os.path.join(self.directory, name)
+        with self._lock:
+            self._links.add(name)
+        try:
+            os.symlink(target, path)
+        except FileExistsError:  # a task run again (its worker died under it): the newer post wins
+            os.unlink(path)
+            os.symlink(target, path)
+
+    def unlink_link(self, name: str) -> None:
+        with self._lock:
+            self._links.discard(name)
+        try:
+            os.unlink(os.path.join(self.directory, name))
+        except FileNotFoundError:
+            pass
+
     # -- peers' segments -------------------------------------------------
     def attach(self, name: str, size: int, writable: bool = False) -> Segment:
         """A peer's segment mapped read-only (``writable``: for writing into
@@ -361,9 +400,15 @@ class Pool:
             self.closed = True
             for seg in (*self._leased.values(), *self._free.values()):
                 self._unlink(seg)
+            for name in self._links:
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                except FileNotFoundError:
+                    pass
             self._leased.clear()
             self._free.clear()
             self._peers.clear()
+            self._links.clear()
 
     def reclaim_orphans(self) -> list[str]:
         """Unlink segments in the directory whose owning process is gone."""
@@ -373,7 +418,7 @@ class Pool:
         except OSError:
             return gone
         for name in names:
-            if not owner_alive(name):
+            if not owner_alive(name, self.directory):
                 try:
                     os.unlink(os.path.join(self.directory, name))
                     gone.append(name)

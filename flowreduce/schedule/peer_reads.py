@@ -24,12 +24,13 @@ Anything that keeps it from answering (an input it no longer holds, inputs
 it cannot reduce, no handler) makes the reader read those ranks' values
 instead, as above.
 
-Peers on the reader's host do not send at all (:func:`reading`): for
-inputs of at least ``flowreduce.shm.min-bytes`` the reader leases a
-segment with a slot per such peer worker, and each peer writes its input
-(or its ranks' sum) into its slot (:data:`WRITE_HANDLER`): one copy, no
-socket, no pickling. The segment goes back to the reader's pool when its
-sum is done, or is unlinked if the task fails (a peer may still be writing).
+Peers on the reader's host do not send at all (:func:`reading`): every
+task of the call on that host posts its ranks' value in shared memory, and
+reads its peers' posts where they lie (:mod:`flowreduce.build.shm_posts`):
+no request, no socket, no pickling, whatever the size. A post stays up
+until every reader has acknowledged it, then its segment goes back to the
+poster's pool; a task that fails or is cancelled unlinks its post instead
+(a reader may still be reading it).
 """
 
 from __future__ import annotations
@@ -37,15 +38,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
+import os
+import time
 import weakref
 from collections.abc import AsyncIterator, Hashable, Sequence
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
 from dask.typing import Key
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from flowreduce.build import shm_posts
 from flowreduce.build.direct import Partial
 from flowreduce.errors import WorkerLostError
 from flowreduce.keys import parse as parse_key
@@ -63,8 +67,6 @@ LOST_INPUT_PATIENCE = 10.0
 CONNECT_SECONDS = 2.0
 #: The worker handler reducing the ranks a worker holds for a reader (:func:`reduce_held`).
 HANDLER = "flowreduce_reduce_held"
-#: The worker handler writing the ranks a worker holds into a reader's segment (:func:`write_held`).
-WRITE_HANDLER = "flowreduce_write_held"
 
 
 async def read_peers(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None, key: Hashable = None
@@ -175,154 +177,214 @@ async def reduce_held(worker: Any, keys: Sequence[Hashable], reduce_with: bytes)
     return {"status": "OK", "value": to_serialize(value), "metas": to_serialize(metas)}
 
 
-async def write_held(worker: Any, keys: Sequence[Hashable], reduce_with: bytes | None, segment: str, size: int,
-                     offset: int, capacity: int, reader: str = "") -> dict[str, Any]:
-    """The handler a reader on this host calls: the value of the one key,
-    or the values of ``keys`` reduced in that order (``reduce_with``, the
-    op pickled), written at ``offset`` of the reader's segment ``segment``,
-    one copy and no serialisation. Replies what was written and what each
-    key holds; ``{"status": "missing"}`` / ``"unfit"`` when a key is not
-    held here, or the value is not a numpy array that fits ``capacity``
-    bytes, or the segment cannot be mapped: the reader reads those over
-    Dask's comm instead."""
-    import time
-
-    from distributed.protocol import pickle
-    from distributed.protocol.serialize import to_serialize
-
-    from flowreduce.build import shm_kernels, shm_pool
-    from flowreduce.build.direct import accumulate, off_loop_if_large
-    from flowreduce.schedule.inputs import meta_of
-
-    try:
-        values = [worker.data[k] for k in keys]
-    except KeyError:
-        return {"status": "missing"}
-    if not values or not all(isinstance(v, np.ndarray) and not v.dtype.hasobject for v in values):
-        return {"status": "unfit"}
-    metas = [meta_of(v) for v in values]
-    if reduce_with is None and len(values) == 1:
-        value = values[0]
-    elif reduce_with is not None and len(set(metas)) == 1:
-        try:
-            value = await off_loop_if_large(sum(v.nbytes for v in values), accumulate, pickle.loads(reduce_with),
-                                            values)
-        except Exception:
-            return {"status": "unfit"}
-    else:
-        return {"status": "unfit"}
-    if value.nbytes > capacity:
-        return {"status": "unfit"}
-    try:
-        seg = shm_pool.pool().attach(segment, size, writable=True)
-    except (RuntimeError, OSError, ValueError) as e:  # gone, or not on this host after all
-        logger.debug("flowreduce: cannot write into %s (%r); the reader reads over Dask's comm", segment, e)
-        return {"status": "unfit"}
-    t0 = time.time()
-    dest = seg.view(value.dtype, value.size, offset).reshape(value.shape)
-    await off_loop_if_large(value.nbytes, np.copyto, dest, value)
-    shm_kernels.log_copy("peer-write", reader, shm_kernels.owner_pid(segment), value.nbytes, t0)
-    return {"status": "OK", "dtype": value.dtype.str, "shape": value.shape, "metas": to_serialize(metas)}
-
-
-#: Bytes between the slots peers write into a reader's segment (cache lines apart).
-SLOT_ALIGN = 64
+#: Seconds a reader waits for a peer's post before reading that peer over
+#: Dask's comm instead: the peer's task has not started (its worker runs
+#: another task, or the peer's input is still being computed).
+POST_WAIT = 0.1
+#: Seconds of waiting for posts after which the task leaves its worker's
+#: slot, so that the worker can run a task of another call that a peer of
+#: that call waits for (two calls on the same workers, started in different
+#: orders, would otherwise wait out :data:`POST_WAIT` for each other).
+POST_PATIENCE = 0.01
+#: Seconds a post stays up for readers that have not acknowledged it; then
+#: it is taken down and its segment unlinked, not reused.
+ACK_SECONDS = 10.0
+#: Posts waiting for their readers' acknowledgements (referenced until done).
+_WITHDRAWALS: set[asyncio.Task] = set()
 
 
 @contextlib.asynccontextmanager
 async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None, key: Hashable = None,
-                  like: Any = None, *, domains: Sequence[tuple[str, Any]] = (), nbytes: int = 0
+                  local: dict[int, Any] | None = None, *, domains: Sequence[tuple[str, Any]] = (), nbytes: int = 0
                   ) -> AsyncIterator[tuple[dict[int, Any], dict[int, Partial]]]:
     """:func:`read_peers` as a context: the peers' values (and partials)
-    while the block runs. Peer workers sharing this worker's memory domain
-    (``domains``: ``(worker, domain)`` pairs, given by the client, which
-    decided from the inputs' size: :func:`flowreduce.schedule.transport.direct_reads`)
-    write them into a segment this worker leases for the block (one copy
-    each, no serialisation, no socket), given back when the block ends; the
-    rest, and anything such a peer cannot write, are read over Dask's comm.
-    A slot holds ``nbytes`` (one rank's input), or, for a peer holding
-    several ranks, their sum in the op's accumulating dtype (``like``: this
-    worker's own input, whose dtype the ranks share). Values written here
-    are read-only views of the segment."""
+    while the block runs. Workers sharing this worker's memory domain
+    (``domains``: ``(worker, domain)`` pairs of the call's workers, given by
+    the client: :func:`flowreduce.schedule.transport.direct_reads`) post
+    their ranks' values (``local``: this worker's, ``{rank: value}``) in
+    shared memory, one value per worker (its ranks' sum in the op's
+    accumulating dtype when it holds several: a :class:`Partial`), and read
+    each other's posts in place (:mod:`flowreduce.build.shm_posts`): no
+    message, no socket, no pickling. A peer whose post does not come within
+    :data:`POST_WAIT`, peers on other hosts, and anything that cannot be
+    posted are read over Dask's comm. Posted values are read-only views,
+    valid inside the block; this worker's own post stays up until its
+    readers have acknowledged it. ``nbytes``: one rank's input (the client's)."""
     from distributed import get_worker
-    from distributed.protocol import pickle
 
     from flowreduce.build import shm_pool
 
     worker = get_worker()
     where = dict(domains)
     own = where.get(worker.address)
-    near = sorted({w for _, w, _ in peers if own is not None and w != worker.address and where.get(w) == own})
-    ranks_of = {w: sorted((r, k) for r, pw, k in peers if pw == w) for w in near}
-    widen = 1
-    if op is not None and isinstance(like, np.ndarray) and like.dtype.itemsize:
-        widen = max(1, np.dtype(op.accumulator(like.dtype) or like.dtype).itemsize // like.dtype.itemsize)
-    slots = [-(-nbytes * (widen if len(ranks_of[w]) > 1 else 1) // SLOT_ALIGN) * SLOT_ALIGN for w in near]
-    offsets = [sum(slots[:i]) for i in range(len(slots))]
-    pool = shm_pool.pool() if near and nbytes else None
-    seg = None
-    if pool is not None:
-        try:
-            seg = pool.lease(sum(slots), owner=(parse_key(key) or {}).get("token", ""))
-        except shm_pool.Unavailable:  # logged once by the pool
-            seg = None
-    if seg is None:
+    members = sorted(w for w, d in where.items() if own is not None and d == own)
+    near = [w for w in members if w != worker.address and any(pw == w for _, pw, _ in peers)]
+    pool = shm_pool.pool() if near and local else None
+    if pool is None or not pool.available:
         yield await read_peers(peers, op, key)
         return
-    generation = seg.generation  # this lease's: giving back or unlinking must not touch a later one
-    clean = True
+    assert local is not None
+    token = (parse_key(key) or {}).get("token", "")
+    slot = members.index(worker.address)
+    first = {w: min(r for r, pw, _ in peers if pw == w) for w in near}
+    found: dict[str, shm_posts.Found] = {}
+    mine: shm_posts.Post | None = None
+    clean = False
     try:
-        got: dict[int, Any] = {}
-        partials: dict[int, Partial] = {}
-
-        async def write(i: int, w: str) -> bool:
-            nonlocal clean
-            order = ranks_of[w]
-            several = len(order) > 1
-            if several and op is None:
-                return False
-            try:
-                await _connect_briefly(worker, w)
-                reply = await getattr(worker.rpc(w), WRITE_HANDLER)(
-                    keys=[k for _, k in order], reduce_with=pickle.dumps(op) if several else None,
-                    segment=seg.name, size=seg.size, offset=offsets[i], capacity=slots[i], reader=repr(key))
-            except Exception as e:  # gone, or no handler; a write may still be under way: never reuse the segment
-                clean = False
-                logger.debug("flowreduce: %s did not write into %s (%r); reading over Dask's comm", w, seg.name, e)
-                return False
-            if not isinstance(reply, dict) or reply.get("status") != "OK":
-                return False
-            count = math.prod(reply["shape"])
-            value = seg.view(np.dtype(reply["dtype"]), count, offsets[i]).reshape(reply["shape"])
-            value.flags.writeable = False  # the segment goes back to the pool: nothing may keep it as its own
-            if several:
-                partials[order[0][0]] = Partial(value, tuple(reply["metas"]))
+        mine = await _post_own(pool, token, local, op, repr(key), slots=len(members),
+                               readers=[members.index(w) for w in near])
+        found = await _collect(worker, pool, token, first, key)
+        rest = [p for p in peers if p[1] not in found]
+        got, partials = await read_peers(rest, op, key) if rest else ({}, {})
+        for w, f in found.items():
+            if f.metas is None:
+                got[first[w]] = f.value
             else:
-                got[order[0][0]] = value
-            return True
-
-        far = [p for p in peers if p[1] not in near]
-        written, (far_got, far_partials) = await asyncio.gather(
-            asyncio.gather(*(write(i, w) for i, w in enumerate(near))), read_peers(far, op, key))
-        unwritten = [p for p in peers if p[1] in {w for w, ok in zip(near, written) if not ok}]
-        if unwritten:
-            more, more_partials = await read_peers(unwritten, op, key)
-            far_got, far_partials = {**far_got, **more}, {**far_partials, **more_partials}
-        yield {**got, **far_got}, {**partials, **far_partials}
-    except BaseException:
-        clean = False
-        raise
+                partials[first[w]] = Partial(f.value, f.metas)
+        if mine.value is not None and mine.metas is not None:  # this worker's ranks, already summed for the peers
+            partials[min(local)] = Partial(mine.value, mine.metas)
+        began = time.time()
+        yield got, partials
+        _log_reads(found, repr(key), began)
+        for f in found.values():
+            f.acknowledge(slot)
+        clean = True
     finally:
-        if clean:
-            pool.give_back(seg, generation)  # type: ignore[union-attr]
-        else:
-            pool.discard(seg, generation)  # type: ignore[union-attr]
+        if not clean:  # done with what was read, whatever happened
+            for f in found.values():
+                f.acknowledge(slot, check=False)
+        for w in set(first) - set(found):  # read over Dask's comm: a late post need not wait for this reader
+            late = shm_posts.find(pool, token, first[w])
+            if isinstance(late, shm_posts.Found):
+                late.acknowledge(slot, check=False)
+        if mine is not None:
+            _withdraw(pool, mine, clean)
+
+
+async def _post_own(pool: Any, token: str, local: dict[int, Any], op: Op | None, key: str, *, slots: int,
+                    readers: Sequence[int]) -> shm_posts.Post:
+    """Post this worker's ranks' value (one rank: its input; several: their
+    sum, in rank order, with what each held), or :data:`~flowreduce.build.shm_posts.UNFIT`
+    when it cannot be (the readers then ask for the values over Dask's comm)."""
+    from flowreduce.build import shm_kernels
+    from flowreduce.build.direct import OFF_LOOP_BYTES
+    from flowreduce.schedule.inputs import meta_of
+
+    ranks = sorted(local)
+    values = [local[r] for r in ranks]
+    link = shm_posts.name(token, ranks[0])
+    metas = tuple(meta_of(v) for v in values) if len(values) > 1 else None
+    if not all(isinstance(v, np.ndarray) and not v.dtype.hasobject for v in values) or \
+            (metas is not None and (op is None or len(set(metas)) > 1)):
+        return shm_posts.unfit(pool, link)
+    first = values[0]
+    if metas is None:
+        dtype, fill = first.dtype, partial(_copy_into, first)
+    else:
+        how = cast(Op, op)
+        dtype, fill = np.dtype(how.accumulator(first.dtype) or first.dtype), partial(_sum_into, how, values)
+    t0 = time.time()
+    job = partial(shm_posts.post, pool, link, dtype, first.shape, metas, fill, slots=slots, readers=readers)
+    try:
+        if sum(v.nbytes for v in values) <= OFF_LOOP_BYTES:
+            mine = job()
+        else:  # in a thread, which goes on if the task is cancelled meanwhile: then it takes its post down
+            done = asyncio.get_running_loop().run_in_executor(None, job)
+            try:
+                mine = await asyncio.shield(done)
+            except asyncio.CancelledError:
+                done.add_done_callback(partial(_withdraw_late, pool))
+                raise
+    except Exception as e:  # the op failed on these ranks: the readers' check or sum will say why
+        logger.debug("flowreduce: cannot post %s (%r); peers read it over Dask's comm", link, e)
+        return shm_posts.unfit(pool, link)
+    if mine.value is not None:
+        shm_kernels.log_copy("write", key, os.getpid(), mine.value.nbytes, t0)
+    return mine
+
+
+def _withdraw_late(pool: Any, done: asyncio.Future) -> None:
+    """A post its task no longer waited for (cancelled): taken down, its segment unlinked."""
+    if not done.cancelled() and done.exception() is None:
+        done.result().withdraw(pool, reuse=False)
+
+
+def _copy_into(value: np.ndarray, out: np.ndarray) -> None:
+    np.copyto(out, value)
+
+
+def _sum_into(op: Op, values: Sequence[np.ndarray], out: np.ndarray) -> None:
+    from flowreduce.build.direct import accumulate
+
+    accumulate(op, values, out=out)
+
+
+async def _collect(worker: Any, pool: Any, token: str, first: dict[str, int], key: Hashable
+                   ) -> dict[str, shm_posts.Found]:
+    """The posts of the peer workers ``first`` (worker -> its first rank),
+    as they come up, for at most :data:`POST_WAIT`; an :data:`~flowreduce.build.shm_posts.UNFIT`
+    one is not waited for (nor returned)."""
+    loop = asyncio.get_running_loop()
+    start, pause, left = loop.time(), 0.0002, False
+    pending = dict(first)
+    found: dict[str, shm_posts.Found] = {}
+    while True:
+        for w, r in list(pending.items()):
+            got = shm_posts.find(pool, token, r)
+            if got is not None:
+                del pending[w]
+                if isinstance(got, shm_posts.Found):
+                    found[w] = got
+        waited = loop.time() - start
+        if not pending or waited > POST_WAIT:
+            return found
+        if waited > POST_PATIENCE and not left:
+            _leave_slot(worker, key)
+            left = True
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.002)
+
+
+def _log_reads(found: dict[str, shm_posts.Found], key: str, began: float) -> None:
+    """A trace event per post read: the block's time (the sum reading them
+    in place), shared among them by bytes, in the order it reads them."""
+    from flowreduce.build import shm_kernels
+
+    total = sum(f.value.nbytes for f in found.values())
+    t, span = began, time.time() - began
+    for f in sorted(found.values(), key=lambda f: f.segment.name):
+        share = span * f.value.nbytes / total if total else 0.0
+        shm_kernels.log_copy("read", key, shm_kernels.owner_pid(f.segment.name), f.value.nbytes, t, t + share)
+        t += share
+
+
+def _withdraw(pool: Any, post: shm_posts.Post, clean: bool) -> None:
+    """Take this worker's post down: now if every reader acknowledged it (or
+    the task failed: then its segment is unlinked, never reused), else once
+    they have (:func:`_withdraw_when_read`), off the task's path."""
+    if not clean or post.read_by_all():
+        post.withdraw(pool, reuse=clean)
+        return
+    task = asyncio.ensure_future(_withdraw_when_read(pool, post))
+    _WITHDRAWALS.add(task)
+    task.add_done_callback(_WITHDRAWALS.discard)
+
+
+async def _withdraw_when_read(pool: Any, post: shm_posts.Post) -> None:
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + ACK_SECONDS, 0.001
+    while not post.read_by_all():
+        if loop.time() > deadline:  # a reader never came (it read over Dask's comm): nobody may reuse it
+            post.withdraw(pool, reuse=False)
+            return
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    post.withdraw(pool, reuse=True)
 
 
 class PeerHandlersPlugin(WorkerPlugin):
-    """Gives a worker the handlers its reading peers call: :data:`HANDLER`
-    (reduce the ranks held here and send them) and :data:`WRITE_HANDLER`
-    (write them into the reader's segment)."""
+    """Gives a worker the handler its reading peers call: :data:`HANDLER`
+    (reduce the ranks held here and send them)."""
 
     name = "flowreduce-peer-handlers"
     idempotent = True
@@ -331,16 +393,10 @@ class PeerHandlersPlugin(WorkerPlugin):
         async def reduce_handler(keys: Sequence[Hashable], reduce_with: bytes) -> dict[str, Any]:
             return await reduce_held(worker, keys, reduce_with)
 
-        async def write_handler(keys: Sequence[Hashable], reduce_with: bytes | None, segment: str, size: int,
-                                offset: int, capacity: int, reader: str = "") -> dict[str, Any]:
-            return await write_held(worker, keys, reduce_with, segment, size, offset, capacity, reader)
-
         worker.handlers[HANDLER] = reduce_handler
-        worker.handlers[WRITE_HANDLER] = write_handler
 
     def teardown(self, worker: Any) -> None:
         worker.handlers.pop(HANDLER, None)
-        worker.handlers.pop(WRITE_HANDLER, None)
 
 
 _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -154,13 +154,15 @@ Links = tuple[tuple[str, str, str], ...]
 
 
 def direct_reads_shared(workers: Sequence[str], domains: Sequence[Any], nbytes: int) -> bool:
-    """Whether ``direct``'s peers write into its readers' memory (:func:`direct_reads`)."""
+    """Whether ``direct``'s peers read each other through shared memory (:func:`direct_reads`)."""
     return bool(_sharing(workers, domains, nbytes))
 
 
 def _sharing(workers: Sequence[str], domains: Sequence[Any], nbytes: int) -> tuple[tuple[str, Any], ...]:
-    """``(worker, domain)`` of the workers sharing a host with another, for inputs past ``min-bytes``."""
-    if nbytes < shm_pool.config()["min-bytes"]:
+    """``(worker, domain)`` of the workers sharing a host with another (none
+    for empty inputs). Whatever the size: a post costs no message at all,
+    so unlike an edge's handle it is never dearer than what it replaces."""
+    if nbytes <= 0:
         return ()
     shared = {w: d for w, d in zip(workers, domains) if d is not None and d != IN_PROCESS}
     hosts: dict[Any, set[str]] = {}
@@ -172,13 +174,12 @@ def _sharing(workers: Sequence[str], domains: Sequence[Any], nbytes: int) -> tup
 def direct_reads(plan: Plan, workers: Sequence[str], domains: Sequence[Any], nbytes: int
                  ) -> tuple[tuple[tuple[str, Any], ...], str, Links]:
     """How the ``direct`` plan's tasks read their peers: the ``(worker,
-    memory domain)`` pairs of workers sharing a host with another (a peer
-    there writes its input into the reader's segment:
-    :func:`flowreduce.schedule.peer_reads.reading`), empty when inputs are
-    under ``flowreduce.shm.min-bytes`` or no two workers share memory; the
-    word for :func:`describe`; and per link its transport."""
+    memory domain)`` pairs of workers sharing a host with another (there
+    they read each other's posts: :func:`flowreduce.schedule.peer_reads.reading`),
+    empty when no two workers share memory; the word for :func:`describe`;
+    and per link its transport."""
     pairs = _sharing(workers, domains, nbytes)
-    found = links(plan, workers, domains if pairs else [None] * len(workers), nbytes, direct=True)
+    found = links(plan, workers, domains if pairs else [None] * len(workers), nbytes, direct=True, posts=True)
     kinds = {k for _, _, k in found}
     how = ("dask" if "shared memory" not in kinds else
            "shared memory within hosts, dask across" if "dask" in kinds else "shared memory")
@@ -211,12 +212,13 @@ def lower(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], domains: Se
 
 
 def links(plan: Plan, workers: Sequence[str], domains: Sequence[Any], nbytes: float, *, direct: bool = False,
-          published: Collection[int] = ()) -> Links:
+          published: Collection[int] = (), posts: bool = False) -> Links:
     """Which transport each pair of workers exchanging values used:
     ``same worker``, ``in-process``, ``shared memory`` (a lowering over
     segments, ``direct``, or a ``published`` node), else ``dask``. Values
-    under ``flowreduce.shm.min-bytes`` (the client's setting) go by Dask."""
-    small = shm_pool.config()["min-bytes"]
+    under ``flowreduce.shm.min-bytes`` (the client's setting) go by Dask,
+    except ``posts`` (``direct``'s, which are read where they lie at any size)."""
+    small = 1 if posts else shm_pool.config()["min-bytes"]
     unit = nbytes / plan.segments / plan.chunks if plan.segments else 0.0
     found: dict[tuple[str, str], set[str]] = {}
     for t in plan.transfers():

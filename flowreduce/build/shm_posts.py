@@ -1,0 +1,166 @@
+"""Posts: a worker puts a value up in shared memory under a name its peers
+on the host can compute, and they read it in place. What the one-level
+``direct`` collective's tasks exchange (:func:`flowreduce.schedule.peer_reads.reading`):
+no message, no request, no socket between two workers of one host.
+
+A post is a leased segment of the worker's pool (warm: reused across
+calls, so nobody page-faults) and a symbolic link next to it named after
+the call and the poster's first rank (:func:`name`), pointing at the
+segment, its lease generation and where the value sits. Peers wait for
+the link, map the segment once (the pool keeps peers' mappings for the
+next call), check the generation, and read the value where it lies. Each
+reader then sets its byte in the post's acknowledgements; the poster takes
+the link down and gives the segment back to its pool once every reader has
+(:meth:`Post.read_by_all`), or unlinks it if one never does, so a segment is
+never reused under a reader.
+
+The segment holds, after the pool's header: one acknowledgement byte per
+worker of the host group, what the value is (its dtype, shape and, for a
+worker's several ranks reduced into one, what each rank held: pickled),
+then the value. A value that cannot be posted (not a numpy array of plain
+numbers, or ranks that do not agree) is posted as :data:`UNFIT`, a link
+with nothing behind it, so readers ask for it over Dask's comm at once
+instead of waiting.
+
+Pure: os, pickle, numpy and the pool.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowreduce.build import shm_pool
+
+#: A post with nothing behind it: its readers read the value over Dask's comm.
+UNFIT = "unfit"
+#: Alignment of the description and the value in the segment (cache lines).
+ALIGN = 64
+
+
+def name(token: str, rank: int) -> str:
+    """The link of the post of the worker whose first rank is ``rank`` in the call ``token``."""
+    return f"{shm_pool.PREFIX}{shm_pool.LINK}{token}-{rank}"
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class Post:
+    """A value this worker put up: its segment (None for :data:`UNFIT`), the
+    lease generation, and the host group's slots that must acknowledge it."""
+
+    link: str
+    segment: shm_pool.Segment | None
+    generation: int
+    readers: tuple[int, ...]  # the acknowledgement slots of the workers that will read it
+    value: np.ndarray | None = None  # what was posted (read-only)
+    metas: tuple | None = None
+
+    def read_by_all(self) -> bool:
+        if self.segment is None:
+            return True
+        acks = self.segment.buf[shm_pool.HEADER:shm_pool.HEADER + (max(self.readers) + 1 if self.readers else 0)]
+        return all(acks[i] for i in self.readers)
+
+    def withdraw(self, pool: shm_pool.Pool, *, reuse: bool) -> None:
+        """Take the link down, then give the segment back for reuse (every
+        reader is done with it) or unlink it (one may still read it)."""
+        pool.unlink_link(self.link)
+        if self.segment is not None:
+            if reuse:
+                pool.give_back(self.segment, self.generation)
+            else:
+                pool.discard(self.segment, self.generation)
+
+
+def post(pool: shm_pool.Pool, link: str, dtype: np.dtype, shape: tuple[int, ...], metas: tuple | None,
+         fill: Callable[[np.ndarray], None], *, slots: int, readers: Sequence[int]) -> Post:
+    """Put up under ``link`` an array of ``dtype`` and ``shape`` that
+    ``fill`` writes, described by ``metas`` (what each of several ranks
+    held; None for one rank's own input). ``slots``: the host group's size
+    (acknowledgement bytes); ``readers``: the slots that will read it.
+    :data:`UNFIT` when no segment can be had (the pool logs why, once)."""
+    dtype = np.dtype(dtype)
+    described = pickle.dumps((dtype.str, tuple(shape), metas), protocol=pickle.HIGHEST_PROTOCOL)
+    acks, about = _align(slots), len(described)
+    at = _align(acks + about)
+    count = int(np.prod(shape, dtype=np.int64))
+    try:
+        seg = pool.lease(at + count * dtype.itemsize)
+    except shm_pool.Unavailable:
+        return unfit(pool, link)
+    generation = seg.generation
+    try:
+        head = seg.buf[shm_pool.HEADER:]
+        head[:acks] = 0
+        head[acks:acks + about] = np.frombuffer(described, np.uint8)
+        value = seg.view(dtype, count, at).reshape(shape)
+        fill(value)
+        value.flags.writeable = False
+        pool.link(link, f"{seg.name}:{seg.size}:{generation}:{acks}:{about}")
+    except BaseException:
+        pool.discard(seg, generation)
+        raise
+    return Post(link, seg, generation, tuple(readers), value, metas)
+
+
+def unfit(pool: shm_pool.Pool, link: str) -> Post:
+    """Post :data:`UNFIT` under ``link`` (the target names this process, whose death reclaims it)."""
+    pool.link(link, f"{pool.stem}:{UNFIT}")
+    return Post(link, None, 0, ())
+
+
+@dataclass
+class Found:
+    """A peer's post as read: the value (a read-only view of its segment),
+    what its ranks held (None: one rank, the value itself), and the
+    segment to acknowledge in."""
+
+    value: np.ndarray
+    metas: tuple | None
+    segment: shm_pool.Segment
+    generation: int
+
+    def acknowledge(self, slot: int, check: bool = True) -> None:
+        """Say this reader (the host group's ``slot``) is done with it. The
+        generation must not have changed under the read (``check``): the
+        poster reuses a segment only once every reader has acknowledged it."""
+        if self.segment.stamped() != self.generation:
+            if not check:
+                return
+            raise RuntimeError(f"shared-memory post {self.segment.name} was overwritten while it was read "
+                               f"(generation {self.generation}, now {self.segment.stamped()})")
+        self.segment.buf[shm_pool.HEADER + slot] = 1
+
+
+def find(pool: shm_pool.Pool, token: str, rank: int) -> Found | str | None:
+    """The post of the worker whose first rank is ``rank`` in the call
+    ``token``: :class:`Found`, :data:`UNFIT` (read it over Dask's comm),
+    or None (not up yet, or taken down)."""
+    try:
+        target = os.readlink(os.path.join(pool.directory, name(token, rank)))
+    except OSError:
+        return None
+    fields = target.split(":")
+    if fields[1:] == [UNFIT]:
+        return UNFIT
+    seg_name, size, generation, acks, about = fields
+    try:
+        seg = pool.attach(seg_name, int(size), writable=True)
+    except (RuntimeError, OSError, ValueError):  # taken down since: its poster's readers were all done
+        return None
+    if seg.stamped() != int(generation):  # given back and leased again: this link is stale
+        return None
+    head = seg.buf[shm_pool.HEADER:]
+    dtype, shape, metas = pickle.loads(head[int(acks):int(acks) + int(about)].tobytes())
+    count = int(np.prod(shape, dtype=np.int64))
+    value = seg.view(np.dtype(dtype), count, _align(int(acks) + int(about))).reshape(shape)
+    value.flags.writeable = False
+    return Found(value, metas, seg, int(generation))
