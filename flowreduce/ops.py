@@ -8,7 +8,7 @@ bits between algorithms, as in MPI).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,13 @@ _NAMED = {
     "max": np.maximum,
     "mean": np.add,  # summed, then divided by the rank count
 }
+
+
+#: Bytes of the result :meth:`Op.fold` finishes before moving on: that block
+#: stays in cache while every part's block is combined into it, so each part
+#: is read from memory once and the result written once (a part at a time
+#: would read and write the whole result once per part).
+FOLD_BLOCK_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,24 @@ class Op:
         if out is not None and self.in_place:
             return self.func(a, b, out=out)
         return self.func(a, b)
+
+    def fold(self, parts: Sequence[Any], out: np.ndarray) -> np.ndarray:
+        """``parts[0] op parts[1] op ...``, left to right, into ``out`` (a
+        C-contiguous array of their size, in the op's accumulating dtype; it
+        may be ``parts[0]`` itself), block by block (:data:`FOLD_BLOCK_BYTES`):
+        the bits of combining one part at a time. For ufuncs only
+        (:attr:`in_place`); returns ``out``."""
+        if not self.in_place:
+            raise TypeError(f"fold needs a ufunc; op {self.name!r} cannot write into an array")
+        flat = out.reshape(-1)
+        xs = [np.asarray(x).reshape(-1) for x in parts]
+        step = max(1, FOLD_BLOCK_BYTES // max(out.dtype.itemsize, 1))
+        for lo in range(0, flat.size, step):
+            o = flat[lo:lo + step]
+            np.copyto(o, xs[0][lo:lo + step], casting="unsafe")
+            for x in xs[1:]:
+                self.func(o, x[lo:lo + step], out=o)
+        return out
 
     def accumulator(self, dtype: np.dtype) -> np.dtype | None:
         """The dtype to combine in, if not the input's (it is then the

@@ -36,6 +36,7 @@ from dask.task_spec import List, Task
 
 from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
+from flowreduce.build import result_buffers
 from flowreduce.build.graph import Graph
 from flowreduce.build.shm_direct import worker_groups
 from flowreduce.ops import Op
@@ -130,6 +131,12 @@ def reduce_groups(op: Op, ranks: int, groups: Sequence[Sequence[int]], values: d
             if g[0] in partials:
                 metas.update(zip(g, partials[g[0]].metas))
         check([metas[r] if r in metas else values[r] for r in range(ranks)], op)
+    if op.in_place:  # every part read once, into a fresh result, a cache-sized block at a time
+        parts = [partials[g[0]].value if g[0] in partials else
+                 accumulate(op, [values[r] for r in g]) if len(g) > 1 else values[g[0]] for g in groups]
+        first = np.asarray(parts[0])
+        out = result_buffers.buffers().empty(first.size, op.accumulator(first.dtype) or first.dtype)
+        return op.finish(op.fold(parts, out.reshape(first.shape)), ranks, owned=True)
     acc: np.ndarray | None = None
     for g in groups:
         if g[0] in partials:

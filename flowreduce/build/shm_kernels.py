@@ -275,16 +275,23 @@ def _reduce_into(op: Op, lo: int, hi: int, blocks: Sequence, key: str) -> tuple[
     combined in place with the same elements of every other block."""
     own = blocks[0]
     acc = own.array[lo:hi] if isinstance(own, Block) else np.asarray(own).reshape(-1)[lo:hi]
-    checks: list[Check] = []
-    for value in blocks[1:]:
-        t0 = time.time()
-        x, check = _read(value, lo, hi)
-        _combine_into(op, acc, x)
+    reads = [_read(value, lo, hi) for value in blocks[1:]]
+    t0 = time.time()
+    if op.in_place:  # each peer's slice read once, a cache-sized block of the sum at a time
+        op.fold([acc, *(x for x, _ in reads)], acc)
+    else:
+        for x, _ in reads:
+            _combine_into(op, acc, x)
+    # the reads' share of the sum's time, by bytes, for traces
+    t, span, total = t0, time.time() - t0, sum(x.nbytes for x, _ in reads) or 1
+    for x, check in reads:
+        share = span * x.nbytes / total
         if check is not None:
-            checks.append(check)
-            log_copy("read", key, owner_pid(check[0].name), x.nbytes, t0)
-    for handle, seg in checks:
-        handle.check(seg)
+            log_copy("read", key, owner_pid(check[0].name), x.nbytes, t, t + share)
+        t += share
+    for _, check in reads:
+        if check is not None:
+            check[0].check(check[1])
     return own, acc
 
 
