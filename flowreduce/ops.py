@@ -60,6 +60,8 @@ class Op:
         (:attr:`in_place`); returns ``out``."""
         if not self.in_place:
             raise TypeError(f"fold needs a ufunc; op {self.name!r} cannot write into an array")
+        if not out.flags.c_contiguous:
+            raise ValueError("fold writes into a C-contiguous array")
         flat = out.reshape(-1)
         xs = [np.asarray(x).reshape(-1) for x in parts]
         step = max(1, FOLD_BLOCK_BYTES // max(out.dtype.itemsize, 1))

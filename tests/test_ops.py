@@ -50,3 +50,9 @@ def test_fold_into_its_first_part_and_any_shape():
 def test_fold_needs_a_ufunc():
     with pytest.raises(TypeError, match="ufunc"):
         resolve_op(lambda a, b: a + b).fold([np.ones(3)], np.empty(3))
+
+
+def test_fold_refuses_an_output_it_would_not_write_through():
+    out = np.zeros((4, 5))[:, :4]  # not contiguous: a flat view of it would be a copy
+    with pytest.raises(ValueError, match="contiguous"):
+        resolve_op("sum").fold([np.ones((4, 4))], out)

@@ -32,9 +32,9 @@ def put(pool, token, rank, value, metas=None, slots=3, readers=(1, 2)):
 
 def test_a_post_is_read_in_place_by_a_peer(directory):
     writer, reader = Pool(directory, limit=8 * GRAIN), Pool(directory, limit=8 * GRAIN)
-    value = np.arange(12, dtype=np.int32).reshape(3, 4) - 5
+    value = (np.arange(12, dtype=np.int32).reshape(3, 4) - 5).astype(">i4")  # its byte order too
     assert shm_posts.find(reader, "t1", 0) is None  # not up yet
-    metas = (ArrayMeta((3, 4), "<i4"), ArrayMeta((3, 4), "<i4"))
+    metas = (ArrayMeta((3, 4), ">i4"), ArrayMeta((3, 4), ">i4"))
     mine = put(writer, "t1", 0, value, metas)
     got = shm_posts.find(reader, "t1", 0)
     assert isinstance(got, shm_posts.Found)
@@ -84,6 +84,24 @@ def test_a_post_withdrawn_unread_is_unlinked_not_reused_and_its_reader_keeps_its
     assert shm_pool.segments(directory) == []  # neither link nor segment
     assert writer.stats()["free"] == 0
     np.testing.assert_array_equal(got.value, value)  # the mapping outlives the name
+
+
+def test_withdrawing_leaves_a_link_that_replaced_its_own(directory):
+    """A task run again posts under the same name; the first attempt's
+    withdrawal must not take the second's link down."""
+    writer, reader = Pool(directory, limit=8 * GRAIN), Pool(directory, limit=8 * GRAIN)
+    old = put(writer, "t", 0, np.zeros(10))
+    new = put(writer, "t", 0, np.ones(10))
+    old.withdraw(writer, reuse=False)
+    np.testing.assert_array_equal(shm_posts.find(reader, "t", 0).value, np.ones(10))
+    new.withdraw(writer, reuse=True)
+    assert shm_posts.find(reader, "t", 0) is None
+
+
+def test_a_link_that_is_not_a_post_is_read_over_dasks_comm(directory):
+    reader = Pool(directory)
+    os.symlink(f"{reader.stem}0", os.path.join(directory, shm_posts.name("t", 0)))
+    assert shm_posts.find(reader, "t", 0) == shm_posts.UNFIT
 
 
 def test_unfit_values_say_so_at_once(directory):

@@ -382,7 +382,8 @@ def test_tiny_tmpfs_falls_back(tmp_path):
                 out = c.gather(flowreduce.allreduce(c, scatter(c, arrays), algorithm=alg))
                 np.testing.assert_array_equal(out[1], sum(arrays))
             assert [len(said) for said in c.run(_fallback_lines).values()] == [1, 1]
-            assert shm_pool.segments(str(d)) == []
+            # direct's posts that could not be had are posted "unfit", taken down shortly after
+            assert wait_until(lambda: shm_pool.segments(str(d)) == [], 10), shm_pool.segments(str(d))
     finally:
         os.system(f"umount {d}")
 

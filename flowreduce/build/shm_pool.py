@@ -33,6 +33,7 @@ when the process's pool is made):
                                 manager pauses and kills by)
 ``flowreduce.shm.idle-seconds`` free segments and peer mappings unused this long are dropped
 ``flowreduce.shm.min-bytes``    a plan node's value smaller than this goes through Dask's comm
+                                (``direct``'s posts need no message and ignore it)
                                 (a message that small costs no more than the handle)
 ``flowreduce.shm.result-pool-bytes``  free warm buffers kept for results
                                 (:mod:`flowreduce.build.result_buffers`)
@@ -337,18 +338,23 @@ class Pool:
             os.unlink(path)
             os.symlink(target, path)
 
-    def unlink_link(self, name: str) -> None:
+    def unlink_link(self, name: str, target: str | None = None) -> None:
+        """Remove the link ``name`` (with ``target``: only while it still points there)."""
+        path = os.path.join(self.directory, name)
+        try:
+            if target is not None and os.readlink(path) != target:
+                return  # replaced by a later link of the same name: its owner takes it down
+            os.unlink(path)
+        except (FileNotFoundError, OSError):
+            pass
         with self._lock:
             self._links.discard(name)
-        try:
-            os.unlink(os.path.join(self.directory, name))
-        except FileNotFoundError:
-            pass
 
     # -- peers' segments -------------------------------------------------
     def attach(self, name: str, size: int, writable: bool = False) -> Segment:
-        """A peer's segment mapped read-only (``writable``: for writing into
-        it, as a peer read does), kept mapped for the next call."""
+        """A peer's segment mapped read-only (``writable``: also for writing
+        into it, as a post's reader does its acknowledgement), kept mapped
+        for the next call."""
         with self._lock:
             own = self._leased.get(name)
             if own is not None:

@@ -27,6 +27,7 @@ Pure: os, pickle, numpy and the pool.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ import numpy as np
 
 from flowreduce.build import shm_pool
 
+logger = logging.getLogger("flowreduce")
 #: A post with nothing behind it: its readers read the value over Dask's comm.
 UNFIT = "unfit"
 #: Alignment of the description and the value in the segment (cache lines).
@@ -57,9 +59,10 @@ class Post:
     lease generation, and the host group's slots that must acknowledge it."""
 
     link: str
+    target: str  # what the link points at: it is taken down only if it still does
     segment: shm_pool.Segment | None
     generation: int
-    readers: tuple[int, ...]  # the acknowledgement slots of the workers that will read it
+    readers: tuple[int, ...]  # the acknowledgement slots of the groups that will read it
     value: np.ndarray | None = None  # what was posted (read-only)
     metas: tuple | None = None
 
@@ -71,8 +74,9 @@ class Post:
 
     def withdraw(self, pool: shm_pool.Pool, *, reuse: bool) -> None:
         """Take the link down, then give the segment back for reuse (every
-        reader is done with it) or unlink it (one may still read it)."""
-        pool.unlink_link(self.link)
+        reader is done with it) or unlink it (one may still read it). A link
+        that a later post of the same name replaced (its task run again) stays."""
+        pool.unlink_link(self.link, self.target)
         if self.segment is not None:
             if reuse:
                 pool.give_back(self.segment, self.generation)
@@ -88,7 +92,7 @@ def post(pool: shm_pool.Pool, link: str, dtype: np.dtype, shape: tuple[int, ...]
     (acknowledgement bytes); ``readers``: the slots that will read it.
     :data:`UNFIT` when no segment can be had (the pool logs why, once)."""
     dtype = np.dtype(dtype)
-    described = pickle.dumps((dtype.str, tuple(shape), metas), protocol=pickle.HIGHEST_PROTOCOL)
+    described = pickle.dumps((dtype, tuple(shape), metas), protocol=pickle.HIGHEST_PROTOCOL)
     acks, about = _align(slots), len(described)
     at = _align(acks + about)
     count = int(np.prod(shape, dtype=np.int64))
@@ -104,17 +108,24 @@ def post(pool: shm_pool.Pool, link: str, dtype: np.dtype, shape: tuple[int, ...]
         value = seg.view(dtype, count, at).reshape(shape)
         fill(value)
         value.flags.writeable = False
-        pool.link(link, f"{seg.name}:{seg.size}:{generation}:{acks}:{about}")
+        target = f"{seg.name}:{seg.size}:{generation}:{acks}:{about}"
+        pool.link(link, target)
     except BaseException:
         pool.discard(seg, generation)
         raise
-    return Post(link, seg, generation, tuple(readers), value, metas)
+    return Post(link, target, seg, generation, tuple(readers), value, metas)
 
 
 def unfit(pool: shm_pool.Pool, link: str) -> Post:
-    """Post :data:`UNFIT` under ``link`` (the target names this process, whose death reclaims it)."""
-    pool.link(link, f"{pool.stem}:{UNFIT}")
-    return Post(link, None, 0, ())
+    """Post :data:`UNFIT` under ``link`` (the target names this process,
+    whose death reclaims it); if no link can be made there, nothing, and
+    readers read over Dask's comm once they stop waiting."""
+    target = f"{pool.stem}:{UNFIT}"
+    try:
+        pool.link(link, target)
+    except OSError as e:
+        logger.debug("flowreduce: cannot link %s (%r)", link, e)
+    return Post(link, target, None, 0, ())
 
 
 @dataclass
@@ -149,7 +160,7 @@ def find(pool: shm_pool.Pool, token: str, rank: int) -> Found | str | None:
     except OSError:
         return None
     fields = target.split(":")
-    if fields[1:] == [UNFIT]:
+    if fields[1:] == [UNFIT] or len(fields) != 5:  # not a value of ours to read: Dask's comm reads it
         return UNFIT
     seg_name, size, generation, acks, about = fields
     try:

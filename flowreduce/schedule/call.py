@@ -503,13 +503,13 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
 
     def direct(plan: Plan, nbytes: int, shape: tuple[int, ...], dtype: str) -> Job:
         """The one-level plan: its tasks read the peers' inputs themselves (and check them if asked),
-        peers on their host writing into their memory."""
+        through posts in shared memory between the workers of a host."""
         domains = _transport.memory_domains(workers, ranks.places, settings.transport)
         near, how, links = _transport.direct_reads(plan, workers, domains, nbytes)
-        read = partial(reading, domains=near, nbytes=nbytes) if near else reading
+        read = partial(reading, domains=near) if near else reading
         graph = build_direct(plan, inputs, workers, input_keys=keys, op=settings.op, read=read,
                              check=check_values if ranks.check else None)
-        if near or 1 < len(set(workers)) < p:  # peers write into readers' memory, or sum the ranks they hold
+        if near or 1 < len(set(workers)) < p:  # peers on other hosts (or unposted) sum the ranks they hold
             ensure_peer_handlers(client)
         if near:
             ensure_shm(client)

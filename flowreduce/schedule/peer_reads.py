@@ -187,29 +187,36 @@ POST_WAIT = 0.1
 #: orders, would otherwise wait out :data:`POST_WAIT` for each other).
 POST_PATIENCE = 0.01
 #: Seconds a post stays up for readers that have not acknowledged it; then
-#: it is taken down and its segment unlinked, not reused.
+#: it is taken down and its segment unlinked, not reused. A reader that read
+#: a peer over Dask's comm acknowledges its post if it comes up within this.
 ACK_SECONDS = 10.0
-#: Posts waiting for their readers' acknowledgements (referenced until done).
-_WITHDRAWALS: set[asyncio.Task] = set()
+#: Seconds an ``unfit`` post stays up after its task, for peers that start later.
+UNFIT_SECONDS = 2 * POST_WAIT
+#: Background work of posts: withdrawals and late acknowledgements (referenced until done).
+_BACKGROUND: set[asyncio.Task] = set()
 
 
 @contextlib.asynccontextmanager
 async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = None, key: Hashable = None,
-                  local: dict[int, Any] | None = None, *, domains: Sequence[tuple[str, Any]] = (), nbytes: int = 0
+                  local: dict[int, Any] | None = None, *, domains: Sequence[tuple[str, Any]] = ()
                   ) -> AsyncIterator[tuple[dict[int, Any], dict[int, Partial]]]:
     """:func:`read_peers` as a context: the peers' values (and partials)
-    while the block runs. Workers sharing this worker's memory domain
-    (``domains``: ``(worker, domain)`` pairs of the call's workers, given by
-    the client: :func:`flowreduce.schedule.transport.direct_reads`) post
-    their ranks' values (``local``: this worker's, ``{rank: value}``) in
-    shared memory, one value per worker (its ranks' sum in the op's
-    accumulating dtype when it holds several: a :class:`Partial`), and read
+    while the block runs. Groups of ranks whose workers share this worker's
+    memory domain (``domains``: ``(worker, domain)`` pairs of the call's
+    workers as placed, given by the client: :func:`flowreduce.schedule.transport.direct_reads`)
+    post their ranks' values (``local``: this task's, ``{rank: value}``) in
+    shared memory, one value per group (its ranks' sum in the op's
+    accumulating dtype when it has several: a :class:`Partial`), and read
     each other's posts in place (:mod:`flowreduce.build.shm_posts`): no
     message, no socket, no pickling. A peer whose post does not come within
     :data:`POST_WAIT`, peers on other hosts, and anything that cannot be
     posted are read over Dask's comm. Posted values are read-only views,
-    valid inside the block; this worker's own post stays up until its
-    readers have acknowledged it. ``nbytes``: one rank's input (the client's)."""
+    valid inside the block; this task's own post stays up until its
+    readers have acknowledged it.
+
+    Posts and acknowledgement slots belong to groups, named by their first
+    rank, not to workers: a task that recovery moved to another worker of
+    the host posts and reads as its group did."""
     from distributed import get_worker
 
     from flowreduce.build import shm_pool
@@ -217,55 +224,89 @@ async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = No
     worker = get_worker()
     where = dict(domains)
     own = where.get(worker.address)
-    members = sorted(w for w, d in where.items() if own is not None and d == own)
-    near = [w for w in members if w != worker.address and any(pw == w for _, pw, _ in peers)]
-    pool = shm_pool.pool() if near and local else None
+    token = (parse_key(key) or {}).get("token", "")
+    groups: dict[str, list[int]] = {}
+    for r, w, _ in peers:
+        groups.setdefault(w, []).append(r)
+    near = {w: min(rs) for w, rs in groups.items() if own is not None and where.get(w) == own}  # worker: first rank
+    pool = shm_pool.pool() if near and local and token else None
     if pool is None or not pool.available:
         yield await read_peers(peers, op, key)
         return
     assert local is not None
-    token = (parse_key(key) or {}).get("token", "")
-    slot = members.index(worker.address)
-    first = {w: min(r for r, pw, _ in peers if pw == w) for w in near}
+    mine_first = min(local)
+    slots = sorted([mine_first, *near.values()])
+    slot = slots.index(mine_first)
     found: dict[str, shm_posts.Found] = {}
+    done: set[str] = set()  # posts acknowledged
     mine: shm_posts.Post | None = None
     clean = False
     try:
-        mine = await _post_own(pool, token, local, op, repr(key), slots=len(members),
-                               readers=[members.index(w) for w in near])
-        found = await _collect(worker, pool, token, first, key)
+        mine = await _post_own(pool, token, local, op, repr(key), slots=len(slots),
+                               readers=[slots.index(r) for r in near.values()])
+        found = await _collect(worker, pool, token, near, key)
         rest = [p for p in peers if p[1] not in found]
         got, partials = await read_peers(rest, op, key) if rest else ({}, {})
         for w, f in found.items():
             if f.metas is None:
-                got[first[w]] = f.value
+                got[near[w]] = f.value
             else:
-                partials[first[w]] = Partial(f.value, f.metas)
-        if mine.value is not None and mine.metas is not None:  # this worker's ranks, already summed for the peers
-            partials[min(local)] = Partial(mine.value, mine.metas)
+                partials[near[w]] = Partial(f.value, f.metas)
+        if mine.value is not None and mine.metas is not None:  # this group's ranks, already summed for the peers
+            partials[mine_first] = Partial(mine.value, mine.metas)
         began = time.time()
         yield got, partials
         _log_reads(found, repr(key), began)
-        for f in found.values():
+        for w, f in found.items():
             f.acknowledge(slot)
+            done.add(w)
         clean = True
     finally:
-        if not clean:  # done with what was read, whatever happened
-            for f in found.values():
-                f.acknowledge(slot, check=False)
-        for w in set(first) - set(found):  # read over Dask's comm: a late post need not wait for this reader
-            late = shm_posts.find(pool, token, first[w])
+        try:
+            for w, f in found.items():  # done with what was read, whatever happened
+                if w not in done:
+                    f.acknowledge(slot, check=False)
+            unread = [r for w, r in near.items() if w not in found]
+            if unread:  # read over Dask's comm: a post that comes up later need not wait for this reader
+                _background(_acknowledge_late(pool, token, unread, slot))
+        finally:
+            if mine is not None:
+                _withdraw(pool, mine, clean)
+
+
+def _background(work: Any) -> None:
+    task = asyncio.ensure_future(work)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
+async def _acknowledge_late(pool: Any, token: str, ranks: Sequence[int], slot: int) -> None:
+    """Acknowledge the posts of the groups ``ranks`` (first ranks) as they
+    come up, for :data:`ACK_SECONDS`: this reader read them over Dask's comm."""
+    loop = asyncio.get_running_loop()
+    deadline, pause, pending = loop.time() + ACK_SECONDS, 0.001, set(ranks)
+    while pending and loop.time() < deadline:
+        for r in list(pending):
+            try:
+                late = shm_posts.find(pool, token, r)
+            except Exception:  # not a post of ours after all
+                late = shm_posts.UNFIT
             if isinstance(late, shm_posts.Found):
                 late.acknowledge(slot, check=False)
-        if mine is not None:
-            _withdraw(pool, mine, clean)
+            if late is not None:
+                pending.discard(r)
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.1)
 
 
 async def _post_own(pool: Any, token: str, local: dict[int, Any], op: Op | None, key: str, *, slots: int,
                     readers: Sequence[int]) -> shm_posts.Post:
-    """Post this worker's ranks' value (one rank: its input; several: their
-    sum, in rank order, with what each held), or :data:`~flowreduce.build.shm_posts.UNFIT`
-    when it cannot be (the readers then ask for the values over Dask's comm)."""
+    """Post this group's value (one rank: its input; several: their sum, in
+    rank order, with what each held), or :data:`~flowreduce.build.shm_posts.UNFIT`
+    when it cannot be (the readers then ask for the values over Dask's comm:
+    anything but a plain numpy array of numbers, ranks that disagree, or
+    several ranks and an op that is not a ufunc, whose sum its peers must
+    see as :func:`reduce_held` makes it)."""
     from flowreduce.build import shm_kernels
     from flowreduce.build.direct import OFF_LOOP_BYTES
     from flowreduce.schedule.inputs import meta_of
@@ -274,8 +315,8 @@ async def _post_own(pool: Any, token: str, local: dict[int, Any], op: Op | None,
     values = [local[r] for r in ranks]
     link = shm_posts.name(token, ranks[0])
     metas = tuple(meta_of(v) for v in values) if len(values) > 1 else None
-    if not all(isinstance(v, np.ndarray) and not v.dtype.hasobject for v in values) or \
-            (metas is not None and (op is None or len(set(metas)) > 1)):
+    plain = all(type(v) is np.ndarray and not v.dtype.hasobject and v.dtype.fields is None for v in values)
+    if not plain or (metas is not None and (op is None or not op.in_place or len(set(metas)) > 1)):
         return shm_posts.unfit(pool, link)
     first = values[0]
     if metas is None:
@@ -295,7 +336,7 @@ async def _post_own(pool: Any, token: str, local: dict[int, Any], op: Op | None,
             except asyncio.CancelledError:
                 done.add_done_callback(partial(_withdraw_late, pool))
                 raise
-    except Exception as e:  # the op failed on these ranks: the readers' check or sum will say why
+    except Exception as e:  # the op failed on these ranks, or no link can be made: read over Dask's comm
         logger.debug("flowreduce: cannot post %s (%r); peers read it over Dask's comm", link, e)
         return shm_posts.unfit(pool, link)
     if mine.value is not None:
@@ -347,7 +388,7 @@ async def _collect(worker: Any, pool: Any, token: str, first: dict[str, int], ke
 
 def _log_reads(found: dict[str, shm_posts.Found], key: str, began: float) -> None:
     """A trace event per post read: the block's time (the sum reading them
-    in place), shared among them by bytes, in the order it reads them."""
+    in place), shared among them by bytes."""
     from flowreduce.build import shm_kernels
 
     total = sum(f.value.nbytes for f in found.values())
@@ -359,21 +400,22 @@ def _log_reads(found: dict[str, shm_posts.Found], key: str, began: float) -> Non
 
 
 def _withdraw(pool: Any, post: shm_posts.Post, clean: bool) -> None:
-    """Take this worker's post down: now if every reader acknowledged it (or
+    """Take this task's post down: now if every reader acknowledged it (or
     the task failed: then its segment is unlinked, never reused), else once
-    they have (:func:`_withdraw_when_read`), off the task's path."""
-    if not clean or post.read_by_all():
+    they have (:func:`_withdraw_when_read`), off the task's path; an
+    ``unfit`` post after :data:`UNFIT_SECONDS`, for peers that start later."""
+    if post.segment is None and clean:
+        _background(_withdraw_when_read(pool, post, UNFIT_SECONDS))
+    elif not clean or post.read_by_all():
         post.withdraw(pool, reuse=clean)
-        return
-    task = asyncio.ensure_future(_withdraw_when_read(pool, post))
-    _WITHDRAWALS.add(task)
-    task.add_done_callback(_WITHDRAWALS.discard)
+    else:
+        _background(_withdraw_when_read(pool, post, ACK_SECONDS))
 
 
-async def _withdraw_when_read(pool: Any, post: shm_posts.Post) -> None:
+async def _withdraw_when_read(pool: Any, post: shm_posts.Post, patience: float) -> None:
     loop = asyncio.get_running_loop()
-    deadline, pause = loop.time() + ACK_SECONDS, 0.001
-    while not post.read_by_all():
+    deadline, pause = loop.time() + patience, 0.001
+    while post.segment is None or not post.read_by_all():
         if loop.time() > deadline:  # a reader never came (it read over Dask's comm): nobody may reuse it
             post.withdraw(pool, reuse=False)
             return

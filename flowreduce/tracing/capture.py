@@ -493,9 +493,9 @@ class Trace:
                 token = info.get("token", "")
                 if not token or not self._see(token, self.calls.get(token) or registry.lookup(token)):
                     continue
-                # "read": w read the owner's segment; "peer-write": w wrote into the owner's (a direct reader's)
+                # "read": w read the owner's segment; "write": w wrote into its own
                 source = by_pid.get(owner, "") if direction == "read" else w
-                dest = by_pid.get(owner, "") if direction == "peer-write" else w
+                dest = w
                 start, stop = clock.align_interval(t0, t1, shifted=False)
                 out.append(Event("shm-copy", start, stop, w, clock.host, rank=info.get("rank"),
                                  algorithm=info.get("algorithm", ""), token=token, step=info.get("step"),

@@ -33,11 +33,11 @@ Phases
 ``shm-copy``
     A copy through shared memory between workers of one host (inside a
     task: ``detail="shm-write"`` a rank's data into its segment,
-    ``"shm-read"`` a peer's segment read or copied out; ``source`` is the
-    segment's worker, ``dest`` the worker that read it; ``"shm-peer-write"``
-    a ``direct`` peer writing its input into the reader's segment, on the
-    writer, ``source`` the writer, ``dest`` the reader). Counted as
-    communication, and part of the enclosing task's bar.
+    ``"shm-read"`` a peer's segment read or copied out, or a ``direct``
+    peer's post read in place by the sum (the sum's time shared among the
+    posts by bytes); ``source`` is the segment's worker, ``dest`` the
+    worker that read it). Counted as communication, and part of the
+    enclosing task's bar.
 ``reduce``
     A reduction task (reduce-scatter, reduce, exchange phases of the plan;
     block-sparse ``aggregate`` tasks).

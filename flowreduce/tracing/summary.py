@@ -245,7 +245,7 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
     for e in mine:
         if e.phase == TRANSFER:
             links[(e.source, e.dest)] += sum(e.key_bytes) or e.nbytes
-        elif e.phase == SHM_COPY and e.detail in ("shm-read", "shm-peer-write") and e.source != e.dest:
+        elif e.phase == SHM_COPY and e.detail == "shm-read" and e.source != e.dest:
             shm_links[(e.source, e.dest)] += e.nbytes
     straggler = None
     ready = trace.input_ready.get(token)
