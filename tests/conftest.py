@@ -4,13 +4,31 @@ for real once per session, and a check that no flowreduce key survives."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 
 import pytest
 from distributed import Client, LocalCluster
+
+
+@contextlib.contextmanager
+def ready_child(code: str):
+    """A Python process running ``code`` (dedented), once it has printed
+    ``ready``: a real process to kill with SIGKILL; killed at the end."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
 
 
 def flowreduce_keys(client) -> list:

@@ -8,12 +8,11 @@ import logging
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import uuid
 
 import numpy as np
 import pytest
+from conftest import ready_child
 
 from flowreduce.build import shm_pool
 from flowreduce.build.shm_pool import GRAIN, Pool, Unavailable
@@ -106,18 +105,15 @@ def test_attach_reads_the_writers_bytes(directory):
 
 def test_orphans_of_a_killed_process_are_reclaimed(directory):
     # a real process makes segments and dies by SIGKILL, without cleaning up
-    code = textwrap.dedent(f"""
+    code = f"""
         import os, sys, time
         from flowreduce.build.shm_pool import Pool
         p = Pool({directory!r}, limit=1 << 26)
         segs = [p.lease(1 << 20) for _ in range(3)]
         print("ready", flush=True)
         time.sleep(60)
-    """)
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
-    try:
-        assert child.stdout.readline().strip() == "ready"
+    """
+    with ready_child(code) as child:
         names = listing(directory)
         assert len(names) == 3 and all(f"-{child.pid}-" in n for n in names)
         assert Pool(directory).reclaim_orphans() == []  # the owner lives: not touched
@@ -126,9 +122,6 @@ def test_orphans_of_a_killed_process_are_reclaimed(directory):
         assert listing(directory) == names  # SIGKILL left them behind
         Pool(directory)  # the next pool on the host reclaims them
         assert listing(directory) == []
-    finally:
-        child.kill()
-        child.wait()
 
 
 def test_missing_directory_falls_back_with_one_line(tmp_path, caplog):

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
+from conftest import ready_child
 
 from flowreduce.build import shm_pool, shm_posts
 from flowreduce.build.shm_pool import GRAIN, Pool
@@ -133,7 +131,7 @@ def test_a_link_replaces_an_older_one_and_close_removes_links(directory):
 
 
 def test_a_killed_posters_post_is_reclaimed(directory):
-    code = textwrap.dedent(f"""
+    code = f"""
         import time
         import numpy as np
         from flowreduce.build import shm_posts
@@ -145,11 +143,8 @@ def test_a_killed_posters_post_is_reclaimed(directory):
         shm_posts.unfit(p, shm_posts.name("t", 1))
         print("ready", flush=True)
         time.sleep(60)
-    """)
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
-    try:
-        assert child.stdout.readline().strip() == "ready"
+    """
+    with ready_child(code) as child:
         names = shm_pool.segments(directory)
         assert len(names) == 3  # the segment and two links
         assert Pool(directory).reclaim_orphans() == []  # its owner lives
@@ -158,6 +153,3 @@ def test_a_killed_posters_post_is_reclaimed(directory):
         assert shm_pool.segments(directory) == names
         Pool(directory)  # the next pool on the host reclaims them: the links by the owner they point at
         assert shm_pool.segments(directory) == []
-    finally:
-        child.kill()
-        child.wait()
