@@ -71,21 +71,14 @@ Read = Callable[[Sequence[Peer], Op, Hashable, Any],
 Check = Callable[[Sequence[Any], Op], None]
 
 
-def accumulate(op: Op, values: Sequence[Any], out: np.ndarray | None = None) -> np.ndarray:
-    """``values[0] op values[1] op ...`` into a fresh array (or ``out``), in
-    the op's accumulating dtype (no finish): one worker's ranks, on any
-    worker the same bits."""
+def accumulate(op: Op, values: Sequence[Any]) -> np.ndarray:
+    """``values[0] op values[1] op ...`` into a fresh array, in the op's
+    accumulating dtype (no finish): one worker's ranks, on any worker the
+    same bits."""
     first = np.asarray(values[0])
-    if out is None:
-        acc = first.astype(op.accumulator(first.dtype) or first.dtype, copy=True)
-    else:
-        acc = out
-        np.copyto(acc, first, casting="unsafe")
+    acc = first.astype(op.accumulator(first.dtype) or first.dtype, copy=True)
     for x in values[1:]:
         acc = np.asarray(op.combine(acc, x, out=acc))
-    if out is not None and acc is not out:  # an op without out=: its result copied where asked
-        np.copyto(out, acc)
-        return out
     return acc
 
 

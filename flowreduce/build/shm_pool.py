@@ -33,8 +33,8 @@ when the process's pool is made):
                                 manager pauses and kills by)
 ``flowreduce.shm.idle-seconds`` free segments and peer mappings unused this long are dropped
 ``flowreduce.shm.min-bytes``    a plan node's value smaller than this goes through Dask's comm
-                                (``direct``'s posts need no message and ignore it)
-                                (a message that small costs no more than the handle)
+                                (a message that small costs no more than the handle);
+                                ``direct``'s posts need no message and ignore it
 ``flowreduce.shm.result-pool-bytes``  free warm buffers kept for results
                                 (:mod:`flowreduce.build.result_buffers`)
 """
@@ -345,7 +345,7 @@ class Pool:
             if target is not None and os.readlink(path) != target:
                 return  # replaced by a later link of the same name: its owner takes it down
             os.unlink(path)
-        except (FileNotFoundError, OSError):
+        except OSError:  # gone already
             pass
         with self._lock:
             self._links.discard(name)

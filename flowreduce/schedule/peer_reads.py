@@ -355,9 +355,7 @@ def _copy_into(value: np.ndarray, out: np.ndarray) -> None:
 
 
 def _sum_into(op: Op, values: Sequence[np.ndarray], out: np.ndarray) -> None:
-    from flowreduce.build.direct import accumulate
-
-    accumulate(op, values, out=out)
+    op.fold(values, out)  # the bits of build.direct.accumulate: the first cast to ``out``'s dtype, then the rest
 
 
 async def _collect(worker: Any, pool: Any, token: str, first: dict[str, int], key: Hashable
@@ -405,17 +403,17 @@ def _withdraw(pool: Any, post: shm_posts.Post, clean: bool) -> None:
     they have (:func:`_withdraw_when_read`), off the task's path; an
     ``unfit`` post after :data:`UNFIT_SECONDS`, for peers that start later."""
     if post.segment is None and clean:
-        _background(_withdraw_when_read(pool, post, UNFIT_SECONDS))
+        asyncio.get_running_loop().call_later(UNFIT_SECONDS, partial(post.withdraw, pool, reuse=False))
     elif not clean or post.read_by_all():
         post.withdraw(pool, reuse=clean)
     else:
-        _background(_withdraw_when_read(pool, post, ACK_SECONDS))
+        _background(_withdraw_when_read(pool, post))
 
 
-async def _withdraw_when_read(pool: Any, post: shm_posts.Post, patience: float) -> None:
+async def _withdraw_when_read(pool: Any, post: shm_posts.Post) -> None:
     loop = asyncio.get_running_loop()
-    deadline, pause = loop.time() + patience, 0.001
-    while post.segment is None or not post.read_by_all():
+    deadline, pause = loop.time() + ACK_SECONDS, 0.001
+    while not post.read_by_all():
         if loop.time() > deadline:  # a reader never came (it read over Dask's comm): nobody may reuse it
             post.withdraw(pool, reuse=False)
             return
