@@ -86,7 +86,7 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
     released when the block ends."""
     from distributed import Client
 
-    with sigterm_unwinds():  # a batch system's SIGTERM releases the jobs as Ctrl-C does
+    with interrupts_unwind():  # a batch system's SIGTERM releases the jobs as Ctrl-C does
         if getattr(args, "scheduler", None) or getattr(args, "scheduler_file", None):
             with Client(args.scheduler, scheduler_file=args.scheduler_file) as client:
                 yield client
@@ -103,32 +103,68 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
 
 
 @contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """Inside the block, SIGTERM raises :class:`SystemExit` (exit status
-    143) instead of killing the process outright, so ``with`` blocks unwind
-    and a jobqueue cluster's jobs are cancelled, as they are on Ctrl-C.
-    Batch systems send SIGTERM before SIGKILL (``scancel``, a job's time
-    limit, preemption), and so does ``kill``. Further SIGTERMs are ignored
-    until the block has ended, so they cannot cut the release short. Only
-    in the main thread, and only when nobody installed a SIGTERM handler
-    already; the previous handler is restored afterwards."""
+def interrupts_unwind() -> Iterator[None]:
+    """Inside the block, Ctrl-C and SIGTERM unwind it, and neither is lost.
+
+    SIGTERM raises :class:`SystemExit` (exit status 143) instead of killing
+    the process outright, so ``with`` blocks unwind and a jobqueue cluster's
+    jobs are cancelled, as they are on Ctrl-C. Batch systems send SIGTERM
+    before SIGKILL (``scancel``, a job's time limit, preemption), and so does
+    ``kill``. Further SIGTERMs are ignored until the block has ended, so they
+    cannot cut the release short. Only in the main thread, and only when
+    nobody installed a SIGTERM handler already; the previous handler is
+    restored afterwards.
+
+    Python runs a signal's handler wherever the main thread happens to be,
+    and an exception raised inside a garbage-collector callback or a
+    ``__del__`` is printed ("Exception ignored in ...") and dropped. A Ctrl-C
+    that landed in distributed's GC diagnostics was lost so, and the command
+    waited for its futures forever (seen in CI). Inside the block an
+    interrupt dropped that way is sent to the main thread again, from
+    another thread, until it is raised where it unwinds the block.
+    """
     import signal
+    import sys
     import threading
 
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
+    main = threading.main_thread().ident
+    catch_term = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
     def unwind(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, unwind)
+    def send_again(unraisable: Any) -> None:
+        previous_hook(unraisable)
+        exc = unraisable.exc_value
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals raise in the main thread only: this is not one
+        if isinstance(exc, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signum = signal.SIGINT
+        elif (isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM and catch_term
+              and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):
+            signal.signal(signal.SIGTERM, unwind)  # it never unwound: the first SIGTERM is still to come
+            signum = signal.SIGTERM
+        else:
+            return
+        # not from here: this runs inside whatever dropped it, which would drop it again
+        again = threading.Timer(0.05, signal.pthread_kill, (main, signum))
+        again.daemon = True
+        again.start()
+
+    previous_term = signal.signal(signal.SIGTERM, unwind) if catch_term else None
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = send_again
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if sys.unraisablehook is send_again:
+            sys.unraisablehook = previous_hook
+        if catch_term:
+            signal.signal(signal.SIGTERM, previous_term)
 
 
 @contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -107,6 +108,15 @@ def transfer_bytes(tr, token) -> dict:
             for k, b in zip(e.keys, e.key_bytes):
                 out[(ast.literal_eval(k), e.dest)] = b
     return out
+
+
+def terminal_signals() -> None:
+    """For ``preexec_fn``: SIGINT and SIGTERM at their defaults and unblocked,
+    as from a terminal, whatever runs the tests (a background job of a
+    script ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def cli_args(module, *argv):

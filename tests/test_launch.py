@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import cli_args
+from conftest import cli_args, terminal_signals
 
 from flowreduce import launch
 from flowreduce.launch import JobStatus
@@ -348,16 +348,16 @@ def test_wait_for_workers_times_out_naming_what_is_missing(progress_record):
 # ---------------------------------------------------------------- SIGTERM
 
 
-def test_sigterm_unwinds_with_blocks(tmp_path):
-    """Under ``sigterm_unwinds`` SIGTERM raises SystemExit(143): ``finally``
+def test_interrupts_unwind_with_blocks(tmp_path):
+    """Under ``interrupts_unwind`` SIGTERM raises SystemExit(143): ``finally``
     and ``with`` exits run (there the jobs are released) and the process
     exits 143. Without it SIGTERM would kill the process on the spot."""
     script = tmp_path / "term.py"
     script.write_text(textwrap.dedent("""
         import os, signal, time
-        from flowreduce.launch import sigterm_unwinds
+        from flowreduce.launch import interrupts_unwind
 
-        with sigterm_unwinds():
+        with interrupts_unwind():
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(10)
@@ -373,7 +373,7 @@ def test_sigterm_unwinds_with_blocks(tmp_path):
     assert out.stdout.splitlines() == ["released", "release finished"], out.stdout + out.stderr
 
 
-def test_sigterm_unwinds_restores_the_previous_handler():
+def test_interrupts_unwind_restores_the_previous_handler():
     """With Python's default SIGTERM, the block installs its own and puts
     the default back; a handler somebody else installed is left alone."""
 
@@ -382,15 +382,55 @@ def test_sigterm_unwinds_restores_the_previous_handler():
 
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        with launch.sigterm_unwinds():
+        with launch.interrupts_unwind():
             assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, theirs)
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         signal.signal(signal.SIGTERM, theirs)
-        with launch.sigterm_unwinds():
+        with launch.interrupts_unwind():
             assert signal.getsignal(signal.SIGTERM) is theirs
         assert signal.getsignal(signal.SIGTERM) is theirs
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, 128 + signal.SIGTERM)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_an_interrupt_dropped_in_a_gc_callback_is_sent_again(tmp_path, signum, status):
+    """A signal's handler runs wherever the main thread is; raised inside a
+    garbage-collector callback (distributed's GC diagnostics have one), its
+    KeyboardInterrupt or SystemExit is printed and dropped, and a command
+    waiting on its futures waited forever (a Ctrl-C'd ``bench`` in CI).
+    Under ``interrupts_unwind`` the dropped interrupt comes again and
+    unwinds the block."""
+    script = tmp_path / "dropped.py"
+    script.write_text(textwrap.dedent(f"""
+        import gc, signal, threading
+        from flowreduce.launch import interrupts_unwind
+
+        fired = []
+
+        def diagnose(phase, info):
+            if not fired:
+                fired.append(phase)
+                signal.raise_signal({int(signum)})  # its handler runs here, and gc drops what it raises
+
+        with interrupts_unwind():
+            gc.callbacks.append(diagnose)
+            try:
+                gc.collect()
+                print("dropped", flush=True)
+                threading.Event().wait(60)  # as a command waits for its futures
+                print("not interrupted", flush=True)
+            finally:
+                print("unwound", flush=True)
+        print("unreachable")
+    """))
+    env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30, env=env,
+                         preexec_fn=terminal_signals)
+    assert "Exception ignored in" in out.stderr, out.stderr  # the interrupt was dropped once
+    assert out.stdout.splitlines() == ["dropped", "unwound"], out.stdout + out.stderr
+    assert out.returncode == status, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("started_with", ["SIG_DFL", "SIG_IGN"])

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_until
+from conftest import terminal_signals, wait_until
 
 import flowreduce
 from flowreduce import launch
@@ -166,12 +166,6 @@ def test_cli_train_on_slurm(dask_jobqueue, tmp_path):
         _leftovers_cancelled(name)
 
 
-def _terminal_signals() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-
-
 @pytest.mark.timeout(600)  # up to 180 s for the jobs, 120 s to exit, 60 s to leave the queue
 @pytest.mark.parametrize("signum, exit_codes", [
     # KeyboardInterrupt: Python ends by re-raising SIGINT (not 0: dask_jobqueue's import makes Ctrl-C
@@ -189,7 +183,7 @@ def test_cli_releases_its_jobs_when_interrupted(dask_jobqueue, tmp_path, signum,
     stdout, stderr = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
     # as from a terminal: SIGINT and SIGTERM neither ignored nor blocked, whatever runs the tests;
     # PYTHONFAULTHANDLER so that a hung command's threads can be dumped (SIGABRT) for the message
-    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=REPO_ROOT, preexec_fn=_terminal_signals,
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=REPO_ROOT, preexec_fn=terminal_signals,
                             env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     try:
         def running(jobs):
