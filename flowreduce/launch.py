@@ -130,7 +130,7 @@ def interrupts_unwind() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    main = threading.main_thread().ident
+    main = threading.get_ident()  # this is the main thread
     catch_term = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
     def unwind(signum: int, frame: Any) -> None:
@@ -151,9 +151,13 @@ def interrupts_unwind() -> Iterator[None]:
         else:
             return
         # not from here: this runs inside whatever dropped it, which would drop it again
-        again = threading.Timer(0.05, signal.pthread_kill, (main, signum))
+        again = threading.Timer(0.05, deliver, (signum,))
         again.daemon = True
         again.start()
+
+    def deliver(signum: int) -> None:
+        with suppress(ProcessLookupError):  # the main thread has ended meanwhile: nothing to unwind
+            signal.pthread_kill(main, signum)
 
     previous_term = signal.signal(signal.SIGTERM, unwind) if catch_term else None
     previous_hook = sys.unraisablehook
