@@ -23,10 +23,11 @@ from flowreduce import launch
 from flowreduce.launch import JobStatus
 
 
-def _python(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+def _python(*argv: str, timeout: float, preexec_fn=None) -> subprocess.CompletedProcess:
     """This Python on ``argv``, importing this checkout's flowreduce."""
     env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env,
+                          preexec_fn=preexec_fn)
 
 # ---------------------------------------------------------------- rank groups
 
@@ -345,7 +346,7 @@ def test_wait_for_workers_times_out_naming_what_is_missing(progress_record):
     assert str(caught.value) == "1 of 2 workers up after 1.5 s; job 12 PENDING (Resources)"
 
 
-# ---------------------------------------------------------------- SIGTERM
+# ---------------------------------------------------------------- SIGTERM and SIGINT
 
 
 def test_interrupts_unwind_with_blocks(tmp_path):
@@ -425,9 +426,7 @@ def test_an_interrupt_dropped_in_a_gc_callback_is_sent_again(tmp_path, signum, s
                 print("unwound", flush=True)
         print("unreachable")
     """))
-    env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30, env=env,
-                         preexec_fn=terminal_signals)
+    out = _python(str(script), timeout=30, preexec_fn=terminal_signals)
     assert "Exception ignored in" in out.stderr, out.stderr  # the interrupt was dropped once
     assert out.stdout.splitlines() == ["dropped", "unwound"], out.stdout + out.stderr
     assert out.returncode == status, out.stdout + out.stderr
@@ -446,9 +445,7 @@ def test_importing_dask_jobqueue_keeps_the_sigint_handler_it_found(started_with)
     code = ("import signal; from flowreduce import launch; launch.import_dask_jobqueue('slurm'); "
             "h = signal.getsignal(signal.SIGINT); "
             "print('SIG_IGN' if h is signal.SIG_IGN else getattr(h, '__name__', repr(h)))")
-    env = {**os.environ, "PYTHONPATH": str(Path(launch.__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
+    out = _python("-c", code, timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     assert out.stdout.strip() == expected, out.stdout + out.stderr
 
 
