@@ -16,13 +16,25 @@ says which jobs are still pending and why, from the queue: ``squeue``,
 Ctrl-C, and in the commands on SIGTERM. Options left out come from
 dask-jobqueue's configuration (``~/.config/dask/jobqueue.yaml``), including
 ``python`` and ``scheduler-options``.
+
+Batch clusters are safe to start on a shared network by default: scheduler,
+workers and client talk TLS with temporary certificates made for the run
+(the workers read theirs from a directory only the user can read, removed
+when the cluster closes); the dashboards listen on 127.0.0.1 unless told
+otherwise; the jobs write their logs to a directory of the run under the
+user's cache, never the current directory (docs/hpc.md has the table).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -38,6 +50,9 @@ _PASSED = {"cores": "cores", "memory": "memory", "processes": "processes", "wall
            "job_extra": "job_extra_directives", "prologue": "job_script_prologue",
            "python": "python", "log_directory": "log_directory", "local_directory": "local_directory",
            "tls": "security", "tls_directory": "shared_temp_directory", "dashboard_address": "dashboard_address"}
+
+#: Where the dashboards listen unless told otherwise: this machine only (reach it with ``ssh -L``).
+LOOPBACK = "127.0.0.1"
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser, *, workers_default: int | None = 4) -> None:
@@ -66,15 +81,25 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, workers_default: int | 
                    "(repeatable)")
     g.add_argument("--prologue", action="append", help="shell line run in the job before the worker (repeatable)")
     g.add_argument("--python", help="python on the compute nodes (default: this one)")
-    g.add_argument("--log-directory", help="where the jobs write their output")
+    g.add_argument("--log-directory", help="where the jobs write their output (default: a new directory of "
+                   "the run under $XDG_CACHE_HOME/flowreduce/jobs, else ~/.cache/flowreduce/jobs, named on "
+                   "stderr when the command ends; never the current directory)")
     g.add_argument("--local-directory", help="worker scratch space on the nodes")
-    g.add_argument("--tls", action="store_true", default=None,
-                   help="encrypt and authenticate scheduler, workers and client with TLS, using temporary "
-                        "certificates made for this run (dask-jobqueue's security=True)")
-    g.add_argument("--tls-directory", help="where --tls writes the certificates the jobs read: a directory the "
-                                           "compute nodes see (default: dask-jobqueue's, the current directory)")
-    g.add_argument("--dashboard-address", help="where the scheduler's dashboard listens (default: a free port on "
-                                               "--interface's address, else on every interface)")
+    tls = g.add_mutually_exclusive_group()
+    tls.add_argument("--tls", dest="tls", action="store_true", default=True,
+                     help="batch clusters: encrypt and authenticate scheduler, workers and client with TLS, "
+                          "using temporary certificates made for this run (the default)")
+    tls.add_argument("--no-tls", dest="tls", action="store_false",
+                     help="batch clusters: plain TCP. The scheduler then accepts any client that reaches its "
+                          "port and runs whatever pickled function it sends: anyone on the cluster's network "
+                          "who finds the port runs code as you. Only on a network nobody else uses")
+    g.add_argument("--tls-directory", help="where the workers' certificates are written, in a new directory "
+                                           "only you can read, removed when the command ends: a directory the "
+                                           "compute nodes see (default: jobqueue.yaml's shared-temp-directory, "
+                                           "else $XDG_CACHE_HOME/flowreduce/tls or ~/.cache/flowreduce/tls)")
+    g.add_argument("--dashboard-address", help="where the scheduler's dashboard listens (default: a free port "
+                                               "on --interface's address, else on 127.0.0.1: reach it with "
+                                               "ssh -L, as the command prints)")
     g.add_argument("--wait-timeout", type=float, default=300.0,
                    help="seconds to wait for the jobs' workers before giving up (default 300)")
 
@@ -97,9 +122,16 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
                 yield client
             return
         options = jobqueue_arguments(args)
-        with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress,
-                     release_within=RELEASE_WITHIN, **options) as client:
-            yield client
+        options["log_directory"] = log_directory(kind, options)  # named here, so the command can name it
+        try:
+            with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress,
+                         release_within=RELEASE_WITHIN, **options) as client:
+                print(f"flowreduce: scheduler {client.scheduler.address}; {dashboard_note(client.cluster)}",
+                      file=sys.stderr, flush=True)
+                yield client
+        finally:
+            print(f"flowreduce: the batch jobs' logs are in {options['log_directory']}", file=sys.stderr,
+                  flush=True)
 
 
 @contextmanager
@@ -124,7 +156,6 @@ def interrupts_unwind() -> Iterator[None]:
     another thread, until it is raised where it unwinds the block.
     """
     import signal
-    import sys
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -178,11 +209,22 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
     """Start a cluster, wait for its workers, yield a Client, release it all.
 
     ``kind="local"``: a LocalCluster of ``workers`` single-threaded worker
-    processes. Otherwise one of :data:`JOBQUEUE`: ``jobs`` batch jobs of
+    processes, scheduler, workers and dashboard listening on 127.0.0.1 only.
+    Otherwise one of :data:`JOBQUEUE`: ``jobs`` batch jobs of
     dask-jobqueue's cluster class, ``options`` passed to it (``cores``,
     ``memory``, ``processes``, ``walltime``, ``queue``, ``interface``, ...;
     the rest from ``jobqueue.yaml``). Waits for ``jobs × processes`` workers
     or raises :class:`TimeoutError` naming the jobs still pending and why.
+
+    Batch clusters talk TLS unless ``security=False``: ``security=True``
+    (the default) makes temporary certificates for the run; a
+    :class:`distributed.security.Security` is used as it is. Certificates
+    the workers must read from files (temporary ones: the key too) are
+    written to a new directory only the user can read, inside
+    ``shared_temp_directory`` (a path the compute nodes see; default
+    :func:`cache_directory`'s ``tls``), removed after the cluster closes.
+    The jobs' logs go to ``log_directory`` (default :func:`log_directory`:
+    a new directory of the run under the user's cache).
 
     ``release_within`` (for commands, not for library callers: it ends the
     process): when Ctrl-C or SIGTERM unwinds the block, closing the client
@@ -195,10 +237,16 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
     with ExitStack() as stack:
         if kind == "local":
             c = stack.enter_context(LocalCluster(
-                n_workers=workers or 4, threads_per_worker=1, processes=True, dashboard_address=None,
-                memory_limit=_memory_limit(memory_limit)))
+                n_workers=workers or 4, threads_per_worker=1, processes=True, host=LOOPBACK,
+                dashboard_address=None, memory_limit=_memory_limit(memory_limit)))
             yield stack.enter_context(Client(c))
             return
+        options = dict(options)
+        options["log_directory"] = log_directory(kind, options)
+        security = options.pop("security", True)
+        where = options.pop("shared_temp_directory", None)
+        if security:  # removed last, once the cluster has closed
+            options["security"] = stack.enter_context(private_certificates(security, tls_directory(kind, where)))
         c = jobqueue_cluster(kind, options)
         deadline = ReleaseDeadline(c, release_within)
         stack.callback(deadline.disarm)  # the last to run: the release ended in time
@@ -215,6 +263,101 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
         except SystemExit as e:
             deadline.arm(e.code if isinstance(e.code, int) else 1)
             raise
+
+
+def cache_directory() -> str:
+    """flowreduce's directory in the user's cache: ``$XDG_CACHE_HOME/flowreduce``
+    (when set to an absolute path, as the XDG spec asks), else
+    ``~/.cache/flowreduce``."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flowreduce")
+
+
+def run_directory(parent: str) -> str:
+    """A new directory for one run in ``parent`` (made if missing), only the
+    user can read (0700): ``<YYYYmmdd-HHMMSS>-<pid>-<random>``."""
+    parent = os.path.expanduser(os.path.expandvars(parent))
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-", dir=parent)
+
+
+def _config_name(kind: str, options: dict) -> str:
+    return options.get("config_name") or _cluster_class(kind).job_cls.default_config_name()
+
+
+def log_directory(kind: str, options: dict) -> str:
+    """Where the jobs of a ``kind`` cluster write their output: ``options``'
+    ``log_directory``, else ``jobqueue.<config>.log-directory``, else a new
+    directory of the run (:func:`run_directory`) in :func:`cache_directory`'s
+    ``jobs``. Without one, sbatch and qsub write ``slurm-<id>.out`` (or
+    ``<name>.o<id>``) into the directory the command runs in."""
+    import dask
+
+    given = options.get("log_directory") or dask.config.get(
+        f"jobqueue.{_config_name(kind, options)}.log-directory", None)
+    return given or run_directory(os.path.join(cache_directory(), "jobs"))
+
+
+def tls_directory(kind: str, given: str | None = None) -> str:
+    """Where a run's directory of worker certificates goes: ``given``, else
+    ``jobqueue.<config>.shared-temp-directory``, else :func:`cache_directory`'s
+    ``tls``."""
+    import dask
+
+    return (given or dask.config.get(f"jobqueue.{_config_name(kind, {})}.shared-temp-directory", None)
+            or os.path.join(cache_directory(), "tls"))
+
+
+@contextmanager
+def private_certificates(security: Any, parent: str) -> Iterator[Any]:
+    """``security`` (``True``: :meth:`Security.temporary()
+    <distributed.security.Security.temporary>`) with the workers'
+    in-memory certificates and key written to files in a new directory in
+    ``parent`` that only the user can read (0700, files 0600), which is
+    removed when the block ends. The batch jobs read the files (their
+    command line names them); scheduler and client keep theirs in memory.
+
+    dask-jobqueue would write them itself, but into the current directory
+    unless told otherwise, and remove them only when the cluster object is
+    garbage-collected."""
+    from distributed.security import Security
+
+    if security is True:
+        security = Security.temporary()
+    in_memory = {k: v for k, v in security.get_tls_config_for_role("worker").items()
+                 if isinstance(v, str) and "\n" in v}
+    if not in_memory:  # files already: the user's own certificates
+        yield security
+        return
+    directory = run_directory(parent)
+    try:
+        security = copy.copy(security)
+        for key, pem in in_memory.items():  # ca_file, cert, key
+            path = os.path.join(directory, f"{ {'ca_file': 'ca'}.get(key, key)}.pem")
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(pem)
+            setattr(security, "tls_ca_file" if key == "ca_file" else f"tls_worker_{key}", path)
+        yield security
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def dashboard_note(c: Any) -> str:
+    """Where the scheduler of cluster ``c`` serves its dashboard, as bound,
+    and the ``ssh -L`` line that reaches it from another machine."""
+    import socket
+
+    server = getattr(getattr(c, "scheduler", None), "http_server", None)
+    if server is None or not getattr(server, "port", None):
+        return "no dashboard"
+    host, port = server.address, server.port
+    if host in ("", "0.0.0.0", "::"):
+        return f"dashboard on port {port} of every interface: anyone on the network can read it"
+    url_host = f"[{host}]" if ":" in host else host
+    return (f"dashboard http://{url_host}:{port}/status (from your machine: "
+            f"ssh -L {port}:{url_host}:{port} {socket.gethostname()})")
 
 
 #: How long an interrupted command's client and cluster may take to close
@@ -246,9 +389,7 @@ class ReleaseDeadline:
             self._timer.cancel()
 
     def _cut_short(self, status: int) -> None:
-        import os
         import shlex
-        import sys
 
         ids: list[str] = []
         with suppress(Exception):  # the cluster's state is read from another thread, mid-close
@@ -270,12 +411,17 @@ def jobqueue_arguments(args: argparse.Namespace) -> dict[str, Any]:
 
 def jobqueue_cluster(kind: str, options: dict) -> Any:
     """A dask-jobqueue cluster of ``kind`` (slurm, pbs, ...) built from
-    ``options`` over jobqueue.yaml's settings; jobs are not started yet."""
+    ``options`` over jobqueue.yaml's settings; jobs are not started yet.
+    ``security`` and ``log_directory`` go to dask-jobqueue as they are
+    (:func:`cluster` sets them up)."""
+    cls = _cluster_class(kind)
+    return cls(**jobqueue_options(options.get("config_name") or cls.job_cls.default_config_name(), options))
+
+
+def _cluster_class(kind: str) -> Any:
     if kind not in JOBQUEUE:
         raise ValueError(f"unknown cluster kind {kind!r}; valid: local, {', '.join(JOBQUEUE)}")
-    dask_jobqueue = import_dask_jobqueue(kind)
-    cls = getattr(dask_jobqueue, JOBQUEUE[kind])
-    return cls(**jobqueue_options(options.get("config_name") or cls.job_cls.default_config_name(), options))
+    return getattr(import_dask_jobqueue(kind), JOBQUEUE[kind])
 
 
 def import_dask_jobqueue(kind: str) -> Any:
@@ -306,17 +452,17 @@ def jobqueue_options(config_name: str, options: dict) -> dict:
     explicitly, they win), then ``jobqueue.<config_name>.*`` from the dask
     configuration (``jobqueue.yaml``), then flowreduce's defaults, which
     apply only where the configuration says nothing: workers run this
-    Python, and the scheduler's dashboard takes a free port (``:0``) rather
-    than 8787. ``scheduler_options`` are merged key by key in that order;
+    Python; the scheduler's dashboard takes a free port on 127.0.0.1
+    (``127.0.0.1:0``), not 8787 on every interface; each worker's own
+    dashboard listens on its node's 127.0.0.1 (``--dashboard-address``
+    added to the workers' arguments unless they set one or
+    ``--no-dashboard``). ``scheduler_options`` are merged key by key in that order;
     an explicit ``interface`` also makes the scheduler listen there (the
     workers must reach it), replacing a configured scheduler ``host`` or
     ``interface`` unless the explicit ``scheduler_options`` name one, and
-    puts flowreduce's default dashboard on that interface's address (not
-    every interface).
+    puts flowreduce's default dashboard on that interface's address.
     ``dashboard_address`` sets the dashboard's address outright; ``security``
     and ``shared_temp_directory`` (TLS) go to dask-jobqueue as they are."""
-    import sys
-
     import dask
 
     options = dict(options)
@@ -324,11 +470,11 @@ def jobqueue_options(config_name: str, options: dict) -> dict:
         options["python"] = sys.executable
     configured = dask.config.get(f"jobqueue.{config_name}.scheduler-options", None) or {}
     explicit = options.get("scheduler_options") or {}
-    scheduler = {"dashboard_address": ":0", **configured, **explicit}
+    scheduler = {"dashboard_address": f"{LOOPBACK}:0", **configured, **explicit}
     if options.get("interface") is not None and not {"host", "interface"} & set(explicit):
         scheduler.pop("host", None)
         scheduler["interface"] = options["interface"]
-        if "dashboard_address" not in {**configured, **explicit}:  # flowreduce's default: not every interface
+        if "dashboard_address" not in {**configured, **explicit}:  # the interface the user chose
             from distributed.utils import get_ip_interface
 
             with suppress(ValueError):  # not on this host: the scheduler will say so itself
@@ -336,6 +482,14 @@ def jobqueue_options(config_name: str, options: dict) -> dict:
     if options.get("dashboard_address") is not None:
         scheduler["dashboard_address"] = options.pop("dashboard_address")
     options["scheduler_options"] = scheduler
+    worker_args = options.get("worker_extra_args")
+    if worker_args is None:  # dask-jobqueue's own lookup, including the deprecated name
+        worker_args = (dask.config.get(f"jobqueue.{config_name}.worker-extra-args", None)
+                       or dask.config.get(f"jobqueue.{config_name}.extra", None) or [])
+    if not any(str(a).split("=")[0] in ("--dashboard-address", "--dashboard", "--no-dashboard")
+               for a in worker_args):  # dask worker's default is ':0', every interface of the node
+        worker_args = [*worker_args, "--dashboard-address", f"{LOOPBACK}:0"]
+    options["worker_extra_args"] = list(worker_args)
     return options
 
 

@@ -67,7 +67,8 @@ def test_defaults_apply_only_where_the_configuration_is_silent():
     with dask.config.set({"jobqueue.slurm.python": None, "jobqueue.slurm.scheduler-options": {}}):
         kw = launch.jobqueue_options("slurm", {"cores": 2})
     assert kw["python"] == sys.executable
-    assert kw["scheduler_options"] == {"dashboard_address": ":0"}
+    assert kw["scheduler_options"] == {"dashboard_address": "127.0.0.1:0"}  # not 8787 on every interface
+    assert kw["worker_extra_args"] == ["--dashboard-address", "127.0.0.1:0"]  # dask worker's: every interface
     assert kw["cores"] == 2
 
 
@@ -479,28 +480,127 @@ def test_an_interrupted_release_that_hangs_cancels_the_jobs_and_exits(tmp_path, 
 
 
 def test_tls_and_dashboard_options_reach_the_scheduler_and_the_job_script(tmp_path):
-    """--tls makes dask-jobqueue create temporary certificates in
-    --tls-directory: the scheduler listens on tls:// and the job script hands
-    the workers their certificate files; the dashboard listens on the
-    --interface's address, not on every interface. No job is submitted."""
+    """TLS is the default: temporary certificates, the workers' written to a
+    directory of the run inside --tls-directory that only the user can read
+    (files 0600), removed when the block ends; the scheduler listens on
+    tls:// and the job script hands the workers their certificate files; the
+    dashboard listens on the --interface's address. No job is submitted."""
     pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    import stat
+
     from flowreduce.cli import bench
 
     args = cli_args(bench, "--cluster", "slurm", "--cores", "1", "--memory", "1GB", "--interface", "lo",
-                    "--tls", "--tls-directory", str(tmp_path), "--log-directory", str(tmp_path))
+                    "--tls-directory", str(tmp_path / "shared"), "--log-directory", str(tmp_path / "logs"))
     options = launch.jobqueue_arguments(args)
-    assert options["security"] is True and options["shared_temp_directory"] == str(tmp_path)
-    with launch.jobqueue_cluster("slurm", options) as cluster:
-        script = cluster.job_script()
-        address = cluster.scheduler_address
-        dashboard = cluster.scheduler_spec["options"]["dashboard_address"]
+    assert options["security"] is True and options["shared_temp_directory"] == str(tmp_path / "shared")
+    with launch.private_certificates(options.pop("security"), options.pop("shared_temp_directory")) as security:
+        with launch.jobqueue_cluster("slurm", {**options, "security": security}) as cluster:
+            script = cluster.job_script()
+            address = cluster.scheduler_address
+            dashboard = cluster.scheduler_spec["options"]["dashboard_address"]
+        (run,) = (tmp_path / "shared").iterdir()
+        assert stat.S_IMODE(run.stat().st_mode) == 0o700
+        files = sorted(run.iterdir())
+        assert [p.name for p in files] == ["ca.pem", "cert.pem", "key.pem"]
+        assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
+        assert "PRIVATE KEY" in (run / "key.pem").read_text()
+        for flag, p in (("--tls-ca-file", "ca.pem"), ("--tls-cert", "cert.pem"), ("--tls-key", "key.pem")):
+            assert f"{flag} {run / p}" in script, script
+    assert list((tmp_path / "shared").iterdir()) == []  # the run's directory is gone
     assert address.startswith("tls://127.0.0.1:"), address
     assert dashboard == "127.0.0.1:0"
-    for flag in ("--tls-ca-file", "--tls-cert", "--tls-key"):
-        assert flag in script, script
-    certs = [p for p in tmp_path.iterdir() if p.name.startswith(".dask-jobqueue.worker")]
-    assert len(certs) >= 2 and all(str(p) in script for p in certs), (certs, script)
+    assert f"#SBATCH -e {tmp_path / 'logs'}/" in script and f"#SBATCH -o {tmp_path / 'logs'}/" in script
 
-    plain = cli_args(bench, "--cluster", "slurm", "--interface", "lo")
-    assert plain.tls is None and not {"security", "shared_temp_directory"} & set(
-        launch.jobqueue_options("slurm", {"interface": "lo"}))
+
+def test_tls_flags():
+    """--tls stays accepted (it is the default); --no-tls opts out and its
+    help says what that exposes."""
+    from flowreduce.cli import bench
+
+    assert cli_args(bench, "--cluster", "slurm").tls is True
+    assert cli_args(bench, "--cluster", "slurm", "--tls").tls is True
+    off = cli_args(bench, "--cluster", "slurm", "--no-tls")
+    assert off.tls is False and launch.jobqueue_arguments(off)["security"] is False
+    with pytest.raises(SystemExit):
+        cli_args(bench, "--tls", "--no-tls")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--no-tls batch clusters: plain TCP. The scheduler then accepts any client" in text
+    assert "runs code as you" in text
+
+
+def test_private_certificates_keep_the_users_own_files(tmp_path):
+    """Certificates the user gives as files are used as they are: nothing
+    is written, nothing removed."""
+    from distributed.security import Security
+
+    own = Security(tls_ca_file="/site/ca.pem", tls_worker_cert="/site/w.pem", tls_worker_key="/site/w.key",
+                   tls_client_cert="/site/c.pem", tls_client_key="/site/c.key")
+    with launch.private_certificates(own, str(tmp_path / "shared")) as security:
+        assert security is own
+    assert not (tmp_path / "shared").exists()
+
+
+def test_log_and_certificate_directories_default_to_the_users_cache(tmp_path, monkeypatch):
+    """Job logs: the option, else jobqueue.yaml's log-directory, else a new
+    directory of the run (0700) under $XDG_CACHE_HOME/flowreduce/jobs (a
+    relative $XDG_CACHE_HOME is ignored, as the XDG spec asks: ~/.cache);
+    certificates likewise under .../tls or jobqueue.yaml's
+    shared-temp-directory. Never the current directory."""
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    import stat
+
+    import dask
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with dask.config.set({"jobqueue.slurm.log-directory": None, "jobqueue.slurm.shared-temp-directory": None}):
+        first, second = launch.log_directory("slurm", {}), launch.log_directory("slurm", {})
+        assert Path(first).parent == Path(second).parent == tmp_path / "cache" / "flowreduce" / "jobs"
+        assert first != second and stat.S_IMODE(os.stat(first).st_mode) == 0o700
+        assert launch.tls_directory("slurm") == str(tmp_path / "cache" / "flowreduce" / "tls")
+        assert launch.log_directory("slurm", {"log_directory": "given"}) == "given"
+        monkeypatch.setenv("XDG_CACHE_HOME", "relative")
+        assert Path(launch.log_directory("pbs", {})).parent == tmp_path / "home" / ".cache" / "flowreduce" / "jobs"
+    with dask.config.set({"jobqueue.slurm.log-directory": "/site/logs",
+                          "jobqueue.slurm.shared-temp-directory": "/site/tmp"}):
+        assert launch.log_directory("slurm", {}) == "/site/logs"
+        assert launch.tls_directory("slurm") == "/site/tmp"
+        assert launch.tls_directory("slurm", "given") == "given"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "home"]
+
+
+def test_worker_dashboards_keep_a_configured_choice():
+    import dask
+
+    with dask.config.set({"jobqueue.slurm.worker-extra-args": ["--lifetime", "55m"]}):
+        assert launch.jobqueue_options("slurm", {})["worker_extra_args"] == [
+            "--lifetime", "55m", "--dashboard-address", "127.0.0.1:0"]
+        assert launch.jobqueue_options("slurm", {"worker_extra_args": ["--no-dashboard"]})[
+            "worker_extra_args"] == ["--no-dashboard"]
+        assert launch.jobqueue_options("slurm", {"worker_extra_args": ["--dashboard-address=:9000"]})[
+            "worker_extra_args"] == ["--dashboard-address=:9000"]
+
+
+def test_the_embedded_local_cluster_listens_on_loopback_only():
+    """Scheduler, nannies, workers and dashboards of launch.cluster('local')
+    listen on 127.0.0.1 only, as the OS reports their sockets."""
+    import psutil
+
+    def listening(pid: int) -> set[tuple[str, int]]:
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN}
+
+    before = listening(os.getpid())  # this process's own listeners (other tests' clusters)
+    with launch.cluster("local", workers=1) as client:
+        workers = set(client.run(os.getpid).values())
+        assert client.scheduler_info()["services"]["dashboard"]
+        ours = listening(os.getpid()) - before
+        theirs = set().union(*(listening(pid) for pid in workers))
+    assert len(ours) >= 3 and theirs  # scheduler, its dashboard, the nanny; the worker
+    assert {ip for ip, _ in ours | theirs} == {"127.0.0.1"}, (ours, theirs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,12 +48,14 @@ def _assert_released(name: str, ids: list[str], logs, what: str) -> None:
     assert all(cancelled.values()), f"jobs that ended without being cancelled {what}: {cancelled}"
 
 
-def _cli(name: str, tmp_path, *args: str) -> list[str]:
-    """``python -m flowreduce ARGS`` on two SLURM jobs of two workers."""
+def _cli(name: str, tmp_path, *args: str, defaults: bool = False) -> list[str]:
+    """``python -m flowreduce ARGS`` on two SLURM jobs of two workers;
+    ``defaults``: without --interface and --log-directory (TLS is on unless
+    ARGS say --no-tls)."""
     return [sys.executable, "-m", "flowreduce", *args, "--cluster", "slurm", "--jobs", "2", "--cores", "2",
-            "--processes", "2", "--memory", "2GB", "--walltime", "00:10:00", "--interface", "lo",
-            "--job-name", name, "--prologue", f"export PYTHONPATH={REPO_ROOT}",
-            "--log-directory", str(tmp_path / "logs"), "--wait-timeout", "120"]
+            "--processes", "2", "--memory", "2GB", "--walltime", "00:10:00", "--job-name", name,
+            "--prologue", f"export PYTHONPATH={REPO_ROOT}", "--wait-timeout", "120",
+            *([] if defaults else ["--interface", "lo", "--log-directory", str(tmp_path / "logs")])]
 
 
 def test_every_algorithm_across_two_jobs(dask_jobqueue, tmp_path):
@@ -127,12 +130,20 @@ def test_unsatisfiable_request_times_out_with_the_queue_reason(dask_jobqueue, tm
 
 @pytest.mark.timeout(900)  # the command may take up to 600 s
 def test_cli_bench_on_slurm(dask_jobqueue, tmp_path):
+    """``flowreduce bench --cluster slurm`` with the defaults: correct rows,
+    TLS (the workers' own logs say they registered with the tls:// scheduler
+    the command named), the dashboard on 127.0.0.1, the jobs' logs in a
+    directory of the run under the user's cache that the command names at
+    the end, nothing written to the working directory, jobs released."""
     name = f"flowreduce-cli-{uuid.uuid4().hex[:8]}"
-    cmd = _cli(name, tmp_path, "bench") + [
+    cmd = _cli(name, tmp_path, "bench", defaults=True) + [
         "--sizes", "1000", "--algorithms", "butterfly,hierarchical", "--repeat", "1", "--warmup", "0",
         "--no-progress", "--json", str(tmp_path / "rows.json")]
+    cwd, cache = tmp_path / "cwd", tmp_path / "cache"
+    cwd.mkdir()
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
+                             env={**os.environ, "XDG_CACHE_HOME": str(cache)})
         assert out.returncode == 0, out.stdout + out.stderr
         assert "4 ranks on 4 workers" in out.stdout
         rows = json.loads((tmp_path / "rows.json").read_text())
@@ -140,8 +151,24 @@ def test_cli_bench_on_slurm(dask_jobqueue, tmp_path):
         assert all(r["correct"] for r in rows)
         hier = next(r for r in rows if r["algorithm"] == "hierarchical")
         assert "groups=[[0, 1], [2, 3]]" in hier["plan"]
-        _assert_released(name, _job_ids_in_logs(tmp_path / "logs"), tmp_path / "logs",
-                         "after the command ended")
+
+        scheduler = re.search(r"^flowreduce: scheduler (\S+); dashboard http://127\.0\.0\.1:(\d+)/status "
+                              r"\(from your machine: ssh -L (\d+):127\.0\.0\.1:(\d+) ", out.stderr, re.M)
+        assert scheduler, out.stderr
+        address, port = scheduler.group(1), scheduler.group(2)
+        assert address.startswith("tls://") and scheduler.group(3) == scheduler.group(4) == port, out.stderr
+        named = re.findall(r"^flowreduce: the batch jobs' logs are in (\S+)$", out.stderr, re.M)
+        assert len(named) == 1, out.stderr
+        logs = Path(named[0])
+        assert logs.parent == cache / "flowreduce" / "jobs", logs
+        ids = _job_ids_in_logs(logs)
+        assert len(ids) == 2, sorted(p.name for p in logs.iterdir())
+        for log in logs.glob("*.err"):  # four workers, each registered over TLS with the scheduler named
+            assert len(re.findall(rf"Registered to: +{re.escape(address)}$", log.read_text(), re.M)) == 2, \
+                log.read_text()[-3000:]
+        _assert_released(name, ids, logs, "after the command ended")
+        assert list(cwd.iterdir()) == []  # no slurm-<id>.out, no certificate
+        assert list((cache / "flowreduce" / "tls").iterdir()) == []  # the run's certificates are gone
     finally:
         _leftovers_cancelled(name)
 
