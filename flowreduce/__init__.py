@@ -18,10 +18,12 @@ from flowreduce.algorithms.ir import CostCard, Plan
 from flowreduce.cost import CostModel, choose
 from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, WorkerLostError
 from flowreduce.ops import resolve_op
+from flowreduce.reproducible import reference_reduce
 from flowreduce.tracing import trace
 
 __all__ = ["ALGORITHMS", "SPARSE_ALGORITHMS", "AllreduceTimeoutError", "CostCard", "CostModel", "FlowreduceError", "Plan",
-           "WorkerLostError", "allreduce", "choose", "describe", "plan", "resolve_op", "topology", "trace"]
+           "WorkerLostError", "allreduce", "choose", "describe", "plan", "reference_reduce", "resolve_op", "topology",
+           "trace"]
 __version__ = "0.1.0"
 
 

@@ -1,0 +1,275 @@
+"""Reproducible sums: an exact, order-independent fixed-point codec, and the
+reference results users can compute themselves (docs/reproducibility.md).
+
+``deterministic="exact"`` sums float32 and float64 values through integers:
+
+1. each element's shared exponent ``E`` is the max over the ranks of the
+   values' binary exponents (:func:`exponents`, combined with op ``max``:
+   exact in any order);
+2. each rank writes its values as :data:`LIMBS` signed int64 limbs of
+   :data:`BITS` bits, fixed-point below ``2**E`` (:func:`encode`);
+3. the limbs are summed in int64 (op ``sum``): integer addition, exact in
+   any order and grouping (wrap-around is modular, and the final sums fit:
+   at most :data:`MAX_RANKS` ranks);
+4. :func:`decode` normalises the carries and rounds the exact sum once,
+   round-half-even, to the dtype: for float64 what :func:`math.fsum` over
+   the ranks gives, for float32 the exact sum rounded once to float32.
+
+Why these sizes: a limb holds ``BITS = 52`` bits and keeps ``63 - 52 = 11``
+bits of headroom, so 2048 ranks' limbs add up in int64 exactly. ``K``
+limbs give an exact window of ``52 K`` bits below ``2**E``: a float64
+(53 bits) is exact when it lies within ``52 K - 53`` binades of the
+element's largest value (K=3: 103 binades, ~31 decimal orders of
+magnitude); a float32 (24 bits) within ``52 K - 24`` (K=2: 80 binades, ~24
+orders). Bits of a value below the window are truncated toward zero (each
+rank's value on its own, before the sum: still the same bits in any order,
+grouping or rank count, but no longer the correctly rounded sum). Sums of
+subnormals are exact (the window reaches below 2**-1074 when E is small).
+
+Non-finite values: the shared exponent is :data:`SPECIAL` where any rank
+holds inf or NaN, and limb 0 then counts the ranks' NaNs, +infs and -infs;
+the result is NaN if any rank has NaN or both signs of inf appear, else that
+inf (what IEEE addition gives, and ``math.fsum``, which raises on NaN and on
+inf - inf, is replaced by this rule). A finite exact sum too large for the
+dtype rounds to inf (round-half-even overflow). Zeros: -0.0 sums as 0.0, and
+an exact sum of zero is +0.0 (as ``math.fsum``).
+
+The module is pure numpy: :mod:`flowreduce.schedule.reproducible` composes it
+with all-reduces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+#: Bits per limb; 63 - BITS bits of headroom for the int64 sum over ranks.
+BITS = 52
+#: Most ranks whose limbs sum exactly in int64: 2 ** (63 - BITS).
+MAX_RANKS = 2 ** (63 - BITS)
+#: Limbs per element, by dtype: the exact window is LIMBS * BITS bits below 2**E.
+LIMBS = {np.dtype(np.float64): 3, np.dtype(np.float32): 2}
+#: The dtype of the shared exponents (frexp's exponents of float64 lie in [-1073, 1024]).
+EXPONENT_DTYPE = np.dtype(np.int16)
+#: The exponent of a zero: below every nonzero value's, so zeros never raise E.
+ZERO = -1100
+#: The exponent of inf and NaN: above every finite value's.
+SPECIAL = 2000
+#: Fields of limb 0 counting non-finite values (counts < MAX_RANKS < 2**20).
+_NAN, _POS, _NEG = 40, 20, 0
+#: Significand bits, by dtype.
+_PRECISION = {np.dtype(np.float64): 53, np.dtype(np.float32): 24}
+
+
+def supported(dtype: Any) -> bool:
+    """Whether the codec sums this dtype (float32 and float64)."""
+    return np.dtype(dtype) in LIMBS
+
+
+def exponents(x: np.ndarray) -> np.ndarray:
+    """Each element's binary exponent (``np.frexp``: ``|x| < 2**e``) as
+    :data:`EXPONENT_DTYPE`; :data:`ZERO` for zeros, :data:`SPECIAL` for inf
+    and NaN. The max over ranks is the shared exponent ``E``."""
+    x = np.asarray(x)
+    _check(x.dtype)
+    with np.errstate(invalid="ignore"):
+        e = np.asarray(np.frexp(x)[1]).astype(EXPONENT_DTYPE)
+    e[x == 0] = ZERO
+    e[~np.isfinite(x)] = SPECIAL
+    return e
+
+
+def encode(x: np.ndarray, E: np.ndarray) -> np.ndarray:
+    """``x``'s limbs below the shared exponents ``E``: int64 of shape
+    ``(K, *x.shape)``, limb ``k`` holding bits ``[E - (k+1) BITS, E - k BITS)``
+    of ``x`` with ``x``'s sign (truncated toward zero below the window)."""
+    x = np.asarray(x)
+    _check(x.dtype)
+    E = np.broadcast_to(np.asarray(E), x.shape).astype(np.int32)
+    K = LIMBS[x.dtype]
+    out = np.zeros((K, *x.shape), dtype=np.int64)
+    special = E == SPECIAL
+    finite = np.where(special, 0.0, x.astype(np.float64))  # float32 -> float64 is exact
+    # |r| < 2**BITS: each step takes the integer part (exact) and scales the rest up by 2**BITS
+    r = np.ldexp(finite, BITS - np.where(special, 0, E))
+    for k in range(K):
+        q = np.trunc(r)
+        out[k] = q
+        r = np.ldexp(r - q, BITS)
+    if special.any():
+        counts = ((np.isnan(x).astype(np.int64) << _NAN) | ((x == np.inf).astype(np.int64) << _POS)
+                  | ((x == -np.inf).astype(np.int64) << _NEG))
+        out[0] = np.where(special, counts, out[0])
+    return out
+
+
+def decode(limbs: np.ndarray, E: np.ndarray, dtype: Any) -> np.ndarray:
+    """The sum the (summed) ``limbs`` hold, rounded once, round-half-even,
+    to ``dtype``."""
+    dtype = np.dtype(dtype)
+    _check(dtype)
+    limbs = np.asarray(limbs, dtype=np.int64)
+    K = LIMBS[dtype]
+    if limbs.shape[0] != K:
+        raise ValueError(f"{dtype} takes {K} limbs, got {limbs.shape[0]}")
+    shape = limbs.shape[1:]
+    E = np.broadcast_to(np.asarray(E), shape).astype(np.int64)
+    a = [limbs[k].copy() for k in range(K)]
+    _carry(a)
+    # magnitude: negate the whole number where it is negative (lower limbs are in [0, 2**BITS))
+    neg = a[0] < 0
+    if neg.any():
+        for k in range(1, K):
+            a[k] = np.where(neg, (1 << BITS) - 1 - a[k], a[k])
+        a[0] = np.where(neg, -a[0] - 1, a[0])
+        a[K - 1] = a[K - 1] + neg
+        _carry(a)
+    # the top bits into w (at most 62 of them), the rest into a sticky bit
+    w, sticky = a[0], np.zeros(shape, dtype=bool)
+    unit = np.full(shape, (K - 1) * BITS, dtype=np.int64)  # w's last bit is worth 2**(unit + E - K BITS)
+    for k in range(1, K):
+        s = np.clip(62 - _bit_length(w), 0, BITS)
+        rest = BITS - s
+        w = (w << s) | (a[k] >> rest)
+        sticky |= (a[k] & ((np.int64(1) << rest) - 1)) != 0
+        unit -= s
+    # round w to the dtype's precision, half to even (sticky breaks ties upward)
+    drop = np.maximum(_bit_length(w) - _PRECISION[dtype], 0)
+    q = w >> drop
+    rem = w & ((np.int64(1) << drop) - 1)
+    half = np.where(drop > 0, np.int64(1) << np.maximum(drop - 1, 0), np.int64(1) << 62)
+    up = (rem > half) | ((rem == half) & (sticky | ((q & 1) == 1)))
+    q = q + up
+    with np.errstate(over="ignore"):
+        mag = np.ldexp(q.astype(np.float64), (unit + drop + E - K * BITS).clip(-2000, 2000).astype(np.int32))
+        out = np.where(neg, -mag, mag).astype(dtype)  # exact: mag has at most the dtype's bits (or overflows)
+    special = E == SPECIAL
+    if special.any():
+        c = limbs[0]
+        nan = ((c >> _NAN) & (MAX_RANKS * 2 - 1)) > 0
+        pos = ((c >> _POS) & ((1 << 20) - 1)) > 0
+        ng = ((c >> _NEG) & ((1 << 20) - 1)) > 0
+        value = np.where(nan | (pos & ng), np.nan, np.where(pos, np.inf, -np.inf)).astype(dtype)
+        out = np.where(special, value, out)
+    return out.reshape(shape)
+
+
+def exact_sum(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The ranks' arrays summed through the codec in one process (what
+    ``deterministic="exact"`` computes across ranks)."""
+    xs = [np.asarray(a) for a in arrays]
+    E = np.max([exponents(x) for x in xs], axis=0)
+    total = np.asarray(np.sum([encode(x, E) for x in xs], axis=0, dtype=np.int64))
+    return decode(total, E, xs[0].dtype)
+
+
+def _carry(a: list[np.ndarray]) -> None:
+    """Bring limbs 1.. into [0, 2**BITS), carrying (floor) into the limb above."""
+    for k in range(len(a) - 1, 0, -1):
+        c = a[k] >> BITS
+        a[k] = a[k] - (c << BITS)
+        a[k - 1] = a[k - 1] + c
+
+
+def _bit_length(w: np.ndarray) -> np.ndarray:
+    """``int.bit_length`` of non-negative int64s below 2**63: frexp of the
+    float, corrected where the conversion rounded up to a power of two."""
+    e = np.frexp(w.astype(np.float64))[1].astype(np.int64)
+    return e - ((w >> np.maximum(e - 1, 0)) == 0) * (e > 0)
+
+
+def _check(dtype: Any) -> None:
+    if not supported(dtype):
+        raise ValueError(f"the exact codec sums float32 and float64, not {np.dtype(dtype)}")
+
+
+# ---- references --------------------------------------------------------------------------------
+
+_UFUNCS = {"sum": np.add, "mean": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
+def reference_reduce(arrays: Sequence[Any], op: Any = "sum", order: str = "exact") -> np.ndarray:
+    """The documented result of reducing ``arrays`` (one per rank, in rank order).
+
+    ``order="exact"`` (``deterministic="exact"``): float sums are the exact
+    sum rounded once to the dtype, element by element (float64:
+    :func:`math.fsum`; float32: the exact rational sum rounded half-even
+    once); ``"mean"`` is that sum divided by the rank count in the dtype
+    (a second rounding). Non-finite values follow the module's rule (any
+    NaN, or +inf with -inf: NaN). Other dtypes and ops: the tree order
+    (their results do not depend on the order).
+
+    ``order="tree"``: the fixed order planned for ``deterministic=True``:
+    with ``c`` the largest power of two at most ``p``, rank ``c + i`` is
+    first combined into rank ``i`` (``x[i] op x[c+i]``); then neighbours
+    pair up level by level, ``(0 op 1) op (2 op 3)``... -- the pairs
+    radix-2 butterfly's recursive halving combines first (its extra ranks
+    fold into their partners the same way). ``"mean"`` divides the tree sum
+    by ``p`` in the dtype. No algorithm is claimed to follow it yet.
+
+    Slow (a Python loop per element for ``"exact"``): a reference for tests.
+    """
+    xs = [np.asarray(a) for a in arrays]
+    if not xs:
+        raise ValueError("reference_reduce needs at least one array")
+    name = op if isinstance(op, str) else getattr(op, "__name__", None)
+    ufunc = _UFUNCS.get(name) if isinstance(name, str) else None
+    if ufunc is None:
+        ufunc = getattr(np, name, None) if isinstance(name, str) else None
+    if not isinstance(ufunc, np.ufunc):
+        raise ValueError(f"unknown op {op!r}: a name ('sum', 'mean', 'min', ...) or a binary numpy ufunc")
+    if order not in ("exact", "tree"):
+        raise ValueError(f"order must be 'exact' or 'tree', got {order!r}")
+    p = len(xs)
+    dtype = xs[0].dtype
+    if order == "exact" and name in ("sum", "mean") and supported(dtype):
+        flat = np.stack([x.reshape(-1) for x in xs])
+        total = np.array([_exact_element(flat[:, i], dtype) for i in range(flat.shape[1])], dtype=dtype)
+        total = total.reshape(xs[0].shape)
+    else:
+        total = _tree(xs, ufunc)
+    if name == "mean":
+        return np.true_divide(total, p).astype(np.result_type(total.dtype, np.float64) if dtype.kind in "iub"
+                                               else dtype)
+    return total
+
+
+def _tree(xs: list[np.ndarray], ufunc: Callable[..., Any]) -> np.ndarray:
+    c = 1 << (len(xs).bit_length() - 1)
+    level = [ufunc(xs[i], xs[c + i]) if c + i < len(xs) else xs[i] for i in range(c)]
+    while len(level) > 1:
+        level = [ufunc(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return np.asarray(level[0])
+
+
+def _exact_element(values: np.ndarray, dtype: np.dtype) -> Any:
+    """One element's exact sum over ranks, rounded once to ``dtype``."""
+    nan = np.isnan(values).any() or ((values == np.inf).any() and (values == -np.inf).any())
+    if nan:
+        return np.nan
+    if np.isinf(values).any():
+        return values[np.isinf(values)][0]
+    exact = sum((Fraction(float(v)) for v in values), Fraction(0))
+    if dtype == np.float64:
+        try:
+            return math.fsum(values.tolist())
+        except OverflowError:  # the exact sum rounds to inf (fsum raises instead)
+            return math.inf if exact > 0 else -math.inf
+    return _round_float32(exact)
+
+
+def _round_float32(q: Fraction) -> np.float32:
+    """``q`` rounded half-even to float32, through float64 rounded to odd
+    (53 >= 24 + 2 bits: rounding to odd first, then to float32, rounds once)."""
+    t = float(q)  # round-half-even to float64: within float32's range this never overflows
+    if Fraction(t) != q:
+        if abs(Fraction(t)) > abs(q):  # toward zero, then set the last bit if it is even
+            t = float(np.nextafter(t, 0.0))
+        if int(np.float64(t).view(np.int64)) & 1 == 0:
+            t = float(np.nextafter(t, math.copysign(math.inf, t)))
+    with np.errstate(over="ignore"):
+        return np.float32(t)
