@@ -122,7 +122,8 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
                 yield client
             return
         options = jobqueue_arguments(args)
-        options["log_directory"] = log_directory(kind, options)  # named here, so the command can name it
+        made = not options.get("log_directory")
+        options["log_directory"] = log_directory(kind, options)  # here, so that the command can name it
         try:
             with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress,
                          release_within=RELEASE_WITHIN, **options) as client:
@@ -130,8 +131,9 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
                       file=sys.stderr, flush=True)
                 yield client
         finally:
-            print(f"flowreduce: the batch jobs' logs are in {options['log_directory']}", file=sys.stderr,
-                  flush=True)
+            if not (made and _removed_if_empty(options["log_directory"])):
+                print(f"flowreduce: the batch jobs' logs are in {options['log_directory']}", file=sys.stderr,
+                      flush=True)
 
 
 @contextmanager
@@ -242,11 +244,13 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
             yield stack.enter_context(Client(c))
             return
         options = dict(options)
-        options["log_directory"] = log_directory(kind, options)
+        if not options.get("log_directory"):
+            options["log_directory"] = log_directory(kind, options)
+            stack.callback(_removed_if_empty, options["log_directory"])  # no job wrote to it
         security = options.pop("security", True)
-        where = options.pop("shared_temp_directory", None)
         if security:  # removed last, once the cluster has closed
-            options["security"] = stack.enter_context(private_certificates(security, tls_directory(kind, where)))
+            options["security"] = stack.enter_context(private_certificates(security, tls_directory(kind, options)))
+        options.pop("shared_temp_directory", None)
         c = jobqueue_cluster(kind, options)
         deadline = ReleaseDeadline(c, release_within)
         stack.callback(deadline.disarm)  # the last to run: the release ended in time
@@ -300,14 +304,23 @@ def log_directory(kind: str, options: dict) -> str:
     return given or run_directory(os.path.join(cache_directory(), "jobs"))
 
 
-def tls_directory(kind: str, given: str | None = None) -> str:
-    """Where a run's directory of worker certificates goes: ``given``, else
-    ``jobqueue.<config>.shared-temp-directory``, else :func:`cache_directory`'s
-    ``tls``."""
+def tls_directory(kind: str, options: dict) -> str:
+    """Where a run's directory of worker certificates goes: ``options``'
+    ``shared_temp_directory``, else ``jobqueue.<config>.shared-temp-directory``,
+    else :func:`cache_directory`'s ``tls``."""
     import dask
 
-    return (given or dask.config.get(f"jobqueue.{_config_name(kind, {})}.shared-temp-directory", None)
+    return (options.get("shared_temp_directory")
+            or dask.config.get(f"jobqueue.{_config_name(kind, options)}.shared-temp-directory", None)
             or os.path.join(cache_directory(), "tls"))
+
+
+def _removed_if_empty(directory: str) -> bool:
+    try:
+        os.rmdir(directory)
+    except OSError:  # not empty, or gone
+        return False
+    return True
 
 
 @contextmanager

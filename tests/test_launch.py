@@ -563,15 +563,15 @@ def test_log_and_certificate_directories_default_to_the_users_cache(tmp_path, mo
         first, second = launch.log_directory("slurm", {}), launch.log_directory("slurm", {})
         assert Path(first).parent == Path(second).parent == tmp_path / "cache" / "flowreduce" / "jobs"
         assert first != second and stat.S_IMODE(os.stat(first).st_mode) == 0o700
-        assert launch.tls_directory("slurm") == str(tmp_path / "cache" / "flowreduce" / "tls")
+        assert launch.tls_directory("slurm", {}) == str(tmp_path / "cache" / "flowreduce" / "tls")
         assert launch.log_directory("slurm", {"log_directory": "given"}) == "given"
         monkeypatch.setenv("XDG_CACHE_HOME", "relative")
         assert Path(launch.log_directory("pbs", {})).parent == tmp_path / "home" / ".cache" / "flowreduce" / "jobs"
     with dask.config.set({"jobqueue.slurm.log-directory": "/site/logs",
                           "jobqueue.slurm.shared-temp-directory": "/site/tmp"}):
         assert launch.log_directory("slurm", {}) == "/site/logs"
-        assert launch.tls_directory("slurm") == "/site/tmp"
-        assert launch.tls_directory("slurm", "given") == "given"
+        assert launch.tls_directory("slurm", {}) == "/site/tmp"
+        assert launch.tls_directory("slurm", {"shared_temp_directory": "given"}) == "given"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "home"]
 
 
@@ -604,3 +604,23 @@ def test_the_embedded_local_cluster_listens_on_loopback_only():
         theirs = set().union(*(listening(pid) for pid in workers))
     assert len(ours) >= 3 and theirs  # scheduler, its dashboard, the nanny; the worker
     assert {ip for ip, _ in ours | theirs} == {"127.0.0.1"}, (ours, theirs)
+
+
+def test_a_cluster_that_never_starts_leaves_no_directory(tmp_path, monkeypatch, capsys):
+    """A batch cluster that fails before any job runs (here: dask-jobqueue
+    refusing an option) leaves neither its empty log directory nor its
+    certificates behind, and the command names no log directory."""
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    from flowreduce.cli import bench
+
+    def refused(kind, options):
+        assert os.listdir(Path(options["security"].tls_worker_key).parent)  # the certificates were written
+        raise ValueError("refused option")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(launch, "jobqueue_cluster", refused)
+    with pytest.raises(ValueError, match="refused option"):
+        with launch.from_args(cli_args(bench, "--cluster", "slurm")):
+            pass  # pragma: no cover - not reached
+    assert [list(d.iterdir()) for d in (tmp_path / "flowreduce").iterdir()] == [[], []]  # jobs/, tls/
+    assert "logs are in" not in capsys.readouterr().err
