@@ -248,11 +248,13 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
             options["log_directory"] = log_directory(kind, options)
             stack.callback(_removed_if_empty, options["log_directory"])  # no job wrote to it
         security = options.pop("security", True)
+        made: list[str] = []
         if security:  # removed last, once the cluster has closed
-            options["security"] = stack.enter_context(private_certificates(security, tls_directory(kind, options)))
+            options["security"] = stack.enter_context(
+                private_certificates(security, tls_directory(kind, options), made=made))
         options.pop("shared_temp_directory", None)
         c = jobqueue_cluster(kind, options)
-        deadline = ReleaseDeadline(c, release_within)
+        deadline = ReleaseDeadline(c, release_within, remove=made)
         stack.callback(deadline.disarm)  # the last to run: the release ended in time
         stack.callback(_release, c)  # runs on error and Ctrl-C too
         try:
@@ -324,12 +326,12 @@ def _removed_if_empty(directory: str) -> bool:
 
 
 @contextmanager
-def private_certificates(security: Any, parent: str) -> Iterator[Any]:
+def private_certificates(security: Any, parent: str, made: list[str] | None = None) -> Iterator[Any]:
     """``security`` (``True``: :meth:`Security.temporary()
     <distributed.security.Security.temporary>`) with the workers'
     in-memory certificates and key written to files in a new directory in
     ``parent`` that only the user can read (0700, files 0600), which is
-    removed when the block ends. The batch jobs read the files (their
+    removed when the block ends (and appended to ``made``, if given). The batch jobs read the files (their
     command line names them); scheduler and client keep theirs in memory.
 
     dask-jobqueue would write them itself, but into the current directory
@@ -345,6 +347,8 @@ def private_certificates(security: Any, parent: str) -> Iterator[Any]:
         yield security
         return
     directory = run_directory(parent)
+    if made is not None:
+        made.append(directory)
     try:
         security = copy.copy(security)
         for key, pem in in_memory.items():  # ca_file, cert, key
@@ -381,11 +385,13 @@ RELEASE_WITHIN = 60.0
 class ReleaseDeadline:
     """Once armed, a timer: unless disarmed within ``seconds``, it cancels
     every job of the dask-jobqueue cluster ``c`` with the queue's own
-    command (``scancel``, ``qdel``, ...), says so on stderr, and ends the
-    process with the given status. ``seconds=None`` never arms."""
+    command (``scancel``, ``qdel``, ...), says so on stderr, removes the
+    directories in ``remove`` (the run's certificates: nothing else would)
+    and ends the process with the given status. ``seconds=None`` never arms."""
 
-    def __init__(self, c: Any, seconds: float | None):
+    def __init__(self, c: Any, seconds: float | None, remove: list[str] | None = None):
         self.c, self.seconds = c, seconds
+        self.remove = remove if remove is not None else []
         self._timer: Any = None
 
     def arm(self, status: int) -> None:
@@ -414,6 +420,8 @@ class ReleaseDeadline:
         if ids:
             with suppress(Exception):
                 subprocess.run(command + ids, timeout=30, capture_output=True)
+        for directory in self.remove:
+            shutil.rmtree(directory, ignore_errors=True)
         os._exit(status)
 
 

@@ -454,17 +454,19 @@ def test_importing_dask_jobqueue_keeps_the_sigint_handler_it_found(started_with)
 def test_an_interrupted_release_that_hangs_cancels_the_jobs_and_exits(tmp_path, closes_in_time):
     """After Ctrl-C a command's release gets ReleaseDeadline's seconds: a
     release that hangs has its jobs cancelled with the queue's own command
-    (here ``touch``, whose argument is the job id) and the process ends with
-    the interrupt's status; a release in time cancels nothing and ends as
-    usual."""
+    (here ``touch``, whose argument is the job id), the run's certificates
+    removed, and the process ends with the interrupt's status; a release in
+    time cancels nothing and ends as usual."""
     job = tmp_path / "cancelled-job-17"
+    certificates = tmp_path / "certificates"
+    (certificates / "sub").mkdir(parents=True)
     code = textwrap.dedent(f"""
         import time
         from types import SimpleNamespace
         from flowreduce.launch import ReleaseDeadline
         c = SimpleNamespace(workers={{"w": SimpleNamespace(job_id={str(job)!r})}},
                             job_cls=SimpleNamespace(cancel_command="touch"))
-        deadline = ReleaseDeadline(c, 0.5)
+        deadline = ReleaseDeadline(c, 0.5, remove=[{str(certificates)!r}])
         deadline.arm(130)
         if {closes_in_time}:
             deadline.disarm()
@@ -474,8 +476,10 @@ def test_an_interrupted_release_that_hangs_cancels_the_jobs_and_exits(tmp_path, 
     out = _python("-c", code, timeout=60)
     if closes_in_time:
         assert (out.returncode, out.stdout.strip(), job.exists()) == (0, "released", False), out.stderr
+        assert certificates.exists()  # the release removes them itself
     else:
         assert (out.returncode, out.stdout, job.exists()) == (130, "", True), out.stderr
+        assert not certificates.exists()
         assert f"cancelling its jobs (touch {job})" in out.stderr
 
 
