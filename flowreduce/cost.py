@@ -1,6 +1,7 @@
 """The cost model, and ``auto``: pick the plan the model says is fastest.
 
-The textbook α-β-γ model (REFERENCES §2) counts messages and bytes; on a
+The textbook α-β-γ model (Thakur, Rabenseifner and Gropp, "Optimization of
+collective communication operations in MPICH", IJHPCA 2005) counts messages and bytes; on a
 task scheduler the latency term is per *dependent level* of the graph, plus
 a per-task overhead in the scheduler. The model here reads every term off
 the plan itself (:meth:`Plan.cost`), so a new algorithm needs no formula.

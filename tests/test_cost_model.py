@@ -41,7 +41,7 @@ def hosts_of(kind: str, p: int, g: int) -> list[list[int]]:
 
 
 def one_host_formula(m: CostModel, plan, n: float) -> float:
-    """The model before link classes (REFERENCES §2 on one host), written out again."""
+    """The model before link classes (the α-β-γ model on one host), written out again."""
     card = plan.cost(n)
     comm = card.max_rank_bytes / m.bandwidth
     compute = card.reduce_bytes / m.reduce_rate

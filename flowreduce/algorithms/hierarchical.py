@@ -22,7 +22,7 @@ outer algorithm needs, so every host's shards are unions of segments.
 ``levels`` nests this: reduce-scatter inside hosts, then inside racks among
 the shard owners, ..., the outer algorithm among the owners at the top.
 
-Cost (REFERENCES §2, level i has p_i members per group, n_i = n/∏_{j<i} p_j
+Cost (the α-β-γ model of Thakur et al. 2005, level i has p_i members per group, n_i = n/∏_{j<i} p_j
 bytes enter it, level 1 = host):
 
     inner level i:  butterfly 2·log_k p_i·α_i, ring 2(p_i-1)·α_i
