@@ -58,6 +58,7 @@ from flowreduce.keys import parse
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import TreeDef, flatten, unflatten
 from flowreduce.schedule import guard, hosts, placement, records
+from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule import transport as _transport
 from flowreduce.schedule.inputs import (
     ArrayMeta,
@@ -106,6 +107,7 @@ def allreduce(
     bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     timeout: float | str | None = None,
     transport: str = "auto",
+    deterministic: bool | str | None = None,
     **options: Any,
 ) -> list[Any]:
     """All-reduce numpy arrays held by futures: one array, or a pytree of
@@ -175,6 +177,13 @@ def allreduce(
         between hosts (``inner="shm-direct"``; ``describe(result).links``
         says which transport each pair of workers used);
         ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.transport`).
+    deterministic : False or "exact"
+        ``"exact"``: float32 and float64 sums and means are the exact sum
+        rounded once (float64: ``math.fsum`` over the ranks), the same bits
+        for any algorithm, chunking, transport, placement and rank count
+        (:mod:`flowreduce.schedule.reproducible`, docs/reproducibility.md);
+        integers, min and max are exact already and pass through. Default:
+        the dask config key ``flowreduce.deterministic`` (False).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
         the file named by the dask config key ``flowreduce.cost-model``,
@@ -224,7 +233,18 @@ def allreduce(
     outer, futures = rank_futures(list(inputs))
     check_cluster(client, futures)
     settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, timeout, transport)
-    ranks = describe_inputs(client, outer, futures, like, settings)
+    exact = _reproducible.mode(config.get("deterministic") if deterministic is None else deterministic)
+    if exact and algorithm in SPARSE_ALGORITHMS:
+        raise OptionError(f"deterministic='exact' takes the dense algorithms, not {algorithm!r}")
+    # exact needs the inputs' dtype: a name glance() does not take makes describe_inputs learn it
+    ranks = describe_inputs(client, outer, futures, like, replace(settings, algorithm="exact") if exact else settings)
+    if exact and _reproducible.applies(ranks.held, settings.op):
+        def run(parts: list[Future], op: str) -> list[Any]:  # an ordinary call, the same options
+            return allreduce(client, parts, op=op, algorithm=algorithm, chunks=chunks, chunk_bytes=chunk_bytes,
+                             model=model, topology=topology, timeout=timeout, transport=transport,
+                             deterministic=False, **options)
+        return _reproducible.allreduce(client, [fs[0] for fs in ranks.futures], ranks.workers, ranks.held,
+                                       settings.op, run)
     return submit(client, lower(client, ranks, settings), ranks, settings.timeout)
 
 

@@ -1,0 +1,125 @@
+"""``deterministic="exact"``: the correctly rounded sum, composed from
+ordinary all-reduces (docs/reproducibility.md).
+
+Every step is exact, so no plan, chunking, transport or placement can
+change the bits, and the lowerings stay as they are:
+
+1. per rank, a task takes its values' binary exponents
+   (:func:`flowreduce.reproducible.exponents`);
+2. an all-reduce with op ``max`` of those: the shared exponents;
+3. per rank, a task writes its values as int64 limbs below them
+   (:func:`~flowreduce.reproducible.encode`);
+4. an all-reduce with op ``sum`` of the limbs (integer addition: exact in
+   any order and grouping);
+5. per rank, a task rounds the exact sum once to the dtype
+   (:func:`~flowreduce.reproducible.decode`) and, for ``mean``, divides
+   it by the rank count in the dtype.
+
+Integer and boolean inputs, and ``min``/``max`` of any dtype, are exact
+already: they pass through to the ordinary call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+from distributed import Client, Future
+
+from flowreduce import reproducible
+from flowreduce.errors import OptionError
+from flowreduce.fusion import Layout
+from flowreduce.keys import new_token, pack_key, unpack_key
+from flowreduce.ops import Op
+from flowreduce.schedule.inputs import ArrayMeta
+
+#: The values of ``deterministic`` (and of the dask config key ``flowreduce.deterministic``).
+MODES = (False, "exact")
+#: Ops whose result does not depend on the order, in any dtype.
+ORDERLESS = ("min", "max", "minimum", "maximum", "fmin", "fmax", "bitwise_and", "bitwise_or", "bitwise_xor",
+             "logical_and", "logical_or", "logical_xor", "gcd", "lcm")
+#: Key names of the helper tasks (``flowreduce-<algorithm>-<phase>-<token>``: keys.py).
+EXPONENTS, LIMBS, NAME = "exact-exponents", "exact-limbs", "exact"
+
+
+def mode(value: Any) -> str | bool:
+    """``deterministic`` checked: False or ``"exact"``."""
+    if value is None or value is False:
+        return False
+    if value is True:
+        raise OptionError("deterministic=True (one fixed reduction order, at the default's speed) is not available "
+                          "yet; deterministic='exact' gives the correctly rounded sum, the same bits for any "
+                          "algorithm, chunking, placement and rank count (docs/reproducibility.md)")
+    if value == "exact":
+        return "exact"
+    raise OptionError(f"deterministic must be False or 'exact', got {value!r}")
+
+
+def applies(held: Any, op: Op) -> bool:
+    """Whether a call holding ``held`` needs the exact path: float32/float64
+    sums and means. False where the result is exact already (integers,
+    booleans, min, max...); an :class:`~flowreduce.errors.OptionError` for
+    float ops it cannot make exact (prod, callables) and for inputs it does
+    not take yet (pytrees, several futures per rank, sparse)."""
+    dtypes = _dtypes(held)
+    floats = [d for d in dtypes if d.kind in "fc"]
+    if not floats or op.name in ORDERLESS:
+        return False
+    if op.name not in ("sum", "mean"):
+        raise OptionError(f"deterministic='exact' makes float sums and means exact; op {op.name!r} on {floats[0]} "
+                          "has no exact form (pass deterministic=False)")
+    if not _single_numpy(held) or not all(reproducible.supported(d) for d in floats):
+        raise OptionError("deterministic='exact' takes one numpy array of float32 or float64 per rank for now; got "
+                          f"{_describe(held)} (pytrees and other dtypes: reduce them one array at a time, or pass "
+                          "deterministic=False)")
+    return True
+
+
+def allreduce(client: Client, inputs: Sequence[Future], workers: Sequence[str], held: Any, op: Op,
+              run: Callable[[list[Future], str], list[Future]]) -> list[Future]:
+    """The exact sum (or mean) of ``inputs`` (rank ``r``'s array on
+    ``workers[r]``, all ``held``), through ``run(futures, op)``: the
+    ordinary all-reduce with the call's other options."""
+    p = len(inputs)
+    if p > reproducible.MAX_RANKS:
+        raise OptionError(f"deterministic='exact' sums at most {reproducible.MAX_RANKS} ranks exactly (int64 "
+                          f"headroom of its limbs); got {p}")
+    dtype = _dtypes(held)[0]
+    token = new_token()
+
+    def per_rank(func: Callable[..., Any], key: Callable[[int], Any], *args: Sequence[Any]) -> list[Future]:
+        return [client.submit(func, *(a[r] for a in args), key=key(r), workers=[workers[r]],
+                              allow_other_workers=False, pure=False) for r in range(p)]
+
+    exps = per_rank(reproducible.exponents, lambda r: pack_key(EXPONENTS, token, r), inputs)
+    shared = run(exps, "max")
+    limbs = per_rank(reproducible.encode, lambda r: pack_key(LIMBS, token, r), inputs, shared)
+    sums = run(limbs, "sum")
+    decode = partial(_decode, dtype=dtype, mean_of=p if op.mean else 0)
+    return per_rank(decode, lambda r: unpack_key(NAME, token, r, 0), sums, shared)
+
+
+def _decode(limbs: np.ndarray, exps: np.ndarray, dtype: np.dtype, mean_of: int) -> np.ndarray:
+    total = reproducible.decode(limbs, exps, dtype)
+    return np.true_divide(total, mean_of).astype(dtype, copy=False) if mean_of else total
+
+
+def _dtypes(held: Any) -> list[np.dtype]:
+    if isinstance(held, Layout):
+        return [np.dtype(t.spec.dtype) for t in held.tensors]
+    dtype = getattr(held, "dtype", None)
+    return [np.dtype(dtype)] if dtype is not None else []
+
+
+def _single_numpy(held: Any) -> bool:
+    if isinstance(held, Layout):
+        return held.single_array and held.tensors[0].spec.native is None
+    return isinstance(held, ArrayMeta)
+
+
+def _describe(held: Any) -> str:
+    if isinstance(held, Layout):
+        return f"{len(held.tensors)} tensors" if not held.single_array else f"a {held.tensors[0].spec}"
+    return type(held).__name__
