@@ -51,6 +51,14 @@ def slurm_skip_reason(wait: float = IDLE_WAIT_SECONDS) -> str | None:
         time.sleep(0.5)
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """flowreduce's directories of a run (the workers' certificates, the
+    jobs' logs) under the test's tmp_path, not in the cache of whoever runs
+    the tests; commands started by the tests inherit it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def slurm() -> None:
     reason = slurm_skip_reason()
