@@ -61,6 +61,9 @@ ZERO = -1100
 SPECIAL = 2000
 #: Fields of limb 0 counting non-finite values (counts < MAX_RANKS < 2**20).
 _NAN, _POS, _NEG = 40, 20, 0
+_COUNT = (1 << 20) - 1
+_MANTISSA = np.int64((1 << 52) - 1)
+_LIMB_MASK = np.int64((1 << BITS) - 1)
 #: Significand bits, by dtype.
 _PRECISION = {np.dtype(np.float64): 53, np.dtype(np.float32): 24}
 
@@ -89,21 +92,24 @@ def encode(x: np.ndarray, E: np.ndarray) -> np.ndarray:
     of ``x`` with ``x``'s sign (truncated toward zero below the window)."""
     x = np.asarray(x)
     _check(x.dtype)
-    E = np.broadcast_to(np.asarray(E), x.shape).astype(np.int32)
     K = LIMBS[x.dtype]
-    out = np.zeros((K, *x.shape), dtype=np.int64)
-    special = E == SPECIAL
-    finite = np.where(special, 0.0, x.astype(np.float64))  # float32 -> float64 is exact
-    # |r| < 2**BITS: each step takes the integer part (exact) and scales the rest up by 2**BITS
-    r = np.ldexp(finite, BITS - np.where(special, 0, E))
+    # integer operations only (no branches on the data): x = +-m 2**(ex - 1075), m < 2**53
+    bits = np.asarray(x, dtype=np.float64).view(np.int64)  # float32 -> float64 is exact
+    sign = bits >> 63  # 0, or -1 where x is negative
+    ex = (bits >> 52) & 0x7FF
+    m = (bits & _MANTISSA) | ((ex != 0).astype(np.int64) << 52)  # subnormals have no implicit bit
+    # x's bit i sits at bit i + shift of the window, whose bit 0 is worth 2**(E - K BITS)
+    shift = np.maximum(ex, 1) - 1075 + K * BITS - np.broadcast_to(np.asarray(E), x.shape).astype(np.int64)
+    out = np.empty((K, *x.shape), dtype=np.int64)
     for k in range(K):
-        q = np.trunc(r)
-        out[k] = q
-        r = np.ldexp(r - q, BITS)
+        t = shift - (K - 1 - k) * BITS  # m's shift into limb k; |t| >= 64 leaves nothing (clipped, then masked)
+        limb = ((m << np.clip(t, 0, 63)) >> np.clip(-t, 0, 63)) & _LIMB_MASK
+        out[k] = (limb ^ sign) - sign
+    special = ex == 0x7FF  # inf and NaN: their elements' E is SPECIAL, so every limb above is 0
     if special.any():
-        counts = ((np.isnan(x).astype(np.int64) << _NAN) | ((x == np.inf).astype(np.int64) << _POS)
-                  | ((x == -np.inf).astype(np.int64) << _NEG))
-        out[0] = np.where(special, counts, out[0])
+        nan = special & (m != 1 << 52)
+        out[0] += (nan.astype(np.int64) << _NAN) | ((special & ~nan & (sign == 0)).astype(np.int64) << _POS) \
+            | ((special & ~nan & (sign != 0)).astype(np.int64) << _NEG)
     return out
 
 
@@ -120,14 +126,13 @@ def decode(limbs: np.ndarray, E: np.ndarray, dtype: Any) -> np.ndarray:
     E = np.broadcast_to(np.asarray(E), shape).astype(np.int64)
     a = [limbs[k].copy() for k in range(K)]
     _carry(a)
-    # magnitude: negate the whole number where it is negative (lower limbs are in [0, 2**BITS))
-    neg = a[0] < 0
-    if neg.any():
-        for k in range(1, K):
-            a[k] = np.where(neg, (1 << BITS) - 1 - a[k], a[k])
-        a[0] = np.where(neg, -a[0] - 1, a[0])
-        a[K - 1] = a[K - 1] + neg
-        _carry(a)
+    # magnitude: where negative, negate the whole number (lower limbs are in [0, 2**BITS)), without branches
+    neg = (a[0] < 0).astype(np.int64)
+    for k in range(1, K):
+        a[k] ^= _LIMB_MASK * neg
+    a[0] ^= -neg  # -a - 1
+    a[K - 1] += neg
+    _carry(a)
     # the top bits into w (at most 62 of them), the rest into a sticky bit
     w, sticky = a[0], np.zeros(shape, dtype=bool)
     unit = np.full(shape, (K - 1) * BITS, dtype=np.int64)  # w's last bit is worth 2**(unit + E - K BITS)
@@ -141,18 +146,18 @@ def decode(limbs: np.ndarray, E: np.ndarray, dtype: Any) -> np.ndarray:
     drop = np.maximum(_bit_length(w) - _PRECISION[dtype], 0)
     q = w >> drop
     rem = w & ((np.int64(1) << drop) - 1)
-    half = np.where(drop > 0, np.int64(1) << np.maximum(drop - 1, 0), np.int64(1) << 62)
-    up = (rem > half) | ((rem == half) & (sticky | ((q & 1) == 1)))
-    q = q + up
+    half = np.int64(1) << np.maximum(drop - 1, 0)  # drop 0: rem is 0, never above or at 1
+    q += (rem > half) | ((rem == half) & (sticky | ((q & 1) == 1)))
     with np.errstate(over="ignore"):
         mag = np.ldexp(q.astype(np.float64), (unit + drop + E - K * BITS).clip(-2000, 2000).astype(np.int32))
-        out = np.where(neg, -mag, mag).astype(dtype)  # exact: mag has at most the dtype's bits (or overflows)
+        # exact: mag has at most the dtype's bits (or overflows to inf); a negative sum is never 0
+        out = np.copysign(mag, 0.5 - neg).astype(dtype)
     special = E == SPECIAL
     if special.any():
         c = limbs[0]
-        nan = ((c >> _NAN) & (MAX_RANKS * 2 - 1)) > 0
-        pos = ((c >> _POS) & ((1 << 20) - 1)) > 0
-        ng = ((c >> _NEG) & ((1 << 20) - 1)) > 0
+        nan = ((c >> _NAN) & _COUNT) > 0
+        pos = ((c >> _POS) & _COUNT) > 0
+        ng = ((c >> _NEG) & _COUNT) > 0
         value = np.where(nan | (pos & ng), np.nan, np.where(pos, np.inf, -np.inf)).astype(dtype)
         out = np.where(special, value, out)
     return out.reshape(shape)

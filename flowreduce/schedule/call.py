@@ -239,9 +239,9 @@ def allreduce(
     # exact needs the inputs' dtype: a name glance() does not take makes describe_inputs learn it
     ranks = describe_inputs(client, outer, futures, like, replace(settings, algorithm="exact") if exact else settings)
     if exact and _reproducible.applies(ranks.held, settings.op):
-        def run(parts: list[Future], op: str) -> list[Any]:  # an ordinary call, the same options
+        def run(parts: list[Future], op: str, template: Any) -> list[Any]:  # an ordinary call, the same options
             return allreduce(client, parts, op=op, algorithm=algorithm, chunks=chunks, chunk_bytes=chunk_bytes,
-                             model=model, topology=topology, timeout=timeout, transport=transport,
+                             model=model, topology=topology, like=template, timeout=timeout, transport=transport,
                              deterministic=False, **options)
         return _reproducible.allreduce(client, [fs[0] for fs in ranks.futures], ranks.workers, ranks.held,
                                        settings.op, run)

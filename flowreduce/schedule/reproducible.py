@@ -33,6 +33,7 @@ from flowreduce.errors import OptionError
 from flowreduce.fusion import Layout
 from flowreduce.keys import new_token, pack_key, unpack_key
 from flowreduce.ops import Op
+from flowreduce.pytree import spec
 from flowreduce.schedule.inputs import ArrayMeta
 
 #: The values of ``deterministic`` (and of the dask config key ``flowreduce.deterministic``).
@@ -78,10 +79,12 @@ def applies(held: Any, op: Op) -> bool:
 
 
 def allreduce(client: Client, inputs: Sequence[Future], workers: Sequence[str], held: Any, op: Op,
-              run: Callable[[list[Future], str], list[Future]]) -> list[Future]:
+              run: Callable[[list[Future], str, Any], list[Future]]) -> list[Future]:
     """The exact sum (or mean) of ``inputs`` (rank ``r``'s array on
-    ``workers[r]``, all ``held``), through ``run(futures, op)``: the
-    ordinary all-reduce with the call's other options."""
+    ``workers[r]``, all ``held``), through ``run(futures, op, like)``: the
+    ordinary all-reduce with the call's other options. Nothing is waited
+    for: the helper tasks are pinned, and each all-reduce is given the
+    template of what they return (``like``)."""
     p = len(inputs)
     if p > reproducible.MAX_RANKS:
         raise OptionError(f"deterministic='exact' sums at most {reproducible.MAX_RANKS} ranks exactly (int64 "
@@ -93,10 +96,11 @@ def allreduce(client: Client, inputs: Sequence[Future], workers: Sequence[str], 
         return [client.submit(func, *(a[r] for a in args), key=key(r), workers=[workers[r]],
                               allow_other_workers=False, pure=False) for r in range(p)]
 
+    shape = _shape(held)
     exps = per_rank(reproducible.exponents, lambda r: pack_key(EXPONENTS, token, r), inputs)
-    shared = run(exps, "max")
+    shared = run(exps, "max", spec(shape, reproducible.EXPONENT_DTYPE))
     limbs = per_rank(reproducible.encode, lambda r: pack_key(LIMBS, token, r), inputs, shared)
-    sums = run(limbs, "sum")
+    sums = run(limbs, "sum", spec((reproducible.LIMBS[dtype], *shape), np.int64))
     decode = partial(_decode, dtype=dtype, mean_of=p if op.mean else 0)
     return per_rank(decode, lambda r: unpack_key(NAME, token, r, 0), sums, shared)
 
@@ -111,6 +115,10 @@ def _dtypes(held: Any) -> list[np.dtype]:
         return [np.dtype(t.spec.dtype) for t in held.tensors]
     dtype = getattr(held, "dtype", None)
     return [np.dtype(dtype)] if dtype is not None else []
+
+
+def _shape(held: Any) -> tuple[int, ...]:
+    return tuple(held.tensors[0].spec.shape) if isinstance(held, Layout) else tuple(held.shape)
 
 
 def _single_numpy(held: Any) -> bool:
