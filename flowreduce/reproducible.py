@@ -64,6 +64,12 @@ _NAN, _POS, _NEG = 40, 20, 0
 _COUNT = (1 << 20) - 1
 _MANTISSA = np.int64((1 << 52) - 1)
 _LIMB_MASK = np.int64((1 << BITS) - 1)
+#: Elements encoded or decoded at a time: a block's temporaries (32 KiB each) stay in cache and in
+#: the heap, where whole-array ones are fresh pages every time -- Dask's workers set
+#: MALLOC_TRIM_THRESHOLD_=65536, so freed memory goes back to the OS at once and the page faults
+#: cost more than the math (measured in a worker at 1e6 float64: 65 ms encode, 113 ms decode with
+#: 4096-element blocks; 118/426 ms whole-array, 227/500 ms with 16384)
+BLOCK = 1 << 12
 #: Significand bits, by dtype.
 _PRECISION = {np.dtype(np.float64): 53, np.dtype(np.float32): 24}
 
@@ -93,6 +99,14 @@ def encode(x: np.ndarray, E: np.ndarray) -> np.ndarray:
     x = np.asarray(x)
     _check(x.dtype)
     K = LIMBS[x.dtype]
+    flat, exps = x.reshape(-1), np.broadcast_to(np.asarray(E), x.shape).reshape(-1)
+    out = np.empty((K, flat.size), dtype=np.int64)
+    for lo in range(0, flat.size, BLOCK):
+        out[:, lo:lo + BLOCK] = _encode(flat[lo:lo + BLOCK], exps[lo:lo + BLOCK], K)
+    return out.reshape((K, *x.shape))
+
+
+def _encode(x: np.ndarray, E: np.ndarray, K: int) -> np.ndarray:
     # integer operations only (no branches on the data): x = +-m 2**(ex - 1075), m < 2**53
     bits = np.asarray(x, dtype=np.float64).view(np.int64)  # float32 -> float64 is exact
     sign = bits >> 63  # 0, or -1 where x is negative
@@ -123,7 +137,16 @@ def decode(limbs: np.ndarray, E: np.ndarray, dtype: Any) -> np.ndarray:
     if limbs.shape[0] != K:
         raise ValueError(f"{dtype} takes {K} limbs, got {limbs.shape[0]}")
     shape = limbs.shape[1:]
-    E = np.broadcast_to(np.asarray(E), shape).astype(np.int64)
+    flat, exps = limbs.reshape(K, -1), np.broadcast_to(np.asarray(E), shape).reshape(-1)
+    out = np.empty(flat.shape[1], dtype=dtype)
+    for lo in range(0, out.size, BLOCK):
+        out[lo:lo + BLOCK] = _decode(flat[:, lo:lo + BLOCK], exps[lo:lo + BLOCK], dtype, K)
+    return out.reshape(shape)
+
+
+def _decode(limbs: np.ndarray, E: np.ndarray, dtype: np.dtype, K: int) -> np.ndarray:
+    shape = limbs.shape[1:]
+    E = E.astype(np.int64)
     a = [limbs[k].copy() for k in range(K)]
     _carry(a)
     # magnitude: where negative, negate the whole number (lower limbs are in [0, 2**BITS)), without branches
@@ -160,7 +183,7 @@ def decode(limbs: np.ndarray, E: np.ndarray, dtype: Any) -> np.ndarray:
         ng = ((c >> _NEG) & _COUNT) > 0
         value = np.where(nan | (pos & ng), np.nan, np.where(pos, np.inf, -np.inf)).astype(dtype)
         out = np.where(special, value, out)
-    return out.reshape(shape)
+    return out
 
 
 def exact_sum(arrays: Sequence[np.ndarray]) -> np.ndarray:
