@@ -90,6 +90,14 @@ def test_exact_is_the_same_at_any_rank_count(inproc_client):
     assert four.tobytes() == six.tobytes() == fsum(xs).tobytes()
 
 
+def test_exact_with_a_template(inproc_client):
+    xs = wide(3, seed=7)
+    futures = scatter_ranks(inproc_client, xs)
+    got = inproc_client.gather(flowreduce.allreduce(inproc_client, futures, like=xs[0], algorithm="butterfly",
+                                                    deterministic="exact"))
+    assert all(g.tobytes() == fsum(xs).tobytes() for g in got)
+
+
 def test_inf_and_nan(inproc_client):
     xs = [np.array([np.inf, np.inf, np.nan, 1.0]), np.array([1.0, -np.inf, 1.0, 2.0])]
     got = results(inproc_client, xs, algorithm="ring", deterministic="exact")[1]

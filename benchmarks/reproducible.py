@@ -1,0 +1,93 @@
+"""What ``deterministic="exact"`` costs: the default against exact, float64
+sums at 1e5, 1e6 and 1e7 elements on a 4-worker LocalCluster (one rank per
+worker), ``algorithm="auto"`` in both.
+
+Each repetition makes fresh inputs (untimed, pinned to their worker, checked
+there with ``client.who_has`` as ``flowreduce bench`` does), then times the
+call until every result is in memory; the two modes alternate within a
+repetition and swap order every repetition. One warm-up repetition, then
+``--repeat`` timed ones (median reported). Expected: exact moves 3 int64
+limbs and an int16 exponent per element (26 bytes against 8) through two
+all-reduces, and encodes and decodes in numpy, so about 3-4x the default at
+large sizes, less where latency dominates. Run benchmarks/warm_memory.py
+first on a freshly booted machine.
+
+    python benchmarks/reproducible.py [--sizes 1e5 1e6 1e7] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+from distributed import Client, LocalCluster, wait
+
+import flowreduce
+
+
+def make_input(n: int, rank: int) -> np.ndarray:
+    rng = np.random.default_rng(rank)
+    return rng.standard_normal(n) * 10.0 ** rng.integers(-8, 9, n)  # 16 orders of magnitude
+
+
+def head(x: np.ndarray) -> np.ndarray:
+    return x[:1000]
+
+
+def check(x: np.ndarray, sample: np.ndarray) -> bool:
+    return bool(np.array_equal(x[: sample.size], sample))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", type=float, default=[1e5, 1e6, 1e7])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=4)
+    args = ap.parse_args()
+    print(f"load average at start: {os.getloadavg()}  (cores: {os.cpu_count()})")
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        workers = sorted(client.nthreads())
+        p = len(workers)
+        print(f"{'elements':>10} {'mode':>8} {'median ms':>10} {'runs ms':>40} {'x default':>10}")
+        for n in (int(s) for s in args.sizes):
+            times: dict[str, list[float]] = {"default": [], "exact": []}
+            exact_sample = None
+            for it in range(1 + args.repeat):
+                modes = ["default", "exact"] if it % 2 == 0 else ["exact", "default"]
+                for m in modes:
+                    inputs = [client.submit(make_input, n, r, workers=[workers[r]], pure=False) for r in range(p)]
+                    wait(inputs)
+                    held = client.who_has(inputs)
+                    for r, f in enumerate(inputs):
+                        if list(held[f.key]) != [workers[r]]:
+                            raise RuntimeError(f"input of rank {r} is on {list(held[f.key])}, not {workers[r]}")
+                    t0 = time.perf_counter()
+                    outs = flowreduce.allreduce(client, inputs, deterministic="exact" if m == "exact" else False)
+                    wait(outs)
+                    elapsed = time.perf_counter() - t0
+                    if m == "exact":  # every rank the same bits, and the first 1000 are fsum's
+                        if exact_sample is None:
+                            xs = client.gather([client.submit(head, f, pure=False) for f in inputs])
+                            exact_sample = np.array([math.fsum(v) for v in zip(*xs)])
+                        ok = client.gather([client.submit(check, o, exact_sample, workers=[workers[r]], pure=False)
+                                            for r, o in enumerate(outs)])
+                        if not all(ok):
+                            raise RuntimeError(f"exact results differ from fsum at n={n}")
+                    del outs, inputs
+                    if it > 0:
+                        times[m].append(elapsed)
+            base = statistics.median(times["default"])
+            for m, ts in times.items():
+                med = statistics.median(ts)
+                runs = " ".join(f"{t * 1e3:.1f}" for t in ts)
+                print(f"{n:>10} {m:>8} {med * 1e3:>10.1f} {runs:>40} {med / base:>10.2f}", flush=True)
+    print(f"load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
