@@ -227,7 +227,7 @@ def reference_reduce(arrays: Sequence[Any], op: Any = "sum", order: str = "exact
     sum rounded once to the dtype, element by element (float64:
     :func:`math.fsum`; float32: the exact rational sum rounded half-even
     once); ``"mean"`` is that sum divided by the rank count in the dtype
-    (a second rounding). Non-finite values follow the module's rule (any
+    (a second rounding; +0.0 where it underflows to zero). Non-finite values follow the module's rule (any
     NaN, or +inf with -inf: NaN). Other dtypes and ops: the tree order
     (their results do not depend on the order).
 
@@ -261,8 +261,9 @@ def reference_reduce(arrays: Sequence[Any], op: Any = "sum", order: str = "exact
     else:
         total = _tree(xs, ufunc)
     if name == "mean":
-        return np.true_divide(total, p).astype(np.result_type(total.dtype, np.float64) if dtype.kind in "iub"
-                                               else dtype)
+        if dtype.kind in "iub":
+            return np.true_divide(total, p)
+        return np.asarray(np.add(np.true_divide(total, p), 0, dtype=dtype))  # a mean that underflows to zero is +0.0
     return total
 
 

@@ -14,6 +14,7 @@ from conftest import assert_clean, scatter_ranks, workers_of
 
 import flowreduce
 from flowreduce.errors import OptionError
+from flowreduce.schedule import reproducible
 
 RANKS = [1, 2, 3, 5, 8, 16]
 DENSE = [a for a in flowreduce.ALGORITHMS if a != "auto"]
@@ -96,6 +97,22 @@ def test_exact_with_a_template(inproc_client):
     got = inproc_client.gather(flowreduce.allreduce(inproc_client, futures, like=xs[0], algorithm="butterfly",
                                                     deterministic="exact"))
     assert all(g.tobytes() == fsum(xs).tobytes() for g in got)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "shm-direct", "butterfly"])
+def test_exact_with_the_decode_shared_out(inproc_client, monkeypatch, algorithm):
+    # every size takes the path of large vectors: each rank decodes 1/p, a float all-reduce assembles
+    monkeypatch.setattr(reproducible, "SPLIT_DECODE", 1)
+    xs = wide(5, seed=8)
+    for r, x in enumerate(xs):  # a mean that underflows: +0.0
+        x[2] = -5e-324 if r == 0 else 0.0
+    futures = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, xs), algorithm=algorithm,
+                                   deterministic="exact")
+    assert flowreduce.describe(futures).algorithm in (algorithm, "hierarchical")
+    assert all(g.tobytes() == fsum(xs).tobytes() for g in inproc_client.gather(futures))
+    mean = results(inproc_client, xs, op="mean", algorithm=algorithm, deterministic="exact")
+    assert all(g.tobytes() == flowreduce.reference_reduce(xs, "mean").tobytes() for g in mean)
+    assert not np.signbit(mean[0][2])
 
 
 def test_inf_and_nan(inproc_client):
