@@ -75,6 +75,8 @@ PHASE_COLOURS: dict[str, str] = {
     phases.AGGREGATE: "#f16913",
     phases.PACK: "#e7ba52",
     phases.UNPACK: "#f3d98c",
+    phases.HAND_IN: "#d9d9d9",
+    phases.BARRIER: "#f0f0f0",
 }
 _OTHER_PHASE = "#ffffff"
 TRANSFER_COLOUR = "#222222"

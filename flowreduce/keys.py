@@ -1,7 +1,8 @@
 """Key names, made in one place.
 
 ``("flowreduce-<algorithm>-<phase>-<token>", step, rank, chunk, node)`` (tensor
-fusion: ``(..-pack-<token>, rank)`` and ``(..-unpack-<token>, rank, leaf)``): no
+fusion: ``(..-pack-<token>, rank)`` and ``(..-unpack-<token>, rank, leaf)``; method="p2p":
+``(..-hand-in-<token>, rank)``, ``(..-barrier-<token>, 0)`` and the outputs): no
 digits in the name part, so the dashboard and the task stream group keys by
 algorithm and phase (``dask.utils.key_split`` drops the hex token).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 
-from flowreduce.phases import KEY_PHASES, OUTPUT, PACK, UNPACK
+from flowreduce.phases import BARRIER, HAND_IN, KEY_PHASES, OUTPUT, PACK, UNPACK
 
 #: Longest first, so no phase is mistaken for the tail of a longer one.
 _BY_LENGTH = sorted(KEY_PHASES, key=len, reverse=True)
@@ -42,6 +43,16 @@ def unpack_key(algorithm: str, token: str, rank: int, leaf: int):
     return (name(algorithm, UNPACK, token), rank, leaf)
 
 
+def hand_in_key(algorithm: str, token: str, rank: int):
+    """method="p2p": the task handing rank's input to its worker's engine (step 0)."""
+    return (name(algorithm, HAND_IN, token), rank)
+
+
+def barrier_key(algorithm: str, token: str):
+    """method="p2p": the task that runs once every rank has handed its input in."""
+    return (name(algorithm, BARRIER, token), 0)
+
+
 def parse(key) -> dict | None:
     """The parts of a flowreduce key, or None for anybody else's key."""
     if not (isinstance(key, tuple) and isinstance(key[0], str) and key[0].startswith("flowreduce-")):
@@ -56,6 +67,9 @@ def parse(key) -> dict | None:
         return None
     if phase == OUTPUT:
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1]}
+    if phase in (HAND_IN, BARRIER):
+        return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1] if phase == HAND_IN else None,
+                "step": 0 if phase == HAND_IN else None, "chunk": None, "node": None}
     if phase in (PACK, UNPACK):
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1],
                 "leaf": key[2] if phase == UNPACK else None, "step": None, "chunk": None, "node": None}

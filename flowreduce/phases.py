@@ -41,9 +41,11 @@ PLAN_PHASES: tuple[str, ...] = (SPLIT, REDUCE_SCATTER, REDUCE, EXCHANGE, READ_RE
 OUTPUT = "output"  # a rank's result (a copy, or the concatenation of its pieces)
 PACK = "pack"  # tensor fusion: a rank's tensors copied into one bucket
 UNPACK = "unpack"  # tensor fusion: a rank's tensor cut from the reduced buckets
+HAND_IN = "hand-in"  # method="p2p": a rank's input handed to the worker extension that runs the plan
+BARRIER = "barrier"  # method="p2p": every rank has handed its input in
 
 #: Every phase a flowreduce task key may carry.
-KEY_PHASES: tuple[str, ...] = (*PLAN_PHASES, OUTPUT, PACK, UNPACK)
+KEY_PHASES: tuple[str, ...] = (*PLAN_PHASES, OUTPUT, PACK, UNPACK, HAND_IN, BARRIER)
 
 # -- trace phases -----------------------------------------------------------------
 WAIT_FOR_INPUT = "wait-for-input"
@@ -83,5 +85,7 @@ TRACE_PHASE_OF: dict[str, str] = {
     OUTPUT: COPY,
     PACK: FUSION,
     UNPACK: FUSION,
+    HAND_IN: OTHER,  # the engine's own steps are not tasks (docs/p2p.md)
+    BARRIER: OTHER,
 }
 

@@ -34,6 +34,8 @@ class CallRecord:
     transport: str = "dask"  # how links between workers moved bytes ("shared memory", ...)
     #: per pair of workers that exchanged values: (source, destination, "same worker" / "shared memory" / "dask")
     links: tuple[tuple[str, str, str], ...] = ()
+    #: "tasks" (a task per plan node and chunk) or "p2p" (the plan run by a worker extension: docs/p2p.md)
+    method: str = "tasks"
 
     def link_transports(self) -> dict[tuple[str, str], str]:
         """``(source worker, destination worker) -> transport`` for every

@@ -1,0 +1,185 @@
+"""method="p2p": what a worker extension needs to run a plan, and the small
+graph that hands the ranks' inputs to it. Imports dask, never distributed.
+
+The plan's nodes are not tasks here. A :class:`Spec` (a few hundred bytes:
+the plan's name, ranks, chunks and options, the op's name, the inputs'
+dtype and shape, each rank's worker) travels once per run and worker; every
+worker rebuilds the plan from it (:func:`flowreduce.algorithms.plan`, cached)
+and reads its :class:`Program`: for each chunk and node, the element range
+and the slices of its inputs' pieces, decided here as
+:mod:`flowreduce.build.graph` decides them for the task graph. The graph
+(:func:`lower_p2p`) is ``2 * ranks + 1`` tasks whatever the algorithm and
+chunk count: per rank a *hand-in* (its input into the engine), one
+*barrier*, per rank an *output* (its result out of the engine).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from dask.task_spec import List, Task, TaskRef
+
+from flowreduce import keys
+from flowreduce.algorithms import plan as make_plan
+from flowreduce.algorithms.ir import GATHER, Plan
+from flowreduce.build import kernels as _kernels
+from flowreduce.build.graph import Graph, chunk_bounds, contributions, owned_inputs
+from flowreduce.ops import Op, resolve_op
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A run, as every worker of it rebuilds it. ``where[r]`` indexes
+    ``addresses`` (each worker once: the spec stays small at many ranks)."""
+
+    algorithm: str
+    ranks: int
+    chunks: int
+    options: tuple[tuple[str, Any], ...]
+    op: str
+    dtype: str
+    shape: tuple[int, ...]
+    addresses: tuple[str, ...]
+    where: tuple[int, ...]
+    in_place: bool = True  # received buffers are private copies (not inproc://): reduce into them
+
+    @classmethod
+    def of(cls, plan: Plan, op: Op, dtype: np.dtype, shape: tuple[int, ...], workers: Sequence[str],
+           in_place: bool) -> Spec:
+        addresses = tuple(dict.fromkeys(workers))
+        index = {w: i for i, w in enumerate(addresses)}
+        return cls(plan.algorithm, plan.ranks, plan.chunks, _frozen(dict(plan.options)), op.name,
+                   np.dtype(dtype).str, tuple(shape), addresses, tuple(index[w] for w in workers), in_place)
+
+    def worker(self, rank: int) -> str:
+        return self.addresses[self.where[rank]]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def plan(self) -> Plan:
+        return make_plan(self.algorithm, self.ranks, chunks=self.chunks, **dict(self.options))
+
+    def resolved_op(self) -> Op:
+        return resolve_op(self.op)
+
+
+def _frozen(value: Any) -> Any:
+    """Options as a hashable value (hierarchical's groups are lists): the spec keys a cache."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class Site:
+    """One node in one chunk: its element range in the vector and, per
+    input, the ``(piece, start, stop)`` slices covering it."""
+
+    start: int
+    stop: int
+    picks: tuple[tuple[_kernels.Pick, ...], ...]
+
+
+class Program:
+    """A plan as one worker runs it: which nodes are its own, who reads them,
+    and each node's slices per chunk (computed when first asked)."""
+
+    def __init__(self, spec: Spec, address: str):
+        plan = self.plan = spec.plan()
+        self.spec = spec
+        self.op = spec.resolved_op()
+        self.dtype = np.dtype(spec.dtype)
+        self.accumulate = self.op.accumulator(self.dtype)
+        self.itemsize = (self.accumulate or self.dtype).itemsize
+        nodes = plan.nodes
+        workers = [spec.worker(r) for r in range(plan.ranks)]
+        self.local_ranks = tuple(r for r in range(plan.ranks) if workers[r] == address)
+        here = [workers[n.rank] == address for n in nodes]
+        self.local_nodes = tuple(n.id for n in nodes if here[n.id])
+        consumers = plan.consumers()
+        #: node -> its consumers on this worker (once per input position), for the nodes computed here or received
+        self.readers: dict[int, tuple[int, ...]] = {
+            n.id: tuple(c for c in consumers[n.id] if here[c]) for n in nodes}
+        #: a local node -> the other workers reading it, each sent the value once
+        self.sends: dict[int, tuple[str, ...]] = {
+            i: tuple(sorted({workers[nodes[c].rank] for c in consumers[i]} - {address})) for i in self.local_nodes}
+        #: nodes computed elsewhere whose values this worker receives
+        self.received = frozenset(i for i, cs in self.readers.items() if cs and not here[i])
+        self.final_of = {plan.finals[r]: r for r in self.local_ranks}
+        self.count = contributions(plan)
+        self.owned = owned_inputs(plan, workers, spec.in_place)
+        self.views = {r: tuple(n.id for n in nodes if here[n.id] and n.rank == r and not n.inputs)
+                      for r in self.local_ranks}
+        self._layout: list[list[tuple[int, int]]] = []
+        for n in nodes:
+            if n.kind == GATHER:
+                self._layout.append([(max(a, n.lo), min(b, n.hi)) for i in n.inputs for a, b in self._layout[i]
+                                     if max(a, n.lo) < min(b, n.hi)])
+            else:
+                self._layout.append([(n.lo, n.hi)])
+        self.bounds = chunk_bounds(spec.size, plan.chunks)
+        self._sites: dict[tuple[int, int], Site] = {}
+
+    def elem(self, chunk: int, segment: int) -> int:
+        c0, c1 = self.bounds[chunk]
+        return c0 + (c1 - c0) * segment // self.plan.segments
+
+    def site(self, chunk: int, node: int) -> Site:
+        found = self._sites.get((chunk, node))
+        if found is None:
+            found = self._sites[chunk, node] = self._site(chunk, node)
+        return found
+
+    def _site(self, chunk: int, node: int) -> Site:
+        n = self.plan.nodes[node]
+        picks = []
+        for i in n.inputs:
+            out: list[_kernels.Pick] = []
+            for idx, (a, b) in enumerate(self._layout[i]):
+                x, y = max(a, n.lo), min(b, n.hi)
+                if x < y:
+                    out.append((idx, self.elem(chunk, x) - self.elem(chunk, a), self.elem(chunk, y) - self.elem(chunk, a)))
+            picks.append(tuple(out))
+        return Site(self.elem(chunk, n.lo), self.elem(chunk, n.hi), tuple(picks))
+
+    def expected(self, chunk: int, node: int) -> int:
+        """Elements of node's value in ``chunk`` (a received message must hold exactly these)."""
+        return sum(self.elem(chunk, b) - self.elem(chunk, a) for a, b in self._layout[node])
+
+
+@functools.lru_cache(maxsize=32)
+def program(spec: Spec, address: str) -> Program:
+    """The :class:`Program` of ``spec`` on the worker at ``address``, built once per run shape."""
+    return Program(spec, address)
+
+
+def lower_p2p(spec: Spec, inputs: Sequence[Any], *, token: str, run: str,
+              hand_in: Callable[..., Any], barrier: Callable[..., Any], take_out: Callable[..., Any]) -> Graph:
+    """The graph of a p2p run: ``hand_in(x, run, rank, spec)`` pinned to each
+    rank's worker, ``barrier(handed)`` once, ``take_out(barrier, run, rank)``
+    pinned to each rank's worker (the rank's result). ``2 * ranks + 1`` tasks."""
+    tasks: dict[Hashable, Task] = {}
+    placement: dict[Hashable, str] = {}
+    handed = []
+    for r in range(spec.ranks):
+        key = keys.hand_in_key(spec.algorithm, token, r)
+        tasks[key] = Task(key, hand_in, inputs[r], run, r, spec)
+        placement[key] = spec.worker(r)
+        handed.append(TaskRef(key))
+    gate = keys.barrier_key(spec.algorithm, token)
+    tasks[gate] = Task(gate, barrier, List(*handed))
+    placement[gate] = spec.worker(0)
+    outputs = [keys.output_key(spec.algorithm, token, r) for r in range(spec.ranks)]
+    for r, key in enumerate(outputs):
+        tasks[key] = Task(key, take_out, TaskRef(gate), run, r)
+        placement[key] = spec.worker(r)
+    return Graph(tasks, outputs, placement, token)

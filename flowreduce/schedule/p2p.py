@@ -1,0 +1,512 @@
+"""method="p2p": the plan executed by a worker extension, not as a task per
+step and chunk (as ``distributed.shuffle`` moves a shuffle's data outside
+the graph). docs/p2p.md tells the whole story.
+
+* :class:`Engine` (``worker.extensions["flowreduce-p2p"]``, installed by
+  :class:`P2PWorkerPlugin`) keeps one :class:`Run` per run id
+  (``"<call token>.<attempt>"``) while the run lasts on that worker.
+* The graph (:func:`flowreduce.build.p2p.lower_p2p`) hands each rank's input
+  in (:func:`hand_in`), waits for all of them (:func:`barrier`) and takes
+  each rank's result out (:func:`take_out`, a coroutine: it waits on the
+  worker's event loop without holding its thread).
+* A node's value goes once to each other worker reading it, in one message
+  per destination for everything ready meanwhile (handler :data:`RECEIVE`,
+  on the worker's connection pool); ranks of one worker read each other's
+  values in process. Chunks run independently; reductions of at least
+  :data:`OFFLOAD_BYTES` run on the worker's executor.
+* Failures: an error on one worker fails the run there and is told to the
+  run's other workers (handler :data:`FAIL`); :class:`P2PSchedulerPlugin`
+  tells the survivors when a worker of a run leaves and when a run's tasks
+  err or are forgotten before its end. Every output then raises. A run's
+  state is dropped when its worker's outputs are taken and its messages
+  sent, or when it fails (its error is kept, :data:`FAILED_KEPT` runs at
+  most, to fail late tasks of it with the same error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Hashable, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+from distributed import get_worker
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from distributed.protocol import to_serialize
+
+from flowreduce.algorithms.ir import REDUCE
+from flowreduce.build import kernels as _kernels
+from flowreduce.build.graph import Graph
+from flowreduce.build.p2p import Program, Spec, lower_p2p, program
+from flowreduce.errors import InputError, WorkerLostError
+from flowreduce.keys import new_token, parse
+from flowreduce.phases import BARRIER, HAND_IN, OUTPUT
+
+logger = logging.getLogger("flowreduce")
+
+EXTENSION = "flowreduce-p2p"
+RECEIVE = "flowreduce_p2p_receive"
+FAIL = "flowreduce_p2p_fail"
+#: Reductions of at least this many bytes run on the worker's executor: a
+#: hop to a thread costs ~50 µs, about what numpy takes to add 256 KiB, and
+#: the event loop keeps moving other chunks' messages meanwhile.
+OFFLOAD_BYTES = 256 << 10
+#: Failed runs whose error is kept, to fail their late tasks with it.
+FAILED_KEPT = 256
+#: Most items one message may carry (a plan's nodes times its chunks is far less).
+MAX_ITEMS = 1 << 20
+
+Item = tuple[int, int, tuple[np.ndarray, ...]]  # (chunk, node, pieces)
+
+
+def run_id(token: str, attempt: int = 0) -> str:
+    """A run's id: the call's token and the attempt (restarts are to come: always 0 now)."""
+    return f"{token}.{attempt}"
+
+
+class Run:
+    """One run on one worker: the values of its nodes here, what waits for
+    what, the messages to send, and a future per local rank's result."""
+
+    def __init__(self, engine: Engine, run: str, spec: Spec):
+        self.engine, self.id, self.spec = engine, run, spec
+        self.prog: Program = program(spec, engine.address)
+        loop = asyncio.get_running_loop()
+        self.results: dict[int, asyncio.Future] = {r: loop.create_future() for r in self.prog.local_ranks}
+        self.inputs: dict[int, Any] = {}
+        self.values: dict[tuple[int, int], Any] = {}
+        self.uses: dict[tuple[int, int], int] = {}
+        self.missing: dict[tuple[int, int], int] = {}
+        self.finals: dict[int, dict[int, Any]] = defaultdict(dict)
+        self.ready: deque[tuple[int, int]] = deque()
+        self.left = len(self.prog.local_nodes) * spec.chunks  # local nodes not computed yet
+        self.offloaded = 0
+        self.outbox: dict[str, list[Item]] = defaultdict(list)
+        self.sending: dict[str, asyncio.Task] = {}
+        self.told: set[str] = set()  # workers sent the spec already
+        self.taken: set[int] = set()
+
+    # -- data in --------------------------------------------------------------
+    def hand_in(self, rank: int, x: Any) -> None:
+        if rank not in self.results:
+            raise WorkerLostError(f"rank {rank} was handed in on {self.engine.address}, which is not its worker in "
+                                  f"run {self.id} ({self.spec.worker(rank)}): a worker left and the call is being "
+                                  "re-run elsewhere, which method='p2p' does not do yet")
+        if rank in self.inputs:
+            raise WorkerLostError(f"rank {rank} was handed in twice in run {self.id}: the call is being re-run "
+                                  "after a worker loss, which method='p2p' does not do yet")
+        if isinstance(x, np.generic):  # a numpy scalar is a 0-d array here too
+            x = np.asarray(x)
+        if not isinstance(x, np.ndarray) or x.shape != self.spec.shape or x.dtype.str != self.spec.dtype:
+            got = f"{type(x).__name__} {getattr(x, 'shape', '')} {getattr(x, 'dtype', '')}".strip()
+            raise InputError(f"rank {rank}'s input is {got}, not the {self.spec.shape} {np.dtype(self.spec.dtype)} "
+                             "array every rank was checked to hold")
+        self.inputs[rank] = x
+        for c in range(self.spec.chunks):
+            for n in self.prog.views[rank]:
+                s = self.prog.site(c, n)
+                self._available(c, n, _kernels.split(x, s.start, s.stop, self.prog.accumulate), here=True)
+        self._drain()
+
+    def deliver(self, items: Sequence[Item]) -> None:
+        for c, n, pieces in items:
+            self._available(c, n, pieces, here=False)
+        self._drain()
+
+    # -- the work -------------------------------------------------------------
+    def _available(self, c: int, n: int, value: Any, here: bool) -> None:
+        prog = self.prog
+        if here:
+            self.left -= 1
+            for dest in prog.sends[n]:
+                self.outbox[dest].append((c, n, tuple(value)))
+                if dest not in self.sending:
+                    self.sending[dest] = asyncio.ensure_future(self._send(dest))
+        rank = prog.final_of.get(n)
+        if rank is not None:
+            self.finals[rank][c] = value
+            if len(self.finals[rank]) == self.spec.chunks:
+                self._finish(rank)
+        readers = prog.readers[n]
+        if readers:
+            self.values[c, n] = value
+            self.uses[c, n] = len(readers)
+        for m in readers:
+            k = (c, m)
+            left = self.missing.get(k, len(prog.plan.nodes[m].inputs)) - 1
+            self.missing[k] = left
+            if left == 0:
+                del self.missing[k]
+                self.ready.append(k)
+
+    def _drain(self) -> None:
+        """Compute every node whose inputs are here (a queue, not recursion: a
+        ring's chain is 2 * ranks nodes long)."""
+        prog = self.prog
+        while self.ready:
+            c, m = self.ready.popleft()
+            node = prog.plan.nodes[m]
+            s = prog.site(c, m)
+            inputs = [self.values[c, i] for i in node.inputs]
+            for i in node.inputs:  # a value read by nobody else here is let go
+                self.uses[c, i] -= 1
+                if not self.uses[c, i]:
+                    del self.uses[c, i], self.values[c, i]
+            if node.kind == REDUCE:
+                work = partial(_kernels.reduce, prog.op, self.spec.ranks, prog.count[m] == self.spec.ranks, None,
+                               inputs, s.picks, prog.owned[m])
+                if (s.stop - s.start) * prog.itemsize >= OFFLOAD_BYTES:
+                    self.offloaded += 1
+                    asyncio.ensure_future(self._offload(c, m, work))
+                    continue
+                value = work()
+            else:
+                value = _kernels.gather(None, inputs, s.picks)
+            self._available(c, m, value, here=True)
+
+    async def _offload(self, c: int, m: int, work: Any) -> None:
+        try:
+            value = await asyncio.get_running_loop().run_in_executor(self.engine.executor, work)
+        except Exception as e:
+            self.engine.fail(self.id, e, tell=True)
+            return
+        finally:
+            self.offloaded -= 1
+        if self.engine.runs.get(self.id) is self:
+            self._available(c, m, value, here=True)
+            self._drain()
+            self._maybe_done()
+
+    async def _send(self, dest: str) -> None:
+        """Send what waits for ``dest``, one message at a time: whatever became
+        ready during a send goes in the next one."""
+        try:
+            while self.outbox.get(dest):
+                items = self.outbox.pop(dest)
+                spec = None if dest in self.told else to_serialize(self.spec)
+                self.told.add(dest)
+                reply = await self.engine.worker.rpc(dest).flowreduce_p2p_receive(
+                    run=self.id, items=to_serialize(items), spec=spec)
+                if isinstance(reply, dict) and isinstance(reply.get("error"), BaseException):
+                    raise _Failed(reply["error"])  # the run failed there first: fail here with its error
+                if not isinstance(reply, dict) or reply.get("status") != "OK":
+                    why = reply.get("message") if isinstance(reply, dict) else reply
+                    raise RuntimeError(f"worker {dest} refused run {self.id}'s values: {why}")
+        except _Failed as e:
+            self.engine.fail(self.id, e.error, tell=False)
+        except Exception as e:
+            if self.engine.runs.get(self.id) is self:
+                lost = [r for r in range(self.spec.ranks) if self.spec.worker(r) == dest]
+                exc = e if isinstance(e, RuntimeError) and not isinstance(e, OSError) else WorkerLostError(
+                    f"all-reduce run {self.id}: sending to worker {dest} (ranks {_ranks(lost)}) failed: {e!r}")
+                self.engine.fail(self.id, exc, tell=True)
+        finally:
+            self.sending.pop(dest, None)
+        self._maybe_done()
+
+    def _finish(self, rank: int) -> None:
+        chunks = self.finals.pop(rank)
+        pieces = [a for c in range(self.spec.chunks) for a in chunks[c]]
+        out = _kernels.output([tuple(pieces)], self.spec.shape)
+        x = self.inputs.get(rank)
+        if x is not None and np.may_share_memory(out, x):  # never hand back a view of the user's input
+            out = out.copy()
+        if not self.results[rank].done():
+            self.results[rank].set_result(out)
+
+    def _maybe_done(self) -> None:
+        """Drop the run here once its outputs are taken, its nodes computed and its messages sent."""
+        if (len(self.taken) == len(self.results) and not self.left and not self.offloaded and not self.sending
+                and self.engine.runs.get(self.id) is self):
+            del self.engine.runs[self.id]
+
+    def fail(self, exc: BaseException) -> None:
+        for fut in self.results.values():
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.add_done_callback(_retrieved)
+        self.values.clear()
+        self.inputs.clear()
+        self.outbox.clear()
+
+
+class _Failed(Exception):
+    """A peer's reply: the run failed there, with ``error``."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    fut.exception()  # nobody may await it: do not log "exception never retrieved"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks[:20])) + (", ..." if len(ranks) > 20 else "")
+
+
+class Engine:
+    """The worker extension: the runs in progress on this worker."""
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.runs: dict[str, Run] = {}
+        self.failed: OrderedDict[str, BaseException] = OrderedDict()
+
+    @property
+    def address(self) -> str:
+        return str(self.worker.address)
+
+    @property
+    def executor(self) -> Any:
+        return self.worker.executors.get("default")
+
+    def run(self, run: str, spec: Spec) -> Run:
+        """The run ``run`` here, started if new (a peer's message may start it before the rank's hand-in)."""
+        if run in self.failed:
+            raise self.failed[run].with_traceback(None)
+        found = self.runs.get(run)
+        if found is None:
+            if self.address not in spec.addresses:
+                raise ValueError(f"run {run} has no rank on worker {self.address}")
+            found = self.runs[run] = Run(self, run, spec)
+        elif found.spec != spec:
+            raise ValueError(f"run {run} is already running here with another spec")
+        return found
+
+    def fail(self, run: str, exc: BaseException, tell: bool) -> None:
+        """Fail ``run`` here (its outputs raise ``exc``), drop its state, and
+        if ``tell``, tell the run's other workers."""
+        found = self.runs.pop(run, None)
+        if run not in self.failed:
+            self.failed[run] = exc
+            while len(self.failed) > FAILED_KEPT:
+                self.failed.popitem(last=False)
+        if found is None:
+            return
+        found.fail(exc)
+        logger.info("flowreduce: p2p run %s failed on %s: %s", run, self.address, exc)
+        if tell:
+            for address in found.spec.addresses:
+                if address != self.address:
+                    asyncio.ensure_future(self._tell(address, run, exc))
+
+    async def _tell(self, address: str, run: str, exc: BaseException) -> None:
+        try:
+            await self.worker.rpc(address).flowreduce_p2p_fail(run=run, error=to_serialize(exc))
+        except Exception as e:  # the peer is gone too: the scheduler tells the others
+            logger.debug("flowreduce: could not tell %s that run %s failed: %r", address, run, e)
+
+    # -- handlers ---------------------------------------------------------------
+    async def receive(self, run: Any = None, items: Any = None, spec: Any = None, **other: Any) -> dict[str, str]:
+        """A peer's values for ``run``. Anything but what :meth:`Run._send`
+        sends (unknown arguments or run, items that are not this run's nodes
+        for this worker or not of their size) is refused with a logged error."""
+        why = _refusal(self, run, items, spec, other)
+        if why is not None:
+            if why == "failed":
+                return {"status": "error", "message": "failed", "error": to_serialize(self.failed[run])}
+            logger.error("flowreduce: %s refused a request: %s", RECEIVE, why)
+            return {"status": "error", "message": why}
+        try:
+            found = self.runs.get(run) or self.run(run, spec)
+            found.deliver(items)
+        except Exception as e:
+            self.fail(run, e, tell=True)
+            return {"status": "error", "message": f"{e!r}"[:300]}
+        return {"status": "OK"}
+
+    def failed_elsewhere(self, run: Any = None, error: Any = None, **other: Any) -> dict[str, str]:
+        """A peer (or the scheduler) says ``run`` failed: fail it here too."""
+        if other or not isinstance(run, str) or not isinstance(error, BaseException):
+            why = f"bad arguments: run {type(run).__name__}, error {type(error).__name__}, others {sorted(other)[:5]}"
+            logger.error("flowreduce: %s refused a request: %s", FAIL, why)
+            return {"status": "error", "message": why}
+        self.fail(run, error, tell=False)
+        return {"status": "OK"}
+
+    def scheduler_says(self, run: Any = None, message: Any = None, lost: Any = False, **other: Any) -> None:
+        """Stream message from :class:`P2PSchedulerPlugin`: ``run`` cannot finish."""
+        if other or not isinstance(run, str) or not isinstance(message, str):
+            logger.error("flowreduce: %s refused a stream message: run %r, others %s", FAIL, type(run).__name__,
+                         sorted(other)[:5])
+            return
+        self.fail(run, (WorkerLostError if lost else RuntimeError)(message), tell=False)
+
+
+def _refusal(engine: Engine, run: Any, items: Any, spec: Any, other: dict[str, Any]) -> str | None:
+    """Why a :data:`RECEIVE` request is not one a peer's run sends, or None."""
+    if other:
+        return f"unknown arguments {sorted(map(str, other))[:10]}"
+    if not isinstance(run, str) or len(run) > 100:
+        return f"run must be a run id, got {type(run).__name__}"
+    if run in engine.failed:
+        return "failed"
+    found = engine.runs.get(run)
+    if found is None:
+        if not isinstance(spec, Spec):
+            return f"unknown run {run!r} (and no spec to start it)"
+        if engine.address not in spec.addresses:
+            return f"run {run!r} has no rank on this worker"
+        try:
+            prog = program(spec, engine.address)
+        except Exception as e:
+            return f"run {run!r}'s spec does not plan: {e!r}"[:300]
+    else:
+        prog = found.prog
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_ITEMS:
+        return f"items must be a non-empty list, got {type(items).__name__}"
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 3 and isinstance(item[0], int) and isinstance(item[1], int)
+                and isinstance(item[2], tuple)):
+            return "an item is not (chunk, node, pieces)"
+        c, n, pieces = item
+        if not 0 <= c < prog.spec.chunks or n not in prog.received:
+            return f"run {run!r} has no value {c, n} for this worker"
+        if not all(isinstance(a, np.ndarray) and a.ndim == 1 for a in pieces):
+            return f"value {c, n} is not 1-D arrays"
+        if sum(a.size for a in pieces) != prog.expected(c, n):
+            return f"value {c, n} has {sum(a.size for a in pieces)} elements, not {prog.expected(c, n)}"
+    return None
+
+
+class P2PWorkerPlugin(WorkerPlugin):
+    """Puts an :class:`Engine` and its handlers on every worker."""
+
+    name = "flowreduce-p2p"
+    idempotent = True
+
+    def setup(self, worker: Any) -> None:
+        engine = worker.extensions.get(EXTENSION)
+        if engine is None:
+            engine = worker.extensions[EXTENSION] = Engine(worker)
+        worker.handlers[RECEIVE] = engine.receive
+        worker.handlers[FAIL] = engine.failed_elsewhere
+        worker.stream_handlers[FAIL] = engine.scheduler_says
+
+    def teardown(self, worker: Any) -> None:
+        worker.handlers.pop(RECEIVE, None)
+        worker.handlers.pop(FAIL, None)
+        worker.stream_handlers.pop(FAIL, None)
+        worker.extensions.pop(EXTENSION, None)
+
+
+class P2PSchedulerPlugin(SchedulerPlugin):
+    """Tells a run's workers when it cannot finish: one of them left, or its
+    tasks erred or were forgotten before every output was computed."""
+
+    name = "flowreduce-p2p-scheduler"
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler: Any = None
+        #: call token -> (worker -> its ranks, outputs not yet in memory)
+        self.active: dict[str, tuple[dict[str, list[int]], set[Hashable]]] = {}
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if not (isinstance(key, tuple) and isinstance(key[0], str) and key[0].startswith("flowreduce-")):
+            return
+        info = parse(key)
+        if info is None or info["phase"] not in (HAND_IN, BARRIER, OUTPUT):
+            return
+        token = info["token"]
+        if info["phase"] == BARRIER and token not in self.active and finish == "waiting":
+            ts = self.scheduler.tasks[key]
+            where: dict[str, list[int]] = defaultdict(list)
+            for dts in ts.dependencies:
+                rank = parse(dts.key)["rank"]  # type: ignore[index]
+                for w in dts.worker_restrictions or ():
+                    where[w].append(rank)
+            self.active[token] = (dict(where), {d.key for d in ts.dependents})
+            return
+        if token not in self.active:
+            return
+        outputs = self.active[token][1]
+        if finish == "erred" or (finish == "forgotten" and key in outputs):  # failed, or cancelled
+            what = "erred" if finish == "erred" else "was cancelled"
+            self._fail(token, f"all-reduce {token}: task {key!r} {what} before every rank's result was computed",
+                       lost=False)
+        elif finish == "memory" and key in outputs:
+            outputs.discard(key)
+            if not outputs:
+                del self.active[token]
+
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        for token, (where, _) in list(self.active.items()):
+            if worker in where:
+                self._fail(token, f"all-reduce {token} (method='p2p'): worker {worker}, holding rank(s) "
+                                  f"{_ranks(sorted(where[worker]))}, left the cluster (died or was retired) "
+                                  "mid-run; restarting a p2p run is not there yet: call allreduce again", lost=True)
+
+    def _fail(self, token: str, message: str, lost: bool) -> None:
+        where, _ = self.active.pop(token)
+        for w in where:
+            bs = self.scheduler.stream_comms.get(w)
+            if bs is not None:
+                bs.send({"op": FAIL, "run": run_id(token), "message": message, "lost": lost})
+
+
+_installed: set[str] = set()
+
+
+def ensure_p2p(client: Any) -> None:
+    """Install the worker and scheduler plugins once per scheduler."""
+    address = client.scheduler.address
+    if address not in _installed:
+        client.register_plugin(P2PSchedulerPlugin())
+        client.register_plugin(P2PWorkerPlugin())
+        _installed.add(address)
+
+
+def _engine() -> Engine:
+    engine = get_worker().extensions.get(EXTENSION)
+    if engine is None:
+        raise RuntimeError("the flowreduce p2p engine is not installed on this worker (flowreduce.schedule.p2p)")
+    return engine
+
+
+async def hand_in(x: Any, run: str, rank: int, spec: Spec) -> None:
+    """Task: hand rank's input to this worker's engine, starting the run here if needed."""
+    engine = _engine()
+    try:
+        engine.run(run, spec).hand_in(rank, x)
+    except Exception as e:
+        engine.fail(run, e, tell=True)
+        raise
+
+
+def barrier(handed: list[Any]) -> None:
+    """Task: every rank has handed its input in."""
+
+
+async def take_out(gate: Any, run: str, rank: int) -> Any:
+    """Task: rank's result, once the engine has it (waits on the event loop)."""
+    engine = _engine()
+    if run in engine.failed:
+        raise engine.failed[run].with_traceback(None)
+    found = engine.runs.get(run)
+    if found is None or rank not in found.results:
+        raise RuntimeError(f"rank {rank} of run {run} is not running on worker {engine.address}")
+    value = await asyncio.shield(found.results[rank])
+    found.taken.add(rank)
+    found._maybe_done()
+    return value
+
+
+def lower(spec: Spec, inputs: Sequence[Any]) -> Graph:
+    """A new call's graph: 2 tasks per rank and a barrier."""
+    token = new_token()
+    return lower_p2p(spec, inputs, token=token, run=run_id(token), hand_in=hand_in, barrier=barrier,
+                     take_out=take_out)
+
+
+def runs_held(dask_worker: Any = None) -> list[str]:
+    """The runs (and their values) an engine holds now (for tests: ``client.run(runs_held)``)."""
+    engine = dask_worker.extensions.get(EXTENSION)
+    return sorted(engine.runs) if engine is not None else []

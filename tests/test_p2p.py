@@ -1,0 +1,243 @@
+"""method="p2p": the plan run by the workers' engine (flowreduce.schedule.p2p).
+
+Conformance against numpy through the front door (every dense algorithm,
+ranks 1..8 and 64 sharing the fixtures' four workers, lengths 0, 1, p-1,
+1000, 1001, chunks 1 and 3, ops sum / max / mean); the graph's size
+(2 tasks per rank and a barrier whatever the plan); the handler's refusals;
+failures (an input the engine refuses, a worker killed mid-run) failing
+every rank in bounded time; and no run left in any engine afterwards.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import dask
+import numpy as np
+import pytest
+from conftest import assert_clean, scatter_ranks, wait_until
+from distributed import Client, LocalCluster
+
+import flowreduce
+from flowreduce.algorithms import plan as make_plan
+from flowreduce.build.p2p import Spec
+from flowreduce.errors import InputError, OptionError, WorkerLostError
+from flowreduce.ops import resolve_op
+from flowreduce.schedule import call, faults
+from flowreduce.schedule import p2p as engine
+
+DENSE = [a for a in flowreduce.ALGORITHMS if a != "auto"]
+OPS = ["sum", "max", "mean"]
+
+
+def _lengths(p):
+    return sorted({0, 1, max(p - 1, 0), 1000, 1001})
+
+
+def _inputs(p, n, op):
+    """int64 inputs (exact sums) that differ per rank and element."""
+    rng = np.random.default_rng(1000 * p + n)
+    return [rng.integers(-1000, 1000, size=n, dtype=np.int64) for _ in range(p)]
+
+
+def _expected(arrays, op):
+    stack = np.stack(arrays)
+    return {"sum": stack.sum(0), "max": stack.max(0), "mean": stack.mean(0)}[op]
+
+
+def _check_calls(client, algorithm, p, op, cases):
+    """Submit every (length, chunks) case at once, then compare each rank's result with numpy."""
+    calls = []
+    for n, chunks in cases:
+        arrays = _inputs(p, n, op)
+        futures = scatter_ranks(client, arrays)
+        calls.append((n, chunks, arrays, flowreduce.allreduce(client, futures, op=op, algorithm=algorithm,
+                                                              chunks=chunks, method="p2p")))
+    for n, chunks, arrays, out in calls:
+        want = _expected(arrays, op)
+        got = client.gather(out)
+        for r, x in enumerate(got):
+            what = f"{algorithm} p={p} n={n} chunks={chunks} op={op} rank {r}"
+            assert x.shape == want.shape and x.dtype == want.dtype, what
+            if op == "mean":
+                np.testing.assert_allclose(x, want, err_msg=what)
+            else:
+                np.testing.assert_array_equal(x, want, err_msg=what)
+        assert flowreduce.describe(out).method == "p2p"
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("p", range(1, 9))
+@pytest.mark.parametrize("algorithm", DENSE)
+def test_every_dense_algorithm_agrees_with_numpy(inproc_client, algorithm, p, op):
+    _check_calls(inproc_client, algorithm, p, op, [(n, c) for n in _lengths(p) for c in (1, 3)])
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("algorithm", DENSE)
+def test_64_ranks_on_four_workers(inproc_client, algorithm, op):
+    _check_calls(inproc_client, algorithm, 64, op, [(n, c) for n in _lengths(64) for c in (1, 3)])
+
+
+@pytest.mark.parametrize("algorithm", DENSE)
+def test_between_processes(proc_client, algorithm):
+    """Values cross real comms (copies, reduced into where owned), big enough to run off the event loop."""
+    _check_calls(proc_client, algorithm, 6, "sum", [(1001, 3), (engine.OFFLOAD_BYTES // 2, 1)])
+    _check_calls(proc_client, algorithm, 5, "mean", [(1000, 1)])
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring"])
+def test_float64_sums_are_close_to_numpy(inproc_client, algorithm):
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal(1001) for _ in range(7)]
+    out = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, arrays), algorithm=algorithm, chunks=3,
+                               method="p2p")
+    for x in inproc_client.gather(out):
+        np.testing.assert_allclose(x, np.sum(arrays, axis=0))
+
+
+# -- structure: O(ranks) tasks, whatever the plan ------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", DENSE)
+@pytest.mark.parametrize("p", [1, 7, 64, 256])
+@pytest.mark.parametrize("chunks", [1, 5])
+def test_tasks_per_call_are_two_per_rank_plus_a_barrier(algorithm, p, chunks):
+    plan = make_plan(algorithm, p, chunks=chunks)
+    workers = [f"tcp://w{r % 4}:1" for r in range(p)]
+    spec = Spec.of(plan, resolve_op("sum"), np.dtype("f8"), (1000,), workers, True)
+    graph = engine.lower(spec, [("input", r) for r in range(p)])
+    assert len(graph.tasks) <= 2 * p + 1
+    assert all(graph.placement[k] == workers[r] for r, k in enumerate(graph.outputs))
+
+
+def test_the_front_door_submits_that_graph(inproc_client, monkeypatch):
+    sizes = []
+    real = call.submit
+    monkeypatch.setattr(call, "submit", lambda client, job, *a, **k: sizes.append(len(job.tasks)) or real(
+        client, job, *a, **k))
+    p = 40
+    arrays = _inputs(p, 100, "sum")
+    out = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, arrays), algorithm="butterfly",
+                               chunks=4, method="p2p")
+    np.testing.assert_array_equal(out[-1].result(), _expected(arrays, "sum"))
+    assert sizes == [2 * p + 1]
+
+
+def test_method_from_the_dask_config_and_tasks_by_default(inproc_client):
+    arrays = _inputs(4, 10, "sum")
+    futures = scatter_ranks(inproc_client, arrays)
+    assert flowreduce.describe(flowreduce.allreduce(inproc_client, futures, algorithm="ring")).method == "tasks"
+    with dask.config.set({"flowreduce.method": "p2p"}):
+        out = flowreduce.allreduce(inproc_client, futures, algorithm="ring")
+    record = flowreduce.describe(out)
+    assert record.method == "p2p" and record.plan.algorithm == "ring"
+
+
+def test_what_p2p_does_not_take_yet_is_refused(inproc_client):
+    futures = scatter_ranks(inproc_client, _inputs(3, 10, "sum"))
+    with pytest.raises(OptionError, match="unknown method"):
+        flowreduce.allreduce(inproc_client, futures, method="mpi")
+    with pytest.raises(OptionError, match="callable"):
+        flowreduce.allreduce(inproc_client, futures, op=lambda a, b: a + b, method="p2p")
+    with pytest.raises(OptionError, match="like="):
+        flowreduce.allreduce(inproc_client, futures, like=np.zeros(10, np.int64), method="p2p")
+    trees = [inproc_client.scatter({"a": np.ones(3)}) for _ in range(3)]
+    with pytest.raises(OptionError, match="pytree"):
+        flowreduce.allreduce(inproc_client, trees, method="p2p")
+
+
+def test_inputs_that_disagree_are_refused_naming_the_ranks(inproc_client):
+    arrays = _inputs(4, 10, "sum")
+    arrays[2] = np.zeros(11, np.int64)
+    with pytest.raises(InputError, match="rank"):
+        flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, arrays), method="p2p")
+
+
+# -- the handler's refusals -----------------------------------------------------------------------
+
+def test_the_handler_refuses_what_no_run_sends(inproc_client):
+    address = sorted(inproc_client.nthreads())[0]
+    engine.ensure_p2p(inproc_client)
+
+    async def ask(dask_worker, **message):
+        return await dask_worker.handlers[engine.RECEIVE](**message)
+
+    def reply(**message):
+        return inproc_client.run(ask, workers=[address], **message)[address]
+
+    assert "unknown arguments" in reply(run="x.0", items=[], bogus=1)["message"]
+    assert "run id" in reply(run=7, items=[])["message"]
+    assert "unknown run" in reply(run="nobody.0", items=[(0, 0, (np.zeros(1),))])["message"]
+    spec = Spec.of(make_plan("ring", 2), resolve_op("sum"), np.dtype("i8"), (4,), [address, "tcp://other:1"], True)
+    assert "no value" in reply(run="r.0", items=[(0, 0, (np.zeros(1),))], spec=spec)["message"]
+    received = min(engine.program(spec, address).received)
+    assert "elements" in reply(run="r.0", items=[(0, received, (np.zeros(99),))], spec=spec)["message"]
+    assert inproc_client.run(engine.runs_held) == {w: [] for w in inproc_client.nthreads()}
+
+
+# -- failures and cleanup -------------------------------------------------------------------------
+
+def _held(client):
+    return {w: runs for w, runs in client.run(engine.runs_held).items() if runs}
+
+
+def test_no_run_is_left_after_ten_calls(proc_client):
+    for i in range(10):
+        arrays = _inputs(6, 1000 + i, "sum")
+        out = flowreduce.allreduce(proc_client, scatter_ranks(proc_client, arrays), algorithm=DENSE[i % len(DENSE)],
+                                   chunks=1 + i % 3, method="p2p")
+        np.testing.assert_array_equal(proc_client.gather(out)[i % 6], _expected(arrays, "sum"))
+        del out
+    assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
+    assert_clean(proc_client)
+
+
+def test_an_input_the_engine_refuses_fails_every_rank_and_leaves_nothing(proc_client):
+    """The engine checks each input against the run's spec (here a spec that lies about the shape)."""
+    p = 6
+    workers = [sorted(proc_client.nthreads())[r % 4] for r in range(p)]
+    arrays = _inputs(p, 10, "sum")
+    futures = [proc_client.scatter(x, workers=[w], hash=False) for x, w in zip(arrays, workers)]
+    spec = Spec.of(make_plan("butterfly", p), resolve_op("sum"), np.dtype("i8"), (11,), workers, True)
+    engine.ensure_p2p(proc_client)
+    graph = engine.lower(spec, futures)
+    job = call.Job(graph.tasks, graph.placement, graph.outputs, graph.token, list, (), summary=("test",))
+    out = call.submit(proc_client, job)
+    for f in out:
+        with pytest.raises(InputError, match="rank") as caught:
+            f.result(timeout=60)
+        caught.value.__traceback__ = None  # its frames hold the future (and so its key)
+    assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
+    del out, futures, f, caught
+    gc.collect()
+    assert_clean(proc_client)
+
+
+@pytest.fixture
+def killable():
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            yield client
+            faults.disarm(client)
+            gc.collect()
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring"])
+def test_a_worker_killed_mid_run_fails_every_rank_in_bounded_time(killable, algorithm):
+    """Rank 1's worker is killed as its input is handed in: the other workers have started the run and wait
+    for its values. Every rank's result fails with WorkerLostError naming a rank, and the survivors hold
+    no run."""
+    p = 6
+    arrays = _inputs(p, 1000, "sum")
+    futures = scatter_ranks(killable, arrays)
+    faults.fail_at(killable, rank=1, step=0, action="kill", algorithm=algorithm)
+    out = flowreduce.allreduce(killable, futures, algorithm=algorithm, chunks=2, method="p2p")
+    for f in out:
+        with pytest.raises(WorkerLostError, match="rank") as caught:
+            f.result(timeout=60)
+        caught.value.__traceback__ = None  # its frames hold the future (and so its key)
+    assert faults.fired(killable), "the fault did not fire: nothing was tested"
+    assert wait_until(lambda: not _held(killable), 10), _held(killable)
+    del out, futures, f, caught
+    gc.collect()
+    assert_clean(killable)
