@@ -147,8 +147,8 @@ def decode(limbs: np.ndarray, E: np.ndarray, dtype: Any) -> np.ndarray:
 def _decode(limbs: np.ndarray, E: np.ndarray, dtype: np.dtype, K: int) -> np.ndarray:
     shape = limbs.shape[1:]
     E = E.astype(np.int64)
-    a = [limbs[k].copy() for k in range(K)]
-    _carry(a)
+    a = [limbs[k] for k in range(K)]
+    _carry(a)  # new arrays for every limb: the caller's are not written to
     # magnitude: where negative, negate the whole number (lower limbs are in [0, 2**BITS)), without branches
     neg = (a[0] < 0).astype(np.int64)
     for k in range(1, K):
