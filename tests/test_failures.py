@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, wait_until
+from conftest import assert_clean, flowreduce_keys, flush, wait_until
 from distributed import Client, Event, LocalCluster, wait
 
 import flowreduce
@@ -485,3 +485,40 @@ def test_memory_pressure_gives_the_result_or_a_clean_error(algorithm):
         del out, parts, f, want
         gc.collect()
         assert_clean(client)
+
+
+# -- 7. keys after a failed call (README: what remains on the cluster) ------------------------------------
+
+
+def _fail_after_event(name):
+    Event(name).wait()
+    raise ValueError("this input failed on purpose")
+
+
+def test_an_exception_kept_from_gather_holds_the_calls_keys_until_dropped(client):
+    """As documented (README, docs/failures.md): the exception ``client.gather``
+    raised holds the result futures in its traceback (Dask's own behaviour,
+    as for ``submit``), so the failed call's keys stay while it lives, even
+    with the results dropped; they go once its traceback is cleared. The
+    exception from ``future.exception()`` holds none of them."""
+    ws = sorted(client.nthreads())
+    parts = [client.submit(rank_input, r, workers=[ws[r]], pure=False) for r in range(3)]
+    name = f"flowreduce-test-{uuid.uuid4().hex}"
+    event = Event(name, client=client)
+    parts.append(client.submit(_fail_after_event, name, workers=[ws[3]], pure=False))
+    out = flowreduce.allreduce(client, parts, algorithm="butterfly", like=np.zeros(N, np.int64))
+    event.set()
+    wait(out, timeout=HANG)
+    token = parse(out[0].key)["token"]
+    with pytest.raises(ValueError, match="failed on purpose") as caught:
+        client.gather(out)
+    kept = caught.value
+    from_future = out[0].exception()
+    assert isinstance(from_future, ValueError)
+    del out, parts, caught
+    gc.collect()
+    flush(client)
+    assert {parse(k)["token"] for k in flowreduce_keys(client)} == {token}, "the kept traceback holds the results"
+    kept.__traceback__ = None
+    assert_clean(client)
+    assert isinstance(from_future, ValueError)  # still held: it kept nothing

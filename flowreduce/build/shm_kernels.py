@@ -191,6 +191,11 @@ class Block:
     def __reduce__(self) -> tuple[type[Remote], tuple[Handle, int, int]]:
         return (Remote, (self.handle(), self.lo, self.hi))
 
+    def __deepcopy__(self, memo: dict) -> np.ndarray:
+        # a task re-run after a loss works on private copies (schedule.recovery.private_copies): the
+        # values its readers see, as a plain array, not the Remote handle __reduce__ would make of it
+        return self.array[self.lo:self.hi].copy()
+
 
 @sizeof.register(Block)
 def _sizeof_block(b: Block) -> int:

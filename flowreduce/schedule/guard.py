@@ -118,6 +118,8 @@ class PinGuard(SchedulerPlugin):
         self.input_ranks: dict[Hashable, list[int]] = {}  # input key of a watched call -> ranks
         self.since: dict[Hashable, float] = {}  # key (ours or a watched input) -> when it started processing
         self.tries: OrderedDict[str, int] = OrderedDict()  # token -> recoveries so far
+        # input key of a finished call -> its ranks, so that losing it later still names them (bounded)
+        self.finished_inputs: OrderedDict[Hashable, list[int]] = OrderedDict()
         scheduler.stream_handlers["flowreduce-watch"] = self.watch
         scheduler.handlers[STATES] = self.states
         amm = scheduler.extensions.get("amm")
@@ -187,12 +189,16 @@ class PinGuard(SchedulerPlugin):
                                                 stimulus_id=f"flowreduce-release-{token}")
             self.scheduler.clients.pop(w.holder, None)
         for k, rs in w.inputs.items():
+            self.finished_inputs.pop(k, None)
+            self.finished_inputs[k] = sorted(set(rs))
             left = self.input_ranks.get(k, [])
             for r in rs:
                 if r in left:
                     left.remove(r)
             if not left:
                 self.input_ranks.pop(k, None)
+        while len(self.finished_inputs) > 4096:
+            self.finished_inputs.popitem(last=False)
         from flowreduce.schedule.recovery import is_lost_input_spec
 
         for ts in w.patched:  # the call is over: the data is the user's plain scattered data again
@@ -226,6 +232,8 @@ class PinGuard(SchedulerPlugin):
                 self.since[key] = monotonic()
         elif start == "processing":
             self.since.pop(key, None)
+        if finish == "forgotten":
+            self.finished_inputs.pop(key, None)
         if finish in ("memory", "erred", "forgotten") and key in self.watch_of:
             token = self.watch_of[key]
             pending = self.watches[token].pending
@@ -256,7 +264,7 @@ class PinGuard(SchedulerPlugin):
             return  # not an input of ours
         from flowreduce.schedule.recovery import fail
 
-        ranks = self.input_ranks.get(key)
+        ranks = self.input_ranks.get(key) or self.finished_inputs.get(key)
         who = f"input of rank {', '.join(map(str, sorted(set(ranks))))}" if ranks else "all-reduce input"
         exc = WorkerLostError(
             f"{who} (key {key!r}) is pinned to worker {', '.join(pinned)}, which left the cluster "

@@ -150,14 +150,48 @@ def _replacement(s: Any, tasks: list[Any], lost: str) -> str | None:
     return min(sorted(load), key=lambda w: load[w])
 
 
-def recover(guard: Any, gone: set[str], stimulus_id: str) -> None:
-    """Re-pin and re-run every call with tasks pinned to workers ``gone``."""
+def settle_lost(s: Any, gone: set[str], stimulus_id: str) -> None:
+    """Fail the flowreduce tasks a loss left waiting on a task that has
+    erred: Dask neither re-runs nor fails a lost result one of whose
+    dependencies erred (``memory -> released`` recommends nothing then), so
+    its future would stay ``lost`` forever. That happens when an earlier loss
+    failed an input that cannot be recomputed, which this result needs too."""
     from flowreduce.errors import WorkerLostError
+    from flowreduce.keys import parse
 
+    doomed = []
+    for key, ts in s.tasks.items():
+        if ts.state not in ("released", "waiting") or not (ts.who_wants or ts.waiters) or token_of(key) is None:
+            continue
+        blame = next((d.exception_blame or d for d in ts.dependencies if d.state == "erred"), None)
+        if blame is not None:
+            doomed.append((key, blame))
+    for key, blame in doomed:
+        info = parse(key)
+        what = "result" if info is not None and info["phase"] == "output" else "task"
+        who = f"{what} of rank {info['rank']}" if info is not None else "task"
+        why = blame.exception_text or f"task {blame.key!r} failed"
+        exc = WorkerLostError(f"{who} (key {key!r}) was lost with worker {', '.join(sorted(gone))} (died "
+                              f"or was retired) and cannot be computed again: it needs {blame.key!r}, which "
+                              f"failed: {why}")
+        fail(s, [key], exc, stimulus_id)
+
+
+def recover(guard: Any, gone: set[str], stimulus_id: str) -> None:
+    """Re-pin and re-run every call with tasks pinned to workers ``gone``;
+    then fail what can no longer run (:func:`settle_lost`)."""
     s = guard.scheduler
     gone = {w for w in gone if w not in s.workers}
     if not gone:
         return
+    _rerun(guard, gone, stimulus_id)
+    settle_lost(s, gone, stimulus_id)
+
+
+def _rerun(guard: Any, gone: set[str], stimulus_id: str) -> None:
+    from flowreduce.errors import WorkerLostError
+
+    s = guard.scheduler
     for token, tasks in _calls_on(s, gone).items():
         live = [ts for ts in tasks if ts.state in ("waiting", "processing", "no-worker", "queued")]
         moves = {}
