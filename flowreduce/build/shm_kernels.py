@@ -93,7 +93,22 @@ class Handle:
         return shm_pool.pool().attach(self.name, self.size)
 
     def arrays(self, seg: shm_pool.Segment) -> list[np.ndarray]:
-        return [seg.view(np.dtype(dt), count, offset) for dt, offset, count in self.pieces]
+        """Views of the pieces; a handle from a peer whose pieces are not plain
+        dtypes lying inside the segment is :class:`~flowreduce.build.shm_pool.Refused` (logged)."""
+        out = []
+        for piece in self.pieces:
+            try:
+                dt, offset, count = piece
+                dtype = np.dtype(dt) if isinstance(dt, str) and type(offset) is int and type(count) is int else None
+            except (TypeError, ValueError):
+                dtype = None
+            if dtype is None or dtype.hasobject:
+                shm_pool.refuse(f"shared-memory handle of {self.name}", f"piece {piece!r} is not (dtype, offset, count)")
+            if not 0 <= offset <= offset + count * dtype.itemsize <= seg.size - shm_pool.HEADER:
+                shm_pool.refuse(f"shared-memory handle of {self.name}",
+                                f"piece {piece!r} does not lie inside its {seg.size} bytes")
+            out.append(seg.view(dtype, count, offset))
+        return out
 
     def check(self, seg: shm_pool.Segment) -> None:
         if seg.stamped() != self.generation:

@@ -46,6 +46,8 @@ import itertools
 import logging
 import mmap
 import os
+import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -60,6 +62,11 @@ logger = logging.getLogger("flowreduce")
 PREFIX = "flowreduce-shm-"
 #: After :data:`PREFIX`, the start of a link's name (:mod:`flowreduce.build.shm_posts`).
 LINK = "post-"
+#: A segment's name (:data:`PREFIX`, pid, start time, number) and a post link's
+#: (:data:`PREFIX`, :data:`LINK`, call token, first rank): the only names the pool
+#: maps, links or unlinks when they come from elsewhere (a handle, a link's target).
+SEGMENT_NAME = re.compile(r"flowreduce-shm-[0-9]{1,10}-[0-9]{1,20}-[0-9]{1,20}")
+LINK_NAME = re.compile(r"flowreduce-shm-post-[A-Za-z0-9_]{1,128}-[0-9]{1,10}")
 #: The settings' keys under ``flowreduce.shm`` (defaults in flowreduce/flowreduce.yaml).
 KEYS = ("enabled", "directory", "pool-bytes", "memory-fraction", "idle-seconds", "min-bytes", "result-pool-bytes")
 #: Segments are sized in these units so calls of nearby sizes share them.
@@ -84,6 +91,35 @@ def config() -> dict:
     got["memory-fraction"] = float(got["memory-fraction"])
     got["enabled"] = bool(got["enabled"])
     return got
+
+
+def settings_refusal(settings: object) -> str | None:
+    """Why ``settings`` (``flowreduce.shm`` keys to values, as a client sends
+    them to its workers in :class:`~flowreduce.schedule.shm_plugin.SharedMemoryPlugin`)
+    are not settings the pool can take, or None: unknown keys, a directory
+    that is not an existing absolute directory, sizes and times that are not
+    non-negative numbers, a memory fraction outside (0, 1]."""
+    from dask.utils import parse_bytes
+
+    if not isinstance(settings, dict) or not set(settings) <= set(KEYS):
+        return f"not a dict of {', '.join(KEYS)}"
+    try:
+        directory = settings.get("directory", "/dev/shm")
+        if not isinstance(directory, str) or "\0" in directory or not os.path.isabs(directory) \
+                or not os.path.isdir(directory):
+            return f"directory {directory!r} is not an existing absolute directory"
+        for k in ("pool-bytes", "min-bytes", "result-pool-bytes"):
+            v = settings.get(k, 0)
+            if isinstance(v, bool) or (parse_bytes(v) if isinstance(v, str) else int(v)) < 0:
+                return f"{k} {v!r} is not a size"
+        fraction, idle = float(settings.get("memory-fraction", 0.25)), float(settings.get("idle-seconds", 30))
+        if not 0 < fraction <= 1 or not 0 <= idle < float("inf"):
+            return f"memory-fraction {fraction!r} or idle-seconds {idle!r} out of range"
+        if not isinstance(settings.get("enabled", True), bool):
+            return "enabled is not true or false"
+    except (TypeError, ValueError) as e:
+        return repr(e)
+    return None
 
 
 def _start_time(pid: int) -> str:
@@ -148,6 +184,29 @@ class Unavailable(Exception):
     """No segment can be had here: the caller moves the data through Dask's comm."""
 
 
+class Refused(ValueError):
+    """A segment or link name, or a size, that the pool will not touch: it came
+    from elsewhere (a peer's handle or post) and is not one of flowreduce's own."""
+
+
+def refuse(what: str, why: str) -> NoReturn:
+    """Log (logger ``flowreduce``, error) and raise :class:`Refused`."""
+    logger.error("flowreduce: refused %s: %s", what, why)
+    raise Refused(f"{what}: {why}")
+
+
+def checked_name(directory: str, name: object, pattern: re.Pattern[str] = SEGMENT_NAME, what: str = "segment") -> str:
+    """The path of ``name`` in ``directory`` if it is one of the pool's names
+    (``pattern``: no separator, no ``..``, no NUL, bounded length) and lands
+    in ``directory`` once resolved; else :func:`refuse`."""
+    if not isinstance(name, str) or not pattern.fullmatch(name):
+        refuse(f"shared-memory {what} name {name!r}"[:300], f"not a flowreduce {what} name ({pattern.pattern})")
+    path = os.path.join(directory, name)
+    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory) and what == "segment":
+        refuse(f"shared-memory {what} {name!r}", f"resolves outside {directory}")
+    return path
+
+
 class Pool:
     """This process's segments: leased ones, free ones (kept for reuse), and
     mappings of peers' segments. Thread-safe (a worker's tasks run in threads)."""
@@ -155,6 +214,7 @@ class Pool:
     def __init__(self, directory: str = "/dev/shm", limit: int = 4 << 30, idle: float = 30.0, enabled: bool = True,
                  min_bytes: int = 64 << 10):
         self.directory, self.limit, self.idle, self.min_bytes = directory, limit, idle, min_bytes
+        self.configured = limit  # the bound before bound_by_memory lowered it: peers may have more
         self._lock = threading.Lock()
         self._leased: dict[str, Segment] = {}
         self._free: OrderedDict[str, Segment] = OrderedDict()
@@ -329,7 +389,7 @@ class Pool:
         """Make the symbolic link ``name`` to ``target`` (which starts with
         this process's stem or one of its segments' names), replacing one
         left by an earlier attempt; unlinked on :meth:`close`."""
-        path = os.path.join(self.directory, name)
+        path = checked_name(self.directory, name, LINK_NAME, "link")
         with self._lock:
             self._links.add(name)
         try:
@@ -340,7 +400,7 @@ class Pool:
 
     def unlink_link(self, name: str, target: str | None = None) -> None:
         """Remove the link ``name`` (with ``target``: only while it still points there)."""
-        path = os.path.join(self.directory, name)
+        path = checked_name(self.directory, name, LINK_NAME, "link")
         try:
             if target is not None and os.readlink(path) != target:
                 return  # replaced by a later link of the same name: its owner takes it down
@@ -354,7 +414,15 @@ class Pool:
     def attach(self, name: str, size: int, writable: bool = False) -> Segment:
         """A peer's segment mapped read-only (``writable``: also for writing
         into it, as a post's reader does its acknowledgement), kept mapped
-        for the next call."""
+        for the next call. ``name`` and ``size`` come from a peer (a handle,
+        a post's link): only a regular file of this user named as the pool
+        names segments, directly in the pool's directory (never through a
+        symbolic link), and no more bytes than it has, are mapped; anything
+        else is :class:`Refused` (logged)."""
+        path = checked_name(self.directory, name)
+        if type(size) is not int or not HEADER < size <= self.limit_of_peers:
+            refuse(f"shared-memory segment {name} of {size!r} bytes",
+                   f"size must be an int in ({HEADER}, {self.limit_of_peers}]")
         with self._lock:
             own = self._leased.get(name)
             if own is not None:
@@ -364,19 +432,34 @@ class Pool:
                 self._peers.move_to_end(name)
                 seg.used = time.monotonic()
                 return seg
-        path = os.path.join(self.directory, name)
-        try:
-            with open(path, "r+b" if writable else "rb") as f:
-                mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        try:  # O_NOFOLLOW: a link put in the segment's place is refused, not followed (O_NONBLOCK: nor a fifo waited on)
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise RuntimeError(f"shared-memory segment {name} is gone: its worker died or released it "
                                f"before its readers ran") from None
+        except OSError as e:
+            refuse(f"shared-memory segment {name}", f"cannot be opened as a plain file ({e.strerror})")
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                refuse(f"shared-memory segment {name}", "not a regular file of this user")
+            if size > st.st_size:
+                refuse(f"shared-memory segment {name} of {size} bytes", f"the file has {st.st_size}")
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        finally:
+            os.close(fd)
         seg = Segment(name, size, np.frombuffer(mm, dtype=np.uint8), writable=writable)
         with self._lock:
             self._peers[name] = seg
             while len(self._peers) > 1 and sum(s.size for s in self._peers.values()) > self.limit:
                 self._peers.popitem(last=False)
         return seg
+
+    @property
+    def limit_of_peers(self) -> int:
+        """Most bytes one peer's segment may have: any worker's pool is
+        bounded by ``flowreduce.shm.pool-bytes`` (or less, by memory)."""
+        return max(self.limit, self.configured)
 
     def forget_peer(self, name: str) -> None:
         with self._lock:

@@ -45,8 +45,14 @@ ALIGN = 64
 
 
 def name(token: str, rank: int) -> str:
-    """The link of the post of the worker whose first rank is ``rank`` in the call ``token``."""
-    return f"{shm_pool.PREFIX}{shm_pool.LINK}{token}-{rank}"
+    """The link of the post of the worker whose first rank is ``rank`` in the call ``token``
+    (:class:`~flowreduce.build.shm_pool.Refused` unless that is a plain name: a token of
+    letters, digits and ``_``, a rank that is an int)."""
+    link = f"{shm_pool.PREFIX}{shm_pool.LINK}{token}-{rank}"
+    if (not isinstance(token, str) or not isinstance(rank, (int, np.integer)) or isinstance(rank, bool)
+            or not shm_pool.LINK_NAME.fullmatch(link)):
+        shm_pool.refuse(f"shared-memory post of call {token!r}, rank {rank!r}"[:300], "not a plain token and rank")
+    return link
 
 
 def _align(n: int) -> int:
@@ -162,16 +168,33 @@ def find(pool: shm_pool.Pool, token: str, rank: int) -> Found | str | None:
     fields = target.split(":")
     if fields[1:] == [UNFIT] or len(fields) != 5:  # not a value of ours to read: Dask's comm reads it
         return UNFIT
-    seg_name, size, generation, acks, about = fields
     try:
-        seg = pool.attach(seg_name, int(size), writable=True)
+        seg_name = fields[0]
+        size, generation, acks, about = (int(f) for f in fields[1:])
+    except ValueError:
+        logger.error("flowreduce: refused shared-memory post %s: its target %r is not one of a post",
+                     name(token, rank), target[:200])
+        return UNFIT
+    try:  # the pool checks the name and size (a segment of this user, in its directory)
+        seg = pool.attach(seg_name, size, writable=True)
+    except shm_pool.Refused:
+        return UNFIT
     except (RuntimeError, OSError, ValueError):  # taken down since: its poster's readers were all done
         return None
-    if seg.stamped() != int(generation):  # given back and leased again: this link is stale
+    if seg.stamped() != generation:  # given back and leased again: this link is stale
         return None
-    head = seg.buf[shm_pool.HEADER:]
-    dtype, shape, metas = pickle.loads(head[int(acks):int(acks) + int(about)].tobytes())
-    count = int(np.prod(shape, dtype=np.int64))
-    value = seg.view(np.dtype(dtype), count, _align(int(acks) + int(about))).reshape(shape)
+    try:  # a file of this user (checked by attach): the description is the poster's own pickle
+        if not (0 <= acks and 0 < about and _align(acks + about) <= size - shm_pool.HEADER):
+            raise ValueError(f"description at {acks}+{about} outside {size} bytes")
+        head = seg.buf[shm_pool.HEADER:]
+        dtype, shape, metas = pickle.loads(head[acks:acks + about].tobytes())
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        if dtype.hasobject or count < 0 or _align(acks + about) + count * dtype.itemsize > size - shm_pool.HEADER:
+            raise ValueError(f"{count} items of {dtype} do not fit its {size} bytes")
+        value = seg.view(dtype, count, _align(acks + about)).reshape(shape)
+    except Exception as e:
+        logger.error("flowreduce: refused shared-memory post %s: %r", name(token, rank), e)
+        return UNFIT
     value.flags.writeable = False
-    return Found(value, metas, seg, int(generation))
+    return Found(value, metas, seg, generation)

@@ -111,13 +111,23 @@ class DashboardStore(SchedulerPlugin):
 
     # -- recording -----------------------------------------------------------
     def publish(self, record: Any = None, **_: Any) -> None:
-        """Stream handler: a client's record of one call."""
-        rec = DashboardRecord.from_message(record)
-        if rec is None:
+        """Stream handler: a client's record of one call. A record that is not
+        one (:meth:`DashboardRecord.from_message`), is out of bounds
+        (:func:`_out_of_bounds`) or names a call the scheduler has not seen
+        (its keys open a call first) is counted, logged and dropped: a stream
+        handler that raised would drop the client's connection."""
+        try:
+            rec = DashboardRecord.from_message(record)
+            why = "not a record" if rec is None else _out_of_bounds(rec)
+            call = self.find(rec.token) if rec is not None and why is None else None
+            if rec is not None and why is None and call is None:
+                why = f"unknown call {rec.token!r}"[:200]
+        except Exception as e:
+            why, call, rec = repr(e), None, None
+        if call is None or rec is None:
             self.malformed += 1
-            logger.debug("flowreduce dashboard: ignored a record it cannot read: %r", record)
+            logger.error("flowreduce: %s refused a record (%s): %s", OP, why, repr(record)[:200])
             return
-        call = self.find(rec.token) or self._open(rec.token, rec.algorithm)
         call.record = rec
         self.generation += 1
 
@@ -230,6 +240,32 @@ class DashboardStore(SchedulerPlugin):
     def listing(self) -> list[Call]:
         """Calls in flight (oldest first), then finished (newest first)."""
         return [*self.calls.values(), *reversed(self.history)]
+
+
+#: Most ranks, dimensions and characters a record may carry (the page draws them).
+MAX_RANKS, MAX_DIMS, MAX_TEXT = 1 << 16, 64, 256
+
+
+def _out_of_bounds(rec: DashboardRecord) -> str | None:
+    """Why ``rec`` does not describe an all-reduce this page could draw, or None."""
+    import math
+
+    from flowreduce import config
+    from flowreduce.dashboard.record import MAX_WIDTHS
+
+    if not 0 < rec.ranks <= MAX_RANKS or not 0 < rec.chunks <= int(config.get("max-chunks")):
+        return f"{rec.ranks} ranks, {rec.chunks} chunks"
+    if rec.nbytes < 0 or not 0 <= rec.steps <= 4 * MAX_RANKS:
+        return f"{rec.nbytes} bytes, {rec.steps} steps"
+    if len(rec.workers) > rec.ranks or len(rec.output_columns) > rec.ranks or len(rec.widths) > MAX_WIDTHS \
+            or len(rec.shape) > MAX_DIMS:
+        return "more workers, columns, widths or dimensions than the call can have"
+    if any(len(t) > MAX_TEXT for t in (rec.token, rec.algorithm, rec.transport, rec.group, rec.dtype, *rec.workers)):
+        return f"a text longer than {MAX_TEXT} characters"
+    numbers = (rec.segment_bytes, *(() if rec.predicted is None else (rec.predicted,)))
+    if not all(math.isfinite(x) and x >= 0 for x in numbers):
+        return f"predicted {rec.predicted!r}, segment bytes {rec.segment_bytes!r}"
+    return None
 
 
 def keys_parse(key) -> dict | None:

@@ -129,10 +129,22 @@ class PinGuard(SchedulerPlugin):
                     amm.policies.discard(policy)
                     amm.add_policy(KeepPinnedReplicas())
 
-    def states(self, keys: Sequence[Hashable]) -> list[tuple] | None:
+    def states(self, keys: Any = None, **other: Any) -> list[tuple] | dict[str, str] | None:
         """The :data:`STATES` request (a plain RPC, cheaper than ``run_on_scheduler``,
         which ships a function): per key ``(state, holders, restrictions,
-        nbytes, type)``; None if a key is unknown."""
+        nbytes, type)``; None if a key is unknown; ``{"status": "error",
+        "message": ...}``, logged, for a request flowreduce does not send (not
+        a list of distinct Dask keys, more of them than the scheduler has tasks)."""
+        from dask.core import iskey
+
+        if other:
+            return _refused(STATES, f"unknown arguments {sorted(map(str, other))[:10]}")
+        if not isinstance(keys, (list, tuple)) or len(keys) > len(self.scheduler.tasks):
+            return _refused(STATES, f"keys must be a list of at most {len(self.scheduler.tasks)} keys (the "
+                            f"scheduler's tasks), got {type(keys).__name__}"
+                            + (f" of {len(keys)}" if isinstance(keys, (list, tuple)) else ""))
+        if not all(iskey(k) for k in keys):
+            return _refused(STATES, f"keys must be Dask keys, got {next(k for k in keys if not iskey(k))!r}"[:300])
         out = []
         for k in keys:
             ts = self.scheduler.tasks.get(k)
@@ -144,11 +156,30 @@ class PinGuard(SchedulerPlugin):
 
     # -- the client's message at submission ------------------------------------------------------------
 
-    def watch(self, token: str = "", outputs: Sequence[Hashable] = (), inputs: Sequence[Sequence[Hashable]] = (),
-              timeout: float | None = None, client: Any = None, hold: bool = False, **_: Any) -> None:
+    def watch(self, token: Any = "", outputs: Any = (), inputs: Any = (), timeout: Any = None, client: Any = None,
+              hold: Any = False, **other: Any) -> None:
         """Watch call ``token``: its ``outputs`` keys, ``inputs[r]`` the input keys of rank ``r``.
         ``hold``: its tasks read inputs they do not depend on (``direct``), so
-        the inputs are kept, as a client's futures keep them, until the call is done."""
+        the inputs are kept, as a client's futures keep them, until the call is done.
+        A message that is not one :func:`watch` sends (other arguments or
+        types, a token that is not of a call of these outputs or is watched
+        already, more keys than the scheduler has tasks, a timeout that is
+        not a positive number) is refused with a logged error: a stream
+        handler that raises would drop the client's connection."""
+        try:
+            why = _watch_refusal(self, token, outputs, inputs, timeout, hold, other)
+        except Exception as e:
+            why = repr(e)
+        if why is not None:
+            _refused("flowreduce-watch", why)
+            return
+        try:
+            self._watch(token, outputs, inputs, timeout, hold)
+        except Exception as e:
+            logger.exception("flowreduce: flowreduce-watch failed for call %s: %r", token, e)
+
+    def _watch(self, token: str, outputs: Sequence[Hashable], inputs: Sequence[Sequence[Hashable]],
+               timeout: float | None, hold: bool) -> None:
         s = self.scheduler
         ranks: dict[Hashable, list[int]] = {}
         for r, keys in enumerate(inputs):
@@ -293,6 +324,49 @@ def _ours(key: Hashable) -> bool:
 
 def _leasing(key: Hashable) -> bool:
     return isinstance(key, tuple) and str(key[0]).startswith(LEASING)
+
+
+def _refused(handler: str, why: str) -> dict[str, str]:
+    """Log a refused request (error, logger ``flowreduce``) and the reply saying why."""
+    logger.error("flowreduce: %s refused a request: %s", handler, why)
+    return {"status": "error", "message": why}
+
+
+def _watch_refusal(guard: PinGuard, token: Any, outputs: Any, inputs: Any, timeout: Any, hold: Any,
+                   other: dict) -> str | None:
+    """Why a ``flowreduce-watch`` message is not one :func:`watch` sends, or None."""
+    import math
+
+    from dask.core import iskey
+
+    from flowreduce import keys as keymod
+
+    tasks = guard.scheduler.tasks
+    if other:
+        return f"unknown arguments {sorted(map(str, other))[:10]}"
+    if not isinstance(token, str) or not 0 < len(token) <= 128 or not token.isascii() \
+            or not token.replace("_", "").isalnum():
+        return f"token must be a call's token (letters, digits, _), got {token!r}"[:300]
+    if token in guard.watches:
+        return f"call {token} is watched already"
+    if not isinstance(outputs, (list, tuple)) or not 0 < len(outputs) <= len(tasks):
+        return f"outputs must be a list of 1 to {len(tasks)} keys (the scheduler's tasks), got {type(outputs).__name__}"
+    if not isinstance(inputs, (list, tuple)) or len(inputs) > len(outputs) or \
+            not all(isinstance(ks, (list, tuple)) for ks in inputs) or sum(map(len, inputs)) > len(tasks):
+        return "inputs must be a list (one per rank, no more ranks than outputs) of lists of keys"
+    if not all(iskey(k) for k in outputs) or not all(iskey(k) for ks in inputs for k in ks):
+        return "outputs and inputs must be Dask keys"
+    parsed = [keymod.parse(k) if isinstance(k, tuple) and k else None for k in outputs]
+    if any(p is None for p in parsed):
+        return f"outputs must be flowreduce keys, got e.g. {outputs[parsed.index(None)]!r}"[:300]
+    if not any(p is not None and p["token"] == token and k in tasks for k, p in zip(outputs, parsed)):
+        return f"unknown call {token}: the scheduler has none of its keys"
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout <= 0):
+        return f"timeout must be positive seconds or None, got {timeout!r}"[:300]
+    if not isinstance(hold, bool):
+        return f"hold must be True or False, got {hold!r}"[:300]
+    return None
 
 
 _guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()

@@ -53,7 +53,7 @@ from flowreduce.build import shm_posts
 from flowreduce.build.direct import Partial
 from flowreduce.errors import WorkerLostError
 from flowreduce.keys import parse as parse_key
-from flowreduce.ops import Op
+from flowreduce.ops import Op, resolve_op
 
 logger = logging.getLogger("flowreduce")
 
@@ -128,17 +128,17 @@ async def _reduce_at_peers(worker: Any, several: dict[str, dict[Hashable, list[i
                            ) -> dict[str, Partial | None]:
     """Ask each worker of ``several`` to reduce the ranks it holds (its keys
     in rank order); None for a worker that did not."""
-    from distributed.protocol import pickle
-
     if not several:
         return {}
-    blob = pickle.dumps(op)
+    name = named_op(op)
+    if name is None:  # a callable of the user's: peers take reductions by name only, so read the values
+        return dict.fromkeys(several)
 
     async def ask(address: str, wanted: dict[Hashable, list[int]]) -> Partial | None:
         order = sorted((r, k) for k, rs in wanted.items() for r in rs)
         try:
             await _connect_briefly(worker, address)
-            reply = await getattr(worker.rpc(address), HANDLER)(keys=[k for _, k in order], reduce_with=blob)
+            reply = await getattr(worker.rpc(address), HANDLER)(keys=[k for _, k in order], reduce_with=name)
         except Exception as e:  # gone, or no handler: read the values instead
             logger.debug("flowreduce: %s did not sum its ranks (%r); reading their values", address, e)
             return None
@@ -151,25 +151,60 @@ async def _reduce_at_peers(worker: Any, several: dict[str, dict[Hashable, list[i
     return dict(zip(several, replies))
 
 
-async def reduce_held(worker: Any, keys: Sequence[Hashable], reduce_with: bytes) -> dict[str, Any]:
+def named_op(op: Op) -> str | None:
+    """The name :func:`flowreduce.ops.resolve_op` gives ``op`` back by (a named
+    op or a numpy ufunc), or None: a callable is never sent to a peer."""
+    try:
+        return op.name if resolve_op(op.name) == op else None
+    except ValueError:
+        return None
+
+
+#: Most keys one :data:`HANDLER` request may name (ranks on one worker).
+MAX_HELD_KEYS = 1 << 16
+
+
+def _refused(why: str) -> dict[str, Any]:
+    logger.error("flowreduce: %s refused a request: %s", HANDLER, why)
+    return {"status": "error", "message": why}
+
+
+async def reduce_held(worker: Any, keys: Any, reduce_with: Any) -> dict[str, Any]:
     """The handler: the values of ``keys`` held here (in the reader's rank
-    order, a key once per rank) reduced in that order, with what each is.
-    ``{"status": "missing"}`` when one is not held here, ``"unreduced"``
-    when they cannot be reduced together (the reader's check names why)."""
-    from distributed.protocol import pickle
+    order, a key once per rank) reduced in that order with the op named
+    ``reduce_with`` (:func:`named_op`), with what each is.
+    ``{"status": "unreduced"}`` when they cannot be reduced together (the
+    reader's check names why); ``{"status": "error", "message": ...}``,
+    logged, for a request that is not one flowreduce sends: keys that are
+    not a list of keys held here, or an op that is not a name of
+    :mod:`flowreduce.ops` (never a pickled callable: any process that
+    reaches the worker could run one). Any status but ``"OK"`` makes the
+    reader read the values instead."""
+    from dask.core import iskey
     from distributed.protocol.serialize import to_serialize
 
     from flowreduce.build.direct import accumulate, off_loop_if_large
     from flowreduce.schedule.inputs import meta_of
 
+    if not isinstance(keys, (list, tuple)) or not 0 < len(keys) <= MAX_HELD_KEYS:
+        return _refused(f"keys must be a list of 1 to {MAX_HELD_KEYS} keys, got {type(keys).__name__}"
+                        + (f" of {len(keys)}" if isinstance(keys, (list, tuple)) else ""))
+    if not all(iskey(k) for k in keys):
+        return _refused(f"keys must be Dask keys, got {next(k for k in keys if not iskey(k))!r}"[:300])
+    if not isinstance(reduce_with, str) or len(reduce_with) > 64:
+        return _refused(f"reduce_with must be the name of an op, got {type(reduce_with).__name__}"
+                        + (" (a pickled reduction is not accepted)" if isinstance(reduce_with, bytes) else ""))
     try:
-        values = [worker.data[k] for k in keys]
-    except KeyError:
-        return {"status": "missing"}
+        how = resolve_op(reduce_with)
+    except ValueError:
+        return _refused(f"unknown op {reduce_with!r}")
+    absent = [k for k in keys if k not in worker.data]
+    if absent:  # released or moved since the reader asked, or never here
+        return _refused(f"{len(absent)} of the {len(keys)} keys are not held here, e.g. {absent[0]!r}"[:300])
+    values = [worker.data[k] for k in keys]
     metas = [meta_of(v) for v in values]
-    if len(set(metas)) > 1 or not all(isinstance(v, np.ndarray) for v in values):
+    if len(set(metas)) > 1 or not all(type(v) is np.ndarray and not v.dtype.hasobject for v in values):
         return {"status": "unreduced"}
-    how: Op = pickle.loads(reduce_with)  # the op, pickled: a message's own "op" names the handler
     try:
         value = await off_loop_if_large(sum(v.nbytes for v in values), accumulate, how, values)
     except Exception:
@@ -430,8 +465,13 @@ class PeerHandlersPlugin(WorkerPlugin):
     idempotent = True
 
     def setup(self, worker: Any) -> None:
-        async def reduce_handler(keys: Sequence[Hashable], reduce_with: bytes) -> dict[str, Any]:
-            return await reduce_held(worker, keys, reduce_with)
+        async def reduce_handler(keys: Any = None, reduce_with: Any = None, **other: Any) -> dict[str, Any]:
+            if other:
+                return _refused(f"unknown arguments {sorted(map(str, other))[:10]}")
+            try:
+                return await reduce_held(worker, keys, reduce_with)
+            except Exception as e:  # never the worker's problem: the reader reads the values instead
+                return _refused(f"{e!r}"[:300])
 
         worker.handlers[HANDLER] = reduce_handler
 

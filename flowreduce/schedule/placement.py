@@ -145,7 +145,7 @@ def glance(client: Any, ranks: Sequence[Any]) -> tuple[list[str], int] | None:
     keys = list(dict.fromkeys(f.key for f in ranks))
     guard.ensure_guard(client)
     found = client.sync(getattr(client.scheduler, guard.STATES), keys=keys)
-    states = None if found is None else dict(zip(keys, found))
+    states = dict(zip(keys, found)) if isinstance(found, (list, tuple)) else None  # None: unknown key, or refused
     if states is None or len({st[3] for st in states.values()}) != 1:
         return None
     holders: dict[Hashable, list[str]] = {}

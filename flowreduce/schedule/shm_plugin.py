@@ -13,6 +13,7 @@ release and close.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -24,6 +25,7 @@ from distributed.worker_state_machine import TaskStateState
 from flowreduce import keys
 from flowreduce.build import result_buffers, shm_pool
 
+logger = logging.getLogger("flowreduce")
 
 class SharedMemoryPlugin(WorkerPlugin):
     name = "flowreduce-shm"
@@ -41,7 +43,10 @@ class SharedMemoryPlugin(WorkerPlugin):
         from tornado.ioloop import PeriodicCallback
 
         self.worker = worker
-        if self.settings is not None and shm_pool.current() is None:
+        why = None if self.settings is None else shm_pool.settings_refusal(self.settings)
+        if why is not None:  # the worker keeps its own configuration
+            logger.error("flowreduce: %s refused its settings (%s): %s", self.name, why, repr(self.settings)[:200])
+        elif self.settings is not None and shm_pool.current() is None:
             dask.config.set({f"flowreduce.shm.{k}": v for k, v in self.settings.items()})
         pool = shm_pool.pool()
         fraction = shm_pool.config()["memory-fraction"]
