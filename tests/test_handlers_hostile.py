@@ -25,8 +25,9 @@ import flowreduce
 from flowreduce.build import shm_pool, shm_posts
 from flowreduce.build.shm_kernels import Handle, received
 from flowreduce.dashboard.store import OP as PUBLISH
+from flowreduce.ops import resolve_op
 from flowreduce.schedule.guard import STATES
-from flowreduce.schedule.peer_reads import HANDLER, MAX_HELD_KEYS
+from flowreduce.schedule.peer_reads import HANDLER, MAX_HELD_KEYS, named_op
 
 N = 1000
 
@@ -420,3 +421,15 @@ def test_the_pool_makes_and_removes_links_only_under_post_names(shm_dir, link):
     with pytest.raises(shm_pool.Refused, match="not a flowreduce link name"):
         pool.unlink_link(link)
     assert not os.path.lexists(EVIL) and not [n for n in os.listdir(shm_dir) if n.startswith(shm_pool.PREFIX + shm_pool.LINK)]
+
+
+def maximum(a, b):  # a user's callable that shares a ufunc's name
+    return np.maximum(a, b)
+
+
+@pytest.mark.parametrize("op,name", [("sum", "sum"), ("mean", "mean"), (np.maximum, "maximum"), ("logaddexp", "logaddexp"),
+                                     (maximum, None), (lambda a, b: a + b, None)], ids=repr)
+def test_readers_ask_peers_for_a_reduction_by_name_only(op, name):
+    """A user's callable is never sent to a peer (it would have to be pickled):
+    the reader reads that peer's values and reduces them itself."""
+    assert named_op(resolve_op(op)) == name
