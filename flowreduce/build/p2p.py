@@ -89,24 +89,20 @@ class Site:
     picks: tuple[tuple[_kernels.Pick, ...], ...]
 
 
-class Program:
-    """A plan as one worker runs it: which nodes are its own, who reads them,
-    and each node's slices per chunk (computed when first asked)."""
+class Roles:
+    """What one worker does in a plan, whatever the vector's size, dtype, op
+    and chunk count (so one is built per plan and placement, and reused):
+    its ranks and nodes, who reads each node here, where each local node
+    goes, and each node's piece layout (in segments, built when first asked)."""
 
-    def __init__(self, spec: Spec, address: str):
-        plan = self.plan = spec.plan()
-        self.spec = spec
-        self.op = spec.resolved_op()
-        self.dtype = np.dtype(spec.dtype)
-        self.accumulate = self.op.accumulator(self.dtype)
-        self.itemsize = (self.accumulate or self.dtype).itemsize
+    def __init__(self, plan: Plan, workers: Sequence[str], address: str, in_place: bool):
+        self.plan = plan
         nodes = plan.nodes
-        workers = [spec.worker(r) for r in range(plan.ranks)]
         self.local_ranks = tuple(r for r in range(plan.ranks) if workers[r] == address)
         here = [workers[n.rank] == address for n in nodes]
         self.local_nodes = tuple(n.id for n in nodes if here[n.id])
         consumers = plan.consumers()
-        #: node -> its consumers on this worker (once per input position), for the nodes computed here or received
+        #: node -> its consumers on this worker (once per input position)
         self.readers: dict[int, tuple[int, ...]] = {
             n.id: tuple(c for c in consumers[n.id] if here[c]) for n in nodes}
         #: a local node -> the other workers reading it, each sent the value once
@@ -116,17 +112,57 @@ class Program:
         self.received = frozenset(i for i, cs in self.readers.items() if cs and not here[i])
         self.final_of = {plan.finals[r]: r for r in self.local_ranks}
         self.count = contributions(plan)
-        self.owned = owned_inputs(plan, workers, spec.in_place)
+        self.owned = owned_inputs(plan, workers, in_place)
         self.views = {r: tuple(n.id for n in nodes if here[n.id] and n.rank == r and not n.inputs)
                       for r in self.local_ranks}
-        self._layout: list[list[tuple[int, int]]] = []
-        for n in nodes:
+        self._layouts: dict[int, list[tuple[int, int]]] = {}
+
+    def layout(self, node: int) -> list[tuple[int, int]]:
+        """The segment ranges of node's pieces: a gather's are its inputs' (as
+        :func:`flowreduce.build.graph.lower` tracks them), others have one piece."""
+        found = self._layouts.get(node)
+        if found is not None:
+            return found
+        nodes, stack = self.plan.nodes, [node]
+        while stack:  # a stack, not recursion: a ring's all-gather chains are 'ranks' long
+            n = nodes[stack[-1]]
             if n.kind == GATHER:
-                self._layout.append([(max(a, n.lo), min(b, n.hi)) for i in n.inputs for a, b in self._layout[i]
-                                     if max(a, n.lo) < min(b, n.hi)])
+                todo = [i for i in n.inputs if i not in self._layouts]
+                if todo:
+                    stack.extend(todo)
+                    continue
+                self._layouts[n.id] = [(max(a, n.lo), min(b, n.hi)) for i in n.inputs for a, b in self._layouts[i]
+                                       if max(a, n.lo) < min(b, n.hi)]
             else:
-                self._layout.append([(n.lo, n.hi)])
-        self.bounds = chunk_bounds(spec.size, plan.chunks)
+                self._layouts[n.id] = [(n.lo, n.hi)]
+            stack.pop()
+        return self._layouts[node]
+
+
+@functools.lru_cache(maxsize=32)
+def roles(algorithm: str, ranks: int, options: tuple[tuple[str, Any], ...], addresses: tuple[str, ...],
+          where: tuple[int, ...], in_place: bool, address: str) -> Roles:
+    plan = make_plan(algorithm, ranks, **dict(options))
+    return Roles(plan, [addresses[i] for i in where], address, in_place)
+
+
+class Program:
+    """A run's plan as one worker runs it: its :class:`Roles`, and each
+    node's element slices per chunk (computed when first asked)."""
+
+    def __init__(self, spec: Spec, address: str):
+        self.spec = spec
+        self.roles = r = roles(spec.algorithm, spec.ranks, spec.options, spec.addresses, spec.where, spec.in_place,
+                               address)
+        self.plan = r.plan
+        self.local_ranks, self.local_nodes, self.readers, self.sends = r.local_ranks, r.local_nodes, r.readers, r.sends
+        self.received, self.final_of, self.count, self.owned, self.views = (
+            r.received, r.final_of, r.count, r.owned, r.views)
+        self.op = spec.resolved_op()
+        self.dtype = np.dtype(spec.dtype)
+        self.accumulate = self.op.accumulator(self.dtype)
+        self.itemsize = (self.accumulate or self.dtype).itemsize
+        self.bounds = chunk_bounds(spec.size, spec.chunks)
         self._sites: dict[tuple[int, int], Site] = {}
 
     def elem(self, chunk: int, segment: int) -> int:
@@ -144,7 +180,7 @@ class Program:
         picks = []
         for i in n.inputs:
             out: list[_kernels.Pick] = []
-            for idx, (a, b) in enumerate(self._layout[i]):
+            for idx, (a, b) in enumerate(self.roles.layout(i)):
                 x, y = max(a, n.lo), min(b, n.hi)
                 if x < y:
                     out.append((idx, self.elem(chunk, x) - self.elem(chunk, a), self.elem(chunk, y) - self.elem(chunk, a)))
@@ -153,7 +189,7 @@ class Program:
 
     def expected(self, chunk: int, node: int) -> int:
         """Elements of node's value in ``chunk`` (a received message must hold exactly these)."""
-        return sum(self.elem(chunk, b) - self.elem(chunk, a) for a, b in self._layout[node])
+        return sum(self.elem(chunk, b) - self.elem(chunk, a) for a, b in self.roles.layout(node))
 
 
 @functools.lru_cache(maxsize=32)

@@ -58,6 +58,7 @@ from flowreduce.keys import parse
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import TreeDef, flatten, unflatten
 from flowreduce.schedule import guard, hosts, placement, records
+from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule import transport as _transport
 from flowreduce.schedule.inputs import (
@@ -108,6 +109,7 @@ def allreduce(
     timeout: float | str | None = None,
     transport: str = "auto",
     deterministic: bool | str | None = None,
+    method: str | None = None,
     **options: Any,
 ) -> list[Any]:
     """All-reduce numpy arrays held by futures: one array, or a pytree of
@@ -184,6 +186,11 @@ def allreduce(
         (:mod:`flowreduce.schedule.reproducible`, docs/reproducibility.md);
         integers, min and max are exact already and pass through. Default:
         the dask config key ``flowreduce.deterministic`` (False).
+    method : str, optional
+        ``"tasks"``: a task per plan node and chunk; ``"p2p"``: the plan runs
+        in a worker extension, with 2 tasks per rank whatever the algorithm
+        and chunks (dense numpy arrays only for now; docs/p2p.md). Default:
+        the dask config key ``flowreduce.method`` (``"tasks"``).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
         the file named by the dask config key ``flowreduce.cost-model``,
@@ -237,6 +244,9 @@ def allreduce(
     if exact and algorithm in SPARSE_ALGORITHMS:
         raise OptionError(f"deterministic='exact' takes the dense algorithms, not {algorithm!r}")
     # exact needs the inputs' dtype: a name glance() does not take makes describe_inputs learn it
+    if _p2p_method(method, like, algorithm, bool(exact)):  # the ranks described as for a dense call, then the engine
+        ranks = describe_inputs(client, outer, futures, None, replace(settings, algorithm="p2p"))
+        return submit(client, lower_p2p(client, ranks, settings), ranks, settings.timeout)
     ranks = describe_inputs(client, outer, futures, like, replace(settings, algorithm="exact") if exact else settings)
     if exact and _reproducible.applies(ranks.held, settings.op):
         def run(parts: list[Future], op: str, template: Any) -> list[Any]:  # an ordinary call, the same options
@@ -613,6 +623,49 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
                len(buckets), p, sum(b.nbytes for b in buckets), len(g.tasks))
     return Job(g.tasks, g.placement, [k for row in g.outputs for k in row], g.buckets[0].token, arrange,
                tuple(calls), whole, priority=1, summary=summary)
+
+
+def _p2p_method(method: str | None, like: Any, algorithm: str, exact: bool) -> bool:
+    """Whether the call runs through the p2p engine: ``method``, else the
+    dask config key ``flowreduce.method``; what it does not take yet is refused."""
+    method = config.get("method") if method is None else method
+    if method not in ("tasks", "p2p"):
+        raise OptionError(f"unknown method {method!r}; valid: 'tasks', 'p2p'")
+    if method == "tasks":
+        return False
+    why = ("like= templates" if like is not None else f"the sparse algorithm {algorithm!r}"
+           if algorithm in SPARSE_ALGORITHMS else "deterministic='exact'" if exact else None)
+    if why is not None:
+        raise OptionError(f"method='p2p' does not take {why} yet; use method='tasks'")
+    return True
+
+
+def lower_p2p(client: Client, ranks: Ranks, settings: Settings) -> Job:
+    """method="p2p": the plan (:func:`choose_plan`, as for tasks) run by
+    the workers' engine (:mod:`flowreduce.schedule.p2p`), one array per rank."""
+    held = ranks.held
+    if not isinstance(held, ArrayMeta) or held.native is not None or not ranks.outer.is_leaf:
+        what = ("sparse" if isinstance(held, SparseInputs) else "torch" if isinstance(held, ArrayMeta)
+                and held.native is not None else "pytree")
+        raise OptionError(f"method='p2p' takes one dense numpy array per rank; {what} inputs are not there yet "
+                          "(use method='tasks')")
+    if not settings.op.in_place or resolve_op(settings.op.name).func is not settings.op.func:
+        raise OptionError(f"method='p2p' takes ops by name or numpy ufunc, not the callable {settings.op.name!r} "
+                          "yet (use method='tasks')")
+    workers = list(ranks.workers)
+    model = model_for(settings.model, hosts.shared_cores(workers, ranks.places))
+    levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
+    shape, dtype = tuple(held.shape), np.dtype(held.dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    plan = choose_plan(len(workers), nbytes, levels, model, settings)
+    spec = _p2p.Spec.of(plan, settings.op, dtype, shape, workers, ranks.in_place)
+    graph = _p2p.lower(spec, [fs[0] for fs in ranks.futures])
+    _p2p.ensure_p2p(client)
+    # priced as its task graph for now: the engine's own cost card is to come
+    record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, levels[0]), tuple(workers), shape,
+                        dtype.str, tuple(fs[0].key for fs in ranks.futures), method="p2p")
+    summary = ("allreduce %s (p2p): %d ranks, %d bytes each, %d tasks", plan, len(workers), nbytes, len(graph.tasks))
+    return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
 
 
 def submit(client: Client, job: Job, ranks: Ranks | None = None, timeout: float | None = None) -> list[Any]:

@@ -301,7 +301,7 @@ class Engine:
             logger.debug("flowreduce: could not tell %s that run %s failed: %r", address, run, e)
 
     # -- handlers ---------------------------------------------------------------
-    async def receive(self, run: Any = None, items: Any = None, spec: Any = None, **other: Any) -> dict[str, str]:
+    async def receive(self, run: Any = None, items: Any = None, spec: Any = None, **other: Any) -> dict[str, Any]:
         """A peer's values for ``run``. Anything but what :meth:`Run._send`
         sends (unknown arguments or run, items that are not this run's nodes
         for this worker or not of their size) is refused with a logged error."""
