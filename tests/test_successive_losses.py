@@ -4,11 +4,11 @@ where its inputs can be recomputed, else to a WorkerLostError naming a rank
 and a key. It never stays ``lost`` (rank 1's result used to, after rank 2's
 pinned input had failed the call: docs/failures.md).
 
-Each test runs two calls side by side on the same four workers, one whose
+Each test runs three calls side by side on the same four workers, one whose
 inputs are pinned strictly to their worker (``submit(..., workers=[w])``:
-nothing can recompute them) and one whose inputs have lineage
-(``allow_other_workers=True``), and SIGKILLs the workers of rank 2, then of
-rank 1. The cluster has two spare workers, so a test need not wait for the
+nothing can recompute them), one whose inputs are scattered there (no
+lineage) and one whose inputs have lineage (``allow_other_workers=True``),
+and SIGKILLs the workers of rank 2, then of rank 1. The cluster has two spare workers, so a test need not wait for the
 nannies to restart the ones the last test killed. Waits are bounded only
 so that a regression fails instead of hanging; nothing here is timed."""
 
@@ -21,7 +21,7 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import assert_clean, wait_until
+from conftest import assert_clean, flush, wait_until
 from distributed import Client, Event, LocalCluster, wait
 
 import flowreduce
@@ -79,8 +79,14 @@ def _kill(client, worker: str) -> None:
     assert wait_until(lambda: worker not in client.nthreads(), HANG)
 
 
-def _inputs(client, ws: list[str], pinned: bool, ranks=range(4)) -> list:
-    return [client.submit(rank_input, r, workers=[ws[r]], allow_other_workers=not pinned, pure=False) for r in ranks]
+KINDS = ("pinned", "scattered", "lineage")
+
+
+def _inputs(client, ws: list[str], kind: str, ranks=range(4)) -> list:
+    if kind == "scattered":
+        return [client.scatter(rank_input(r), workers=[ws[r]], hash=False) for r in ranks]
+    return [client.submit(rank_input, r, workers=[ws[r]], allow_other_workers=kind == "lineage", pure=False)
+            for r in ranks]
 
 
 def _names(e: BaseException, keys) -> bool:
@@ -90,64 +96,66 @@ def _names(e: BaseException, keys) -> bool:
 
 @pytest.mark.parametrize("algorithm", DENSE)
 def test_two_workers_killed_one_after_the_other_after_the_call(client, algorithm):
-    """Both calls finished; the worker of rank 2 is SIGKILLed and its results
+    """The calls finished; the worker of rank 2 is SIGKILLed and its results
     settle, then the worker of rank 1. Lineage: every rank recomputes the
-    right sum. Pinned: ranks 1 and 2 fail naming their rank and a key (rank
-    1's result needs rank 2's input, which failed), ranks 0 and 3 keep theirs."""
+    right sum. Pinned or scattered: ranks 1 and 2 fail naming their rank and
+    a key (rank 1's result needs rank 2's input, which failed; a scattered
+    one used to be cancelled, "already forgotten"), ranks 0 and 3 keep theirs."""
     ws = sorted(client.nthreads())[:4]
-    pinned, lineage = _inputs(client, ws, True), _inputs(client, ws, False)
-    outs = {True: flowreduce.allreduce(client, pinned, algorithm=algorithm),
-            False: flowreduce.allreduce(client, lineage, algorithm=algorithm)}
-    wait([*outs[True], *outs[False]], timeout=HANG)
-    assert flowreduce.describe(outs[True]).workers == tuple(ws)
+    inputs = {kind: _inputs(client, ws, kind) for kind in KINDS}
+    outs = {kind: flowreduce.allreduce(client, parts, algorithm=algorithm) for kind, parts in inputs.items()}
+    wait([f for out in outs.values() for f in out], timeout=HANG)
+    assert flowreduce.describe(outs["pinned"]).workers == tuple(ws)
     for r in (2, 1):
         _kill(client, ws[r])
         for out in outs.values():
             key = out[r].key
             assert wait_until(lambda key=key: client.run_on_scheduler(_scheduler_state, key) in ("memory", "erred"),
                               HANG), f"rank {r}'s result did not settle after its worker died"
-    for is_pinned, out in outs.items():
+    for kind, out in outs.items():
         wait(out, timeout=HANG)
-        inputs = pinned if is_pinned else lineage
+        parts = inputs[kind]
         for r, f in enumerate(out):
-            if is_pinned and r in (1, 2):
+            if kind != "lineage" and r in (1, 2):
                 e = f.exception()
-                assert _names(e, (f.key, inputs[r].key, inputs[2].key)) and f"rank {r}" in str(e), f"rank {r}: {e!r}"
+                assert _names(e, (f.key, parts[r].key, parts[2].key)) and f"rank {r}" in str(e), f"{kind} {r}: {e!r}"
             else:
-                np.testing.assert_array_equal(f.result(), expected(), err_msg=f"rank {r}, pinned={is_pinned}")
-    del outs, out, f, pinned, lineage, inputs
+                np.testing.assert_array_equal(f.result(), expected(), err_msg=f"rank {r}, {kind} inputs")
+    del outs, out, f, inputs, parts
 
 
 @pytest.mark.parametrize("algorithm", DENSE)
 def test_two_workers_killed_during_the_call(client, algorithm):
-    """Both calls wait for rank 3's input (held back by an Event) while the
+    """The calls wait for rank 3's input (held back by an Event) while the
     workers of rank 2, then of rank 1, are SIGKILLed. Lineage: the call
     recovers twice and every rank gets the right sum, its inputs untouched.
-    Pinned: every rank fails naming rank 1 or 2 and its input's key."""
+    Pinned or scattered: every rank fails naming rank 1 or 2 and its input's key."""
     ws = sorted(client.nthreads())[:4]
-    pinned, lineage = _inputs(client, ws, True, range(3)), _inputs(client, ws, False, range(3))
-    wait([*pinned, *lineage], timeout=HANG)
+    inputs = {kind: _inputs(client, ws, kind, range(3)) for kind in KINDS}
+    wait([f for parts in inputs.values() for f in parts], timeout=HANG)
     name = f"flowreduce-test-{uuid.uuid4().hex}"
     event = Event(name, client=client)
     try:
-        for inputs in (pinned, lineage):
-            inputs.append(client.submit(_held_back, name, 3, workers=[ws[3]], pure=False))
-        outs = {True: flowreduce.allreduce(client, pinned, algorithm=algorithm, like=np.zeros(N, np.int64)),
-                False: flowreduce.allreduce(client, lineage, algorithm=algorithm, like=np.zeros(N, np.int64))}
-        assert flowreduce.describe(outs[True]).workers == tuple(ws)
+        for parts in inputs.values():
+            parts.append(client.submit(_held_back, name, 3, workers=[ws[3]], pure=False))
+        outs = {kind: flowreduce.allreduce(client, parts, algorithm=algorithm, like=np.zeros(N, np.int64))
+                for kind, parts in inputs.items()}
+        assert flowreduce.describe(outs["pinned"]).workers == tuple(ws)
         assert not any(f.done() for out in outs.values() for f in out)
+        flush(client)  # the scheduler has the calls: a kill before would race their graphs (Dask cancels those)
         _kill(client, ws[2])
         _kill(client, ws[1])
     finally:
         event.set()
-    for is_pinned, out in outs.items():
+    for kind, out in outs.items():
         wait(out, timeout=HANG)
+        parts = inputs[kind]
         for r, f in enumerate(out):
-            if is_pinned:
+            if kind != "lineage":
                 e = f.exception()
-                assert _names(e, (pinned[1].key, pinned[2].key)), f"rank {r}: {e!r}"
+                assert _names(e, (parts[1].key, parts[2].key)), f"{kind} {r}: {e!r}"
             else:
                 np.testing.assert_array_equal(f.result(), expected(), err_msg=f"rank {r}")
-    for r, x in enumerate(client.gather(lineage)):
+    for r, x in enumerate(client.gather(inputs["lineage"])):
         np.testing.assert_array_equal(x, rank_input(r), err_msg=f"input of rank {r}")
-    del outs, out, f, pinned, lineage, inputs
+    del outs, out, f, inputs, parts

@@ -120,6 +120,9 @@ class PinGuard(SchedulerPlugin):
         self.tries: OrderedDict[str, int] = OrderedDict()  # token -> recoveries so far
         # input key of a finished call -> its ranks, so that losing it later still names them (bounded)
         self.finished_inputs: OrderedDict[Hashable, list[int]] = OrderedDict()
+        # finished call -> (its results still on the scheduler, its patched scattered inputs), and result -> call
+        self.lingering: dict[str, tuple[set[Hashable], list[Any]]] = {}
+        self.lingering_of: dict[Hashable, str] = {}
         scheduler.stream_handlers["flowreduce-watch"] = self.watch
         scheduler.handlers[STATES] = self.states
         amm = scheduler.extensions.get("amm")
@@ -195,12 +198,14 @@ class PinGuard(SchedulerPlugin):
         if hold:
             w.holder = f"flowreduce-hold-{token}"
             s.client_desires_keys(keys=[k for k in ranks if k in s.tasks], client=w.holder)
+        from flowreduce.schedule.recovery import is_lost_input_spec, lost_input_spec
+
         for k, rs in ranks.items():
             self.input_ranks.setdefault(k, []).extend(rs)
             ts = s.tasks.get(k)
-            if ts is not None and ts.run_spec is None:  # scattered: a loss must name it, not cancel the call
-                from flowreduce.schedule.recovery import lost_input_spec
-
+            # scattered: a loss must name it, not cancel the call (patched already while a finished call's results
+            # may need it)
+            if ts is not None and (ts.run_spec is None or is_lost_input_spec(ts.run_spec)):
                 ts.run_spec = lost_input_spec(k, rs)
                 ts.priority = ts.priority or (0, s.generation, 0)  # scattered data has none, a task needs one
                 w.patched.append(ts)
@@ -230,10 +235,22 @@ class PinGuard(SchedulerPlugin):
                 self.input_ranks.pop(k, None)
         while len(self.finished_inputs) > 4096:
             self.finished_inputs.popitem(last=False)
+        # while a result of the call is kept, a loss may have to recompute it from the scattered inputs:
+        # they keep naming their rank until then, then are the user's plain scattered data again
+        live = {k for k in w.outputs if k in self.scheduler.tasks}
+        if w.patched and live:
+            self.lingering[token] = (live, w.patched)
+            for k in live:
+                self.lingering_of[k] = token
+        else:
+            self._unpatch(w.patched)
+
+    def _unpatch(self, patched: list[Any]) -> None:
         from flowreduce.schedule.recovery import is_lost_input_spec
 
-        for ts in w.patched:  # the call is over: the data is the user's plain scattered data again
-            if is_lost_input_spec(ts.run_spec) and ts.state == "memory":
+        held = set(self.input_ranks) | {ts.key for _, kept in self.lingering.values() for ts in kept}
+        for ts in patched:
+            if ts.key not in held and is_lost_input_spec(ts.run_spec) and ts.state == "memory":
                 ts.run_spec = None
 
     def _expire(self, token: str, timeout: float) -> None:
@@ -265,6 +282,12 @@ class PinGuard(SchedulerPlugin):
             self.since.pop(key, None)
         if finish == "forgotten":
             self.finished_inputs.pop(key, None)
+            if (done := self.lingering_of.pop(key, None)) is not None:
+                live, patched = self.lingering[done]
+                live.discard(key)
+                if not live:
+                    del self.lingering[done]
+                    self._unpatch(patched)
         if finish in ("memory", "erred", "forgotten") and key in self.watch_of:
             token = self.watch_of[key]
             pending = self.watches[token].pending
