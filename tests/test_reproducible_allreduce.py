@@ -77,6 +77,16 @@ def test_exact_float32_is_the_exact_sum_rounded_once(inproc_client, p):
         assert all(g.dtype == np.float32 and g.tobytes() == want.tobytes() for g in got)
 
 
+def test_describe_answers_for_an_exact_call(inproc_client):
+    xs = wide(3)
+    inputs = scatter_ranks(inproc_client, xs)
+    futures = flowreduce.allreduce(inproc_client, inputs, algorithm="ring", deterministic="exact")
+    described = flowreduce.describe(futures[1])  # the limbs' all-reduce moved the data
+    assert (described.algorithm, described.deterministic, described.shape) == ("ring", "exact", xs[0].shape)
+    assert described.input_keys == tuple(f.key for f in inputs)
+    inproc_client.gather(futures)
+
+
 def test_exact_mean_divides_the_rounded_sum(inproc_client):
     xs = wide(5, seed=3)
     got = results(inproc_client, xs, op="mean", algorithm="tree", deterministic="exact")
@@ -108,7 +118,9 @@ def test_exact_with_the_decode_shared_out(inproc_client, monkeypatch, algorithm)
         x[2] = -5e-324 if r == 0 else 0.0
     futures = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, xs), algorithm=algorithm,
                                    deterministic="exact")
-    assert flowreduce.describe(futures).algorithm in (algorithm, "hierarchical")
+    described = flowreduce.describe(futures)
+    assert described.algorithm in (algorithm, "hierarchical") and described.deterministic == "exact"
+    assert described.dtype == xs[0].dtype.str and described.shape == xs[0].shape
     assert all(g.tobytes() == fsum(xs).tobytes() for g in inproc_client.gather(futures))
     mean = results(inproc_client, xs, op="mean", algorithm=algorithm, deterministic="exact")
     assert all(g.tobytes() == flowreduce.reference_reduce(xs, "mean").tobytes() for g in mean)

@@ -36,6 +36,9 @@ class CallRecord:
     links: tuple[tuple[str, str, str], ...] = ()
     #: "tasks" (a task per plan node and chunk) or "p2p" (the plan run by a worker extension: docs/p2p.md)
     method: str = "tasks"
+    #: False, or "exact": the correctly rounded sum, composed of ordinary all-reduces
+    #: (docs/reproducibility.md); ``plan`` is then the plan of the limbs' all-reduce
+    deterministic: bool | str = False
 
     def link_transports(self) -> dict[tuple[str, str], str]:
         """``(source worker, destination worker) -> transport`` for every
@@ -136,9 +139,25 @@ def remember(client: Any, calls: tuple[CallRecord, ...], whole: PytreeRecord | N
             listener(client, call)
 
 
+# token -> what describe() answers for keys carrying it, when that is not the call of that token
+# itself: a deterministic="exact" call is several ordinary all-reduces, described as one
+_DESCRIBED: OrderedDict[str, Record] = OrderedDict()
+
+
+def describe_as(tokens: tuple[str, ...], record: Record) -> None:
+    """Make :func:`find` answer ``record`` for keys carrying any of ``tokens``
+    (the tracer still sees each ordinary all-reduce by its own record)."""
+    for token in tokens:
+        _DESCRIBED[token] = record
+    while len(_DESCRIBED) > MAX_CALLS:
+        _DESCRIBED.popitem(last=False)
+
+
 def find(token: str) -> Record | None:
     """The record of the call whose keys carry ``token``: the whole pytree
     call for a bucket of one, else the call; None if forgotten or unknown."""
+    if token in _DESCRIBED:
+        return _DESCRIBED[token]
     entry = _RECORDS.get(token)
     if entry is None:
         return None

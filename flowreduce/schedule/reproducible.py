@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -34,9 +35,10 @@ from distributed import Client, Future
 from flowreduce import reproducible
 from flowreduce.errors import OptionError
 from flowreduce.fusion import Layout
-from flowreduce.keys import new_token, pack_key, unpack_key
+from flowreduce.keys import new_token, pack_key, parse, unpack_key
 from flowreduce.ops import Op
 from flowreduce.pytree import spec
+from flowreduce.schedule import records
 from flowreduce.schedule.inputs import ArrayMeta
 
 #: The values of ``deterministic`` (and of the dask config key ``flowreduce.deterministic``).
@@ -111,10 +113,25 @@ def allreduce(client: Client, inputs: Sequence[Future], workers: Sequence[str], 
     mean_of = p if op.mean else 0
     if p == 1 or math.prod(shape) < SPLIT_DECODE:
         decode = partial(_decode, dtype=dtype, mean_of=mean_of)
-        return per_rank(decode, lambda r: unpack_key(NAME, token, r, 0), sums, shared)
-    share = partial(_decode_share, dtype=dtype, mean_of=mean_of, ranks=p)
-    shares = per_rank(share, lambda r: unpack_key(NAME, token, r, 0), sums, shared, range(p))
-    return run(shares, "sum", spec(shape, dtype))
+        out = per_rank(decode, lambda r: unpack_key(NAME, token, r, 0), sums, shared)
+    else:
+        share = partial(_decode_share, dtype=dtype, mean_of=mean_of, ranks=p)
+        shares = per_rank(share, lambda r: unpack_key(NAME, token, r, 0), sums, shared, range(p))
+        out = run(shares, "sum", spec(shape, dtype))
+    _describe_as_one(token, inputs, sums, out, shape, dtype)
+    return out
+
+
+def _describe_as_one(token: str, inputs: Sequence[Future], sums: Sequence[Future], out: Sequence[Future],
+                     shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """describe() of the call's results answers one record: the limbs' all-reduce
+    (its plan, bytes and links: what moved the data), with the user's shape and dtype."""
+    limbs = records.find_call(parse(sums[0].key)["token"])
+    if limbs is None:  # forgotten already: nothing to describe
+        return
+    record = replace(limbs, token=token, shape=shape, dtype=dtype.str, input_keys=tuple(f.key for f in inputs),
+                     deterministic="exact")
+    records.describe_as((token, parse(out[0].key)["token"]), record)
 
 
 def _decode(limbs: np.ndarray, exps: np.ndarray, dtype: np.dtype, mean_of: int) -> np.ndarray:
