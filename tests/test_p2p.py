@@ -165,6 +165,7 @@ def test_the_handler_refuses_what_no_run_sends(inproc_client):
         return await dask_worker.handlers[engine.RECEIVE](**message)
 
     def reply(**message):
+        message = {"index": [], "packed": np.empty(0, np.uint8), **message}
         return inproc_client.run(ask, workers=[address], **message)[address]
 
     assert "unknown arguments" in reply(run="x.0", items=[], bogus=1)["message"]
@@ -174,6 +175,16 @@ def test_the_handler_refuses_what_no_run_sends(inproc_client):
     assert "no value" in reply(run="r.0", items=[(0, 0, (np.zeros(1),))], spec=spec)["message"]
     received = min(engine.program(spec, address).received)
     assert "elements" in reply(run="r.0", items=[(0, received, (np.zeros(99),))], spec=spec)["message"]
+    packed = np.zeros(16, np.uint8)
+    assert "overrun" in reply(run="r.0", index=[[0, received, [["<i8", 3]]]], packed=packed, items=[],
+                              spec=spec)["message"]
+    assert "longer" in reply(run="r.0", index=[[0, received, [["<i8", 1]]]], packed=packed, items=[],
+                             spec=spec)["message"]
+    assert "not numeric" in reply(run="r.0", index=[[0, received, [["|O", 1]]]], packed=packed, items=[],
+                                  spec=spec)["message"]
+    wrong = engine.program(spec, address).expected(0, received) + 1
+    assert "elements" in reply(run="r.0", index=[[0, received, [["<i8", wrong]]]], packed=np.zeros(8 * wrong, np.uint8),
+                               items=[], spec=spec)["message"]
     assert inproc_client.run(engine.runs_held) == {w: [] for w in inproc_client.nthreads()}
 
 
