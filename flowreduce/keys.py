@@ -67,9 +67,9 @@ def parse(key) -> dict | None:
         return None
     if phase == OUTPUT:
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1]}
-    if phase in (HAND_IN, BARRIER):
-        return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1] if phase == HAND_IN else None,
-                "step": 0 if phase == HAND_IN else None, "chunk": None, "node": None}
+    if phase in (HAND_IN, BARRIER):  # the barrier runs on rank 0's worker, after every hand-in (step 0)
+        return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1],
+                "step": 0 if phase == HAND_IN else 1, "chunk": None, "node": None}
     if phase in (PACK, UNPACK):
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1],
                 "leaf": key[2] if phase == UNPACK else None, "step": None, "chunk": None, "node": None}

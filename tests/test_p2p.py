@@ -257,3 +257,24 @@ def test_a_worker_killed_mid_run_fails_every_rank_in_bounded_time(killable, algo
     del out, futures, f, caught
     gc.collect()
     assert_clean(killable)
+
+
+def test_the_dashboard_draws_a_p2p_call(inproc_client):
+    """Hand-ins, the barrier (rank 0, step 1) and outputs each have a cell on the ranks x steps grid."""
+    p = 5
+    out = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, _inputs(p, 20, "sum")),
+                               algorithm="butterfly", method="p2p")
+    [f.result(timeout=60) for f in out]
+    token = flowreduce.describe(out).token
+
+    def cells(dask_scheduler, token):
+        from flowreduce.dashboard import views
+        from flowreduce.dashboard.store import NAME
+
+        call = dask_scheduler.plugins[NAME].find(token)
+        return [(c.rank, c.column, c.state) for c in views.grid(call, dask_scheduler)]
+
+    assert wait_until(lambda: {s for *_, s in inproc_client.run_on_scheduler(cells, token=token)} == {"done"}, 10)
+    got = inproc_client.run_on_scheduler(cells, token=token)
+    assert {(r, c) for r, c, _ in got} >= {(r, 0) for r in range(p)} | {(0, 1)}
+    assert len({c for _, c, _ in got}) == 3  # hand-in, barrier, output
