@@ -278,3 +278,15 @@ def test_the_dashboard_draws_a_p2p_call(inproc_client):
     got = inproc_client.run_on_scheduler(cells, token=token)
     assert {(r, c) for r, c, _ in got} >= {(r, 0) for r in range(p)} | {(0, 1)}
     assert len({c for _, c, _ in got}) == 3  # hand-in, barrier, output
+
+
+def test_a_cancelled_call_leaves_no_run(proc_client):
+    """Results cancelled as soon as submitted (before, during or after the run): the scheduler plugin tells
+    the workers of a run that cannot finish, and nothing is left."""
+    arrays = _inputs(8, 200_000, "sum")
+    out = flowreduce.allreduce(proc_client, scatter_ranks(proc_client, arrays), algorithm="ring", chunks=4,
+                               method="p2p")
+    proc_client.cancel(out)
+    del out
+    assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
+    assert_clean(proc_client)

@@ -43,7 +43,7 @@ from flowreduce.build.graph import Graph
 from flowreduce.build.p2p import Program, Spec, lower_p2p, program
 from flowreduce.errors import InputError, WorkerLostError
 from flowreduce.keys import new_token, parse
-from flowreduce.phases import BARRIER, HAND_IN, OUTPUT
+from flowreduce.phases import BARRIER
 
 logger = logging.getLogger("flowreduce")
 
@@ -471,14 +471,12 @@ class P2PSchedulerPlugin(SchedulerPlugin):
     def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if not (isinstance(key, tuple) and isinstance(key[0], str) and key[0].startswith("flowreduce-")):
             return
-        info = parse(key)
-        if info is None or info["phase"] not in (HAND_IN, BARRIER, OUTPUT):
-            return
-        token = info["token"]
-        if info["phase"] == BARRIER and token not in self.active and finish == "waiting":
+        # every transition of every key passes here: no parsing but of a p2p call's barrier
+        token = key[0].rpartition("-")[2]
+        if token not in self.active and finish == "waiting" and f"-{BARRIER}-" in key[0]:
             ts = self.scheduler.tasks[key]
             where: dict[str, list[int]] = defaultdict(list)
-            for dts in ts.dependencies:
+            for dts in ts.dependencies:  # the hand-ins
                 rank = parse(dts.key)["rank"]  # type: ignore[index]
                 for w in dts.worker_restrictions or ():
                     where[w].append(rank)
