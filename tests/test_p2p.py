@@ -290,3 +290,18 @@ def test_a_cancelled_call_leaves_no_run(proc_client):
     del out
     assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
     assert_clean(proc_client)
+
+
+@pytest.mark.parametrize("dtype, op", [("float32", "mean"), ("int32", "mean"), ("bool", "sum"), ("float64", "prod"),
+                                       ("uint8", "max"), ("float64", "logaddexp")])
+def test_the_same_bits_as_method_tasks(inproc_client, dtype, op):
+    """The same plan, kernels and order of combining as the task graph: the same result, bit for bit
+    (accumulating dtypes, mean's division, ufuncs by name)."""
+    rng = np.random.default_rng(3)
+    arrays = [(rng.standard_normal(1001) * 4).astype(dtype) for _ in range(6)]
+    futures = scatter_ranks(inproc_client, arrays)
+    for algorithm in ("butterfly", "ring", "hierarchical"):
+        tasks = flowreduce.allreduce(inproc_client, futures, op=op, algorithm=algorithm, chunks=3, method="tasks")
+        p2p = flowreduce.allreduce(inproc_client, futures, op=op, algorithm=algorithm, chunks=3, method="p2p")
+        for r, (a, b) in enumerate(zip(inproc_client.gather(tasks), [f.result(timeout=60) for f in p2p])):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{algorithm} rank {r}"
