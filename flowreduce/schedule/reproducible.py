@@ -126,12 +126,13 @@ def _describe_as_one(token: str, inputs: Sequence[Future], sums: Sequence[Future
                      shape: tuple[int, ...], dtype: np.dtype) -> None:
     """describe() of the call's results answers one record: the limbs' all-reduce
     (its plan, bytes and links: what moved the data), with the user's shape and dtype."""
-    limbs = records.find_call(parse(sums[0].key)["token"])
-    if limbs is None:  # forgotten already: nothing to describe
+    sums_key, out_key = parse(sums[0].key), parse(out[0].key)  # flowreduce's own keys: never None
+    limbs = records.find_call(sums_key["token"]) if sums_key is not None else None
+    if limbs is None or out_key is None:  # forgotten already: nothing to describe
         return
     record = replace(limbs, token=token, shape=shape, dtype=dtype.str, input_keys=tuple(f.key for f in inputs),
                      deterministic="exact")
-    records.describe_as((token, parse(out[0].key)["token"]), record)
+    records.describe_as((token, out_key["token"]), record)
 
 
 def _decode(limbs: np.ndarray, exps: np.ndarray, dtype: np.dtype, mean_of: int) -> np.ndarray:
