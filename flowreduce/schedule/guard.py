@@ -322,8 +322,8 @@ class PinGuard(SchedulerPlugin):
         who = f"input of rank {', '.join(map(str, sorted(set(ranks))))}" if ranks else "all-reduce input"
         exc = WorkerLostError(
             f"{who} (key {key!r}) is pinned to worker {', '.join(pinned)}, which left the cluster "
-            "(died or was retired); it cannot be recomputed anywhere else, so this all-reduce cannot finish. "
-            "Every other rank's input is intact: recompute this one and call allreduce again."
+            "(died or was retired); it cannot be recomputed anywhere else, so this all-reduce cannot finish: "
+            "recompute this input and call allreduce again."
         )
         fail(s, [key], exc, f"flowreduce-pin-guard-{key!r}")
 

@@ -84,8 +84,8 @@ def lost_input_spec(key: Hashable, ranks: list[int]) -> Task:
     the key (Dask would otherwise forget it and cancel the results)."""
     which = ", ".join(map(str, sorted(set(ranks))))
     message = (f"input of rank {which} (key {key!r}) was lost: its only copy was on a worker that left the "
-               "cluster, and it was scattered data, which Dask cannot recompute. Every other rank's input is "
-               "intact: scatter this rank's data again and call allreduce again.")
+               "cluster, and it was scattered data, which Dask cannot recompute: scatter this rank's data "
+               "again and call allreduce again.")
     return Task(key, _raise_lost, key, tuple(sorted(set(ranks))), message)
 
 
