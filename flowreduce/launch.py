@@ -436,7 +436,27 @@ def jobqueue_cluster(kind: str, options: dict) -> Any:
     ``security`` and ``log_directory`` go to dask-jobqueue as they are
     (:func:`cluster` sets them up)."""
     cls = _cluster_class(kind)
-    return cls(**jobqueue_options(options.get("config_name") or cls.job_cls.default_config_name(), options))
+    config_name = options.get("config_name") or cls.job_cls.default_config_name()
+    options = jobqueue_options(config_name, options)
+    if kind == "oar" and options.get("log_directory"):
+        options["job_extra_directives"] = _oar_log_directives(config_name, options)
+    return cls(**options)
+
+
+def _oar_log_directives(config_name: str, options: dict) -> list[str]:
+    """OAR's ``job_extra_directives`` with the job's output in ``log_directory``:
+    dask-jobqueue ignores that option for OAR, and oarsub would write
+    ``OAR.<id>.stdout``/``.stderr`` into the current directory. Kept as they
+    are when they name ``-O``/``-E`` themselves."""
+    import dask
+
+    extra = options.get("job_extra_directives")
+    if extra is None:  # dask-jobqueue's own lookup
+        extra = dask.config.get(f"jobqueue.{config_name}.job-extra-directives", None) or []
+    if any(str(d).split()[:1] in (["-O"], ["-E"]) for d in extra):
+        return list(extra)
+    logs = options["log_directory"]
+    return [*extra, f"-O {logs}/%jobname%-%jobid%.out", f"-E {logs}/%jobname%-%jobid%.err"]
 
 
 def _cluster_class(kind: str) -> Any:

@@ -628,3 +628,19 @@ def test_a_cluster_that_never_starts_leaves_no_directory(tmp_path, monkeypatch, 
             pass  # pragma: no cover - not reached
     assert [list(d.iterdir()) for d in (tmp_path / "flowreduce").iterdir()] == [[], []]  # jobs/, tls/
     assert "logs are in" not in capsys.readouterr().err
+
+
+def test_oar_jobs_write_their_output_to_the_log_directory(tmp_path):
+    """dask-jobqueue ignores log_directory for OAR (oarsub would write
+    OAR.<id>.stdout into the current directory): flowreduce adds -O/-E,
+    unless the directives name their own."""
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    logs = tmp_path / "logs"
+    with launch.jobqueue_cluster("oar", {"cores": 1, "memory": "1GB", "log_directory": str(logs)}) as cluster:
+        script = cluster.job_script()
+    assert f"#OAR -O {logs}/%jobname%-%jobid%.out" in script and f"#OAR -E {logs}/%jobname%-%jobid%.err" in script
+    own = ["-O /site/out", "-E /site/err"]
+    with launch.jobqueue_cluster("oar", {"cores": 1, "memory": "1GB", "log_directory": str(logs),
+                                         "job_extra_directives": own}) as cluster:
+        script = cluster.job_script()
+    assert "#OAR -O /site/out" in script and str(logs) not in script
