@@ -137,14 +137,16 @@ class PinGuard(SchedulerPlugin):
         which ships a function): per key ``(state, holders, restrictions,
         nbytes, type)``; None if a key is unknown; ``{"status": "error",
         "message": ...}``, logged, for a request flowreduce does not send (not
-        a list of distinct Dask keys, more of them than the scheduler has tasks)."""
+        a list of Dask keys, more of them than the scheduler has tasks
+        and than :data:`MAX_STATES_KEYS`)."""
         from dask.core import iskey
 
         if other:
             return _refused(STATES, f"unknown arguments {sorted(map(str, other))[:10]}")
-        if not isinstance(keys, (list, tuple)) or len(keys) > len(self.scheduler.tasks):
-            return _refused(STATES, f"keys must be a list of at most {len(self.scheduler.tasks)} keys (the "
-                            f"scheduler's tasks), got {type(keys).__name__}"
+        # not the scheduler's task count: the inputs asked about may still be on their way (another comm)
+        most = max(len(self.scheduler.tasks), MAX_STATES_KEYS)
+        if not isinstance(keys, (list, tuple)) or len(keys) > most:
+            return _refused(STATES, f"keys must be a list of at most {most} keys, got {type(keys).__name__}"
                             + (f" of {len(keys)}" if isinstance(keys, (list, tuple)) else ""))
         if not all(iskey(k) for k in keys):
             return _refused(STATES, f"keys must be Dask keys, got {next(k for k in keys if not iskey(k))!r}"[:300])
@@ -395,6 +397,8 @@ def _watch_refusal(guard: PinGuard, token: Any, outputs: Any, inputs: Any, timeo
 _guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 #: The guard's scheduler handler answering what the scheduler knows of some keys (:meth:`PinGuard.states`).
 STATES = "flowreduce_states"
+#: Most keys one :data:`STATES` request may name beyond the scheduler's own tasks.
+MAX_STATES_KEYS = 1 << 16
 
 
 def ensure_guard(client: Any) -> None:
