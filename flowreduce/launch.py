@@ -122,7 +122,7 @@ def from_args(args: argparse.Namespace, *, workers: int | None = None, progress:
                 yield client
             return
         options = jobqueue_arguments(args)
-        made = not options.get("log_directory")
+        made = not _given(kind, options, "log_directory")  # a directory of the run: the user's is never removed
         options["log_directory"] = log_directory(kind, options)  # here, so that the command can name it
         try:
             with cluster(kind, jobs=args.jobs, timeout=args.wait_timeout, progress=progress,
@@ -245,8 +245,10 @@ def cluster(kind: str = "local", *, jobs: int = 1, workers: int | None = None, t
             return
         options = dict(options)
         if not options.get("log_directory"):
+            ours = not _given(kind, options, "log_directory")
             options["log_directory"] = log_directory(kind, options)
-            stack.callback(_removed_if_empty, options["log_directory"])  # no job wrote to it
+            if ours:  # a directory of the run, empty if no job wrote to it (never the user's own)
+                stack.callback(_removed_if_empty, options["log_directory"])
         security = options.pop("security", True)
         made: list[str] = []
         if security:  # removed last, once the cluster has closed
@@ -293,28 +295,28 @@ def _config_name(kind: str, options: dict) -> str:
     return options.get("config_name") or _cluster_class(kind).job_cls.default_config_name()
 
 
+def _given(kind: str, options: dict, option: str) -> str | None:
+    """``options[option]``, else ``jobqueue.<config>.<option>`` from the dask configuration."""
+    import dask
+
+    return options.get(option) or dask.config.get(
+        f"jobqueue.{_config_name(kind, options)}.{option.replace('_', '-')}", None)
+
+
 def log_directory(kind: str, options: dict) -> str:
     """Where the jobs of a ``kind`` cluster write their output: ``options``'
     ``log_directory``, else ``jobqueue.<config>.log-directory``, else a new
     directory of the run (:func:`run_directory`) in :func:`cache_directory`'s
     ``jobs``. Without one, sbatch and qsub write ``slurm-<id>.out`` (or
     ``<name>.o<id>``) into the directory the command runs in."""
-    import dask
-
-    given = options.get("log_directory") or dask.config.get(
-        f"jobqueue.{_config_name(kind, options)}.log-directory", None)
-    return given or run_directory(os.path.join(cache_directory(), "jobs"))
+    return _given(kind, options, "log_directory") or run_directory(os.path.join(cache_directory(), "jobs"))
 
 
 def tls_directory(kind: str, options: dict) -> str:
     """Where a run's directory of worker certificates goes: ``options``'
     ``shared_temp_directory``, else ``jobqueue.<config>.shared-temp-directory``,
     else :func:`cache_directory`'s ``tls``."""
-    import dask
-
-    return (options.get("shared_temp_directory")
-            or dask.config.get(f"jobqueue.{_config_name(kind, options)}.shared-temp-directory", None)
-            or os.path.join(cache_directory(), "tls"))
+    return _given(kind, options, "shared_temp_directory") or os.path.join(cache_directory(), "tls")
 
 
 def _removed_if_empty(directory: str) -> bool:

@@ -644,3 +644,28 @@ def test_oar_jobs_write_their_output_to_the_log_directory(tmp_path):
                                          "job_extra_directives": own}) as cluster:
         script = cluster.job_script()
     assert "#OAR -O /site/out" in script and str(logs) not in script
+
+
+def test_a_configured_log_directory_is_never_removed(tmp_path, monkeypatch):
+    """Only a directory of the run, left empty, is removed when the cluster
+    never started: the user's own (jobqueue.yaml's log-directory) stays."""
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    import dask
+
+    from flowreduce.cli import bench
+
+    def refused(kind, options):
+        raise ValueError("refused option")
+
+    own = tmp_path / "own-logs"
+    own.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(launch, "jobqueue_cluster", refused)
+    with dask.config.set({"jobqueue.slurm.log-directory": str(own)}):
+        with pytest.raises(ValueError, match="refused option"):
+            with launch.from_args(cli_args(bench, "--cluster", "slurm")):
+                pass  # pragma: no cover - not reached
+        with pytest.raises(ValueError, match="refused option"):
+            with launch.cluster("slurm", cores=1, memory="1GB"):
+                pass  # pragma: no cover - not reached
+    assert own.is_dir()
