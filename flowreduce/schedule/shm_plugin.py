@@ -27,6 +27,7 @@ from flowreduce.build import result_buffers, shm_pool
 
 logger = logging.getLogger("flowreduce")
 
+
 class SharedMemoryPlugin(WorkerPlugin):
     name = "flowreduce-shm"
     idempotent = True  # a second client on the cluster keeps the running plugin (and its pool)
