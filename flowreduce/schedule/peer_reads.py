@@ -174,7 +174,9 @@ async def reduce_held(worker: Any, keys: Any, reduce_with: Any) -> dict[str, Any
     order, a key once per rank) reduced in that order with the op named
     ``reduce_with`` (:func:`named_op`), with what each is.
     ``{"status": "unreduced"}`` when they cannot be reduced together (the
-    reader's check names why); ``{"status": "error", "message": ...}``,
+    reader's check names why); ``{"status": "missing"}`` when a key is not
+    held here (released or moved since the reader asked: not an error);
+    ``{"status": "error", "message": ...}``,
     logged, for a request that is not one flowreduce sends: keys that are
     not a list of keys held here, or an op that is not a name of
     :mod:`flowreduce.ops` (never a pickled callable: any process that
@@ -199,8 +201,10 @@ async def reduce_held(worker: Any, keys: Any, reduce_with: Any) -> dict[str, Any
     except ValueError:
         return _refused(f"unknown op {reduce_with!r}")
     absent = [k for k in keys if k not in worker.data]
-    if absent:  # released or moved since the reader asked, or never here
-        return _refused(f"{len(absent)} of the {len(keys)} keys are not held here, e.g. {absent[0]!r}"[:300])
+    if absent:  # released or moved since the reader asked (a harmless race: not logged as an error), or never here
+        why = f"{len(absent)} of the {len(keys)} keys are not held here, e.g. {absent[0]!r}"[:300]
+        logger.debug("flowreduce: %s: %s", HANDLER, why)
+        return {"status": "missing", "message": why}
     values = [worker.data[k] for k in keys]
     metas = [meta_of(v) for v in values]
     if len(set(metas)) > 1 or not all(type(v) is np.ndarray and not v.dtype.hasobject for v in values):
