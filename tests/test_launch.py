@@ -669,3 +669,25 @@ def test_a_configured_log_directory_is_never_removed(tmp_path, monkeypatch):
             with launch.cluster("slurm", cores=1, memory="1GB"):
                 pass  # pragma: no cover - not reached
     assert own.is_dir()
+
+
+@pytest.mark.parametrize("kind", ["slurm", "pbs", "oar"])
+def test_batch_clusters_talk_tls_unless_told_not_to(tmp_path, monkeypatch, kind):
+    """From Python as from the command line: a batch cluster gets a Security that
+    requires encryption unless security=False (the SLURM tests check the wire)."""
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue not installed")
+    seen = []
+
+    def refused(kind, options):
+        seen.append(options.get("security"))
+        raise ValueError("refused option")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(launch, "jobqueue_cluster", refused)
+    for kwargs in ({}, {"security": False}):
+        with pytest.raises(ValueError, match="refused option"):
+            with launch.cluster(kind, progress=False, **kwargs):
+                pass  # pragma: no cover - not reached
+    default, off = seen
+    assert default is not None and default.require_encryption and default.tls_worker_key
+    assert off is None
