@@ -5,7 +5,9 @@ for real once per session, and a check that no flowreduce key survives."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +15,7 @@ import sys
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from distributed import Client, LocalCluster
@@ -163,3 +166,87 @@ def task_levels(graph) -> dict:
 def graph_depth(graph) -> int:
     """How many dependent levels a built graph has."""
     return max(task_levels(graph).values())
+
+
+# -- test tiers ------------------------------------------------------------------------------------------------
+#
+# Markers (registered in pyproject.toml) put on at collection, so that no test
+# has to be annotated by hand: ``-m "not cluster"`` is the fast tier (pure
+# plans, cost model, conformance through dask.get, codecs, option plumbing).
+# A test is ``cluster`` when it, a fixture it uses (at any depth) or a helper
+# of its module one of those calls, names something that starts or joins a
+# dask cluster, or runs a ``flowreduce`` command (which starts one).
+
+CLUSTER_FIXTURES = {"inproc_client", "proc_client", "dask_jobqueue"}
+_STARTS_A_CLUSTER = re.compile(
+    r"\b(?:LocalCluster|SLURMCluster|SpecCluster)\b|\b(?:Client|Scheduler|Worker|Nanny)\(|\bfrom_args\("
+    r"|\b(?:jobqueue_cluster|launch\.cluster)\(|[\"']-m[\"'],\s*[\"']flowreduce[\"']")
+_TESTS = Path(__file__).resolve().parent
+_sources: dict = {}
+_helpers: dict = {}
+
+
+def _source(obj) -> str:
+    obj = inspect.unwrap(obj)
+    if obj not in _sources:
+        try:
+            _sources[obj] = inspect.getsource(obj)
+        except (OSError, TypeError):
+            _sources[obj] = ""
+    return _sources[obj]
+
+
+def _cluster_helpers(module) -> re.Pattern:
+    """A pattern matching a call of any function of ``module`` whose source
+    (transitively through the module's other functions) starts a cluster."""
+    if module not in _helpers:
+        funcs = {n: f for n, f in vars(module).items()
+                 if inspect.isfunction(f) and f.__module__ == module.__name__ and not n.startswith("test_")}
+        found: set = set()
+        while True:
+            names = "|".join(map(re.escape, sorted(found)))
+            pattern = _STARTS_A_CLUSTER if not found else re.compile(
+                _STARTS_A_CLUSTER.pattern + rf"|\b(?:{names})\(")
+            more = {n for n, f in funcs.items() if n not in found and pattern.search(_source(f))}
+            if not more:
+                break
+            found |= more
+        _helpers[module] = pattern
+    return _helpers[module]
+
+
+def _starts_a_cluster(item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})  # request.getfixturevalue(param)
+    if CLUSTER_FIXTURES & (set(item.fixturenames) | {v for v in params.values() if isinstance(v, str)}):
+        return True
+    source = _source(item.function)
+    if "no_cluster" in item.fixturenames:  # launch.from_args is made to fail there
+        source = source.replace("from_args(", "")
+    if _cluster_helpers(item.module).search(source):
+        return True
+    for name in item.fixturenames:
+        for fdef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            module = inspect.getmodule(fdef.func)
+            if (_cluster_helpers(module) if module else _STARTS_A_CLUSTER).search(_source(fdef.func)):
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        where = Path(str(item.path)).resolve()
+        if _TESTS / "hpc" in where.parents:
+            item.add_marker(pytest.mark.hpc)
+            item.add_marker(pytest.mark.slow)
+        if where.name == "test_netem_harness.py":  # dask schedulers and workers in namespaces
+            item.add_marker(pytest.mark.netem)
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.cluster)
+        source = _source(item.function)
+        if re.search(r"\bchromium\(", source):
+            item.add_marker(pytest.mark.browser)
+            item.add_marker(pytest.mark.slow)
+        if _starts_a_cluster(item):
+            item.add_marker(pytest.mark.cluster)
