@@ -10,7 +10,7 @@ the one package that talks to distributed, imported lazily here so that
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowreduce import topology  # callable: flowreduce.topology(client) shows which workers share a host
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS, plan
@@ -21,24 +21,31 @@ from flowreduce.ops import resolve_op
 from flowreduce.reproducible import reference_reduce
 from flowreduce.tracing import trace
 
+if TYPE_CHECKING:  # for type checkers; at run time see __getattr__ below
+    from flowreduce.schedule.call import allreduce, describe
+
 __all__ = ["ALGORITHMS", "SPARSE_ALGORITHMS", "AllreduceTimeoutError", "CostCard", "CostModel", "FlowreduceError", "Plan",
            "WorkerLostError", "allreduce", "choose", "describe", "plan", "reference_reduce", "resolve_op", "topology",
            "trace"]
 __version__ = "0.1.0"
 
 
-def allreduce(client: Any, inputs: Any, **kwargs: Any) -> list[Any]:
-    from flowreduce.schedule.call import allreduce as _allreduce
-
-    return _allreduce(client, inputs, **kwargs)
+_LAZY = {"allreduce", "describe"}  # from flowreduce.schedule.call, the first time they are asked for
 
 
-def describe(futures: Any) -> Any:
-    from flowreduce.schedule.call import describe as _describe
+def __getattr__(name: str) -> Any:
+    """``flowreduce.allreduce`` and ``flowreduce.describe`` are the real
+    functions of :mod:`flowreduce.schedule.call` (their signature and
+    docstring), imported on first use (PEP 562) so that ``import flowreduce``
+    does not import distributed."""
+    if name in _LAZY:
+        from flowreduce.schedule import call
 
-    return _describe(futures)
+        value = getattr(call, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flowreduce' has no attribute {name!r}")
 
 
-allreduce.__doc__ = ("All-reduce numpy arrays (or pytrees of them) held by futures; "
-                     "see flowreduce.schedule.call.allreduce.")
-describe.__doc__ = "What the allreduce call that made these futures ran; see flowreduce.schedule.call.describe."
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY)

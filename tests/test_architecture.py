@@ -113,3 +113,26 @@ def test_no_test_reaches_a_private_name():
     assert _private_names_reached("from flowreduce.tracing.capture import _since") == [
         "flowreduce.tracing.capture._since"]
     assert _private_names_reached("import flowreduce.schedule.call as c\nc._locate(1)") == ["c._locate"]
+
+
+@pytest.mark.parametrize("name", ["allreduce", "describe"])
+def test_the_top_level_functions_are_the_real_ones(name):
+    """``flowreduce.allreduce`` and ``flowreduce.describe`` show the signature
+    and docstring of flowreduce.schedule.call's functions (``help()``), yet
+    ``import flowreduce`` alone still imports no distributed."""
+    code = ("import inspect, json, sys; import flowreduce; light = 'distributed' not in sys.modules; "
+            f"f = flowreduce.{name}; import flowreduce.schedule.call as c; real = c.{name}; "
+            "print(json.dumps([light, str(inspect.signature(f)) == str(inspect.signature(real)), "
+            "list(inspect.signature(f).parameters), f.__doc__ == real.__doc__, f.__doc__ or '']))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_this_checkout(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    light, same_signature, parameters, same_doc, doc = json.loads(out.stdout)
+    assert light, "import flowreduce imported distributed"
+    assert same_signature and same_doc, (parameters, doc[:200])
+    if name == "allreduce":
+        assert parameters[:3] == ["client", "inputs", "op"] and "options" in parameters
+        assert "Parameters\n    ----------" in doc and "from the result futures" in doc
+    else:
+        assert parameters == ["futures"] and "CallRecord" in doc

@@ -225,9 +225,10 @@ def allreduce(
     Raises
     ------
     ValueError (flowreduce.errors.InputError, OptionError)
-        No inputs, unknown algorithm or op, ranks disagreeing on structure,
-        shape or dtype (the message names the ranks), bad chunk or bucket
-        settings, a template that does not fit the inputs.
+        No inputs, unknown algorithm or op, bad chunk or bucket settings, a
+        template without the structure of the inputs' futures; ranks
+        disagreeing on structure, shape or dtype (the message names the
+        ranks) when the call checks the inputs itself (see the last entry).
     TypeError (flowreduce.errors.InputTypeError)
         An input that is not a future or not a numpy array (or pytree of them).
     RuntimeError (flowreduce.errors.InputStateError)
@@ -236,6 +237,16 @@ def allreduce(
         The inputs were not ready within ``timeout`` (the results fail with
         it when the reduction is what takes too long; a lost worker whose
         rank cannot recover fails them with ``WorkerLostError``).
+    The same errors, from the result futures
+        Input errors that the call's tasks find are not raised by the call:
+        they fail every rank's result, and ``.result()`` or
+        ``client.gather`` raises them (the same types and messages, naming
+        the ranks). With ``like``, the first task of each rank checks its
+        input against the template (a rank whose shape, dtype or structure
+        does not match fails every rank's result); a small call that runs the ``direct``
+        plan (named, or ``auto``'s pick) checks the inputs in its task.
+        Every error raised on purpose, by the call or its results, is a
+        :class:`flowreduce.FlowreduceError` and the built-in type above.
     """
     outer, futures = rank_futures(list(inputs))
     check_cluster(client, futures)
