@@ -18,11 +18,17 @@ RANKS = [1, 2, 3, 5, 8, 16]
 
 
 def fsum(values: list[float]) -> float:
-    """math.fsum, and inf where the exact sum overflows (fsum raises)."""
+    """math.fsum; where an intermediate sum overflows (fsum raises), the exact
+    sum rounded once (Python's int division rounds correctly), inf past the
+    largest float (1e308 + 1e308 - 1e308 is 1e308, 1e308 + 1e308 is inf)."""
     try:
         return math.fsum(values)
     except OverflowError:
-        return math.inf if sum(map(Fraction, values)) > 0 else -math.inf
+        exact = sum(map(Fraction, values), Fraction(0))
+        try:
+            return float(exact)
+        except OverflowError:
+            return math.inf if exact > 0 else -math.inf
 
 
 def fsum64(xs: list[np.ndarray]) -> np.ndarray:
@@ -33,9 +39,12 @@ def fsum64(xs: list[np.ndarray]) -> np.ndarray:
 
 def is_rounded32(got: np.float32, exact: Fraction) -> bool:
     """Whether ``got`` is ``exact`` rounded half-even to float32: no float32
-    neighbour is closer, and at a tie ``got``'s significand is even."""
-    if not np.isfinite(got):
-        return False
+    neighbour is closer, and at a tie ``got``'s significand is even; past
+    the largest float32 by half its ulp or more (a tie goes to the even
+    2**128), +-inf, as IEEE 754 rounds to nearest (and numpy adds)."""
+    overflows = abs(exact) >= Fraction(2) ** 128 - Fraction(2) ** 103
+    if overflows or not np.isfinite(got):
+        return bool(overflows and np.isinf(got) and (got > 0) == (exact > 0))
     here = abs(Fraction(float(got)) - exact)
     with np.errstate(over="ignore"):
         neighbours = (np.nextafter(got, np.float32(np.inf)), np.nextafter(got, np.float32(-np.inf)))
@@ -247,3 +256,13 @@ def test_codec_refuses_other_dtypes():
         rp.encode(np.arange(3), np.zeros(3))
     with pytest.raises(ValueError, match="unknown op"):
         rp.reference_reduce([np.zeros(1)], "nope")
+
+
+def test_overflow_edges_round_as_ieee():
+    # a float32 sum exactly half an ulp past the largest float32 ties to the even 2**128: inf, as numpy adds
+    xs32 = [np.array([1.7014117e38], dtype=np.float32), np.array([1.7014118e38], dtype=np.float32)]
+    with np.errstate(over="ignore"):
+        assert codec_sum(xs32)[0] == xs32[0][0] + xs32[1][0] == np.inf
+    # an intermediate overflow that the exact sum does not have (math.fsum raises on it)
+    xs64 = [np.array([1e308]), np.array([1e308]), np.array([-1e308])]
+    assert codec_sum(xs64)[0] == 1e308 and codec_sum(xs64[:2])[0] == np.inf
