@@ -64,7 +64,7 @@ def plan(algorithm: str, ranks: int, chunks: int = 1, **options: Any) -> Plan:
         raise ValueError(f"an all-reduce needs at least one rank, got {ranks!r}")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    frozen = _frozen(options)
+    frozen = frozen_options(options)
     try:
         hash(frozen)
     except TypeError:  # an option we cannot key a cache on: plan afresh
@@ -121,12 +121,12 @@ def _scalar(text: str) -> Any:
     return text
 
 
-def _frozen(value: Any) -> Any:
-    """A hashable copy of planner options (lists of groups become tuples)."""
+def frozen_options(value: Any) -> Any:
+    """A hashable copy of planner options (lists of groups become tuples): plans and p2p specs key caches by it."""
     if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+        return tuple(sorted((k, frozen_options(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
+        return tuple(frozen_options(v) for v in value)
     return value
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from dask.task_spec import List, Task, TaskRef
 
 from flowreduce import keys
+from flowreduce.algorithms import frozen_options
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import GATHER, Plan
 from flowreduce.build import kernels as _kernels
@@ -53,7 +54,7 @@ class Spec:
            in_place: bool) -> Spec:
         addresses = tuple(dict.fromkeys(workers))
         index = {w: i for i, w in enumerate(addresses)}
-        return cls(plan.algorithm, plan.ranks, plan.chunks, _frozen(dict(plan.options)), op.name,
+        return cls(plan.algorithm, plan.ranks, plan.chunks, frozen_options(dict(plan.options)), op.name,
                    np.dtype(dtype).str, tuple(shape), addresses, tuple(index[w] for w in workers), in_place)
 
     def worker(self, rank: int) -> str:
@@ -68,15 +69,6 @@ class Spec:
 
     def resolved_op(self) -> Op:
         return resolve_op(self.op)
-
-
-def _frozen(value: Any) -> Any:
-    """Options as a hashable value (hierarchical's groups are lists): the spec keys a cache."""
-    if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    return value
 
 
 @dataclass(frozen=True)
