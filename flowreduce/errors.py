@@ -9,6 +9,7 @@ to the clients, and this module imports nothing else.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -66,3 +67,11 @@ def raised_as(value_error: type[ValueError], type_error: type[TypeError] = Input
         raise value_error(*e.args) from e
     except TypeError as e:
         raise type_error(*e.args) from e
+
+
+def refused(handler: str, why: str) -> dict[str, str]:
+    """What a flowreduce handler answers a request flowreduce does not send:
+    logged as an error on the ``flowreduce`` logger, naming the handler and
+    why, and the reply ``{"status": "error", "message": why}``."""
+    logging.getLogger("flowreduce").error("flowreduce: %s refused a request: %s", handler, why)
+    return {"status": "error", "message": why}

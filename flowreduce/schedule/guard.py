@@ -46,7 +46,7 @@ from distributed.metrics import monotonic
 from distributed.scheduler import WorkerState
 
 from flowreduce import config
-from flowreduce.errors import AllreduceTimeoutError, WorkerLostError
+from flowreduce.errors import AllreduceTimeoutError, WorkerLostError, refused
 
 __all__ = ["AllreduceTimeoutError", "KeepPinnedReplicas", "PinGuard", "WorkerLostError", "ensure_guard",
            "resolve_timeout", "wait_inputs", "watch"]
@@ -142,14 +142,14 @@ class PinGuard(SchedulerPlugin):
         from dask.core import iskey
 
         if other:
-            return _refused(STATES, f"unknown arguments {sorted(map(str, other))[:10]}")
+            return refused(STATES, f"unknown arguments {sorted(map(str, other))[:10]}")
         # not the scheduler's task count: the inputs asked about may still be on their way (another comm)
         most = max(len(self.scheduler.tasks), MAX_STATES_KEYS)
         if not isinstance(keys, (list, tuple)) or len(keys) > most:
-            return _refused(STATES, f"keys must be a list of at most {most} keys, got {type(keys).__name__}"
+            return refused(STATES, f"keys must be a list of at most {most} keys, got {type(keys).__name__}"
                             + (f" of {len(keys)}" if isinstance(keys, (list, tuple)) else ""))
         if not all(iskey(k) for k in keys):
-            return _refused(STATES, f"keys must be Dask keys, got {next(k for k in keys if not iskey(k))!r}"[:300])
+            return refused(STATES, f"keys must be Dask keys, got {next(k for k in keys if not iskey(k))!r}"[:300])
         out = []
         for k in keys:
             ts = self.scheduler.tasks.get(k)
@@ -176,7 +176,7 @@ class PinGuard(SchedulerPlugin):
         except Exception as e:
             why = repr(e)
         if why is not None:
-            _refused("flowreduce-watch", why)
+            refused("flowreduce-watch", why)
             return
         try:
             self._watch(token, outputs, inputs, timeout, hold)
@@ -349,12 +349,6 @@ def _ours(key: Hashable) -> bool:
 
 def _leasing(key: Hashable) -> bool:
     return isinstance(key, tuple) and str(key[0]).startswith(LEASING)
-
-
-def _refused(handler: str, why: str) -> dict[str, str]:
-    """Log a refused request (error, logger ``flowreduce``) and the reply saying why."""
-    logger.error("flowreduce: %s refused a request: %s", handler, why)
-    return {"status": "error", "message": why}
 
 
 def _watch_refusal(guard: PinGuard, token: Any, outputs: Any, inputs: Any, timeout: Any, hold: Any,

@@ -41,7 +41,7 @@ from flowreduce.algorithms.ir import REDUCE
 from flowreduce.build import kernels as _kernels
 from flowreduce.build.graph import Graph
 from flowreduce.build.p2p import Program, Spec, lower_p2p, program
-from flowreduce.errors import InputError, WorkerLostError
+from flowreduce.errors import InputError, WorkerLostError, refused
 from flowreduce.keys import new_token, parse
 from flowreduce.phases import BARRIER
 
@@ -370,8 +370,7 @@ class Engine:
         if why is not None:
             if why == "failed":
                 return {"status": "error", "message": "failed", "error": to_serialize(self.failed[run])}
-            logger.error("flowreduce: %s refused a request: %s", RECEIVE, why)
-            return {"status": "error", "message": why}
+            return refused(RECEIVE, why)
         try:
             found = self.runs.get(run) or self.run(run, spec)
             found.deliver(items)
@@ -384,8 +383,7 @@ class Engine:
         """A peer (or the scheduler) says ``run`` failed: fail it here too."""
         if other or not isinstance(run, str) or not isinstance(error, BaseException):
             why = f"bad arguments: run {type(run).__name__}, error {type(error).__name__}, others {sorted(other)[:5]}"
-            logger.error("flowreduce: %s refused a request: %s", FAIL, why)
-            return {"status": "error", "message": why}
+            return refused(FAIL, why)
         self.fail(run, error, tell=False)
         return {"status": "OK"}
 

@@ -51,7 +51,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowreduce.build import shm_posts
 from flowreduce.build.direct import Partial
-from flowreduce.errors import WorkerLostError
+from flowreduce.errors import WorkerLostError, refused
 from flowreduce.keys import parse as parse_key
 from flowreduce.ops import Op, resolve_op
 
@@ -164,11 +164,6 @@ def named_op(op: Op) -> str | None:
 MAX_HELD_KEYS = 1 << 16
 
 
-def _refused(why: str) -> dict[str, Any]:
-    logger.error("flowreduce: %s refused a request: %s", HANDLER, why)
-    return {"status": "error", "message": why}
-
-
 async def reduce_held(worker: Any, keys: Any, reduce_with: Any) -> dict[str, Any]:
     """The handler: the values of ``keys`` held here (in the reader's rank
     order, a key once per rank) reduced in that order with the op named
@@ -189,17 +184,17 @@ async def reduce_held(worker: Any, keys: Any, reduce_with: Any) -> dict[str, Any
     from flowreduce.schedule.inputs import meta_of
 
     if not isinstance(keys, (list, tuple)) or not 0 < len(keys) <= MAX_HELD_KEYS:
-        return _refused(f"keys must be a list of 1 to {MAX_HELD_KEYS} keys, got {type(keys).__name__}"
+        return refused(HANDLER, f"keys must be a list of 1 to {MAX_HELD_KEYS} keys, got {type(keys).__name__}"
                         + (f" of {len(keys)}" if isinstance(keys, (list, tuple)) else ""))
     if not all(iskey(k) for k in keys):
-        return _refused(f"keys must be Dask keys, got {next(k for k in keys if not iskey(k))!r}"[:300])
+        return refused(HANDLER, f"keys must be Dask keys, got {next(k for k in keys if not iskey(k))!r}"[:300])
     if not isinstance(reduce_with, str) or len(reduce_with) > 64:
-        return _refused(f"reduce_with must be the name of an op, got {type(reduce_with).__name__}"
+        return refused(HANDLER, f"reduce_with must be the name of an op, got {type(reduce_with).__name__}"
                         + (" (a pickled reduction is not accepted)" if isinstance(reduce_with, bytes) else ""))
     try:
         how = resolve_op(reduce_with)
     except ValueError:
-        return _refused(f"unknown op {reduce_with!r}")
+        return refused(HANDLER, f"unknown op {reduce_with!r}")
     absent = [k for k in keys if k not in worker.data]
     if absent:  # released or moved since the reader asked (a harmless race: not logged as an error), or never here
         why = f"{len(absent)} of the {len(keys)} keys are not held here, e.g. {absent[0]!r}"[:300]
@@ -471,11 +466,11 @@ class PeerHandlersPlugin(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         async def reduce_handler(keys: Any = None, reduce_with: Any = None, **other: Any) -> dict[str, Any]:
             if other:
-                return _refused(f"unknown arguments {sorted(map(str, other))[:10]}")
+                return refused(HANDLER, f"unknown arguments {sorted(map(str, other))[:10]}")
             try:
                 return await reduce_held(worker, keys, reduce_with)
             except Exception as e:  # never the worker's problem: the reader reads the values instead
-                return _refused(f"{e!r}"[:300])
+                return refused(HANDLER, f"{e!r}"[:300])
 
         worker.handlers[HANDLER] = reduce_handler
 
