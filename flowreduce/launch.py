@@ -438,7 +438,7 @@ def jobqueue_cluster(kind: str, options: dict) -> Any:
     ``security`` and ``log_directory`` go to dask-jobqueue as they are
     (:func:`cluster` sets them up)."""
     cls = _cluster_class(kind)
-    config_name = options.get("config_name") or cls.job_cls.default_config_name()
+    config_name = _config_name(kind, options)
     options = jobqueue_options(config_name, options)
     if kind == "oar" and options.get("log_directory"):
         options["job_extra_directives"] = _oar_log_directives(config_name, options)
