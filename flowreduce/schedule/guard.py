@@ -320,7 +320,9 @@ class PinGuard(SchedulerPlugin):
             return  # not an input of ours
         from flowreduce.schedule.recovery import fail
 
-        ranks = self.input_ranks.get(key) or self.finished_inputs.get(key)
+        # a call whose watch has not arrived yet (the worker died while its graph was being registered):
+        # the ranks of the flowreduce tasks reading the input, from their keys
+        ranks = self.input_ranks.get(key) or self.finished_inputs.get(key) or _ranks_of(readers)
         who = f"input of rank {', '.join(map(str, sorted(set(ranks))))}" if ranks else "all-reduce input"
         exc = WorkerLostError(
             f"{who} (key {key!r}) is pinned to worker {', '.join(pinned)}, which left the cluster "
@@ -386,6 +388,14 @@ def _watch_refusal(guard: PinGuard, token: Any, outputs: Any, inputs: Any, timeo
     if not isinstance(hold, bool):
         return f"hold must be True or False, got {hold!r}"[:300]
     return None
+
+
+def _ranks_of(tasks: Sequence[Any]) -> list[int]:
+    """The ranks named by the keys of these flowreduce tasks."""
+    from flowreduce.keys import parse
+
+    return sorted({info["rank"] for ts in tasks if (info := parse(ts.key)) is not None
+                   and isinstance(info.get("rank"), int)})
 
 
 _guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
