@@ -1,4 +1,4 @@
-"""What warm result buffers (``flowreduce.build.result_buffers``) save:
+"""What warm result buffers (``flowreduce.shm.result_buffers``) save:
 ``shm-direct`` with the workers' result pools on, against the same calls
 with them off (``limit`` 0: every result in a fresh mapping, as
 ``np.empty`` gives), interleaved in rotating order, plus the bench's
@@ -30,7 +30,7 @@ from flowreduce.cli.bench import check_placed, make_input, run_baseline
 
 def set_result_pool(on: bool, dask_worker=None) -> dict:
     """Turn this worker's result pool on (its configured bound) or off (keep no free buffer)."""
-    from flowreduce.build import result_buffers
+    from flowreduce.shm import result_buffers
 
     b = result_buffers.buffers()
     if not hasattr(b, "configured"):

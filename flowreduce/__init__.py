@@ -3,7 +3,7 @@
 >>> summed = flowreduce.allreduce(client, parts, op="sum", algorithm="butterfly")  # doctest: +SKIP
 
 The planners (:mod:`flowreduce.algorithms`) are pure Python; the builder
-(:mod:`flowreduce.build`) imports dask only; :mod:`flowreduce.schedule` is
+(:mod:`flowreduce.lower`) imports dask only; :mod:`flowreduce.schedule` is
 the one package that talks to distributed, imported lazily here so that
 ``import flowreduce`` works without it. Errors: :mod:`flowreduce.errors`.
 """

@@ -3,7 +3,7 @@ and out of an all-reduce.
 
 The reduction itself runs on numpy arrays. An input that is not one is
 converted on the worker that holds it, by the first task of its rank that
-reads it (:mod:`flowreduce.build.fusion_kernels`), and the rank's result is
+reads it (:mod:`flowreduce.kernels.fusion`), and the rank's result is
 converted back by its last task, so nothing but numpy travels between ranks
 and the client never sees a tensor. What an input was is an
 :class:`ArrayKind` (library, dtype, device type) kept in its

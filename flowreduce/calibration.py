@@ -93,7 +93,7 @@ def ping_pong(client: Any, a: str, b: str, nbytes: int, hops: int, seed: int = 0
     (``shm``: through shared memory)."""
     from distributed import wait
 
-    from flowreduce.build.shm_kernels import Publish
+    from flowreduce.kernels.shm import Publish
 
     hop = Publish(_hop_pieces) if shm else _hop
     x = client.submit(_payload, nbytes, seed, workers=[a], allow_other_workers=False, pure=False)

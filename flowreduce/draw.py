@@ -13,7 +13,7 @@ whole chunk). Every :class:`~flowreduce.algorithms.ir.Transfer` is one black arr
 labelled with the segments it carries; local dependencies are grey, and a
 message read by a second task on the receiving rank is a dotted arrow.
 
-The task drawing lowers the plan with :func:`flowreduce.build.build_graph`
+The task drawing lowers the plan with :func:`flowreduce.lower.graph.build_graph`
 on stand-in inputs and worker names (no cluster needed) and draws it with
 :func:`dask.dot.to_graphviz`: one node per task, coloured by phase, boxed by
 worker.
@@ -295,12 +295,12 @@ def task_graph(plan: Plan, *, size: int | None = None, op: str = "sum") -> dict[
     ``TaskRef(("input", rank))`` and workers ``"worker-<rank>"`` with a fixed
     token, so the keys are the same on every call. ``size`` (elements per
     rank) defaults to one element per segment per chunk. ``direct`` in one
-    chunk is lowered as the front door lowers it (:mod:`flowreduce.build.direct`:
+    chunk is lowered as the front door lowers it (:mod:`flowreduce.lower.direct`:
     a task per worker, reading its peers' inputs itself)."""
     from dask.task_spec import TaskRef
 
-    from flowreduce.build.direct import build_direct
-    from flowreduce.build.graph import build_graph
+    from flowreduce.lower.direct import build_direct
+    from flowreduce.lower.graph import build_graph
     from flowreduce.ops import resolve_op
 
     size = plan.segments * plan.chunks if size is None else size
@@ -378,7 +378,7 @@ def draw_tasks(
         attrs[i] = {"label": label, "shape": "box", "fillcolor": PHASE_COLOURS.get(phase, _OTHER_PHASE),
                     "tooltip": str(key), "class": phase}
     subtitle = (f"{len(tasks)} Dask tasks on {plan.ranks} workers "
-                f"(keys as built by flowreduce.build.build_graph; inputs not drawn)")
+                f"(keys as built by flowreduce.lower.graph.build_graph; inputs not drawn)")
     notes = [("#808080", "a box per worker: the tasks pinned to it")]
     g = to_graphviz(
         dsk, function_attributes=attrs, collapse_outputs=True, rankdir="LR",

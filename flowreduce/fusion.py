@@ -5,7 +5,7 @@ of them small. Reducing each on its own pays the per-call and per-level
 latency once per tensor; Horovod and PyTorch DDP instead copy tensors into
 *buckets* of about ``bucket_bytes`` (Horovod's fusion buffer, 64 MB; DDP's
 ``bucket_cap_mb``, 25 MB), reduce each bucket as one dense vector and split
-it back. Pure Python: this module only decides; :mod:`flowreduce.build.buckets`
+it back. Pure Python: this module only decides; :mod:`flowreduce.lower.buckets`
 lowers the decision to tasks.
 
 Rules (DDP's, with Horovod's grouping by dtype):

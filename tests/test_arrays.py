@@ -201,7 +201,7 @@ def test_template_leaves_may_be_tensors_and_parameters():
 
 def test_the_core_never_imports_torch():
     code = ("import sys, numpy as np, flowreduce, flowreduce.arrays, flowreduce.pytree, flowreduce.fusion, "
-            "flowreduce.schedule.call, flowreduce.build.fusion_kernels as k\n"
+            "flowreduce.schedule.call, flowreduce.kernels.fusion as k\n"
             "assert not flowreduce.arrays.is_foreign(np.ones(2))\n"
             "assert k.unpack(flowreduce.pytree.LEAF, [np.ones(2)], ((0, 0, 2, (2,), None),)).shape == (2,)\n"
             "print('torch' in sys.modules)")

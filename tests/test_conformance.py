@@ -1,6 +1,6 @@
 """Numbers against numpy, in two tiers.
 
-Fast tier, no cluster: each plan is lowered by :mod:`flowreduce.build` and
+Fast tier, no cluster: each plan is lowered by :mod:`flowreduce.lower` and
 its graph run by dask's synchronous scheduler. Every algorithm (and
 ``auto``, and planner options) x ranks 1..8 x lengths {0, 1, p-1, 1000,
 1001} x chunks {1, 3, more than elements}; every op x dtype x ranks 1..8.
@@ -23,8 +23,8 @@ from conftest import assert_clean, scatter_ranks
 from dask.task_spec import DataNode, TaskRef
 
 import flowreduce
-from flowreduce.build.direct import build_direct
-from flowreduce.build.graph import build_graph
+from flowreduce.lower.direct import build_direct
+from flowreduce.lower.graph import build_graph
 from flowreduce.ops import resolve_op
 from flowreduce.schedule.inputs import check_values
 
@@ -62,7 +62,7 @@ def run_graph(arrays, algorithm, options=(), *, op="sum", chunks=1, workers=None
     and run the graph with dask's synchronous scheduler. Objects pass by
     reference there, so the graph is built not to reduce in place (as for
     ``inproc://`` workers). ``direct`` in one chunk is lowered as the front
-    door lowers it (:mod:`flowreduce.build.direct`), with no workers to read
+    door lowers it (:mod:`flowreduce.lower.direct`), with no workers to read
     from: every input a dependency, its tasks checking the inputs;
     ``workers`` (default one per rank) groups ranks sharing a worker."""
     p, a0 = len(arrays), arrays[0]

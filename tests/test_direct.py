@@ -21,7 +21,7 @@ from distributed import Client, LocalCluster, wait
 import flowreduce
 from flowreduce import describe
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.build.direct import build_direct
+from flowreduce.lower.direct import build_direct
 from flowreduce.cost import choose
 from flowreduce.errors import InputError, InputTypeError, WorkerLostError
 from flowreduce.ops import resolve_op

@@ -22,8 +22,9 @@ from conftest import wait_until, workers_of
 from distributed import Client, Event, LocalCluster
 
 import flowreduce
-from flowreduce.build import shm_pool, shm_posts
-from flowreduce.build.shm_kernels import Handle, received
+from flowreduce.shm import pool as shm_pool
+from flowreduce.shm import posts as shm_posts
+from flowreduce.kernels.shm import Handle, received
 from flowreduce.dashboard.store import OP as PUBLISH
 from flowreduce.ops import resolve_op
 from flowreduce.schedule.guard import STATES

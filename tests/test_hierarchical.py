@@ -313,7 +313,7 @@ def _run_plan(client, plan, futures, placed, shape):
     """What flowreduce.schedule.call does: lower, pin every key, submit."""
     import dask
 
-    from flowreduce.build.graph import build_graph
+    from flowreduce.lower.graph import build_graph
     from flowreduce.ops import resolve_op
 
     in_place = not any(w.startswith("inproc://") for w in placed)  # inproc hands over the sender's object

@@ -16,7 +16,7 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
     [
         (["distributed", "dask"], "import flowreduce, flowreduce.algorithms, flowreduce.cost, flowreduce.algorithms.ir; "
                                   "flowreduce.plan('butterfly', 6).check(); flowreduce.choose(6, 1e6)"),
-        (["distributed"], "import flowreduce.build.graph"),
+        (["distributed"], "import flowreduce.lower.graph"),
         (["distributed", "dask"], "import flowreduce.topology, flowreduce.cost; "
                                   "flowreduce.choose(6, 1e6, groups=[[0, 1, 2], [3, 4, 5]]); "
                                   "flowreduce.topology.Topology.from_addresses(['tcp://a:1'])"),
@@ -24,12 +24,12 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
                           "flowreduce.cli.draw, flowreduce.cli.args, flowreduce.cli.trace_files"),
         (["distributed", "dask"], "import flowreduce.pytree, flowreduce.fusion; "
                                   "flowreduce.fusion.make_buckets([flowreduce.pytree.spec(3)], 0)"),
-        (["distributed"], "import flowreduce.build.buckets, flowreduce.train, flowreduce.cli.train"),
+        (["distributed"], "import flowreduce.lower.buckets, flowreduce.train, flowreduce.cli.train"),
         (["distributed", "dask", "scipy"],
          "import flowreduce.algorithms.sparse, flowreduce.cost; from dataclasses import replace; "
          "[flowreduce.plan(a, 5).check() for a in flowreduce.SPARSE_ALGORITHMS]; "
          "flowreduce.cost.choose_sparse(5, 10**6, 4, [1e-3] * 5).cost(4e6)"),
-        (["distributed"], "import flowreduce.build.sparse"),
+        (["distributed"], "import flowreduce.lower.sparse"),
         (["distributed", "dask", "bokeh"], "import flowreduce.dashboard"),
         (["bokeh"], "import flowreduce.dashboard.store, flowreduce.dashboard.views, flowreduce.schedule.call"),
     ],

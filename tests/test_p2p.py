@@ -20,7 +20,7 @@ from distributed import Client, LocalCluster
 
 import flowreduce
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.build.p2p import Spec
+from flowreduce.lower.p2p import Spec
 from flowreduce.errors import InputError, OptionError, WorkerLostError
 from flowreduce.ops import resolve_op
 from flowreduce.schedule import call, faults

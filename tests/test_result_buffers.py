@@ -1,4 +1,4 @@
-"""Warm buffers for results (flowreduce.build.result_buffers): a result's
+"""Warm buffers for results (flowreduce.shm.result_buffers): a result's
 buffer is lent while any view of the result lives, given back when the last
 one goes, and lent again to the next result of its size."""
 
@@ -8,7 +8,7 @@ import gc
 
 import numpy as np
 
-from flowreduce.build.result_buffers import GRAIN, MIN_BYTES, Buffers
+from flowreduce.shm.result_buffers import GRAIN, MIN_BYTES, Buffers
 
 N = 2 * MIN_BYTES // 8  # float64 elements: large enough for a buffer
 
@@ -77,7 +77,7 @@ def test_a_buffer_is_kept_only_while_the_host_has_memory_to_spare(monkeypatch):
     """Each worker's pool is bounded on its own; the host's available
     memory (``/proc/meminfo``) is the bound that sees them all: under half
     of it available, a freed buffer is let go instead of kept."""
-    from flowreduce.build import result_buffers
+    from flowreduce.shm import result_buffers
 
     available, total = result_buffers.host_memory()  # this Linux host's, read as the pool reads it
     assert 0 < available <= total

@@ -77,7 +77,7 @@ def test_graph_carries_no_data():
     """The graph sent through the client holds references, not arrays."""
     from dask.task_spec import TaskRef
 
-    from flowreduce.build.graph import build_graph
+    from flowreduce.lower.graph import build_graph
     from flowreduce.ops import resolve_op
 
     p = flowreduce.plan("butterfly", 8, chunks=4)
@@ -105,7 +105,7 @@ def test_input_views_count_small_until_they_travel(make):
     is a real copy and counts in full."""
     from dask.sizeof import sizeof
 
-    from flowreduce.build.kernels import split
+    from flowreduce.kernels.dense import split
 
     x = make()
     v = split(x, 100, 600)

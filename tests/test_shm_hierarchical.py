@@ -19,8 +19,9 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 import flowreduce
 from flowreduce import describe
 from flowreduce.algorithms import hierarchical
-from flowreduce.build import shm_kernels, shm_pool
-from flowreduce.build.shm_hierarchical import build_hierarchical
+from flowreduce.kernels import shm as shm_kernels
+from flowreduce.shm import pool as shm_pool
+from flowreduce.lower.shm_hierarchical import build_hierarchical
 from flowreduce.cost import CostModel, Link
 from flowreduce.ops import resolve_op
 from flowreduce.phases import COMPUTE_PHASES

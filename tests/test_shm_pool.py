@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import ready_child
 
-from flowreduce.build import shm_pool
-from flowreduce.build.shm_pool import GRAIN, Pool, Unavailable
+from flowreduce.shm import pool as shm_pool
+from flowreduce.shm.pool import GRAIN, Pool, Unavailable
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_orphans_of_a_killed_process_are_reclaimed(directory):
     # a real process makes segments and dies by SIGKILL, without cleaning up
     code = f"""
         import os, sys, time
-        from flowreduce.build.shm_pool import Pool
+        from flowreduce.shm.pool import Pool
         p = Pool({directory!r}, limit=1 << 26)
         segs = [p.lease(1 << 20) for _ in range(3)]
         print("ready", flush=True)

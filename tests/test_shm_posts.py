@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import ready_child
 
-from flowreduce.build import shm_pool, shm_posts
-from flowreduce.build.shm_pool import GRAIN, Pool
+from flowreduce.shm import pool as shm_pool
+from flowreduce.shm import posts as shm_posts
+from flowreduce.shm.pool import GRAIN, Pool
 from flowreduce.schedule.inputs import ArrayMeta
 
 
@@ -134,8 +135,8 @@ def test_a_killed_posters_post_is_reclaimed(directory):
     code = f"""
         import time
         import numpy as np
-        from flowreduce.build import shm_posts
-        from flowreduce.build.shm_pool import Pool
+        from flowreduce.shm import posts as shm_posts
+        from flowreduce.shm.pool import Pool
         p = Pool({directory!r}, limit=1 << 26)
         v = np.ones(100)
         shm_posts.post(p, shm_posts.name("t", 0), v.dtype, v.shape, None, lambda o: np.copyto(o, v),

@@ -22,8 +22,8 @@ import flowreduce
 from flowreduce import config as flowreduce_config
 from flowreduce import describe
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.build import shm_pool
-from flowreduce.build.shm_direct import build_direct
+from flowreduce.shm import pool as shm_pool
+from flowreduce.lower.shm_direct import build_direct
 from flowreduce.ops import resolve_op
 from flowreduce.schedule.shm_plugin import usage
 
@@ -108,7 +108,7 @@ def _input_transfers(input_keys, dask_worker=None) -> list[int]:
 
 def _post_copies(token, dask_worker=None) -> list[tuple[str, int, int]]:
     """(direction, bytes, segment owner's pid) of each shared-memory copy of the call ``token`` on this worker."""
-    from flowreduce.build.shm_kernels import COPIES
+    from flowreduce.kernels.shm import COPIES
 
     return [(direction, nbytes, owner) for _, _, _, nbytes, direction, owner, key in COPIES if token in key]
 

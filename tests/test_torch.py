@@ -237,7 +237,7 @@ CASES_DDP = {"butterfly": ("net", "butterfly", 1, STEPS), "ring": ("net", "ring"
 
 def _set_min_bytes(n):
     """The worker's shared-memory pool takes values of ``n`` bytes and up (returns the old bound)."""
-    from flowreduce.build.shm_pool import pool
+    from flowreduce.shm.pool import pool
 
     old, pool().min_bytes = pool().min_bytes, n
     return old

@@ -21,7 +21,7 @@ distributed = pytest.importorskip("distributed")
 
 import flowreduce  # noqa: E402
 from flowreduce import keys as keymod  # noqa: E402
-from flowreduce.build.graph import chunk_bounds  # noqa: E402
+from flowreduce.lower.graph import chunk_bounds  # noqa: E402
 from flowreduce.tracing import PHASES, registry, summarize, to_chrome, to_csv, trace  # noqa: E402
 from flowreduce.tracing.events import COMPUTE_PHASES  # noqa: E402
 

@@ -8,7 +8,7 @@ in one dependent level (the shortest all-reduce a task graph can be).
     reduce: x0+x1+x2+x3, the same sum in the same order on every rank
 
 The plan is recursive doubling of radix p (a view per rank, then one
-exchange), but it is lowered differently (:mod:`flowreduce.build.direct`):
+exchange), but it is lowered differently (:mod:`flowreduce.lower.direct`):
 the reducing task depends only on its own rank's input and reads its peers'
 inputs itself, worker to worker, as Dask's dependency fetch would, so the
 views are not tasks and no scheduler round trip separates them from the

@@ -173,7 +173,7 @@ def direct_inner(ranks: int, *, groups: Sequence[Sequence[int]] | None, workers:
         4 each owner publishes its finished slice       (one task per worker)
         5 each rank copies every slice of its host      (its result)
 
-    Lowered over shared memory (:mod:`flowreduce.build.shm_hierarchical`),
+    Lowered over shared memory (:mod:`flowreduce.lower.shm_hierarchical`),
     steps 1, 2, 4 and 5 are one task per worker (5: per rank) reading
     peers' segments in place; the views and pre-reductions the plan lists
     per range (so that any lowering moves exact ranges) fuse into step 1."""

@@ -12,7 +12,7 @@ segments (all-gather in one level)::
     gather:   r0,r4<-*  r1,r5<-*  r2,r6<-*  r3,r7<-*  (reads every segment)
 
 On one host the peers' buffers are POSIX shared memory
-(:mod:`flowreduce.build.shm_direct` lowers the plan that way: the pre-reduce
+(:mod:`flowreduce.lower.shm_direct` lowers the plan that way: the pre-reduce
 writes into a pooled segment, so three dependent tasks in all); with
 ``transport="dask"`` the same plan runs over Dask's comm, an all-to-all.
 

@@ -10,7 +10,7 @@ templates, scipy.sparse and block-sparse inputs):
    into one typed :class:`Ranks`;
 3. :func:`lower` chooses the plans (:func:`choose_plan`, the cost model of
    :func:`~flowreduce.cost.model_for`, the hosts of :mod:`~flowreduce.schedule.hosts`)
-   and lowers them (:mod:`flowreduce.build`) into one :class:`Job`;
+   and lowers them (:mod:`flowreduce.lower`) into one :class:`Job`;
 4. :func:`submit` hands the graph to the scheduler with every task pinned,
    and keeps the call's records (:mod:`~flowreduce.schedule.records`).
 
@@ -39,10 +39,10 @@ from flowreduce.algorithms import direct as _direct
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.algorithms.sparse import SparsePlan
-from flowreduce.build.buckets import build_tree_graph
-from flowreduce.build.direct import build_direct
-from flowreduce.build.graph import Graph
-from flowreduce.build.sparse import (
+from flowreduce.lower.buckets import build_tree_graph
+from flowreduce.lower.direct import build_direct
+from flowreduce.lower.graph import Graph
+from flowreduce.lower.sparse import (
     BlockCall,
     SparseCall,
     SparseInputs,
@@ -601,7 +601,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
 def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], model: CostModel,
                    settings: Settings) -> Job:
     """Buckets of the tensors (:mod:`flowreduce.fusion`), a plan per bucket,
-    one graph for them all (:mod:`flowreduce.build.buckets`)."""
+    one graph for them all (:mod:`flowreduce.lower.buckets`)."""
     workers = list(ranks.workers)
     p = len(workers)
     buckets = make_buckets([t.spec for t in layout.tensors], settings.bucket_bytes)

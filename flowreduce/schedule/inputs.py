@@ -6,7 +6,7 @@ A worker reports what it holds for an input key as a :data:`Meta` (one of
 :class:`OtherMeta`, built by :func:`meta_of` without sending the value);
 the functions below turn the ranks' metas into the one description a
 call lowers from (an :class:`ArrayMeta` for numpy arrays, a
-:class:`~flowreduce.build.sparse.SparseInputs`, a
+:class:`~flowreduce.lower.sparse.SparseInputs`, a
 :class:`~flowreduce.fusion.Layout` of tensors), or raise an error naming
 the ranks that disagree.
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 from flowreduce import arrays
 from flowreduce.arrays import ArrayKind
-from flowreduce.build.sparse import SparseInputs
+from flowreduce.lower.sparse import SparseInputs
 from flowreduce.errors import InputError, InputTypeError
 from flowreduce.fusion import Layout
 from flowreduce.ops import Op
@@ -222,7 +222,7 @@ def check_values(values: Sequence[Any], op: Op) -> None:
     """:func:`checked_array` on the ranks' values themselves, or what a peer
     worker said they are (a :data:`Meta`), in rank order: the same errors,
     naming the same ranks. Runs in the tasks of a call that did not ask the
-    workers what they hold (:mod:`flowreduce.build.direct`)."""
+    workers what they hold (:mod:`flowreduce.lower.direct`)."""
     checked_array([v if isinstance(v, META_TYPES) else meta_of(v) for v in values], op)
 
 

@@ -5,7 +5,7 @@ the graph). docs/p2p.md tells the whole story.
 * :class:`Engine` (``worker.extensions["flowreduce-p2p"]``, installed by
   :class:`P2PWorkerPlugin`) keeps one :class:`Run` per run id
   (``"<call token>.<attempt>"``) while the run lasts on that worker.
-* The graph (:func:`flowreduce.build.p2p.lower_p2p`) hands each rank's input
+* The graph (:func:`flowreduce.lower.p2p.lower_p2p`) hands each rank's input
   in (:func:`hand_in`), waits for all of them (:func:`barrier`) and takes
   each rank's result out (:func:`take_out`, a coroutine: it waits on the
   worker's event loop without holding its thread).
@@ -38,9 +38,9 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.protocol import to_serialize
 
 from flowreduce.algorithms.ir import REDUCE
-from flowreduce.build import kernels as _kernels
-from flowreduce.build.graph import Graph
-from flowreduce.build.p2p import Program, Spec, lower_p2p, program
+from flowreduce.kernels import dense as _kernels
+from flowreduce.lower.graph import Graph
+from flowreduce.lower.p2p import Program, Spec, lower_p2p, program
 from flowreduce.errors import InputError, WorkerLostError, refused
 from flowreduce.keys import new_token, parse
 from flowreduce.phases import BARRIER

@@ -1,5 +1,5 @@
 """Read peers' inputs from their workers inside a task: the reads of the
-one-level ``direct`` collective (:mod:`flowreduce.build.direct`).
+one-level ``direct`` collective (:mod:`flowreduce.lower.direct`).
 
 A task that depends only on its own rank's input asks each peer's worker for
 the peer's input itself, with the call Dask's own dependency fetch uses
@@ -18,7 +18,7 @@ recomputation may need that slot.
 
 A peer worker holding several of the ranks (64 ranks on 4 workers) is
 asked instead to reduce them itself, in rank order, and to send one array
-and what each rank holds (:class:`~flowreduce.build.direct.Partial`): the
+and what each rank holds (:class:`~flowreduce.lower.direct.Partial`): the
 handler :data:`HANDLER`, which :class:`PeerHandlersPlugin` gives every worker.
 Anything that keeps it from answering (an input it no longer holds, inputs
 it cannot reduce, no handler) makes the reader read those ranks' values
@@ -26,7 +26,7 @@ instead, as above.
 
 Peers on the reader's host do not send at all (:func:`reading`): every
 task of the call on that host posts its ranks' value in shared memory, and
-reads its peers' posts where they lie (:mod:`flowreduce.build.shm_posts`):
+reads its peers' posts where they lie (:mod:`flowreduce.shm.posts`):
 no request, no socket, no pickling, whatever the size. A post stays up
 until every reader has acknowledged it, then its segment goes back to the
 poster's pool; a task that fails or is cancelled unlinks its post instead
@@ -49,8 +49,8 @@ import numpy as np
 from dask.typing import Key
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from flowreduce.build import shm_posts
-from flowreduce.build.direct import Partial
+from flowreduce.shm import posts as shm_posts
+from flowreduce.lower.direct import Partial
 from flowreduce.errors import WorkerLostError, refused
 from flowreduce.keys import parse as parse_key
 from flowreduce.ops import Op, resolve_op
@@ -180,7 +180,7 @@ async def reduce_held(worker: Any, keys: Any, reduce_with: Any) -> dict[str, Any
     from dask.core import iskey
     from distributed.protocol.serialize import to_serialize
 
-    from flowreduce.build.direct import accumulate, off_loop_if_large
+    from flowreduce.lower.direct import accumulate, off_loop_if_large
     from flowreduce.schedule.inputs import meta_of
 
     if not isinstance(keys, (list, tuple)) or not 0 < len(keys) <= MAX_HELD_KEYS:
@@ -241,7 +241,7 @@ async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = No
     post their ranks' values (``local``: this task's, ``{rank: value}``) in
     shared memory, one value per group (its ranks' sum in the op's
     accumulating dtype when it has several: a :class:`Partial`), and read
-    each other's posts in place (:mod:`flowreduce.build.shm_posts`): no
+    each other's posts in place (:mod:`flowreduce.shm.posts`): no
     message, no socket, no pickling. A peer whose post does not come within
     :data:`POST_WAIT`, peers on other hosts, and anything that cannot be
     posted are read over Dask's comm. Posted values are read-only views,
@@ -253,7 +253,7 @@ async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = No
     the host posts and reads as its group did."""
     from distributed import get_worker
 
-    from flowreduce.build import shm_pool
+    from flowreduce.shm import pool as shm_pool
 
     worker = get_worker()
     where = dict(domains)
@@ -336,13 +336,13 @@ async def _acknowledge_late(pool: Any, token: str, ranks: Sequence[int], slot: i
 async def _post_own(pool: Any, token: str, local: dict[int, Any], op: Op | None, key: str, *, slots: int,
                     readers: Sequence[int]) -> shm_posts.Post:
     """Post this group's value (one rank: its input; several: their sum, in
-    rank order, with what each held), or :data:`~flowreduce.build.shm_posts.UNFIT`
+    rank order, with what each held), or :data:`~flowreduce.shm.posts.UNFIT`
     when it cannot be (the readers then ask for the values over Dask's comm:
     anything but a plain numpy array of numbers, ranks that disagree, or
     several ranks and an op that is not a ufunc, whose sum its peers must
     see as :func:`reduce_held` makes it)."""
-    from flowreduce.build import shm_kernels
-    from flowreduce.build.direct import OFF_LOOP_BYTES
+    from flowreduce.kernels import shm as shm_kernels
+    from flowreduce.lower.direct import OFF_LOOP_BYTES
     from flowreduce.schedule.inputs import meta_of
 
     ranks = sorted(local)
@@ -395,7 +395,7 @@ def _sum_into(op: Op, values: Sequence[np.ndarray], out: np.ndarray) -> None:
 async def _collect(worker: Any, pool: Any, token: str, first: dict[str, int], key: Hashable
                    ) -> dict[str, shm_posts.Found]:
     """The posts of the peer workers ``first`` (worker -> its first rank),
-    as they come up, for at most :data:`POST_WAIT`; an :data:`~flowreduce.build.shm_posts.UNFIT`
+    as they come up, for at most :data:`POST_WAIT`; an :data:`~flowreduce.shm.posts.UNFIT`
     one is not waited for (nor returned)."""
     loop = asyncio.get_running_loop()
     start, pause, left = loop.time(), 0.0002, False
@@ -421,7 +421,7 @@ async def _collect(worker: Any, pool: Any, token: str, first: dict[str, int], ke
 def _log_reads(found: dict[str, shm_posts.Found], key: str, began: float) -> None:
     """A trace event per post read: the block's time (the sum reading them
     in place), shared among them by bytes."""
-    from flowreduce.build import shm_kernels
+    from flowreduce.kernels import shm as shm_kernels
 
     total = sum(f.value.nbytes for f in found.values())
     t, span = began, time.time() - began

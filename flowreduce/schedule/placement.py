@@ -18,7 +18,7 @@ Two ways, one per kind of call:
   reports every input key's state, holders, size and type. When every input
   is a numpy array in memory, that places the ranks and sizes the call, and
   the call's first tasks check what the ranks hold (the one-level ``direct``
-  collective does: :mod:`flowreduce.build.direct`).
+  collective does: :mod:`flowreduce.lower.direct`).
 
 All check the futures' status with :func:`check_status` and wait with
 :func:`wait_on`, on the client's own event loop.

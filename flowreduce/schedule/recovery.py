@@ -15,7 +15,7 @@ worker that left:
    finished result is released and runs again, with the same keys (Dask's
    per-run ids make late answers of the old run harmless), and each task now
    works on private copies of its inputs. Both because of in-place
-   reduction (:func:`flowreduce.build.graph.owned_inputs`): the first run may
+   reduction (:func:`flowreduce.lower.graph.owned_inputs`): the first run may
    have reduced into a received replica that the scheduler still lists as a
    copy of its key, and under the new placement a rank's tasks may share a
    worker with a peer whose values they were allowed to overwrite only

@@ -5,9 +5,9 @@ At setup the worker makes its pool (which unlinks segments left by dead
 workers on its host: a nanny's restart after SIGKILL reclaims them); while it
 runs, free segments and peer mappings idle for ``flowreduce.shm.idle-seconds``
 are dropped; at teardown (the worker closing) every segment it owns is
-unlinked. The pool itself lives in :mod:`flowreduce.build.shm_pool`, which
+unlinked. The pool itself lives in :mod:`flowreduce.shm.pool`, which
 tasks use without importing distributed. The warm buffers results are made in
-(:mod:`flowreduce.build.result_buffers`) get the same bound by memory, idle
+(:mod:`flowreduce.shm.result_buffers`) get the same bound by memory, idle
 release and close.
 """
 
@@ -23,7 +23,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.worker_state_machine import TaskStateState
 
 from flowreduce import keys
-from flowreduce.build import result_buffers, shm_pool
+from flowreduce.shm import result_buffers
+from flowreduce.shm import pool as shm_pool
 
 logger = logging.getLogger("flowreduce")
 

@@ -25,8 +25,11 @@ import numpy as np
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.hierarchical import DIRECT as DIRECT_INNER
 from flowreduce.algorithms.ir import Plan
-from flowreduce.build import shm_direct, shm_edges, shm_hierarchical, shm_pool
-from flowreduce.build.graph import Graph, build_graph
+from flowreduce.lower import shm_direct
+from flowreduce.lower import shm_edges
+from flowreduce.lower import shm_hierarchical
+from flowreduce.shm import pool as shm_pool
+from flowreduce.lower.graph import Graph, build_graph
 from flowreduce.cost import CostModel, tune
 from flowreduce.ops import Op
 

@@ -1,6 +1,6 @@
 """The trainer's gradient all-reduce over shared memory, when every rank's
 worker shares one host: the ``shm-direct`` collective
-(:mod:`flowreduce.build.shm_direct`) lowered into the trainer's own step
+(:mod:`flowreduce.lower.shm_direct`) lowered into the trainer's own step
 graph, so that a step costs at most two dependent task levels:
 
 1. per rank, one ``torch-step`` task (:func:`flowreduce.torch.replica.step`):
@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowreduce.build import shm_kernels, shm_pool
-from flowreduce.build.graph import chunk_bounds
+from flowreduce.kernels import shm as shm_kernels
+from flowreduce.shm import pool as shm_pool
+from flowreduce.lower.graph import chunk_bounds
 from flowreduce.fusion import Bucket, make_buckets
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import TensorSpec

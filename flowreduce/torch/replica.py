@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from dask.sizeof import sizeof
 
-from flowreduce.build import shm_kernels
+from flowreduce.kernels import shm as shm_kernels
 from flowreduce.torch import direct
 
 

@@ -100,7 +100,7 @@ def _worker_snapshot(marks: dict, shm_marks: dict | None = None, dask_worker: An
 
     from distributed.metrics import time
 
-    from flowreduce.build.shm_kernels import COPIES
+    from flowreduce.kernels.shm import COPIES
 
     w = dask_worker
     copies = list(COPIES) if shm_marks is not None else []  # None: only where the log ends
@@ -482,7 +482,7 @@ class Trace:
 
     def _shm_events(self, workers: dict[str, dict], out: list[Event]) -> None:
         """Copies through shared memory, from each worker's log
-        (:data:`flowreduce.build.shm_kernels.COPIES`, raw worker times)."""
+        (:data:`flowreduce.kernels.shm.COPIES`, raw worker times)."""
         by_pid = {ws["pid"]: w for w, ws in workers.items()}
         for w, ws in workers.items():
             if ws["shm"]:

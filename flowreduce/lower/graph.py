@@ -17,7 +17,7 @@ from dask.typing import Key
 
 from flowreduce import keys
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Node, Plan
-from flowreduce.build import kernels as _kernels
+from flowreduce.kernels import dense as _kernels
 from flowreduce.ops import Op
 
 

@@ -7,7 +7,7 @@ dtype and shape, each rank's worker) travels once per run and worker; every
 worker rebuilds the plan from it (:func:`flowreduce.algorithms.plan`, cached)
 and reads its :class:`Program`: for each chunk and node, the element range
 and the slices of its inputs' pieces, decided here as
-:mod:`flowreduce.build.graph` decides them for the task graph. The graph
+:mod:`flowreduce.lower.graph` decides them for the task graph. The graph
 (:func:`lower_p2p`) is ``2 * ranks + 1`` tasks whatever the algorithm and
 chunk count: per rank a *hand-in* (its input into the engine), one
 *barrier*, per rank an *output* (its result out of the engine).
@@ -28,8 +28,8 @@ from flowreduce import keys
 from flowreduce.algorithms import frozen_options
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import GATHER, Plan
-from flowreduce.build import kernels as _kernels
-from flowreduce.build.graph import Graph, chunk_bounds, contributions, owned_inputs
+from flowreduce.kernels import dense as _kernels
+from flowreduce.lower.graph import Graph, chunk_bounds, contributions, owned_inputs
 from flowreduce.ops import Op, resolve_op
 
 
@@ -111,7 +111,7 @@ class Roles:
 
     def layout(self, node: int) -> list[tuple[int, int]]:
         """The segment ranges of node's pieces: a gather's are its inputs' (as
-        :func:`flowreduce.build.graph.lower` tracks them), others have one piece."""
+        :func:`flowreduce.lower.graph.lower` tracks them), others have one piece."""
         found = self._layouts.get(node)
         if found is not None:
             return found

@@ -3,7 +3,7 @@ dask, never distributed.
 
 Per bucket (:mod:`flowreduce.fusion`), per rank: a ``pack`` task copies the
 bucket's tensors into one flat buffer; the bucket's dense all-reduce is the
-ordinary lowered plan (:func:`flowreduce.build.build_graph`) over those
+ordinary lowered plan (:func:`flowreduce.lower.graph.build_graph`) over those
 buffers; an ``unpack`` task per rank and input future cuts the reduced
 buffers back into that future's structure (views, no copy). A bucket of one
 tensor needs neither: its plan reads the tensor directly (through a small
@@ -27,8 +27,8 @@ from dask.typing import Key
 
 from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
-from flowreduce.build import fusion_kernels as _fusion_kernels
-from flowreduce.build.graph import build_graph
+from flowreduce.kernels import fusion as _fusion_kernels
+from flowreduce.lower.graph import build_graph
 from flowreduce.fusion import Bucket, Layout
 from flowreduce.ops import Op
 from flowreduce.pytree import paths

@@ -33,8 +33,8 @@ from collections import defaultdict
 import numpy as np
 import numpy.typing as npt
 
-from flowreduce.build import shm_pool
-from flowreduce.build.shm_pool import GRAIN  # sized as the segments are, so calls of nearby sizes share them
+from flowreduce.shm import pool as shm_pool
+from flowreduce.shm.pool import GRAIN  # sized as the segments are, so calls of nearby sizes share them
 
 #: Results smaller than this are plain ``np.empty`` (few pages to fault).
 MIN_BYTES = 1 << 20

@@ -4,13 +4,13 @@ inside each host, Dask's comm between hosts. Imports dask, never distributed.
 The plan (:func:`flowreduce.algorithms.hierarchical.direct_inner`) lists
 views and pre-reductions per range so that any lowering moves exact ranges;
 here they fuse into one task per worker, as in
-:mod:`flowreduce.build.shm_direct`:
+:mod:`flowreduce.lower.shm_direct`:
 
 1. per worker, its ranks' inputs reduced into a pooled segment (``write``);
 2. per worker and range it owns, that range reduced over its host's
    segments, read in place (``reduce_range``): the plan's reduce-scatter
    nodes, whose values go to other hosts as plain copies;
-3. the inter-host algorithm's nodes, as :func:`flowreduce.build.graph.build_graph`
+3. the inter-host algorithm's nodes, as :func:`flowreduce.lower.graph.build_graph`
    lowers them (Dask's comm: they cross hosts);
 4. per worker, its finished slice copied into a segment (``publish_slice``),
    or reduced straight into one when the inter-host algorithm ends in one
@@ -29,13 +29,13 @@ from dask.task_spec import List, Task, TaskRef
 from flowreduce import keys
 from flowreduce.algorithms.hierarchical import direct_fused
 from flowreduce.algorithms.ir import VIEW, Plan
-from flowreduce.build import shm_kernels
-from flowreduce.build.graph import Graph, build_graph, chunk_bounds, contributions
+from flowreduce.kernels import shm as shm_kernels
+from flowreduce.lower.graph import Graph, build_graph, chunk_bounds, contributions
 from flowreduce.ops import Op
 
 
 def node_keys(plan: Plan, token: str) -> list[Any]:
-    """The key of every node, as :func:`flowreduce.build.graph.lower` names
+    """The key of every node, as :func:`flowreduce.lower.graph.lower` names
     them (one chunk; a final read by nobody else is its rank's output)."""
     out = []
     merged = {f: r for r, f in enumerate(plan.finals) if not plan.output_is_separate(r)}

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flowreduce.build import shm_pool
+from flowreduce.shm import pool as shm_pool
 
 logger = logging.getLogger("flowreduce")
 #: A post with nothing behind it: its readers read the value over Dask's comm.
@@ -46,7 +46,7 @@ ALIGN = 64
 
 def name(token: str, rank: int) -> str:
     """The link of the post of the worker whose first rank is ``rank`` in the call ``token``
-    (:class:`~flowreduce.build.shm_pool.Refused` unless that is a plain name: a token of
+    (:class:`~flowreduce.shm.pool.Refused` unless that is a plain name: a token of
     letters, digits and ``_``, a rank that is an int)."""
     link = f"{shm_pool.PREFIX}{shm_pool.LINK}{token}-{rank}"
     if (not isinstance(token, str) or not isinstance(rank, (int, np.integer)) or isinstance(rank, bool)

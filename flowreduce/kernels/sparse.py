@@ -23,8 +23,8 @@ from typing import Any, TypeAlias
 import numpy as np
 import scipy.sparse as sp
 
-from flowreduce.build.kernels import Pick
-from flowreduce.build.sparse_payload import Encoded, Piece, Wire, decode_piece, encode_piece, piece_width
+from flowreduce.kernels.dense import Pick
+from flowreduce.kernels.sparse_payload import Encoded, Piece, Wire, decode_piece, encode_piece, piece_width
 from flowreduce.ops import Op
 
 #: A node's value: pieces covering consecutive ranges of the index space.

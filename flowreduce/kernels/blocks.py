@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from flowreduce.build.kernels import Pick
-from flowreduce.build.sparse_payload import BlockPack, Wire, decode_pack, encode_pack
+from flowreduce.kernels.dense import Pick
+from flowreduce.kernels.sparse_payload import BlockPack, Wire, decode_pack, encode_pack
 from flowreduce.ops import Op
 
 BLOCK_OPS: tuple[str, ...] = ("sum", "mean")

@@ -3,7 +3,7 @@ input (checking them against the template when the call had one), copy a
 bucket's tensors into one flat buffer, and cut the reduced buffer back into
 tensors (views, no copy). Arrays of other libraries (torch) are read as numpy
 here and the results turned back into them (:mod:`flowreduce.arrays`), so the
-tasks between see numpy only. :mod:`flowreduce.build.buckets` decides every
+tasks between see numpy only. :mod:`flowreduce.lower.buckets` decides every
 offset statically.
 """
 

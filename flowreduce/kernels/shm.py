@@ -11,7 +11,7 @@ Two uses:
   dependency before its dependent runs), so it holds a private, writable
   array exactly as if it came over a socket.
 * :func:`write`, :func:`reduce_slice`, :func:`gather` are the three levels of
-  the one-level intra-host collective (:mod:`flowreduce.build.shm_direct`):
+  the one-level intra-host collective (:mod:`flowreduce.lower.shm_direct`):
   readers read peers' segments in place.
 
 A lease lives as long as the values that reference it on its worker (Dask
@@ -36,7 +36,9 @@ import numpy as np
 import numpy.typing as npt
 from dask.sizeof import sizeof
 
-from flowreduce.build import kernels, result_buffers, shm_pool
+from flowreduce.kernels import dense as kernels
+from flowreduce.shm import result_buffers
+from flowreduce.shm import pool as shm_pool
 from flowreduce.ops import Op
 
 #: Copies through shared memory in this process, for traces: (seq, start,
@@ -94,7 +96,7 @@ class Handle:
 
     def arrays(self, seg: shm_pool.Segment) -> list[np.ndarray]:
         """Views of the pieces; a handle from a peer whose pieces are not plain
-        dtypes lying inside the segment is :class:`~flowreduce.build.shm_pool.Refused` (logged)."""
+        dtypes lying inside the segment is :class:`~flowreduce.shm.pool.Refused` (logged)."""
         out = []
         for piece in self.pieces:
             try:
@@ -396,7 +398,7 @@ def publish_slice(inputs: Sequence[tuple[np.ndarray, ...]], picks: Sequence[Sequ
 def gather(op: Op, ranks: int, shape: tuple[int, ...], dtype: npt.DTypeLike, slices: Sequence,
            key: str = "", finish: bool = True) -> np.ndarray:
     """Level 3 on each rank: its result, an array of its own (in a warm
-    buffer: :mod:`~flowreduce.build.result_buffers`), copied from every
+    buffer: :mod:`~flowreduce.shm.result_buffers`), copied from every
     worker's finished slice (``finish=False``: already finished)."""
     parts = [_slice_of(v) for v in slices]
     count = sum(x.size for x, _ in parts)

@@ -1,6 +1,6 @@
 """Which edges of a lowered plan go through shared memory: a node whose
 readers on other workers all share its memory domain (one host) publishes its
-value there (:class:`flowreduce.build.shm_kernels.Publish`), so Dask moves a
+value there (:class:`flowreduce.kernels.shm.Publish`), so Dask moves a
 handle. Same-worker readers keep the array; a node read across hosts keeps
 Dask's comm. Imports dask, never distributed."""
 
@@ -12,8 +12,8 @@ from dask.task_spec import Task
 
 from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
-from flowreduce.build.graph import Graph
-from flowreduce.build.shm_kernels import Publish
+from flowreduce.lower.graph import Graph
+from flowreduce.kernels.shm import Publish
 
 
 def published_nodes(plan: Plan, workers: Sequence[str], domains: Sequence[object | None]) -> set[int]:

@@ -36,9 +36,9 @@ from dask.task_spec import List, Task
 
 from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
-from flowreduce.build import result_buffers
-from flowreduce.build.graph import Graph
-from flowreduce.build.shm_direct import worker_groups
+from flowreduce.shm import result_buffers
+from flowreduce.lower.graph import Graph
+from flowreduce.lower.shm_direct import worker_groups
 from flowreduce.ops import Op
 
 #: Above this many bytes a task reduces off its worker's event loop (and a peer its ranks).

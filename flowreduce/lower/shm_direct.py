@@ -21,8 +21,8 @@ from dask.task_spec import List, Task, TaskRef
 
 from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
-from flowreduce.build import shm_kernels
-from flowreduce.build.graph import Graph, chunk_bounds
+from flowreduce.kernels import shm as shm_kernels
+from flowreduce.lower.graph import Graph, chunk_bounds
 from flowreduce.ops import Op
 
 

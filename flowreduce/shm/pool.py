@@ -17,7 +17,7 @@ Names carry the owner's pid and process start time
 (``flowreduce-shm-<pid>-<start>-<n>``): the first pool of a process on a host
 unlinks segments whose owner is gone (a worker killed with SIGKILL that its
 nanny restarted). The pool also makes symbolic links, named by what they
-announce (:mod:`flowreduce.build.shm_posts`), whose target starts with the
+announce (:mod:`flowreduce.shm.posts`), whose target starts with the
 name of the segment (or the stem of the process) they belong to: they are
 judged by that owner.
 
@@ -36,7 +36,7 @@ when the process's pool is made):
                                 (a message that small costs no more than the handle);
                                 ``direct``'s posts need no message and ignore it
 ``flowreduce.shm.result-pool-bytes``  free warm buffers kept for results
-                                (:mod:`flowreduce.build.result_buffers`)
+                                (:mod:`flowreduce.shm.result_buffers`)
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ import numpy.typing as npt
 logger = logging.getLogger("flowreduce")
 
 PREFIX = "flowreduce-shm-"
-#: After :data:`PREFIX`, the start of a link's name (:mod:`flowreduce.build.shm_posts`).
+#: After :data:`PREFIX`, the start of a link's name (:mod:`flowreduce.shm.posts`).
 LINK = "post-"
 #: A segment's name (:data:`PREFIX`, pid, start time, number) and a post link's
 #: (:data:`PREFIX`, :data:`LINK`, call token, first rank): the only names the pool

@@ -5,7 +5,7 @@ kernels differ: ``pack`` (a rank's non-zeros of a range) in place of the
 zero-copy view, ``merge``/``aggregate`` (scipy.sparse merges with the dense
 switch; block unions) in place of the dense reduction, ``gather`` and
 ``output`` that assemble the rank's result in the user's format. As in
-:mod:`flowreduce.build.graph`, every range is decided here, statically.
+:mod:`flowreduce.lower.graph`, every range is decided here, statically.
 
 :func:`lower_sparse` takes scipy.sparse inputs (SparCML's algorithms),
 :func:`lower_blocks` dense numpy inputs (OmniReduce's block-sparse).
@@ -25,10 +25,10 @@ from flowreduce import keys
 from flowreduce.algorithms.block_sparse import DEFAULT_BLOCK
 from flowreduce.algorithms.ir import REDUCE, VIEW
 from flowreduce.algorithms.sparse import CODECS, SparsePlan
-from flowreduce.build import blocks as _blocks
-from flowreduce.build import sparse_kernels as _kernels
-from flowreduce.build.graph import Graph, Site, contributions, lower, owned_inputs
-from flowreduce.build.sparse_payload import Wire
+from flowreduce.kernels import blocks as _blocks
+from flowreduce.kernels import sparse as _kernels
+from flowreduce.lower.graph import Graph, Site, contributions, lower, owned_inputs
+from flowreduce.kernels.sparse_payload import Wire
 from flowreduce.ops import Op
 
 #: ``allreduce`` options of the sparse algorithms (beside the planners' own).
