@@ -190,7 +190,8 @@ class FlowreducePage(DashboardComponent):
             _assign(fig.y_range, start=ranks[-1] + 0.5, end=ranks[0] - 0.5)
         _assign(self.steps, ticks=cols)
         _assign(self.rank_ticks, ticks=ranks)
-        _assign(self.grid.xaxis[0], major_label_overrides={c: _column_label(c) for c in cols})
+        labels = views.column_labels(call)
+        _assign(self.grid.xaxis[0], major_label_overrides={c: labels.get(c) or _column_label(c) for c in cols})
 
 
 #: (field, title, format) of the calls table and the links table.

@@ -25,6 +25,13 @@ CALL_STATES = ("submitted", "running", "done", "failed", "cancelled")
 #: counts the bytes dask measured, which sees zero-copy views as a few bytes).
 MAX_WIDTHS = 4096
 
+#: The stream message a p2p engine's worker sends the scheduler with the plan nodes it computed
+#: per (rank, step) (:mod:`flowreduce.schedule.engine_log`; filed by ``DashboardStore.engine_steps``).
+ENGINE_OP = "flowreduce-dashboard-engine-steps"
+#: Grid columns of a ``method="p2p"`` call: its hand-in tasks, the barrier, then the engine's plan steps
+#: (plan step ``s`` in column ``ENGINE_COLUMN + s``), then the outputs.
+ENGINE_COLUMN = 2
+
 #: Columns of the grid that are not plan steps: tensor fusion's pack before
 #: step 0, its unpack after the outputs.
 PACK_COLUMN = -1

@@ -12,6 +12,11 @@ own task states when the page refreshes, :mod:`flowreduce.dashboard.views`):
   the client's existing batched stream): bytes, chunks, predicted seconds,
   transport, workers. A client that sends none (an older flowreduce) still
   gets its calls shown, from the keys alone.
+* a ``method="p2p"`` call's engine steps: the workers running it tell the
+  scheduler, at most every 100 ms each and only while their engine's log
+  grows, how many plan nodes they computed per (rank, step)
+  (:mod:`flowreduce.schedule.engine_log`, :meth:`DashboardStore.engine_steps`);
+  they become cells ``(rank, ("engine", step))`` of the grid.
 * transitions of flowreduce tasks only (one dict lookup rejects the
   others): the time each cell last finished a task, bytes fetched across
   ranks, and the end of the call (every output in memory: done; a task
@@ -34,7 +39,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time
 
 from flowreduce import keys
-from flowreduce.dashboard.record import DashboardRecord
+from flowreduce.dashboard.record import ENGINE_OP, DashboardRecord
 
 logger = logging.getLogger("flowreduce.dashboard")
 
@@ -79,6 +84,7 @@ class Call:
     erred: set[Slot] = field(default_factory=set)
     link_bytes: dict[tuple[int, int], float] = field(default_factory=dict)  # (source rank, dest rank)
     fetched: set = field(default_factory=set)  # (key, dest rank) counted in link_bytes, while in flight
+    engine: dict[Slot, list[int]] = field(default_factory=dict)  # p2p: (rank, ("engine", step)) -> [done, total]
 
     @property
     def in_flight(self) -> bool:
@@ -129,6 +135,31 @@ class DashboardStore(SchedulerPlugin):
             logger.error("flowreduce: %s refused a record (%s): %s", OP, why, repr(record)[:200])
             return
         call.record = rec
+        self.generation += 1
+
+    def engine_steps(self, token: Any = None, cells: Any = None, totals: Any = None, **_: Any) -> None:
+        """A p2p engine's progress (:mod:`flowreduce.schedule.engine_log`):
+        ``totals`` ``[[rank, step, phase, nodes], ...]`` the first time a worker
+        reports a run, ``cells`` ``[[rank, step, nodes computed since its last
+        report], ...]``. Filed under the call in flight or in the history (the
+        last report may come after the outputs); anything else is counted and
+        dropped."""
+        call = self.find(token) if isinstance(token, str) else None
+        why = _engine_refusal(call, cells, totals)
+        if why is not None or call is None:
+            self.malformed += 1
+            logger.error("flowreduce: %s refused engine steps of call %s: %s", ENGINE_OP, repr(token)[:100], why)
+            return
+        for r, s, phase, n in totals:
+            slot = (r, ("engine", s))
+            call.engine.setdefault(slot, [0, 0])[1] = n
+            call.phases[slot] = phase
+        now = time()
+        for r, s, n in cells:
+            cell = call.engine.setdefault((r, ("engine", s)), [0, 0])
+            cell[0] += n
+            if cell[0] >= cell[1]:
+                call.done_at[r, ("engine", s)] = now
         self.generation += 1
 
     def update_graph(self, scheduler, *, keys: Any = (), tasks: Any = (), **kwargs: Any) -> None:
@@ -244,6 +275,8 @@ class DashboardStore(SchedulerPlugin):
 
 #: Most ranks, dimensions and characters a record may carry (the page draws them).
 MAX_RANKS, MAX_DIMS, MAX_TEXT = 1 << 16, 64, 256
+#: Most cells one engine progress message may carry.
+MAX_ENGINE_CELLS = 1 << 20
 
 
 def _out_of_bounds(rec: DashboardRecord) -> str | None:
@@ -265,6 +298,27 @@ def _out_of_bounds(rec: DashboardRecord) -> str | None:
     numbers = (rec.segment_bytes, *(() if rec.predicted is None else (rec.predicted,)))
     if not all(math.isfinite(x) and x >= 0 for x in numbers):
         return f"predicted {rec.predicted!r}, segment bytes {rec.segment_bytes!r}"
+    return None
+
+
+def _engine_refusal(call: Call | None, cells: Any, totals: Any) -> str | None:
+    """Why an engine's progress message is not one :mod:`flowreduce.schedule.engine_log` sends, or None."""
+    if call is None:
+        return "unknown call"
+    if not isinstance(cells, (list, tuple)) or not isinstance(totals, (list, tuple)) \
+            or len(cells) + len(totals) > MAX_ENGINE_CELLS:
+        return "cells and totals must be lists"
+
+    def count(x: Any) -> bool:
+        return type(x) is int and 0 <= x <= MAX_ENGINE_CELLS * MAX_RANKS
+
+    for t in totals:
+        if not (isinstance(t, (list, tuple)) and len(t) == 4 and count(t[0]) and count(t[1]) and count(t[3])
+                and isinstance(t[2], str) and len(t[2]) <= MAX_TEXT):
+            return f"a total is not [rank, step, phase, nodes]: {t!r}"[:200]
+    for c in cells:
+        if not (isinstance(c, (list, tuple)) and len(c) == 3 and all(count(x) for x in c)):
+            return f"a cell is not [rank, step, nodes]: {c!r}"[:200]
     return None
 
 

@@ -13,6 +13,13 @@ A cell's state, from its tasks (one per chunk) as the scheduler sees them:
 * ``ready``: a task waits for a thread (queued on the scheduler, or on a worker busier than its threads);
 * ``waiting``: a task waits for an input (an earlier step, another rank, or the rank's own input).
 
+A ``method="p2p"`` call's plan steps are not tasks: the engines tell the
+store how many of a cell's plan nodes (times chunks) they computed
+(:meth:`~flowreduce.dashboard.store.DashboardStore.engine_steps`), and such
+a cell is ``done`` once all are, ``running`` once some are, else
+``waiting``. Its columns are the hand-ins (0), the barrier (1), the plan's
+steps (from :data:`~flowreduce.dashboard.record.ENGINE_COLUMN`), the outputs.
+
 A cell shows the first of :data:`~flowreduce.dashboard.record.CELL_STATES`
 any of its tasks is in, so a half-finished cell shows what is still moving.
 """
@@ -23,7 +30,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from flowreduce.dashboard.record import CELL_STATES, PACK_COLUMN
+from flowreduce.dashboard.record import CELL_STATES, ENGINE_COLUMN, PACK_COLUMN
 from flowreduce.dashboard.store import Call, DashboardStore, Slot, keys_parse
 
 _ORDER = {s: i for i, s in enumerate(CELL_STATES)}
@@ -72,6 +79,11 @@ def columns(call: Call) -> dict[Slot, int]:
     rec = call.record
     out_cols = rec.output_columns if rec is not None else ()
     out: dict[Slot, int] = {}
+    if call.engine:  # p2p: hand-in, barrier, the engine's steps, the outputs
+        for rank, s in call.engine:
+            out[rank, s] = ENGINE_COLUMN + s[1]
+        last = max(out.values())
+        out_cols = ()
     for rank, s in slots:
         if isinstance(s, int):
             out[rank, s] = s
@@ -108,7 +120,23 @@ def grid(call: Call, scheduler) -> list[Cell]:
             m[3] += done
         else:
             merged[at] = [call.phases.get(slot, "?"), state, n, done]
+    for slot, (done, n) in call.engine.items():
+        state = "done" if done >= n else "running" if done else "waiting"
+        merged[slot[0], cols[slot]] = [call.phases.get(slot, "?"), state, n, min(done, n)]
     return [Cell(r, c, *m) for (r, c), m in sorted(merged.items())]
+
+
+def column_labels(call: Call) -> dict[int, str]:
+    """What the page writes under each column: the step, ``pack``, and for a
+    p2p call ``hand-in``, ``barrier``, ``step s`` and ``out``."""
+    cols = columns(call)
+    labels = {c: str(c) for c in cols.values()}
+    labels.update({c: "pack" for c in cols.values() if c == PACK_COLUMN})
+    if call.engine:
+        labels.update({c: f"step {s[1]}" for (_, s), c in cols.items() if isinstance(s, tuple)})
+        labels.update({0: "hand-in", 1: "barrier"})
+        labels.update({c: "out" for (_, s), c in cols.items() if s == "out"})
+    return labels
 
 
 def edges(call: Call) -> list[tuple[tuple[int, int], tuple[int, int]]]:

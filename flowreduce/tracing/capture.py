@@ -20,6 +20,9 @@ noted calls so that dask's bounded buffers do not overflow):
   dask does not time these per message, so the difference between two
   flushes is apportioned to that worker's messages by bytes
   (``Event.estimated``);
+* each worker's log of its p2p engine (:mod:`flowreduce.schedule.engine_log`:
+  plan nodes computed, messages sent and received, raw worker times), read
+  past a cursor, for ``method="p2p"`` calls, whose plan steps are no tasks;
 * the scheduler's transition log (``story``) for when each rank's input
   reached memory (the ``wait-for-input`` phase);
 * each worker's ``scheduler_delay`` and heartbeat latency, to align clocks
@@ -41,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from flowreduce import keys as keymod
-from flowreduce.phases import TASK_PHASES
+from flowreduce.phases import HAND_IN, OTHER, TASK_PHASES, TRANSFER
 from flowreduce.tracing import registry
 from flowreduce.tracing.clocks import WorkerClock, choose_mode
 from flowreduce.tracing.events import KEY_PHASE, Event
@@ -95,14 +98,20 @@ def entries_since(log: Any, mark: tuple | str | None) -> list[dict]:
     return [dict(e) for e in entries]  # the marked entry rotated out: everything is new
 
 
-def _worker_snapshot(marks: dict, shm_marks: dict | None = None, dask_worker: Any = None) -> dict:
+def _worker_snapshot(marks: dict, shm_marks: dict | None = None, engine_marks: dict | None = None,
+                     dask_worker: Any = None) -> dict:
     import os
 
     from distributed.metrics import time
 
     from flowreduce.kernels.shm import COPIES
+    from flowreduce.schedule.engine_log import log_of
+    from flowreduce.schedule.p2p import EXTENSION
 
     w = dask_worker
+    elog = log_of(w, EXTENSION)
+    engine, engine_lost = elog.since((engine_marks or {}).get(w.address, 0) if engine_marks is not None else None) \
+        if elog is not None else ([], 0)
     copies = list(COPIES) if shm_marks is not None else []  # None: only where the log ends
     shm_mark = (shm_marks or {}).get(w.address, 0)
     in_mark, out_mark = marks.get(w.address, ("", ""))  # a worker that joined since: all of it is new
@@ -128,6 +137,9 @@ def _worker_snapshot(marks: dict, shm_marks: dict | None = None, dask_worker: An
         "pid": os.getpid(),
         "shm": [c for c in copies if c[0] > shm_mark],
         "shm_last": COPIES[-1][0] if COPIES else 0,
+        "engine": engine,
+        "engine_lost": engine_lost,
+        "engine_last": elog.count if elog is not None else 0,
     }
 
 
@@ -206,7 +218,7 @@ class Trace:
         self.calls: dict[str, Call] = {}
         self.clocks: dict[str, WorkerClock] = {}
         self.input_ready: dict[str, list[float | None]] = {}
-        self.lost = {"task_records": 0, "transfer_log": 0, "events_over_max": 0}
+        self.lost = {"task_records": 0, "transfer_log": 0, "events_over_max": 0, "engine_log": 0}
         self.origin: float = 0.0
         self.end: float | None = None
         self._order: list[str] = []  # tokens by first sight
@@ -216,6 +228,8 @@ class Trace:
         self._cursor: int | None = None
         self._marks: dict[str, tuple] = {}  # worker -> fingerprints of its last logged transfers
         self._shm_marks: dict[str, int] = {}  # worker -> sequence number of its last logged shared-memory copy
+        self._engine_marks: dict[str, int] = {}  # worker -> entries of its p2p engine log read so far
+        self._arrivals: dict[tuple, tuple] = {}  # (dest, run, chunk, node) -> (aligned time, values, bytes)
         self._digests: dict[str, dict] = {}
         self._added_since_flush = 0
         self._scheduler_host = ""
@@ -233,6 +247,7 @@ class Trace:
         for w, ws in self.client.run(_worker_snapshot, marks).items():
             self._marks[w] = (ws["last_in"], ws["last_out"])
             self._shm_marks[w] = ws["shm_last"]
+            self._engine_marks[w] = ws["engine_last"]
             self._digests[w] = ws["digests"]
             self._clock(w, ws)
         registry.activate(self)
@@ -330,13 +345,14 @@ class Trace:
         self._cursor = snap["index"]
         self.end = snap["time"]
         self._worker_host.update(snap["workers"])
-        workers = self.client.run(_worker_snapshot, self._marks, self._shm_marks)
+        workers = self.client.run(_worker_snapshot, self._marks, self._shm_marks, self._engine_marks)
         for w, ws in workers.items():
             self._clock(w, ws)
         new: list[Event] = []
         fallback = self._task_events(snap["records"], new)
         self._transfer_events(workers, fallback, new)
         self._shm_events(workers, new)
+        self._engine_events(workers, new)
         self._wait_events(snap["ready"], new)
         new.sort(key=lambda e: (e.start, e.stop))
         if self._events.maxlen is not None:
@@ -350,6 +366,8 @@ class Trace:
             return KEY_PHASE[info["phase"]], info["node"]
         if call is None:
             return "copy", None
+        if call.method == "p2p":  # awaits the engine's result (on the event loop): the engine's events show the work
+            return OTHER, None
         plan, r = call.plan, info["rank"]
         if plan.output_is_separate(r):
             return "copy", None
@@ -360,7 +378,7 @@ class Trace:
         fallback = []
         for msg in records:  # first learn which worker holds which rank
             info = keymod.parse(msg["key"])
-            if info is not None and info["phase"] == "split":
+            if info is not None and info["phase"] in ("split", HAND_IN):
                 self._worker_rank.setdefault(msg["worker"], info["rank"])
         for msg in records:
             key, w = msg["key"], msg["worker"]
@@ -501,6 +519,80 @@ class Trace:
                                  algorithm=info.get("algorithm", ""), token=token, step=info.get("step"),
                                  chunk=info.get("chunk"), node=info.get("node"), key=key, nbytes=int(nbytes),
                                  source=source, dest=dest, detail=f"shm-{direction}"))
+
+    def _engine_events(self, workers: dict[str, dict], out: list[Event]) -> None:
+        """What p2p engines did (:mod:`flowreduce.schedule.engine_log`, raw
+        worker times): a ``reduce`` or ``copy`` event per plan node computed
+        (the trace phase of its plan phase), keyed as the task of that node
+        and chunk would be under ``method="tasks"``; a ``transfer`` per
+        message, on the receiver, from the sender's send to the message
+        handed to the receiver's run (the rpc's round trip in ``detail``)."""
+        from flowreduce.schedule.engine_log import BEGIN, NODE, RECV, SEND, token_of
+        from flowreduce.tracing.summary import engine_run_over_workers, plan_ranks
+
+        sends = []
+        names: dict[str, list[int] | None] = {}  # token -> the call's rank of each plan rank (p2p over workers)
+        for w, ws in workers.items():
+            self._engine_marks[w] = ws["engine_last"]
+            self.lost["engine_log"] += ws["engine_lost"]
+            clock = self._clock_for(w)
+            for e in ws["engine"]:
+                kind = e[0]
+                if kind == BEGIN:
+                    continue
+                if kind == SEND:
+                    sends.append((w, e))
+                    continue
+                token = token_of(e[1])
+                if not self._see(token, self.calls.get(token) or registry.lookup(token)):
+                    continue
+                if kind == RECV:
+                    t = clock.align_interval(e[2], e[2], shifted=False)[0]
+                    self._arrivals[(w, e[1], e[3], e[4])] = (t, e[5], e[6])
+                    continue
+                call = self.calls.get(token)
+                if kind != NODE or call is None or not 0 <= e[3] < len(call.plan.nodes):
+                    continue
+                _, run, c, n, t0, t1, nbytes, executor = e
+                node = call.plan.nodes[n]
+                start, stop = clock.align_interval(t0, t1, shifted=False)
+                if token not in names:
+                    names[token] = plan_ranks(call) if engine_run_over_workers(call) else None
+                rank = names[token][node.rank] if names[token] is not None else node.rank  # type: ignore[index]
+                out.append(Event(KEY_PHASE[node.phase], start, stop, w, clock.host, rank=rank,
+                                 algorithm=call.algorithm, step=node.step, chunk=c, token=token, node=n,
+                                 key=repr(keymod.node_key(call.algorithm, node.phase, token, node.step, node.rank,
+                                                          c, n)),
+                                 nbytes=int(nbytes), detail="p2p engine" + (" (executor)" if executor else "")))
+        if len(self._arrivals) > 1_000_000:  # arrivals whose sends were never read (sampled out calls)
+            self._arrivals.clear()
+        for src, (_, run, dest, t0, t1, values, nbytes, ids) in sends:
+            token = token_of(run)
+            call = self.calls.get(token) or registry.lookup(token)
+            if not self._see(token, call) or call is None:
+                continue
+            call = self.calls.get(token, call)
+            plan = call.plan
+            start, rtt_stop = self._clock_for(src).align_interval(t0, t1, shifted=False)
+            arrived = self._arrivals.pop((dest, run, ids[0], ids[1]), None) if ids else None
+            stop = max(start, arrived[0]) if arrived is not None else rtt_stop
+            keys, key_bytes = [], []
+            seg = call.nbytes / max(plan.segments * plan.chunks, 1)
+            for i in range(0, len(ids), 2):
+                c, n = ids[i], ids[i + 1]
+                node = plan.nodes[n]
+                keys.append(repr(keymod.node_key(call.algorithm, node.phase, token, node.step, node.rank, c, n)))
+                key_bytes.append(int(round(node.width * seg)))
+            first = plan.nodes[ids[1]] if ids else None
+            dclock = self._clock_for(dest)
+            ranks = [r for r, w in enumerate(call.workers) if w == dest]
+            out.append(Event(TRANSFER, start, stop, dest, dclock.host, rank=min(ranks, default=None),
+                             algorithm=call.algorithm, token=token, step=first.step if first else None,
+                             chunk=ids[0] if ids else None, node=ids[1] if ids else None,
+                             key=keys[0] if keys else "", nbytes=int(nbytes), source=src, dest=dest,
+                             keys=tuple(keys), key_bytes=tuple(key_bytes),
+                             detail=f"p2p message: {values} value(s), rpc round trip {(t1 - t0) * 1e3:.3f} ms"
+                                    + ("" if arrived is not None else "; arrival not logged: stop is the reply")))
 
     def _sent_bytes(self, key: Any, info: dict | None, logged: Any) -> int:
         """Bytes a fetch of ``key`` carried. Dask logs its size estimate;

@@ -30,7 +30,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flowreduce import keys as keymod
-from flowreduce.phases import COMM_PHASES, COMPUTE_PHASES, SHM_COPY, TRACE_PHASES, TRANSFER, WAIT_FOR_INPUT
+from flowreduce.phases import (
+    COMM_PHASES,
+    COMPUTE_PHASES,
+    OTHER,
+    SHM_COPY,
+    TRACE_PHASES,
+    TRANSFER,
+    WAIT_FOR_INPUT,
+)
 from flowreduce.tracing.events import Event
 
 
@@ -216,6 +224,8 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
     worker_of = {r: w for w, r in trace.ranks_of(token).items()}
     for r, w in enumerate(call.workers):
         worker_of.setdefault(r, w)
+    if engine_run_over_workers(call):  # the plan's rank i is the i-th worker: its ranks are one row
+        worker_of = dict(enumerate(plan_workers(call)))
     per_rank = []
     all_busy = all_comm = all_over = 0.0
     totals: dict[str, float] = defaultdict(float)
@@ -243,8 +253,8 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
     links: dict[tuple[str, str], int] = defaultdict(int)
     shm_links: dict[tuple[str, str], int] = defaultdict(int)
     for e in mine:
-        if e.phase == TRANSFER:
-            links[(e.source, e.dest)] += sum(e.key_bytes) or e.nbytes
+        if e.phase == TRANSFER:  # a p2p engine's message: its bytes as sent (the keys' are the plan's)
+            links[(e.source, e.dest)] += e.nbytes if e.detail.startswith("p2p") else (sum(e.key_bytes) or e.nbytes)
         elif e.phase == SHM_COPY and e.detail == "shm-read" and e.source != e.dest:
             shm_links[(e.source, e.dest)] += e.nbytes
     straggler = None
@@ -260,6 +270,29 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
         planned_links=planned_links(call, worker_of), critical_path=critical_path(trace, call, mine),
         straggler=straggler, shm_links=dict(shm_links),
     )
+
+
+def engine_run_over_workers(call: Any) -> bool:
+    """A ``method="p2p"`` call whose plan runs over its workers, not its
+    ranks (ranks sharing a worker are combined there first: docs/p2p.md)."""
+    return getattr(call, "method", "tasks") == "p2p" and call.plan.ranks != len(call.workers)
+
+
+def plan_workers(call: Any) -> list[str]:
+    """The worker of each of the plan's ranks: the call's ranks' workers, or,
+    for a p2p plan over workers, each worker once in the order of its first rank."""
+    return list(dict.fromkeys(call.workers)) if engine_run_over_workers(call) else list(call.workers)
+
+
+def plan_ranks(call: Any) -> list[int]:
+    """The call's rank each of the plan's ranks stands for (itself, or for a
+    p2p plan over workers, the lowest rank of that worker: its hand-in's key)."""
+    if not engine_run_over_workers(call):
+        return list(range(call.plan.ranks))
+    first: dict[str, int] = {}
+    for r, w in enumerate(call.workers):
+        first.setdefault(w, r)
+    return [first[w] for w in plan_workers(call)]
 
 
 def planned_links(call: Any, worker_of: dict[int, str]) -> dict[tuple[str, str], float]:
@@ -298,10 +331,43 @@ def task_keys(call: Any) -> dict[str, list[str]]:
     return deps
 
 
+def engine_keys(call: Any) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """A ``method="p2p"`` call's dependencies, as :func:`task_keys`: every
+    plan node the engine computes, per chunk, under the key its task would
+    have (its events carry it), and each rank's output task depending on its
+    final nodes. Views of an input (nodes without inputs) are made by the
+    rank's hand-in task: the second dict maps their keys to its key."""
+    plan, token, alg = call.plan, call.token, call.algorithm
+    deps: dict[str, list[str]] = {}
+    alias: dict[str, str] = {}
+    ranks = plan_ranks(call)
+    finals: dict[int, list[str]] = defaultdict(list)
+    for c in range(plan.chunks):
+        name = {n.id: repr(keymod.node_key(alg, n.phase, token, n.step, n.rank, c, n.id)) for n in plan.nodes}
+        for n in plan.nodes:
+            deps[name[n.id]] = [name[i] for i in n.inputs]
+            if not n.inputs:
+                alias[name[n.id]] = repr(keymod.hand_in_key(alg, token, ranks[n.rank]))
+        for r, f in enumerate(plan.finals):
+            finals[r].append(name[f])
+    index = {w: i for i, w in enumerate(plan_workers(call))}
+    for r, w in enumerate(call.workers):  # each of the call's ranks takes its worker's result out
+        deps[repr(keymod.output_key(alg, token, r))] = finals[index.get(w, r) if engine_run_over_workers(call) else r]
+    return deps, alias
+
+
 def critical_path(trace: Any, call: Any, events: list[Event]) -> list[PathStep]:
     """The chain of tasks and transfers that decided when the call ended."""
-    deps = task_keys(call)
-    task = {e.key: e for e in events if e.phase in COMPUTE_PHASES and e.key in deps}
+    if getattr(call, "method", "tasks") == "p2p":
+        deps, alias = engine_keys(call)
+        task = {e.key: e for e in events if (e.phase in COMPUTE_PHASES or e.phase == OTHER)
+                and (e.key in deps or e.key in alias.values())}
+        for k, hand_in in alias.items():
+            if hand_in in task:
+                task[k] = task[hand_in]
+    else:
+        deps = task_keys(call)
+        task = {e.key: e for e in events if e.phase in COMPUTE_PHASES and e.key in deps}
     arrive: dict[tuple[str, str], Event] = {}
     for e in events:
         if e.phase == TRANSFER:
@@ -333,4 +399,6 @@ def critical_path(trace: Any, call: Any, events: list[Event]) -> list[PathStep]:
                 path.append(PathStep("gap", src.stop, via.start, "", via.worker))
         cur = src
     path.reverse()
+    if len(path) > 1 and path[-1].kind == OTHER:  # p2p: the output task awaited the engine: its part is the hand-out
+        path[-1].start = min(max(path[-1].start, path[-2].stop), path[-1].stop)
     return path
