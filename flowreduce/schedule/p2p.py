@@ -44,6 +44,7 @@ from flowreduce.lower.p2p import Program, Spec, lower_p2p, program
 from flowreduce.errors import InputError, WorkerLostError, refused
 from flowreduce.keys import new_token, parse
 from flowreduce.phases import BARRIER
+from flowreduce.schedule.engine_log import EngineLog, now as _now, serve as _serve_engine_log
 
 logger = logging.getLogger("flowreduce")
 
@@ -78,6 +79,7 @@ class Run:
     def __init__(self, engine: Engine, run: str, spec: Spec):
         self.engine, self.id, self.spec = engine, run, spec
         self.prog: Program = program(spec, engine.address)
+        engine.log.begin(run, self.prog)
         loop = asyncio.get_running_loop()
         self.results: dict[int, asyncio.Future] = {r: loop.create_future() for r in self.prog.local_ranks}
         self.inputs: dict[int, Any] = {}
@@ -159,6 +161,7 @@ class Run:
                 self.uses[c, i] -= 1
                 if not self.uses[c, i]:
                     del self.uses[c, i], self.values[c, i]
+            t0 = _now()
             if node.kind == REDUCE:
                 work = partial(_kernels.reduce, prog.op, self.spec.ranks, prog.count[m] == self.spec.ranks, None,
                                inputs, s.picks, prog.owned[m])
@@ -169,9 +172,11 @@ class Run:
                 value = work()
             else:
                 value = _kernels.gather(None, inputs, s.picks)
+            self.engine.log.node(self.id, c, m, t0, (s.stop - s.start) * prog.itemsize)
             self._available(c, m, value, here=True)
 
     async def _offload(self, c: int, m: int, work: Any) -> None:
+        t0 = _now()
         try:
             value = await asyncio.get_running_loop().run_in_executor(self.engine.executor, work)
         except Exception as e:
@@ -179,6 +184,7 @@ class Run:
             return
         finally:
             self.offloaded -= 1
+        self.engine.log.node(self.id, c, m, t0, (self.prog.site(c, m).stop - self.prog.site(c, m).start) * self.prog.itemsize, 1)
         if self.engine.runs.get(self.id) is self:
             self._available(c, m, value, here=True)
             self._drain()
@@ -192,8 +198,10 @@ class Run:
                 index, packed, large = _pack(self.outbox.pop(dest))
                 spec = None if dest in self.told else to_serialize(self.spec)
                 self.told.add(dest)
+                t0 = _now()
                 reply = await self.engine.worker.rpc(dest).flowreduce_p2p_receive(
                     run=self.id, index=index, packed=to_serialize(packed), items=to_serialize(large), spec=spec)
+                self.engine.log.send(self.id, dest, t0, index, packed, large)
                 if isinstance(reply, dict) and isinstance(reply.get("error"), BaseException):
                     raise _Failed(reply["error"])  # the run failed there first: fail here with its error
                 if not isinstance(reply, dict) or reply.get("status") != "OK":
@@ -308,6 +316,7 @@ class Engine:
         self.worker = worker
         self.runs: dict[str, Run] = {}
         self.failed: OrderedDict[str, BaseException] = OrderedDict()
+        self.log = EngineLog(worker)  # what the runs did, for traces and the dashboard (engine_log.py)
 
     @property
     def address(self) -> str:
@@ -371,6 +380,7 @@ class Engine:
             if why == "failed":
                 return {"status": "error", "message": "failed", "error": to_serialize(self.failed[run])}
             return refused(RECEIVE, why)
+        self.log.receive(run, items)
         try:
             found = self.runs.get(run) or self.run(run, spec)
             found.deliver(items)
@@ -465,6 +475,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        _serve_engine_log(scheduler)  # the engines' steps, for the dashboard's grid
 
     def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if not (isinstance(key, tuple) and isinstance(key[0], str) and key[0].startswith("flowreduce-")):
