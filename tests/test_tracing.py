@@ -590,3 +590,90 @@ def test_transfer_logs_are_read_by_position_not_time():
     for k in range(3):  # the marked entry rotates out of the bounded log: everything left is new
         log.append({"start": 3.0 + k, "stop": 3.5 + k, "who": "c", "total": k})
     assert len(entries_since(log, mark)) == 4
+
+
+# -- method="p2p": the engine's steps on the same timeline ---------------------------------------------------
+def test_p2p_engine_steps_in_the_exported_json(client, tmp_path):
+    """A p2p butterfly (4 ranks, 2 chunks, rank 2's input late) traced: from the exported JSON, one reduce
+    event per (rank, step, chunk) of every reduction the plan has, on the rank's worker; the messages
+    between workers carry exactly the plan's cross-worker edges (each value once per reading worker) and
+    their bytes; all of it inside the call's span (first hand-in start to last output stop); the summary
+    names a critical path through the engine's nodes and the late rank as the straggler."""
+    from flowreduce.tracing.summary import plan_ranks, plan_workers
+
+    delay = 0.3
+    with trace(client) as tr:
+        xs = _inputs(client, {2: delay})
+        out = flowreduce.allreduce(client, xs, algorithm="butterfly", chunks=2, method="p2p")
+        tr.add(out, xs)
+        results = client.gather(out)
+    expected_sum = sum(np.random.default_rng(r).random(N) for r in range(RANKS))
+    np.testing.assert_allclose(results[0], expected_sum)
+    who = client.who_has(out)
+    rank_worker = [sorted(who[f.key])[0] for f in out]
+    call = tr.last_call
+    assert call.method == "p2p"
+    plan = call.plan
+    to_chrome(tr, tmp_path / "trace.json")
+    with open(tmp_path / "trace.json") as f:
+        doc = json.load(f)
+    evs = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["args"].get("token") == call.token]
+    engine = [e for e in evs if e["args"].get("detail", "").startswith("p2p engine")]
+    messages = [e for e in evs if e["args"].get("detail", "").startswith("p2p message")]
+
+    # a reduce event per (rank, step, chunk, node) of every reduction, once, on its rank's worker
+    ranks = plan_ranks(call)
+    want = Counter((ranks[n.rank], n.step, c, n.id) for c in range(plan.chunks) for n in plan.nodes
+                   if n.kind == "reduce")
+    got = Counter((e["args"]["rank"], e["args"]["step"], e["args"]["chunk"], e["args"]["node"])
+                  for e in engine if e["cat"] == "reduce")
+    assert want and got == want
+    pid_worker = {e["pid"]: e["args"]["name"].rsplit(" · ", 1)[-1] for e in doc["traceEvents"]
+                  if e["ph"] == "M" and e["name"] == "process_name"}
+    for e in engine:
+        assert pid_worker[e["pid"]] == rank_worker[e["args"]["rank"]], e
+    # and a copy event per gather (all-gather) node
+    assert sum(e["cat"] == "copy" for e in engine) == plan.chunks * sum(n.kind == "gather" for n in plan.nodes)
+
+    # the messages carry the plan's cross-worker edges, each value once per reading worker
+    where = plan_workers(call)
+    consumers = plan.consumers()
+    edges = Counter()
+    for c in range(plan.chunks):
+        for n in plan.nodes:
+            for dest in sorted({where[plan.nodes[m].rank] for m in consumers[n.id]} - {where[n.rank]}):
+                edges[(c, n.id, where[n.rank], dest)] += 1
+    sent = Counter()
+    for e in messages:
+        assert e["cat"] == "transfer" and e["args"]["source"] != e["args"]["dest"]
+        for k in e["args"]["keys"]:
+            info = keymod.parse(ast.literal_eval(k))
+            sent[(info["chunk"], info["node"], e["args"]["source"], e["args"]["dest"])] += 1
+    assert edges and sent == edges
+    s = summarize(tr)
+    moved = defaultdict(int)
+    for e in messages:
+        moved[(e["args"]["source"], e["args"]["dest"])] += e["args"]["nbytes"]
+    itemsize = 8
+    for link, planned in s.planned_links.items():  # segments of a chunk round to whole elements
+        assert abs(moved[link] - planned) <= itemsize * plan.segments * plan.chunks, (link, moved[link], planned)
+
+    # all inside the call's span: its hand-in, barrier and output tasks
+    tasks = [e for e in evs if e["args"].get("detail") == "compute"]
+    assert {keymod.parse(ast.literal_eval(e["args"]["key"]))["phase"] for e in tasks} == {"hand-in", "barrier",
+                                                                                          "output"}
+    slack = doc["metadata"]["clock_alignment"]["max_uncertainty_s"] * 1e6 + 1000  # µs
+    t0, t1 = min(e["ts"] for e in tasks), max(e["ts"] + e["dur"] for e in tasks)
+    for e in engine + messages:
+        assert t0 - slack <= e["ts"] and e["ts"] + e["dur"] <= t1 + slack, (e, t0, t1)
+
+    # the summary: a critical path through the engine's nodes, and the late rank
+    kinds = {p.kind for p in s.critical_path}
+    assert "reduce" in kinds and "transfer" in kinds, s.critical_path
+    engine_keys = {e["args"]["key"] for e in engine}
+    assert any(p.key in engine_keys for p in s.critical_path)
+    assert s.critical_path[-1].stop == pytest.approx(max(ev.stop for ev in tr.iter_events(call.token)))
+    assert s.straggler is not None and s.straggler.rank == 2 and s.straggler.lag >= delay * 0.5
+    text = str(s)
+    assert "critical path:" in text and "straggler: rank 2" in text
+    assert tr.lost["engine_log"] == 0

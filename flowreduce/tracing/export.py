@@ -78,8 +78,8 @@ def chrome_events(trace: Any) -> list[dict]:
                         "args": {"name": lname}})
             out.append({"ph": "M", "name": "thread_sort_index", "pid": pid[e.worker], "tid": tid,
                         "args": {"sort_index": tid}})
-        args = {k: v for k, v in e.as_dict().items() if v not in (None, "", (), False) and k not in
-                ("start", "stop", "worker", "phase")}
+        args = {k: v for k, v in e.as_dict().items() if not (v is None or v is False or v in ("", ()))
+                and k not in ("start", "stop", "worker", "phase")}  # rank, step, chunk 0 are kept
         out.append({"ph": "X", "name": _label(e), "cat": e.phase, "pid": pid[e.worker], "tid": tid,
                     "ts": us(e.start), "dur": round(e.duration * 1e6, 3), "args": args})
     # Flows: from the sender's serialise (or the task that made the first key)
