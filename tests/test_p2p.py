@@ -260,7 +260,9 @@ def test_a_worker_killed_mid_run_fails_every_rank_in_bounded_time(killable, algo
 
 
 def test_the_dashboard_draws_a_p2p_call(inproc_client):
-    """Hand-ins, the barrier (rank 0, step 1) and outputs each have a cell on the ranks x steps grid."""
+    """Hand-ins, the barrier (rank 0, step 1), the engine's plan steps (as its workers report them, #25
+    item 5) and outputs each have a cell on the ranks x steps grid; every engine cell ends all done."""
+    from flowreduce.dashboard.record import ENGINE_COLUMN
     p = 5
     out = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, _inputs(p, 20, "sum")),
                                algorithm="butterfly", method="p2p")
@@ -272,12 +274,18 @@ def test_the_dashboard_draws_a_p2p_call(inproc_client):
         from flowreduce.dashboard.store import NAME
 
         call = dask_scheduler.plugins[NAME].find(token)
-        return [(c.rank, c.column, c.state) for c in views.grid(call, dask_scheduler)]
+        return [(c.rank, c.column, c.state, c.done, c.tasks) for c in views.grid(call, dask_scheduler)]
 
-    assert wait_until(lambda: {s for *_, s in inproc_client.run_on_scheduler(cells, token=token)} == {"done"}, 10)
+    def engine_done(got):
+        last = max((c for _, c, *_ in got), default=0)
+        engine = [g for g in got if ENGINE_COLUMN <= g[1] < last]
+        return bool(engine) and all(g[2] == "done" for g in got) and all(g[3] == g[4] for g in engine)
+
+    assert wait_until(lambda: engine_done(inproc_client.run_on_scheduler(cells, token=token)), 10)
     got = inproc_client.run_on_scheduler(cells, token=token)
-    assert {(r, c) for r, c, _ in got} >= {(r, 0) for r in range(p)} | {(0, 1)}
-    assert len({c for _, c, _ in got}) == 3  # hand-in, barrier, output
+    assert {(r, c) for r, c, *_ in got} >= {(r, 0) for r in range(p)} | {(0, 1)}
+    columns = sorted({c for _, c, *_ in got})
+    assert columns[:2] == [0, 1] and len(columns) > 3  # hand-in, barrier, the engine's steps, output
 
 
 def test_a_cancelled_call_leaves_no_run(proc_client):

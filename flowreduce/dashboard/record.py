@@ -110,8 +110,10 @@ def record_of(info: Any, *, group: str = "", transport: str | None = None) -> Da
     last = max((n.step for n in plan.nodes), default=0)
     columns = tuple(plan.nodes[f].step if not plan.output_is_separate(r) else last + 1
                     for r, f in enumerate(plan.finals))
+    # a p2p plan may run over the call's workers, fewer than its ranks (ranks sharing a worker are combined)
+    ranks = len(info.workers) if getattr(info, "method", "tasks") == "p2p" and info.workers else plan.ranks
     return DashboardRecord(
-        token=info.token, algorithm=plan.algorithm, ranks=plan.ranks, nbytes=int(info.nbytes),
+        token=info.token, algorithm=plan.algorithm, ranks=ranks, nbytes=int(info.nbytes),
         chunks=plan.chunks, steps=max(columns, default=last) + 1, predicted=float(info.predicted),
         workers=tuple(info.workers), transport=transport or str(getattr(info, "transport", "dask")),
         group=group if group != info.token else "", output_columns=columns,
