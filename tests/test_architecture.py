@@ -115,13 +115,14 @@ def test_no_test_reaches_a_private_name():
     assert _private_names_reached("import flowreduce.schedule.call as c\nc._locate(1)") == ["c._locate"]
 
 
-@pytest.mark.parametrize("name", ["allreduce", "describe"])
-def test_the_top_level_functions_are_the_real_ones(name):
-    """``flowreduce.allreduce`` and ``flowreduce.describe`` show the signature
-    and docstring of flowreduce.schedule.call's functions (``help()``), yet
-    ``import flowreduce`` alone still imports no distributed."""
+@pytest.mark.parametrize("name,module", [("allreduce", "call"), ("describe", "call"), ("topology", "hosts"),
+                                         ("rank_groups", "placement")])
+def test_the_top_level_functions_are_the_real_ones(name, module):
+    """``flowreduce.allreduce``, ``describe``, ``topology`` and ``rank_groups``
+    show the signature and docstring of flowreduce.schedule's functions
+    (``help()``), yet ``import flowreduce`` alone still imports no distributed."""
     code = ("import inspect, json, sys; import flowreduce; light = 'distributed' not in sys.modules; "
-            f"f = flowreduce.{name}; import flowreduce.schedule.call as c; real = c.{name}; "
+            f"f = flowreduce.{name}; import flowreduce.schedule.{module} as c; real = c.{name}; "
             "print(json.dumps([light, str(inspect.signature(f)) == str(inspect.signature(real)), "
             "list(inspect.signature(f).parameters), f.__doc__ == real.__doc__, f.__doc__ or '']))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_this_checkout(), capture_output=True, text=True)
@@ -134,5 +135,7 @@ def test_the_top_level_functions_are_the_real_ones(name):
     if name == "allreduce":
         assert parameters[:3] == ["client", "inputs", "op"] and "options" in parameters
         assert "Parameters\n    ----------" in doc and "from the result futures" in doc
-    else:
+    elif name == "describe":
         assert parameters == ["futures"] and "CallRecord" in doc
+    else:
+        assert parameters[:2] == ["client", "workers" if name == "topology" else "inputs"] and "node" in doc

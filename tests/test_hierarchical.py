@@ -5,7 +5,7 @@ groups against the cost card, degenerate groupings against the flat
 algorithms, a hypothesis property on random groupings), then numbers on an
 in-process cluster. In-process workers all share one host, so the groups
 are passed explicitly, as a caller with a real multi-host cluster would
-pass ``flowreduce.topology.rank_groups(client, inputs)``.
+pass ``flowreduce.rank_groups(client, inputs)``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from flowreduce.algorithms import butterfly, hierarchical, recursive_doubling, reduce_broadcast, ring
 from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
-from flowreduce.topology import Topology, by_name_prefix, by_resource, host_of
+from flowreduce.grouping import Topology, by_name_prefix, by_resource, host_of
 
 FLAT = {m.NAME: m for m in (butterfly, ring, recursive_doubling, reduce_broadcast)}
 BANDWIDTH_OPTIMAL = ("butterfly", "ring", "reduce-broadcast")  # 2(m-1)·n over all links
@@ -290,7 +290,7 @@ def test_planner_and_topology_import_without_dask():
     import sys
 
     code = ("import sys\nfor m in ('distributed', 'dask'): sys.modules[m] = None\n"
-            "import flowreduce.topology\nfrom flowreduce.algorithms import hierarchical\n"
+            "import flowreduce.grouping\nfrom flowreduce.algorithms import hierarchical\n"
             "hierarchical.plan(5, groups=[[0, 1], [2, 3, 4]]).check()\nprint('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -385,7 +385,7 @@ def test_through_allreduce(request, cluster, groups):
 
 
 def test_topology_of_a_live_cluster(inproc_client):
-    from flowreduce.topology import rank_groups, topology
+    from flowreduce import rank_groups, topology
 
     client = inproc_client
     topo = topology(client)
@@ -487,12 +487,11 @@ def test_hierarchical_groups_ranks_by_faked_host(twelve_client, fake_hosts, p, k
 
 def test_topology_and_rank_groups_group_ranks_as_allreduce_does(twelve_client, fake_hosts):
     """One rule decides which ranks share a host (the node each worker runs
-    on): ``flowreduce.topology(client)``, ``topology.rank_groups`` and
+    on): ``flowreduce.topology(client)``, ``flowreduce.rank_groups`` and
     ``allreduce`` agree, a replicated input counting where it was pinned."""
     from distributed import wait
 
     import flowreduce
-    from flowreduce.topology import rank_groups
 
     client = twelve_client
     ws = workers_of(client)
@@ -507,7 +506,7 @@ def test_topology_and_rank_groups_group_ranks_as_allreduce_does(twelve_client, f
     wait(xs)
     client.submit(len, xs[1], workers=[ws[2]], pure=False).result()
     assert sorted(client.who_has([xs[1]])[xs[1].key]) == sorted([ws[2], ws[4]])
-    assert rank_groups(client, xs) == [[0, 3], [1, 2]]
+    assert flowreduce.rank_groups(client, xs) == [[0, 3], [1, 2]]
     out = flowreduce.allreduce(client, xs, algorithm="hierarchical")
     assert flowreduce.describe(out).plan.options["groups"] == [[0, 3], [1, 2]]
     np.testing.assert_array_equal(client.gather(out[1]), np.full(4, 6))
@@ -563,9 +562,8 @@ def test_topology_argument_takes_a_topology_or_a_key(twelve_client):
 
 def test_flowreduce_topology_shows_the_hosts(twelve_client):
     import flowreduce
-    from flowreduce.topology import Topology as T
 
     topo = flowreduce.topology(twelve_client)
-    assert isinstance(topo, T) and sorted(topo.workers) == workers_of(twelve_client)
+    assert isinstance(topo, flowreduce.Topology) and sorted(topo.workers) == workers_of(twelve_client)
     text = str(topo)
     assert text.startswith("Topology: 12 workers, 1 host group") and workers_of(twelve_client)[0] in text

@@ -17,9 +17,9 @@ BLOCK = "import sys\nfor m in {mods!r}: sys.modules[m] = None\n"
         (["distributed", "dask"], "import flowreduce, flowreduce.algorithms, flowreduce.cost, flowreduce.algorithms.ir; "
                                   "flowreduce.plan('butterfly', 6).check(); flowreduce.choose(6, 1e6)"),
         (["distributed"], "import flowreduce.lower.graph"),
-        (["distributed", "dask"], "import flowreduce.topology, flowreduce.cost; "
+        (["distributed", "dask"], "import flowreduce.grouping, flowreduce.cost; "
                                   "flowreduce.choose(6, 1e6, groups=[[0, 1, 2], [3, 4, 5]]); "
-                                  "flowreduce.topology.Topology.from_addresses(['tcp://a:1'])"),
+                                  "flowreduce.grouping.Topology.from_addresses(['tcp://a:1'])"),
         (["distributed"], "import flowreduce.cli.calibrate, flowreduce.calibration, flowreduce.cli.bench, flowreduce.cli.trace, "
                           "flowreduce.cli.draw, flowreduce.cli.args, flowreduce.cli.trace_files"),
         (["distributed", "dask"], "import flowreduce.pytree, flowreduce.fusion; "

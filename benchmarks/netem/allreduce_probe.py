@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from distributed import Client, wait
 
     import flowreduce
+    from flowreduce.grouping import host_of
     from flowreduce.launch import ranked_workers
-    from flowreduce.topology import host_of
     from flowreduce.tracing import summarize
 
     n = int(args.size)

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from flowreduce.cli import bench
     from flowreduce.cost import CostModel
+    from flowreduce.grouping import host_of
     from flowreduce.launch import ranked_workers
-    from flowreduce.topology import host_of
 
     link = rate_bytes(args.rate)
     model = CostModel.from_file(args.cost_model) if args.cost_model else None

@@ -8,7 +8,8 @@ namespaces are distinct hosts). The batch job plays no part: two jobs on
 one node share its host and form one group, and one job spanning two nodes
 is two groups (its ranks on different nodes talk over the network like any
 others). ``allreduce`` (hierarchical groups, the cost model's hosts),
-``flowreduce.topology(client)`` and ``flowreduce.topology.rank_groups``
+``flowreduce.topology(client)`` (:func:`topology`, here) and
+``flowreduce.rank_groups`` (:func:`flowreduce.schedule.placement.rank_groups`)
 all group by this rule, unless given a topology or key of their own.
 
 Each worker's place is asked of the workers (``client.run``) and kept per
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowreduce.errors import InputTypeError, OptionError, raised_as
-from flowreduce.topology import GroupKey, Topology, host_of
+from flowreduce.grouping import GroupKey, Topology, host_of
 
 #: Environment variables naming the batch job a worker runs in, per queue system.
 _JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "JOB_ID", "LSB_JOBID", "OAR_JOB_ID", "_CONDOR_JOB_AD")
@@ -112,11 +113,14 @@ def _workers_info(dask_scheduler: Any = None) -> dict[str, Any]:
     return dict(dask_scheduler.identity(n_workers=-1)["workers"])
 
 
-def cluster_topology(client: Any, workers: Sequence[str] | None = None, *, key: GroupKey | None = None,
-                     coarser: Sequence[GroupKey] = ()) -> Topology:
-    """The :class:`Topology` of a (synchronous) client's workers, or of
-    ``workers`` among them: grouped by ``key(address, info)``, by default by
-    node (the rule above, asked of the workers afresh).
+def topology(client: Any, workers: Sequence[str] | None = None, *, key: GroupKey | None = None,
+             coarser: Sequence[GroupKey] = ()) -> Topology:
+    """The :class:`~flowreduce.grouping.Topology` of a (synchronous)
+    client's workers, or of ``workers`` among them: grouped by
+    ``key(address, info)``, by default by the node each worker runs on (the
+    rule above, asked of the workers afresh), the rule ``allreduce`` groups
+    ranks by. ``coarser`` keys add higher levels. Public as
+    ``flowreduce.topology(client)``.
 
     Raises
     ------
@@ -141,11 +145,11 @@ def cluster_topology(client: Any, workers: Sequence[str] | None = None, *, key: 
 
 
 def rank_levels(client: Any, workers: Sequence[str], places: Mapping[str, Place],
-                topology: Topology | GroupKey | Sequence[GroupKey] | None) -> list[list[list[int]]]:
+                given: Topology | GroupKey | Sequence[GroupKey] | None) -> list[list[list[int]]]:
     """Groups of ranks at every level (innermost first) for ranks placed on
-    ``workers``: by node (``topology`` None), from a :class:`Topology`, or
-    from one key function (or several, innermost first) applied to the
-    workers' information.
+    ``workers``, as ``given`` (``allreduce``'s ``topology=``) says: by node
+    (None), from a :class:`Topology`, or from one key function (or several,
+    innermost first) applied to the workers' information.
 
     Raises
     ------
@@ -154,15 +158,15 @@ def rank_levels(client: Any, workers: Sequence[str], places: Mapping[str, Place]
     ValueError
         A worker the topology does not know.
     """
-    if topology is None:
+    if given is None:
         return [host_groups(workers, places)]
-    if isinstance(topology, Topology):
-        topo = topology
+    if isinstance(given, Topology):
+        topo = given
     else:
-        keys = [topology] if callable(topology) else list(topology) if isinstance(topology, Sequence) else []
+        keys = [given] if callable(given) else list(given) if isinstance(given, Sequence) else []
         if not keys or not all(callable(k) for k in keys):
-            raise InputTypeError(f"topology must be a flowreduce.topology.Topology or key functions "
-                                 f"f(address, info) -> label, got {topology!r}")
-        topo = cluster_topology(client, sorted(set(workers)), key=keys[0], coarser=keys[1:])
+            raise InputTypeError(f"topology must be a flowreduce.Topology or key functions "
+                                 f"f(address, info) -> label, got {given!r}")
+        topo = topology(client, sorted(set(workers)), key=keys[0], coarser=keys[1:])
     with raised_as(OptionError):
         return topo.levels_for_ranks(workers)

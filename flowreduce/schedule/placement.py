@@ -5,7 +5,8 @@ Two ways, one per kind of call:
 * :func:`locate` waits until the inputs are in memory and asks the workers,
   in one broadcast, which of them hold which input and what it is (a
   :data:`~flowreduce.schedule.inputs.Meta`), with each worker's
-  :class:`~flowreduce.schedule.hosts.Place`;
+  :class:`~flowreduce.schedule.hosts.Place` (:func:`rank_groups`, public as
+  ``flowreduce.rank_groups``, groups the ranks it places by node);
 * :func:`place` does not wait: one scheduler call reports every input key's
   state, holders and worker restrictions. An input in memory runs its rank
   where it is held; a pending input pinned to exactly one worker
@@ -32,6 +33,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from flowreduce.errors import InputStateError
+from flowreduce.grouping import GroupKey
 from flowreduce.schedule import hosts
 from flowreduce.schedule.inputs import Meta, meta_of
 
@@ -124,6 +126,19 @@ def _spread(ranks: Sequence[Sequence[Any]], holders: dict[Hashable, list[str]]) 
 
 #: What the scheduler calls a numpy array's type (``ts.type``; None for scattered data).
 NDARRAY = "numpy.ndarray"
+
+
+def rank_groups(client: Any, inputs: Sequence[Any], *, key: GroupKey | None = None) -> list[list[int]]:
+    """``groups=`` for an all-reduce of the futures ``inputs``: ranks placed
+    where ``allreduce`` would place them (the worker holding each input,
+    once in memory: :func:`locate`), grouped by node (the rule of
+    :mod:`~flowreduce.schedule.hosts`) or by ``key``. Public as
+    ``flowreduce.rank_groups``."""
+    located, _ = locate(client, [[f] for f in inputs])
+    rank_workers = [ws[0] for ws in located]
+    if key is None:
+        return hosts.host_groups(rank_workers, hosts.worker_places(client, rank_workers))
+    return hosts.topology(client, sorted(set(rank_workers)), key=key).for_ranks(rank_workers)
 
 
 def glance(client: Any, ranks: Sequence[Any]) -> tuple[list[str], int] | None:

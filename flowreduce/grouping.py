@@ -11,22 +11,19 @@ groupings (each a union of host groups). Build one
 * from worker information (what ``client.scheduler_info()["workers"]``
   holds): ``Topology.from_info(info, key=by_name_prefix())`` for
   dask-jobqueue job names, ``by_resource("host-")`` for a resource label;
-* from a running cluster: ``flowreduce.topology(client)`` (the module
-  itself is callable for this), grouped by node as ``allreduce`` groups
-  ranks; the part talking to the cluster is :mod:`flowreduce.schedule.hosts`,
-  imported on first use.
+* from a running cluster: ``flowreduce.topology(client)``, grouped by node
+  as ``allreduce`` groups ranks (:func:`flowreduce.schedule.hosts.topology`:
+  the part that talks to the cluster lives in ``schedule``, above this module).
 
 Then ``topo.for_ranks(rank_workers)`` turns it into groups of ranks for
 ``flowreduce.plan("hierarchical", p, groups=...)`` and
 ``topo.levels_for_ranks(...)`` into ``levels=...``; or pass the topology
 (or a key function) to ``flowreduce.allreduce(..., topology=...)``.
-Nothing here imports dask or distributed at module import.
+Nothing here imports dask or distributed.
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -193,44 +190,3 @@ def _labelled(groups: Sequence[Sequence[str]] | Mapping[Hashable, Sequence[str]]
                 raise ValueError(f"worker {w!r} is in groups {out[w]!r} and {label!r}")
             out[w] = label
     return out
-
-
-def topology(client: Any, workers: Sequence[str] | None = None, *, key: GroupKey | None = None,
-             coarser: Sequence[GroupKey] = ()) -> Topology:
-    """The topology of a (synchronous) client's workers, or of ``workers``
-    among them, grouped by ``key`` (default: the node each worker runs on,
-    the rule ``allreduce`` groups ranks by: :mod:`flowreduce.schedule.hosts`).
-
-    Raises
-    ------
-    ValueError
-        A worker in ``workers`` that the scheduler does not know.
-    """
-    from flowreduce.schedule.hosts import cluster_topology  # the part that talks to the cluster
-
-    return cluster_topology(client, workers, key=key, coarser=coarser)
-
-
-def rank_groups(client: Any, inputs: Sequence[Any], *, key: GroupKey | None = None) -> list[list[int]]:
-    """``groups=`` for an all-reduce of the futures ``inputs``: ranks placed
-    where ``allreduce`` would place them (the worker holding each input,
-    once in memory), grouped by node (or by ``key``)."""
-    from flowreduce.schedule import hosts, placement
-
-    located, _ = placement.locate(client, [[f] for f in inputs])
-    rank_workers = [ws[0] for ws in located]
-    if key is None:
-        return hosts.host_groups(rank_workers, hosts.worker_places(client, rank_workers))
-    return topology(client, sorted(set(rank_workers)), key=key).for_ranks(rank_workers)
-
-
-class _CallableModule(types.ModuleType):
-    """``flowreduce.topology(client)`` is :func:`topology`; the module's
-    names (``flowreduce.topology.Topology``...) stay where they are."""
-
-    def __call__(self, client: Any, workers: Sequence[str] | None = None, *, key: GroupKey | None = None,
-                 coarser: Sequence[GroupKey] = ()) -> Topology:
-        return topology(client, workers, key=key, coarser=coarser)
-
-
-sys.modules[__name__].__class__ = _CallableModule
