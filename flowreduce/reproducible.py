@@ -217,6 +217,81 @@ def _check(dtype: Any) -> None:
 
 # ---- references --------------------------------------------------------------------------------
 
+#: A node of the reference tree of ``deterministic=True`` (:func:`reference_reduce`'s ``order="tree"``):
+#: ``(level, index)``. Level -1: rank ``index`` where it is folded into a partner (``c + i`` into
+#: ``i``); level 0: ``y_i = x_i + x_{c+i}`` (or ``x_i`` alone when rank ``c + i`` does not exist);
+#: level ``l``: the sum of ``y`` over ``[index * 2**l, (index + 1) * 2**l)``.
+TreeNode = tuple[int, int]
+
+
+#: Ops whose result does not depend on the order, in any dtype.
+ORDERLESS = ("min", "max", "minimum", "maximum", "fmin", "fmax", "bitwise_and", "bitwise_or", "bitwise_xor",
+             "logical_and", "logical_or", "logical_xor", "gcd", "lcm")
+
+
+def tree_ordered(op_name: str, dtype: Any) -> bool:
+    """Whether ``deterministic=True`` changes a reduction with this op on
+    this dtype: floating-point (and complex) values and an op whose result
+    depends on the order (sum, mean, prod, other ufuncs, callables);
+    integers, booleans, min and max are exact in any order."""
+    return np.dtype(dtype).kind in "fc" and op_name not in ORDERLESS
+
+
+def _fold(p: int) -> int:
+    """``c``: the largest power of two at most ``p``."""
+    return 1 << (p.bit_length() - 1)
+
+
+def tree_root(p: int) -> TreeNode:
+    """The node that sums all ``p`` ranks."""
+    return (_fold(p).bit_length() - 1, 0)
+
+
+def tree_leaf(p: int, rank: int) -> TreeNode:
+    """Rank ``rank``'s own value in the reference tree of ``p`` ranks."""
+    c = _fold(p)
+    return (0, rank) if rank < c and rank + c >= p else (-1, rank)
+
+
+def _up(p: int, node: TreeNode) -> tuple[TreeNode, TreeNode, bool]:
+    """``(sibling, parent, node is the left child)``."""
+    level, i = node
+    if level < 0:
+        c = _fold(p)
+        return ((-1, i + c), (0, i), True) if i < c else ((-1, i - c), (0, i - c), False)
+    return (level, i ^ 1), (level + 1, i >> 1), i % 2 == 0
+
+
+def tree_merge(p: int, parts: dict[TreeNode, Any], add: Callable[[Any, Any], Any]) -> dict[TreeNode, Any]:
+    """Partial sums (one per node of the reference tree, covering disjoint
+    sets of ranks) merged: two are added, ``add(left, right)``, only when
+    they are siblings, into their parent, until no two are. The nodes left
+    are the maximal ones covering the same ranks, and each value is the
+    reference tree's at that node: the same additions in the same order,
+    whatever order and grouping the parts came in."""
+    out = dict(parts)
+    root = tree_root(p)
+    todo = sorted(out)
+    while todo:
+        node = todo.pop(0)
+        if node not in out or node == root:
+            continue
+        sib, parent, left = _up(p, node)
+        if sib in out:
+            a, b = (out.pop(node), out.pop(sib)) if left else (out.pop(sib), out.pop(node))
+            out[parent] = add(a, b)
+            todo.append(parent)
+            todo.sort()
+    return dict(sorted(out.items()))
+
+
+def tree_cover(p: int, ranks: Any) -> tuple[TreeNode, ...]:
+    """The maximal nodes of the reference tree whose ranks all lie in
+    ``ranks`` (and cover them): the partial sums a value summing ``ranks``
+    carries under ``deterministic=True``, in a fixed order."""
+    return tuple(tree_merge(p, {tree_leaf(p, r): None for r in ranks}, lambda a, b: None))
+
+
 _UFUNCS = {"sum": np.add, "mean": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
 
@@ -237,7 +312,8 @@ def reference_reduce(arrays: Sequence[Any], op: Any = "sum", order: str = "exact
     pair up level by level, ``(0 op 1) op (2 op 3)``... -- the pairs
     radix-2 butterfly's recursive halving combines first (its extra ranks
     fold into their partners the same way). ``"mean"`` divides the tree sum
-    by ``p`` in the dtype. No algorithm is claimed to follow it yet.
+    by ``p`` in the dtype (+0.0 where it underflows to zero). Every algorithm follows it
+    with ``deterministic=True`` (:func:`tree_merge`).
 
     Slow (a Python loop per element for ``"exact"``): a reference for tests.
     """

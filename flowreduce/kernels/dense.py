@@ -14,6 +14,7 @@ import numpy as np
 from dask.sizeof import sizeof
 
 from flowreduce.ops import Op
+from flowreduce.reproducible import TreeNode, tree_merge
 
 #: A node's value: 1-D arrays whose layout the builder knows.
 Pieces = tuple[np.ndarray, ...]
@@ -80,6 +81,48 @@ def reduce(op: Op, ranks: int, finish: bool, shape: tuple[int, ...] | None, inpu
     if finish:
         acc = op.finish(acc, ranks, owned=True)
     out = (acc,)
+    return out if shape is None else output((out,), shape)
+
+
+def reduce_ordered(op: Op, ranks: int, finish: bool, shape: tuple[int, ...] | None, inputs: Sequence[Pieces],
+                   picks: Sequence[Sequence[Pick]], owned: Sequence[bool],
+                   nodes: Sequence[Sequence[TreeNode]]) -> Pieces | np.ndarray:
+    """:func:`reduce` in the fixed order of ``deterministic=True``: each
+    input carries partial sums, one per node of the reference tree
+    (``nodes[i][j]``: the tree node of pick ``picks[i][j]``; the picks of a
+    node, in order, make its range), and they are added only as siblings
+    (:func:`flowreduce.reproducible.tree_merge`). The value: the partial
+    sums left, one piece each over the whole range, in the order of their
+    nodes (the builder computes the same list)."""
+    parts: dict[TreeNode, np.ndarray] = {}
+    mine: set[int] = set()  # ids of arrays this task may write into
+    for value, ps, ns, own in zip(inputs, picks, nodes, owned):
+        by_node: dict[TreeNode, list[np.ndarray]] = {}
+        for (i, a, b), node in zip(ps, ns):
+            by_node.setdefault(node, []).append(value[i][a:b])
+        for node, arrays in by_node.items():
+            if len(arrays) > 1:
+                arr = np.concatenate(arrays)
+                mine.add(id(arr))
+            else:
+                arr = arrays[0]
+                if own and arr.flags.writeable:
+                    mine.add(id(arr))
+            parts[node] = arr
+
+    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        out = a if id(a) in mine else b if id(b) in mine else None
+        acc = np.asarray(op.combine(a, b, out=out))
+        mine.add(id(acc))
+        return acc
+
+    merged = tree_merge(ranks, parts, add)
+    out = tuple(a if id(a) in mine else a.copy() for a in merged.values())
+    if finish:
+        (acc,) = out
+        if op.mean:  # as reference_reduce: the tree's sum divided in the dtype, +0.0 where that is zero
+            acc = np.add(np.true_divide(acc, ranks), 0, dtype=acc.dtype)
+        out = (acc,)
     return out if shape is None else output((out,), shape)
 
 

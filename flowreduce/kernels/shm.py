@@ -40,6 +40,7 @@ from flowreduce.kernels import dense as kernels
 from flowreduce.shm import result_buffers
 from flowreduce.shm import pool as shm_pool
 from flowreduce.ops import Op
+from flowreduce.reproducible import tree_leaf, tree_merge
 
 #: Copies through shared memory in this process, for traces: (seq, start,
 #: stop, bytes, direction "write"/"read", the segment owner's pid, repr of
@@ -288,6 +289,44 @@ def reduce_slice(op: Op, ranks: int, lo: int, hi: int, blocks: Sequence, key: st
             acc[...] = finished
     if isinstance(own, Block):
         return Block(own.lease, own.dtype, own.count, lo, hi)
+    return acc
+
+
+def reduce_slice_ordered(op: Op, ranks: int, lo: int, hi: int, blocks: Sequence, own: int,
+                         key: str = "") -> Block | np.ndarray:
+    """:func:`reduce_slice` in the fixed order of ``deterministic=True``:
+    ``blocks[r]`` is rank ``r``'s input (one rank per :func:`write`), and
+    slice [lo, hi) of their sum is the reference tree's
+    (:func:`flowreduce.reproducible.tree_merge`), written into the slice of
+    ``blocks[own]`` (this worker's: nobody else touches that slice)."""
+    mine = blocks[own]
+    acc = mine.array[lo:hi] if isinstance(mine, Block) else np.asarray(mine).reshape(-1)[lo:hi]
+    reads = [(acc, None) if r == own else _read(value, lo, hi) for r, value in enumerate(blocks)]
+    t0 = time.time()
+    writable = {id(acc)}
+
+    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        out = a if id(a) in writable else b if id(b) in writable else None
+        total = np.asarray(op.combine(a, b, out=out))
+        writable.add(id(total))
+        return total
+
+    (total,) = tree_merge(ranks, {tree_leaf(ranks, r): x for r, (x, _) in enumerate(reads)}, add).values()
+    if total is not acc:
+        np.copyto(acc, total)
+    if op.mean:  # as reference_reduce: divided in the dtype, +0.0 where that is zero
+        np.add(np.divide(acc, ranks, out=acc), 0, out=acc)
+    span, total_bytes, t = time.time() - t0, sum(x.nbytes for x, _ in reads) or 1, t0
+    for x, check in reads:
+        share = span * x.nbytes / total_bytes
+        if check is not None:
+            log_copy("read", key, owner_pid(check[0].name), x.nbytes, t, t + share)
+        t += share
+    for _, check in reads:
+        if check is not None:
+            check[0].check(check[1])
+    if isinstance(mine, Block):
+        return Block(mine.lease, mine.dtype, mine.count, lo, hi)
     return acc
 
 

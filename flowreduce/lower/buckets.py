@@ -29,6 +29,7 @@ from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
 from flowreduce.kernels import fusion as _fusion_kernels
 from flowreduce.lower.graph import build_graph
+from flowreduce.reproducible import tree_ordered
 from flowreduce.fusion import Bucket, Layout
 from flowreduce.ops import Op
 from flowreduce.pytree import paths
@@ -67,6 +68,7 @@ def build_tree_graph(
     op: Op,
     check: bool = False,
     in_place: bool = True,
+    ordered: bool = False,
 ) -> TreeGraph:
     """Lower buckets ``buckets`` (each with its plan in ``plans``) for rank
     inputs ``inputs[rank][j]`` (futures or TaskRefs, one per input future
@@ -74,7 +76,9 @@ def build_tree_graph(
 
     ``check=True``: the first task that reads each input checks it against
     the layout (the caller's template) and raises, naming the rank and the
-    tensor, on a mismatch."""
+    tensor, on a mismatch. ``ordered``: ``deterministic=True``, buckets whose
+    reduction depends on the order are summed in the reference tree's
+    (:func:`flowreduce.reproducible.tree_ordered`)."""
     p = len(workers)
     if len(inputs) != p:
         raise ValueError(f"{len(inputs)} inputs for {p} workers")
@@ -111,7 +115,8 @@ def build_tree_graph(
             in_keys.append(key)
         shape = where[bucket.tensors[0]].spec.shape if not bucket.fused else (bucket.size,)
         graph = build_graph(plan, refs, workers, size=bucket.size, shape=shape, op=op, token=token,
-                            in_place=in_place, accumulate=op.accumulator(np.dtype(bucket.dtype)))
+                            in_place=in_place, accumulate=op.accumulator(np.dtype(bucket.dtype)),
+                            ordered=ordered and tree_ordered(op.name, bucket.dtype))
         g.tasks.update(graph.tasks)
         g.placement.update(graph.placement)
         g.buckets.append(BucketGraph(bucket, plan, token, in_keys, graph.outputs))

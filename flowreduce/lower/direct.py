@@ -40,6 +40,7 @@ from flowreduce.shm import result_buffers
 from flowreduce.lower.graph import Graph
 from flowreduce.lower.shm_direct import worker_groups
 from flowreduce.ops import Op
+from flowreduce.reproducible import tree_leaf, tree_merge, tree_ordered
 
 #: Above this many bytes a task reduces off its worker's event loop (and a peer its ranks).
 OFF_LOOP_BYTES = 4 << 20
@@ -64,8 +65,8 @@ class Partial:
 #: ranks may send their :class:`Partial` instead of their values (and this
 #: worker's own ranks may come back as one); ``key`` is the reading task's,
 #: ``local`` its own ranks' inputs, ``{rank: value}`` (peers on its host may
-#: read them where they lie).
-Read = Callable[[Sequence[Peer], Op, Hashable, Any],
+#: read them where they lie); op None: every peer sends its ranks' values.
+Read = Callable[[Sequence[Peer], Op | None, Hashable, Any],
                 AbstractAsyncContextManager[tuple[dict[int, Any], dict[int, Partial]]]]
 #: Checks the ranks' values or metas (in rank order) agree and suit the op, raising an error naming the ranks.
 Check = Callable[[Sequence[Any], Op], None]
@@ -93,28 +94,58 @@ async def off_loop_if_large(nbytes: int, func: Callable[..., Any], *args: Any) -
 
 async def read_reduce(op: Op, ranks: int, groups: Sequence[Sequence[int]], local_ranks: Sequence[int],
                       local: Sequence[Any], peers: Sequence[Peer], read: Read, check: Check | None,
-                      key: Hashable) -> np.ndarray:
+                      key: Hashable, ordered: bool = False) -> np.ndarray:
     """The task (a coroutine: the worker runs it on its event loop, where the
     reads go, with no hand-off to a thread and back): the local ranks'
     inputs (dependencies), the peers' read from their workers (or their
-    workers' partials), checked and reduced (:func:`reduce_groups`)."""
-    async with read(peers, op, key, dict(zip(local_ranks, local))) if peers else nullcontext(({}, {})) as (
+    workers' partials), checked and reduced (:func:`reduce_groups`).
+    ``ordered`` (``deterministic=True``): peers holding several ranks send
+    their values, not their sum, when the call may need the tree order."""
+    how = None if ordered and any(len(g) > 1 for g in groups) else op
+    async with read(peers, how, key, dict(zip(local_ranks, local))) if peers else nullcontext(({}, {})) as (
             got, partials):
         values = {**dict(zip(local_ranks, local)), **got}
         nbytes = sum(getattr(v, "nbytes", 0) for v in [*values.values(), *(part.value for part in partials.values())])
-        out = await off_loop_if_large(nbytes, reduce_groups, op, ranks, groups, values, partials, check)
+        out = await off_loop_if_large(nbytes, reduce_groups, op, ranks, groups, values, partials, check, ordered)
         # a callable op may return one of its arguments: never a view of memory given back after the block
         return out if not isinstance(out, np.ndarray) or out.flags.writeable else out.copy()
 
 
 def reduce_local(op: Op, ranks: int, groups: Sequence[Sequence[int]], local: Sequence[Any],
-                 check: Check | None) -> np.ndarray:
+                 check: Check | None, ordered: bool = False) -> np.ndarray:
     """The task without workers to read from: every rank's input is a dependency."""
-    return reduce_groups(op, ranks, groups, dict(enumerate(local)), {}, check)
+    return reduce_groups(op, ranks, groups, dict(enumerate(local)), {}, check, ordered)
+
+
+def tree_ordered_values(op: Op, values: dict[int, Any]) -> bool:
+    """Whether ``deterministic=True`` changes this reduction (:func:`flowreduce.reproducible.tree_ordered`)."""
+    first = next(iter(values.values()), None)
+    return first is not None and tree_ordered(op.name, np.asarray(first).dtype)
+
+
+def reduce_tree(op: Op, ranks: int, values: dict[int, Any]) -> np.ndarray:
+    """Every rank's value summed in the reference tree's order
+    (``deterministic=True``: :func:`flowreduce.reproducible.tree_merge`), mean's
+    division as :func:`flowreduce.reproducible.reference_reduce` does it."""
+    fresh: set[int] = set()
+
+    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        out = a if id(a) in fresh else b if id(b) in fresh else None
+        total = np.asarray(op.combine(a, b, out=out))
+        fresh.add(id(total))
+        return total
+
+    parts = {tree_leaf(ranks, r): np.asarray(values[r]) for r in range(ranks)}
+    (total,) = tree_merge(ranks, parts, add).values()
+    if id(total) not in fresh:
+        total = total.copy()
+    if op.mean:
+        total = np.add(np.divide(total, ranks, out=total), 0, out=total)
+    return total
 
 
 def reduce_groups(op: Op, ranks: int, groups: Sequence[Sequence[int]], values: dict[int, Any],
-                  partials: dict[int, Partial], check: Check | None) -> np.ndarray:
+                  partials: dict[int, Partial], check: Check | None, ordered: bool = False) -> np.ndarray:
     """Every rank's value (or its worker's partial) checked, then reduced
     worker group by worker group (``groups``: the ranks of each worker, in
     order), each group in rank order: the same bits on every rank."""
@@ -124,6 +155,10 @@ def reduce_groups(op: Op, ranks: int, groups: Sequence[Sequence[int]], values: d
             if g[0] in partials:
                 metas.update(zip(g, partials[g[0]].metas))
         check([metas[r] if r in metas else values[r] for r in range(ranks)], op)
+    if ordered and not partials and tree_ordered_values(op, values):
+        return reduce_tree(op, ranks, values)
+    if ordered and partials and tree_ordered_values(op, {0: next(iter(partials.values())).value}):
+        raise RuntimeError("deterministic=True: a peer sent the sum of its ranks, not their values")
     if op.in_place:  # every part read once, into a fresh result, a cache-sized block at a time
         parts = [partials[g[0]].value if g[0] in partials else
                  accumulate(op, [values[r] for r in g]) if len(g) > 1 else values[g[0]] for g in groups]
@@ -147,10 +182,13 @@ def reduce_groups(op: Op, ranks: int, groups: Sequence[Sequence[int]], values: d
 
 
 def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, input_keys: Sequence[Hashable],
-                 op: Op, read: Read | None, check: Check | None = None, token: str | None = None) -> Graph:
+                 op: Op, read: Read | None, check: Check | None = None, token: str | None = None,
+                 ordered: bool = False) -> Graph:
     """The graph of ``plan`` (``direct``, one chunk) for rank inputs
     ``inputs`` (futures or TaskRefs, keyed ``input_keys``) held on
-    ``workers``; ``read`` None makes every input a dependency (no workers)."""
+    ``workers``; ``read`` None makes every input a dependency (no workers).
+    ``ordered`` (``deterministic=True``): float sums and means in the
+    reference tree's order over ranks (:func:`reduce_tree`), not by worker."""
     p = plan.ranks
     if len(inputs) != p or len(workers) != p or len(input_keys) != p:
         raise ValueError(f"plan is for {p} ranks, got {len(inputs)} inputs, {len(workers)} workers, "
@@ -164,11 +202,12 @@ def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, i
     for ranks in groups:
         key = keys.output_key(name, token, ranks[0])  # the result of every rank on this worker
         if read is None:
-            tasks[key] = Task(key, reduce_local, op, p, groups, List(*inputs), check)
+            tasks[key] = (Task(key, reduce_local, op, p, groups, List(*inputs), check, ordered) if ordered else
+                          Task(key, reduce_local, op, p, groups, List(*inputs), check))
         else:
             peers = tuple((r, workers[r], input_keys[r]) for r in range(p) if r not in ranks)
-            tasks[key] = Task(key, read_reduce, op, p, groups, tuple(ranks), List(*(inputs[r] for r in ranks)),
-                              peers, read, check, key)
+            args = (op, p, groups, tuple(ranks), List(*(inputs[r] for r in ranks)), peers, read, check, key)
+            tasks[key] = Task(key, read_reduce, *args, ordered) if ordered else Task(key, read_reduce, *args)
         placement[key] = workers[ranks[0]]
         for r in ranks:
             outputs[r] = key

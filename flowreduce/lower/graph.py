@@ -19,6 +19,7 @@ from flowreduce import keys
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Node, Plan
 from flowreduce.kernels import dense as _kernels
 from flowreduce.ops import Op
+from flowreduce.reproducible import TreeNode, tree_cover, tree_root
 
 
 @dataclass
@@ -58,6 +59,7 @@ def lower(
     token: str,
     task_for: Callable[[Site], Task],
     output_for: Callable[[Hashable, List, int], Task],
+    layout: list[list[tuple[int, int]]] | None = None,
 ) -> Graph:
     """The skeleton every lowering shares: keys, pieces, element slices.
 
@@ -67,15 +69,11 @@ def lower(
     ``task_for`` makes the task of one :class:`Site`; ``output_for(key,
     refs, rank)`` the task assembling a rank's result from its chunks'
     finals (when its final is read remotely or there are several chunks).
-    ``workers`` has one address per plan rank."""
+    ``workers`` has one address per plan rank; ``layout``, each node's
+    pieces as segment ranges (default: :func:`piece_layout`)."""
     nodes, S = plan.nodes, plan.segments
-    layout: list[list[tuple[int, int]]] = []
-    for n in nodes:
-        if n.kind == GATHER:
-            layout.append([(max(a, n.lo), min(b, n.hi)) for i in n.inputs for a, b in layout[i]
-                           if max(a, n.lo) < min(b, n.hi)])
-        else:
-            layout.append([(n.lo, n.hi)])
+    if layout is None:
+        layout = piece_layout(plan)
 
     tasks: dict[Hashable, Task] = {}
     placement: dict[Hashable, str] = {}
@@ -119,6 +117,44 @@ def lower(
     return Graph(tasks, outputs, placement, token)
 
 
+def piece_layout(plan: Plan, parts: Sequence[int] | None = None) -> list[list[tuple[int, int]]]:
+    """Each node's pieces as segment ranges: one for a view or a reduce
+    (``parts[node]`` for a reduce whose value is that many partial sums over
+    its whole range, ``deterministic=True``), its inputs' pieces within its
+    range for a gather."""
+    layout: list[list[tuple[int, int]]] = []
+    for n in plan.nodes:
+        if n.kind == GATHER:
+            layout.append([(max(a, n.lo), min(b, n.hi)) for i in n.inputs for a, b in layout[i]
+                           if max(a, n.lo) < min(b, n.hi)])
+        else:
+            layout.append([(n.lo, n.hi)] * (parts[n.id] if parts is not None and n.kind == REDUCE else 1))
+    return layout
+
+
+def tree_nodes(plan: Plan) -> list[tuple[TreeNode, ...]]:
+    """Under ``deterministic=True``, the partial sums each node's value
+    carries: the maximal nodes of the reference tree
+    (:func:`flowreduce.reproducible.tree_cover`) covering the ranks it
+    combines. A gather's inputs must combine the same ranks."""
+    p, out = plan.ranks, []
+    ranks: list[frozenset[int]] = []
+    for n in plan.nodes:
+        if n.kind == VIEW:
+            covered = frozenset((n.rank,))
+        elif n.kind == REDUCE:
+            covered = frozenset().union(*(ranks[i] for i in n.inputs))
+            if sum(len(ranks[i]) for i in n.inputs) != len(covered):
+                raise ValueError(f"{plan!r}: node {n.id} combines some rank twice")
+        else:
+            covered = ranks[n.inputs[0]]
+            if any(ranks[i] != covered for i in n.inputs):
+                raise ValueError(f"{plan!r}: gather node {n.id} puts together values of different ranks")
+        ranks.append(covered)
+        out.append(tree_cover(p, sorted(covered)))
+    return out
+
+
 def build_graph(
     plan: Plan,
     inputs: Sequence[Any],
@@ -130,6 +166,7 @@ def build_graph(
     token: str | None = None,
     in_place: bool = True,
     accumulate: Any = None,
+    ordered: bool = False,
 ) -> Graph:
     """Lower ``plan`` for rank inputs ``inputs`` (futures or TaskRefs) held on
     ``workers`` (one address per rank), vectors of ``size`` elements.
@@ -137,11 +174,16 @@ def build_graph(
     ``in_place=False`` never reduces into received buffers: for transports
     that hand objects over without copying (distributed's ``inproc://``).
     ``accumulate`` is a dtype to cast inputs to before combining (see
-    :meth:`flowreduce.ops.Op.accumulator`)."""
+    :meth:`flowreduce.ops.Op.accumulator`). ``ordered``: ``deterministic=True``,
+    every value a set of partial sums of the reference tree, added in its
+    order (:func:`tree_nodes`, :func:`flowreduce.kernels.dense.reduce_ordered`)."""
     if len(inputs) != plan.ranks or len(workers) != plan.ranks:
         raise ValueError(f"plan is for {plan.ranks} ranks, got {len(inputs)} inputs and {len(workers)} workers")
     owned = owned_inputs(plan, workers, in_place)
     count = contributions(plan)
+    if ordered:
+        return _build_ordered(plan, inputs, workers, size=size, shape=shape, op=op, token=token, owned=owned,
+                              count=count)
 
     def task_for(s: Site) -> Task:
         n = s.node
@@ -155,6 +197,39 @@ def build_graph(
 
     return lower(plan, workers, size=size, token=token or keys.new_token(), task_for=task_for,
                  output_for=lambda key, refs, r: Task(key, _kernels.output, refs, shape))
+
+
+def _build_ordered(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, size: int, shape: tuple[int, ...],
+                   op: Op, token: str | None, owned: dict[int, tuple[bool, ...]], count: list[int]) -> Graph:
+    """:func:`build_graph` with ``ordered=True``."""
+    carried = tree_nodes(plan)
+    root = (tree_root(plan.ranks),)
+    for r, f in enumerate(plan.finals):
+        if carried[f] != root:
+            raise ValueError(f"{plan!r}: rank {r}'s result does not sum every rank")
+    layout = piece_layout(plan, [len(c) for c in carried])
+    # the tree node of every piece of every node, parallel to layout
+    piece_nodes: list[list[TreeNode]] = []
+    for n in plan.nodes:
+        if n.kind == GATHER:
+            piece_nodes.append([t for i in n.inputs for (a, b), t in zip(layout[i], piece_nodes[i])
+                                if max(a, n.lo) < min(b, n.hi)])
+        else:
+            piece_nodes.append(list(carried[n.id]))
+
+    def task_for(s: Site) -> Task:
+        n = s.node
+        shape_arg = shape if s.final else None
+        if n.kind == VIEW:
+            return Task(s.key, _kernels.split, inputs[n.rank], s.start, s.stop, None)
+        if n.kind == REDUCE:
+            nodes = tuple(tuple(piece_nodes[i][idx] for idx, _, _ in pk) for i, pk in zip(n.inputs, s.picks))
+            return Task(s.key, _kernels.reduce_ordered, op, plan.ranks, count[n.id] == plan.ranks, shape_arg, s.deps,
+                        s.picks, owned[n.id], nodes)
+        return Task(s.key, _kernels.gather, shape_arg, s.deps, s.picks)
+
+    return lower(plan, workers, size=size, token=token or keys.new_token(), task_for=task_for,
+                 output_for=lambda key, refs, r: Task(key, _kernels.output, refs, shape), layout=layout)
 
 
 def contributions(plan: Plan) -> list[int]:

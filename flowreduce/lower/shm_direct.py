@@ -36,9 +36,14 @@ def worker_groups(workers: Sequence[str]) -> list[list[int]]:
 
 def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, size: int,
                  shape: tuple[int, ...], dtype: np.dtype, op: Op, accumulate: Any = None,
-                 token: str | None = None) -> Graph:
+                 token: str | None = None, ordered: bool = False) -> Graph:
     """The graph of ``plan`` (``shm-direct`` with its ``groups`` the ranks of
-    each worker) for rank inputs ``inputs`` held on ``workers``."""
+    each worker) for rank inputs ``inputs`` held on ``workers``.
+    ``ordered`` (``deterministic=True``): each rank's input has its own
+    segment, and each slice is summed over the ranks in the reference
+    tree's order (:func:`flowreduce.kernels.shm.reduce_slice_ordered`)."""
+    if ordered:
+        return _build_ordered(plan, inputs, workers, size=size, shape=shape, dtype=dtype, op=op, token=token)
     groups = [list(g) for g in plan.options.get("groups") or [[r] for r in range(plan.ranks)]]
     if groups != worker_groups(workers):
         raise ValueError(f"shm-direct plan groups {groups} are not the ranks of each worker "
@@ -65,6 +70,37 @@ def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, s
     outputs = [keys.output_key(name, token, r) for r in range(p)]
     for r, key in enumerate(outputs):
         tasks[key] = Task(key, shm_kernels.gather, op, p, shape, wdtype, List(*(TaskRef(k) for k in scattered)),
+                          repr(key))
+        placement[key] = workers[r]
+    return Graph(tasks, outputs, placement, token)
+
+
+def _build_ordered(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, size: int,
+                   shape: tuple[int, ...], dtype: np.dtype, op: Op, token: str | None) -> Graph:
+    """:func:`build_direct` with ``ordered=True``: level 1 writes each rank's
+    input (not its worker's sum: a worker's ranks need not be a subtree of
+    the reference tree), level 2 sums every rank's slice in the tree order."""
+    groups = worker_groups(workers)
+    token = token or keys.new_token()
+    name, p = plan.algorithm, plan.ranks
+    tasks: dict = {}
+    placement: dict = {}
+    written = []
+    for r in range(p):
+        key = keys.node_key(name, "reduce", token, 1, r, 0, r)
+        tasks[key] = Task(key, shm_kernels.write, op, dtype, List(inputs[r]), len(groups) > 1, repr(key), token)
+        placement[key] = workers[r]
+        written.append(key)
+    scattered = []
+    for g, (ranks, (lo, hi)) in enumerate(zip(groups, chunk_bounds(size, len(groups)))):
+        key = keys.node_key(name, "reduce-scatter", token, 2, ranks[0], 0, p + g)
+        tasks[key] = Task(key, shm_kernels.reduce_slice_ordered, op, p, lo, hi,
+                          List(*(TaskRef(k) for k in written)), ranks[0], repr(key))
+        placement[key] = workers[ranks[0]]
+        scattered.append(key)
+    outputs = [keys.output_key(name, token, r) for r in range(p)]
+    for r, key in enumerate(outputs):
+        tasks[key] = Task(key, shm_kernels.gather, op, p, shape, dtype, List(*(TaskRef(k) for k in scattered)),
                           repr(key))
         placement[key] = workers[r]
     return Graph(tasks, outputs, placement, token)

@@ -57,6 +57,7 @@ from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import parse
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import TreeDef, flatten, unflatten
+from flowreduce.reproducible import tree_ordered
 from flowreduce.schedule import guard, hosts, placement, records
 from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule import reproducible as _reproducible
@@ -179,7 +180,13 @@ def allreduce(
         between hosts (``inner="shm-direct"``; ``describe(result).links``
         says which transport each pair of workers used);
         ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.transport`).
-    deterministic : False or "exact"
+    deterministic : False, True or "exact"
+        ``True``: floating-point sums and means (and other order-dependent
+        float ops) add the ranks' values in one fixed order, the reference
+        tree over rank indices of ``flowreduce.reference_reduce(arrays, op,
+        order="tree")``, whatever the algorithm, chunking, transport,
+        placement and recovery: the same bits as that function (not
+        independent of the rank count; docs/reproducibility.md).
         ``"exact"``: float32 and float64 sums and means are the exact sum
         rounded once (float64: ``math.fsum`` over the ranks), the same bits
         for any algorithm, chunking, transport, placement and rank count
@@ -253,12 +260,17 @@ def allreduce(
     settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, timeout, transport)
     exact = _reproducible.mode(config.get("deterministic") if deterministic is None else deterministic)
     if exact and algorithm in SPARSE_ALGORITHMS:
-        raise OptionError(f"deterministic='exact' takes the dense algorithms, not {algorithm!r}")
+        raise OptionError(f"deterministic={exact!r} takes the dense algorithms, not {algorithm!r}")
+    if exact is True:  # one fixed order of float additions (docs/reproducibility.md)
+        settings, exact = replace(settings, deterministic=True), False
     # exact needs the inputs' dtype: a name glance() does not take makes describe_inputs learn it
     if _p2p_method(method, like, algorithm, bool(exact)):  # the ranks described as for a dense call, then the engine
         ranks = describe_inputs(client, outer, futures, None, replace(settings, algorithm="p2p"))
+        _refuse_unordered(ranks, settings, "method='p2p' (the engine does not follow the tree order yet; "
+                          "use method='tasks')")
         return submit(client, lower_p2p(client, ranks, settings), ranks, settings.timeout)
     ranks = describe_inputs(client, outer, futures, like, replace(settings, algorithm="exact") if exact else settings)
+    _refuse_unordered(ranks, settings, "scipy.sparse inputs")
     if exact and _reproducible.applies(ranks.held, settings.op):
         def run(parts: list[Future], op: str, template: Any) -> list[Any]:  # an ordinary call, the same options
             return allreduce(client, parts, op=op, algorithm=algorithm, chunks=chunks, chunk_bytes=chunk_bytes,
@@ -283,6 +295,7 @@ class Settings:
     options: Mapping[str, Any] = field(default_factory=dict)
     timeout: float | None = None
     transport: str = "auto"
+    deterministic: bool = False  # True: float reductions in the reference tree's order
 
     @classmethod
     def check(cls, op: Any, algorithm: str, chunks: Any, chunk_bytes: Any, model: CostModel | None,
@@ -313,6 +326,18 @@ class Settings:
             _check_cap(f"chunk_bytes={self.chunk_bytes} on a vector of {nbytes} bytes", chunks)
             return chunks
         return self.chunks
+
+
+def _refuse_unordered(ranks: Ranks, settings: Settings, what: str) -> None:
+    """deterministic=True on inputs whose route cannot keep the tree order: an OptionError
+    (integers, min, max... are exact in any order and pass)."""
+    dtype = getattr(ranks.held, "dtype", None)
+    if not settings.deterministic or dtype is None or not tree_ordered(settings.op.name, dtype):
+        return
+    if what.startswith("scipy") and not isinstance(ranks.held, SparseInputs):
+        return
+    raise OptionError(f"deterministic=True does not take {what}; pass deterministic=False or 'exact' "
+                      "(docs/reproducibility.md)")
 
 
 def _count(name: str, value: Any) -> int | None:
@@ -537,7 +562,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         if predicted is None:
             predicted = model.predict(plan, nbytes, groups)
         record = CallRecord(graph.token, plan, nbytes, predicted, tuple(workers), tuple(shape), dtype, keys, how,
-                            links)
+                            links, deterministic=settings.deterministic)
         summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
         return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary,
                    hold=hold)
@@ -549,7 +574,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         near, how, links = _transport.direct_reads(plan, workers, domains, nbytes)
         read = partial(reading, domains=near) if near else reading
         graph = build_direct(plan, inputs, workers, input_keys=keys, op=settings.op, read=read,
-                             check=check_values if ranks.check else None)
+                             check=check_values if ranks.check else None, ordered=settings.deterministic)
         if near or 1 < len(set(workers)) < p:  # peers on other hosts (or unposted) sum the ranks they hold
             ensure_peer_handlers(client)
         if near:
@@ -592,7 +617,8 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         return direct(plan, nbytes, shape, dtype.str)
     graph, how, links = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
                                          op=settings.op, in_place=ranks.in_place,
-                                         accumulate=settings.op.accumulator(dtype))
+                                         accumulate=settings.op.accumulator(dtype),
+                                         ordered=settings.deterministic and tree_ordered(settings.op.name, dtype))
     if how != "dask":
         ensure_shm(client)
     return job(graph, plan, nbytes, levels[0], shape, dtype.str, how, links)
@@ -607,13 +633,13 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
     buckets = make_buckets([t.spec for t in layout.tensors], settings.bucket_bytes)
     plans = [choose_plan(p, b.nbytes, levels, model, settings) for b in buckets]
     g = build_tree_graph(layout, buckets, plans, [list(fs) for fs in ranks.futures], workers, op=settings.op,
-                         check=ranks.check, in_place=ranks.in_place)
+                         check=ranks.check, in_place=ranks.in_place, ordered=settings.deterministic)
     calls = []
     for bg, plan in zip(g.buckets, plans):
         b = bg.bucket
         shape = (b.size,) if b.fused else layout.tensors[b.tensors[0]].spec.shape
         calls.append(CallRecord(bg.token, plan, b.nbytes, model.predict(plan, b.nbytes, levels[0]), tuple(workers),
-                                tuple(shape), b.dtype, tuple(bg.inputs)))
+                                tuple(shape), b.dtype, tuple(bg.inputs), deterministic=settings.deterministic))
     whole = None
     if not layout.single_array:
         bucket_of = [0] * len(layout.tensors)

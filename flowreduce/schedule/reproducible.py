@@ -37,15 +37,13 @@ from flowreduce.errors import OptionError
 from flowreduce.fusion import Layout
 from flowreduce.keys import new_token, pack_key, parse, unpack_key
 from flowreduce.ops import Op
+from flowreduce.reproducible import ORDERLESS
 from flowreduce.pytree import spec
 from flowreduce.schedule import records
 from flowreduce.schedule.inputs import ArrayMeta
 
 #: The values of ``deterministic`` (and of the dask config key ``flowreduce.deterministic``).
-MODES = (False, "exact")
-#: Ops whose result does not depend on the order, in any dtype.
-ORDERLESS = ("min", "max", "minimum", "maximum", "fmin", "fmax", "bitwise_and", "bitwise_or", "bitwise_xor",
-             "logical_and", "logical_or", "logical_xor", "gcd", "lcm")
+MODES = (False, True, "exact")
 #: From this many elements, each rank decodes only its 1/p of them and an ordinary float all-reduce
 #: puts the shares together (exact: each element is one rank's value plus zeros), instead of every
 #: rank decoding every element (the decode is the costliest step: ~0.11 s per 1e6 float64).
@@ -55,16 +53,16 @@ EXPONENTS, LIMBS, NAME = "exact-exponents", "exact-limbs", "exact"
 
 
 def mode(value: Any) -> str | bool:
-    """``deterministic`` checked: False or ``"exact"``."""
+    """``deterministic`` checked: False, True (one fixed order of float
+    additions over ranks: :func:`flowreduce.reproducible.tree_merge`) or
+    ``"exact"``."""
     if value is None or value is False:
         return False
     if value is True:
-        raise OptionError("deterministic=True (one fixed reduction order, at the default's speed) is not available "
-                          "yet; deterministic='exact' gives the correctly rounded sum, the same bits for any "
-                          "algorithm, chunking, placement and rank count (docs/reproducibility.md)")
-    if value == "exact":
+        return True
+    if isinstance(value, str) and value == "exact":
         return "exact"
-    raise OptionError(f"deterministic must be False or 'exact', got {value!r}")
+    raise OptionError(f"deterministic must be False, True or 'exact', got {value!r}")
 
 
 def applies(held: Any, op: Op) -> bool:

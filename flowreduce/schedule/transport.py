@@ -190,23 +190,26 @@ def direct_reads(plan: Plan, workers: Sequence[str], domains: Sequence[Any], nby
 
 
 def lower(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], domains: Sequence[Any], *, size: int,
-          shape: tuple[int, ...], dtype: np.dtype, op: Op, in_place: bool, accumulate: Any) -> tuple[Graph, str, Links]:
+          shape: tuple[int, ...], dtype: np.dtype, op: Op, in_place: bool, accumulate: Any,
+          ordered: bool = False) -> tuple[Graph, str, Links]:
     """The graph of ``plan``, with shared memory where it applies, a word
     for :func:`describe` saying how its links moved bytes, and per link
-    (pair of workers) which transport it used."""
+    (pair of workers) which transport it used. ``ordered``: ``deterministic=True``
+    (float sums and means in the reference tree's order); hierarchical over
+    shared memory is then lowered as any plan, its edges through shared memory."""
     nbytes = size * np.dtype(accumulate or dtype).itemsize
     if uses_shm(plan, workers, domains):
         graph = shm_direct.build_direct(plan, inputs, workers, size=size, shape=shape, dtype=dtype, op=op,
-                                        accumulate=accumulate)
+                                        accumulate=accumulate, ordered=ordered)
         how = ("same worker" if len(set(workers)) == 1 else
                "in-process" if domains[0] == IN_PROCESS else "shared memory")
         return graph, how, links(plan, workers, domains, nbytes, direct=True)
-    if uses_shm_hierarchical(plan, workers, domains):
+    if uses_shm_hierarchical(plan, workers, domains) and not ordered:
         graph = shm_hierarchical.build_hierarchical(plan, inputs, workers, size=size, shape=shape, dtype=dtype,
                                                     op=op, in_place=in_place, accumulate=accumulate)
         return graph, "shared memory within hosts, dask across", links(plan, workers, domains, nbytes, direct=True)
     graph = build_graph(plan, inputs, workers, size=size, shape=shape, op=op, in_place=in_place,
-                        accumulate=accumulate)
+                        accumulate=accumulate, ordered=ordered)
     shared = shm_edges.published_nodes(plan, workers, [None if d == IN_PROCESS else d for d in domains])
     found = links(plan, workers, domains, nbytes, published=shared)
     if not shared:
