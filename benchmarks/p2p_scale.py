@@ -9,7 +9,7 @@ longer than ``--cap`` seconds is reported from that one run; task graphs of more
 tasks (ring at 256 ranks: 196,096) are not run.
 
 Expected: tasks grows with the plan's tasks (ranks x steps x chunks); p2p with its messages and the
-engine's per-node work, its graph being 2 tasks per rank. Targets: 64 ranks < 100 ms, 256 < 300 ms.
+engine's per-node work, its graph a hand-in per worker, a barrier and an output per rank. Targets: 64 ranks < 100 ms, 256 < 300 ms.
 
     python benchmarks/p2p_scale.py [--ranks 4 64 256] [--repeat 5] > benchmarks/results/p2p-scale-DATE.txt
 """
@@ -43,7 +43,8 @@ def one_run(client, workers, ranks, n, what):
     else:
         method, algorithm = what
         outs = flowreduce.allreduce(client, inputs, algorithm=algorithm, method=method, chunks=1)
-        tasks = flowreduce.describe(outs).plan.cost().tasks if method == "tasks" else 2 * ranks + 1
+        tasks = (flowreduce.describe(outs).plan.cost().tasks if method == "tasks"
+                 else len(set(workers[r % len(workers)] for r in range(ranks))) + 1 + ranks)  # hand-ins, barrier, outputs
     wait(outs)
     elapsed = time.perf_counter() - t0
     ok = all(client.gather([client.submit(check, o, n, ranks, "float64", "sum", pure=False, workers=[w])

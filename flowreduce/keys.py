@@ -2,7 +2,8 @@
 
 ``("flowreduce-<algorithm>-<phase>-<token>", step, rank, chunk, node)`` (tensor
 fusion: ``(..-pack-<token>, rank)`` and ``(..-unpack-<token>, rank, leaf)``; method="p2p":
-``(..-hand-in-<token>, rank)``, ``(..-barrier-<token>, 0)`` and the outputs): no
+``(..-hand-in-<token>, rank)`` (a worker hands all its ranks in, named by the first),
+``(..-barrier-<token>, 0)`` and the outputs): no
 digits in the name part, so the dashboard and the task stream group keys by
 algorithm and phase (``dask.utils.key_split`` drops the hex token).
 """
@@ -44,7 +45,7 @@ def unpack_key(algorithm: str, token: str, rank: int, leaf: int):
 
 
 def hand_in_key(algorithm: str, token: str, rank: int):
-    """method="p2p": the task handing rank's input to its worker's engine (step 0)."""
+    """method="p2p": the task handing the ranks of one worker to its engine (step 0), named by the first."""
     return (name(algorithm, HAND_IN, token), rank)
 
 

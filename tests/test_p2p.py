@@ -15,7 +15,7 @@ import gc
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, scatter_ranks, wait_until
+from conftest import assert_clean, scatter_ranks, wait_until, workers_of
 from distributed import Client, LocalCluster
 
 import flowreduce
@@ -103,13 +103,16 @@ def test_float64_sums_are_close_to_numpy(inproc_client, algorithm):
 @pytest.mark.parametrize("algorithm", DENSE)
 @pytest.mark.parametrize("p", [1, 7, 64, 256])
 @pytest.mark.parametrize("chunks", [1, 5])
-def test_tasks_per_call_are_two_per_rank_plus_a_barrier(algorithm, p, chunks):
-    plan = make_plan(algorithm, p, chunks=chunks)
+def test_tasks_per_call_are_a_hand_in_per_worker_a_barrier_and_an_output_per_rank(algorithm, p, chunks):
     workers = [f"tcp://w{r % 4}:1" for r in range(p)]
+    w = len(set(workers))
+    plan = make_plan(algorithm, w, chunks=chunks)  # the plan runs over the workers: a worker's ranks combine there
     spec = Spec.of(plan, resolve_op("sum"), np.dtype("f8"), (1000,), workers, True)
     graph = engine.lower(spec, [("input", r) for r in range(p)])
-    assert len(graph.tasks) <= 2 * p + 1
+    assert len(graph.tasks) == w + 1 + p <= 2 * p + 1
     assert all(graph.placement[k] == workers[r] for r, k in enumerate(graph.outputs))
+    with pytest.raises(ValueError, match="workers of the ranks"):
+        Spec.of(make_plan(algorithm, p + 1), resolve_op("sum"), np.dtype("f8"), (1000,), workers, True)
 
 
 def test_the_front_door_submits_that_graph(inproc_client, monkeypatch):
@@ -122,7 +125,7 @@ def test_the_front_door_submits_that_graph(inproc_client, monkeypatch):
     out = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, arrays), algorithm="butterfly",
                                chunks=4, method="p2p")
     np.testing.assert_array_equal(out[-1].result(), _expected(arrays, "sum"))
-    assert sizes == [2 * p + 1]
+    assert sizes == [len(inproc_client.scheduler_info()["workers"]) + 1 + p]  # hand-ins per worker, outputs per rank
 
 
 def test_method_from_the_dask_config_and_tasks_by_default(inproc_client):
@@ -211,7 +214,7 @@ def test_an_input_the_engine_refuses_fails_every_rank_and_leaves_nothing(proc_cl
     workers = [sorted(proc_client.nthreads())[r % 4] for r in range(p)]
     arrays = _inputs(p, 10, "sum")
     futures = [proc_client.scatter(x, workers=[w], hash=False) for x, w in zip(arrays, workers)]
-    spec = Spec.of(make_plan("butterfly", p), resolve_op("sum"), np.dtype("i8"), (11,), workers, True)
+    spec = Spec.of(make_plan("butterfly", 4), resolve_op("sum"), np.dtype("i8"), (11,), workers, True)
     engine.ensure_p2p(proc_client)
     graph = engine.lower(spec, futures)
     job = call.Job(graph.tasks, graph.placement, graph.outputs, graph.token, list, (), summary=("test",))
@@ -283,7 +286,8 @@ def test_the_dashboard_draws_a_p2p_call(inproc_client):
 
     assert wait_until(lambda: engine_done(inproc_client.run_on_scheduler(cells, token=token)), 10)
     got = inproc_client.run_on_scheduler(cells, token=token)
-    assert {(r, c) for r, c, *_ in got} >= {(r, 0) for r in range(p)} | {(0, 1)}
+    # a hand-in per worker (named by its first rank: 5 ranks on 4 workers), the barrier on rank 0's
+    assert {(r, c) for r, c, *_ in got} >= {(r, 0) for r in range(4)} | {(0, 1)}
     columns = sorted({c for _, c, *_ in got})
     assert columns[:2] == [0, 1] and len(columns) > 3  # hand-in, barrier, the engine's steps, output
 
@@ -302,14 +306,44 @@ def test_a_cancelled_call_leaves_no_run(proc_client):
 
 @pytest.mark.parametrize("dtype, op", [("float32", "mean"), ("int32", "mean"), ("bool", "sum"), ("float64", "prod"),
                                        ("uint8", "max"), ("float64", "logaddexp")])
-def test_the_same_bits_as_method_tasks(inproc_client, dtype, op):
-    """The same plan, kernels and order of combining as the task graph: the same result, bit for bit
-    (accumulating dtypes, mean's division, ufuncs by name)."""
+def test_the_same_bits_as_method_tasks_with_a_rank_per_worker(inproc_client, dtype, op):
+    """One rank per worker: the same plan, kernels and order of combining as the task graph, so the same
+    result bit for bit (accumulating dtypes, mean's division, ufuncs by name)."""
     rng = np.random.default_rng(3)
-    arrays = [(rng.standard_normal(1001) * 4).astype(dtype) for _ in range(6)]
-    futures = scatter_ranks(inproc_client, arrays)
+    arrays = [(rng.standard_normal(1001) * 4).astype(dtype) for _ in range(4)]
+    futures = scatter_ranks(inproc_client, arrays, workers_of(inproc_client))
     for algorithm in ("butterfly", "ring", "hierarchical"):
         tasks = flowreduce.allreduce(inproc_client, futures, op=op, algorithm=algorithm, chunks=3, method="tasks")
         p2p = flowreduce.allreduce(inproc_client, futures, op=op, algorithm=algorithm, chunks=3, method="p2p")
         for r, (a, b) in enumerate(zip(inproc_client.gather(tasks), [f.result(timeout=60) for f in p2p])):
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{algorithm} rank {r}"
+
+
+@pytest.mark.parametrize("dtype, op", [("float32", "sum"), ("float64", "prod"), ("float64", "logaddexp"),
+                                       ("int16", "sum"), ("uint8", "max")])
+def test_ranks_sharing_a_worker_are_combined_there_first(inproc_client, dtype, op):
+    """Seven ranks on four workers: the engine combines each worker's ranks in rank order, then runs the plan
+    over the four workers -- bit for bit the task graph of that plan over those partials."""
+    rng = np.random.default_rng(4)
+    arrays = [(rng.standard_normal(1001) * 4).astype(dtype) for _ in range(7)]
+    workers = workers_of(inproc_client)
+    placed = [workers[r % 4] for r in range(7)]
+    futures = scatter_ranks(inproc_client, arrays, placed)
+    the_op = resolve_op(op)
+    partials = []
+    for w in workers:  # each worker's ranks, in rank order, accumulated as the op does
+        mine = [a for a, at in zip(arrays, placed) if at == w]
+        acc = mine[0].astype(the_op.accumulator(mine[0].dtype) or mine[0].dtype)
+        for a in mine[1:]:
+            acc = the_op.combine(acc, a, out=acc)
+        partials.append(acc)
+    for algorithm in ("butterfly", "ring", "tree"):
+        want = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, partials, workers), op=op,
+                                    algorithm=algorithm, chunks=2, method="tasks")
+        got = flowreduce.allreduce(inproc_client, futures, op=op, algorithm=algorithm, chunks=2, method="p2p")
+        assert flowreduce.describe(got).plan.ranks == 4
+        want = want[0].result(timeout=60)
+        results = [f.result(timeout=60) for f in got]
+        for r, b in enumerate(results):
+            assert b.dtype == want.dtype and b.tobytes() == want.tobytes(), f"{algorithm} rank {r}"
+        assert len({id(b) for b in results}) == 7  # every rank its own array

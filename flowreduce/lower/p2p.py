@@ -2,15 +2,21 @@
 graph that hands the ranks' inputs to it. Imports dask, never distributed.
 
 The plan's nodes are not tasks here. A :class:`Spec` (a few hundred bytes:
-the plan's name, ranks, chunks and options, the op's name, the inputs'
-dtype and shape, each rank's worker) travels once per run and worker; every
-worker rebuilds the plan from it (:func:`flowreduce.algorithms.plan`, cached)
-and reads its :class:`Program`: for each chunk and node, the element range
-and the slices of its inputs' pieces, decided here as
-:mod:`flowreduce.lower.graph` decides them for the task graph. The graph
-(:func:`lower_p2p`) is ``2 * ranks + 1`` tasks whatever the algorithm and
-chunk count: per rank a *hand-in* (its input into the engine), one
-*barrier*, per rank an *output* (its result out of the engine).
+the plan's name, chunks and options, the op's name, the inputs' dtype and
+shape, each rank's worker) travels once per run and worker; every worker
+rebuilds the plan from it (:func:`flowreduce.algorithms.plan`, cached) and
+reads its :class:`Program`: for each chunk and node, the element range and
+the slices of its inputs' pieces, decided here as :mod:`flowreduce.lower.graph`
+decides them for the task graph.
+
+The plan runs over the call's *workers*, not its ranks: ranks that share a
+worker share a process, so the engine first combines them there (one numpy
+operation per rank, in rank order) and the plan moves that worker's partial
+(as MPI libraries combine a node's ranks before the network, and Horovod a
+process's tensors). With one rank per worker this is the ranks' plan itself.
+The graph (:func:`lower_p2p`) is ``workers + 1 + ranks`` tasks whatever the
+algorithm and chunk count: per worker a *hand-in* (its ranks' inputs into the
+engine), one *barrier*, per rank an *output* (its result out of the engine).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from flowreduce.ops import Op, resolve_op
 @dataclass(frozen=True)
 class Spec:
     """A run, as every worker of it rebuilds it. ``where[r]`` indexes
-    ``addresses`` (each worker once: the spec stays small at many ranks)."""
+    ``addresses`` (each worker once: the spec stays small at many ranks);
+    the plan's rank ``i`` is the worker ``addresses[i]``, ``ranks`` is the
+    call's rank count (a mean divides by it)."""
 
     algorithm: str
     ranks: int
@@ -52,20 +60,28 @@ class Spec:
     @classmethod
     def of(cls, plan: Plan, op: Op, dtype: np.dtype, shape: tuple[int, ...], workers: Sequence[str],
            in_place: bool) -> Spec:
-        addresses = tuple(dict.fromkeys(workers))
+        """The run of ``plan`` (over :func:`engine_workers` of ``workers``, in that order) for ranks on ``workers``."""
+        addresses = engine_workers(workers)
+        if plan.ranks != len(addresses):
+            raise ValueError(f"a p2p plan runs over the {len(addresses)} workers of the ranks, not {plan.ranks} ranks")
         index = {w: i for i, w in enumerate(addresses)}
-        return cls(plan.algorithm, plan.ranks, plan.chunks, frozen_options(dict(plan.options)), op.name,
+        return cls(plan.algorithm, len(workers), plan.chunks, frozen_options(dict(plan.options)), op.name,
                    np.dtype(dtype).str, tuple(shape), addresses, tuple(index[w] for w in workers), in_place)
 
     def worker(self, rank: int) -> str:
+        """The worker of the call's rank ``rank``."""
         return self.addresses[self.where[rank]]
+
+    def members(self, index: int) -> tuple[int, ...]:
+        """The call's ranks on the worker ``addresses[index]`` (the plan's rank ``index``), in rank order."""
+        return tuple(r for r, i in enumerate(self.where) if i == index)
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
     def plan(self) -> Plan:
-        return make_plan(self.algorithm, self.ranks, chunks=self.chunks, **dict(self.options))
+        return make_plan(self.algorithm, len(self.addresses), chunks=self.chunks, **dict(self.options))
 
     def resolved_op(self) -> Op:
         return resolve_op(self.op)
@@ -131,11 +147,16 @@ class Roles:
         return self._layouts[node]
 
 
+def engine_workers(workers: Sequence[str]) -> tuple[str, ...]:
+    """The workers a p2p plan runs over, in the order of their first rank: its rank ``i`` is the ``i``-th."""
+    return tuple(dict.fromkeys(workers))
+
+
 @functools.lru_cache(maxsize=32)
-def roles(algorithm: str, ranks: int, options: tuple[tuple[str, Any], ...], addresses: tuple[str, ...],
-          where: tuple[int, ...], in_place: bool, address: str) -> Roles:
-    plan = make_plan(algorithm, ranks, **dict(options))
-    return Roles(plan, [addresses[i] for i in where], address, in_place)
+def roles(algorithm: str, options: tuple[tuple[str, Any], ...], addresses: tuple[str, ...], in_place: bool,
+          address: str) -> Roles:
+    plan = make_plan(algorithm, len(addresses), **dict(options))
+    return Roles(plan, addresses, address, in_place)
 
 
 class Program:
@@ -144,8 +165,7 @@ class Program:
 
     def __init__(self, spec: Spec, address: str):
         self.spec = spec
-        self.roles = r = roles(spec.algorithm, spec.ranks, spec.options, spec.addresses, spec.where, spec.in_place,
-                               address)
+        self.roles = r = roles(spec.algorithm, spec.options, spec.addresses, spec.in_place, address)
         self.plan = r.plan
         self.local_ranks, self.local_nodes, self.readers, self.sends = r.local_ranks, r.local_nodes, r.readers, r.sends
         self.received, self.final_of, self.count, self.owned, self.views = (
@@ -155,6 +175,8 @@ class Program:
         self.accumulate = self.op.accumulator(self.dtype)
         self.itemsize = (self.accumulate or self.dtype).itemsize
         self.bounds = chunk_bounds(spec.size, spec.chunks)
+        #: the call's ranks on this worker, combined into its plan rank's input
+        self.members = spec.members(spec.addresses.index(address)) if address in spec.addresses else ()
         self._sites: dict[tuple[int, int], Site] = {}
 
     def elem(self, chunk: int, segment: int) -> int:
@@ -192,20 +214,22 @@ def program(spec: Spec, address: str) -> Program:
 
 def lower_p2p(spec: Spec, inputs: Sequence[Any], *, token: str, run: str,
               hand_in: Callable[..., Any], barrier: Callable[..., Any], take_out: Callable[..., Any]) -> Graph:
-    """The graph of a p2p run: ``hand_in(x, run, rank, spec)`` pinned to each
-    rank's worker, ``barrier(handed)`` once, ``take_out(barrier, run, rank)``
-    pinned to each rank's worker (the rank's result). ``2 * ranks + 1`` tasks."""
+    """The graph of a p2p run: ``hand_in(run, index, spec, *xs)`` pinned to
+    each worker (``xs`` its ranks' inputs, in rank order), ``barrier(handed)``
+    once, ``take_out(barrier, run, rank)`` pinned to each rank's worker (the
+    rank's result). ``workers + 1 + ranks`` tasks."""
     tasks: dict[Hashable, Task] = {}
     placement: dict[Hashable, str] = {}
     handed = []
-    for r in range(spec.ranks):
-        key = keys.hand_in_key(spec.algorithm, token, r)
-        tasks[key] = Task(key, hand_in, inputs[r], run, r, spec)
-        placement[key] = spec.worker(r)
+    for i, address in enumerate(spec.addresses):
+        members = spec.members(i)
+        key = keys.hand_in_key(spec.algorithm, token, members[0])
+        tasks[key] = Task(key, hand_in, run, i, spec, *(inputs[r] for r in members))
+        placement[key] = address
         handed.append(TaskRef(key))
     gate = keys.barrier_key(spec.algorithm, token)
     tasks[gate] = Task(gate, barrier, List(*handed))
-    placement[gate] = spec.worker(0)
+    placement[gate] = spec.addresses[0]
     outputs = [keys.output_key(spec.algorithm, token, r) for r in range(spec.ranks)]
     for r, key in enumerate(outputs):
         tasks[key] = Task(key, take_out, TaskRef(gate), run, r)

@@ -690,18 +690,20 @@ def lower_p2p(client: Client, ranks: Ranks, settings: Settings) -> Job:
         raise OptionError(f"method='p2p' takes ops by name or numpy ufunc, not the callable {settings.op.name!r} "
                           "yet (use method='tasks')")
     workers = list(ranks.workers)
-    model = model_for(settings.model, hosts.shared_cores(workers, ranks.places))
-    levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
+    engines = list(_p2p.engine_workers(workers))  # the plan runs over these: a worker's ranks are combined there
+    model = model_for(settings.model, hosts.shared_cores(engines, ranks.places))
+    levels = hosts.rank_levels(client, engines, ranks.places, settings.topology)
     shape, dtype = tuple(held.shape), np.dtype(held.dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    plan = choose_plan(len(workers), nbytes, levels, model, settings)
+    plan = choose_plan(len(engines), nbytes, levels, model, settings)
     spec = _p2p.Spec.of(plan, settings.op, dtype, shape, workers, ranks.in_place)
     graph = _p2p.lower(spec, [fs[0] for fs in ranks.futures])
     _p2p.ensure_p2p(client)
     # priced as its task graph for now: the engine's own cost card is to come
     record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, levels[0]), tuple(workers), shape,
                         dtype.str, tuple(fs[0].key for fs in ranks.futures), method="p2p")
-    summary = ("allreduce %s (p2p): %d ranks, %d bytes each, %d tasks", plan, len(workers), nbytes, len(graph.tasks))
+    summary = ("allreduce %s (p2p over %d workers): %d ranks, %d bytes each, %d tasks", plan, len(engines),
+               len(workers), nbytes, len(graph.tasks))
     return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
 
 

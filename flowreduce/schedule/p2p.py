@@ -40,7 +40,7 @@ from distributed.protocol import to_serialize
 from flowreduce.algorithms.ir import REDUCE
 from flowreduce.kernels import dense as _kernels
 from flowreduce.lower.graph import Graph
-from flowreduce.lower.p2p import Program, Spec, lower_p2p, program
+from flowreduce.lower.p2p import Program, Spec, engine_workers, lower_p2p, program
 from flowreduce.errors import InputError, WorkerLostError, refused
 from flowreduce.keys import new_token, parse
 from flowreduce.phases import BARRIER
@@ -81,8 +81,10 @@ class Run:
         self.prog: Program = program(spec, engine.address)
         engine.log.begin(run, self.prog)
         loop = asyncio.get_running_loop()
-        self.results: dict[int, asyncio.Future] = {r: loop.create_future() for r in self.prog.local_ranks}
-        self.inputs: dict[int, Any] = {}
+        #: the call's ranks on this worker -> their results
+        self.results: dict[int, asyncio.Future] = {r: loop.create_future() for r in self.prog.members}
+        self.inputs: dict[int, Any] = {}  # plan rank -> its input here (the members combined)
+        self.handed: dict[int, Any] = {}  # member rank -> its input as handed in (never returned as a result)
         self.values: dict[tuple[int, int], Any] = {}
         self.uses: dict[tuple[int, int], int] = {}
         self.missing: dict[tuple[int, int], int] = {}
@@ -96,25 +98,43 @@ class Run:
         self.taken: set[int] = set()
 
     # -- data in --------------------------------------------------------------
-    def hand_in(self, rank: int, x: Any) -> None:
-        if rank not in self.results:
-            raise WorkerLostError(f"rank {rank} was handed in on {self.engine.address}, which is not its worker in "
-                                  f"run {self.id} ({self.spec.worker(rank)}): a worker left and the call is being "
-                                  "re-run elsewhere, which method='p2p' does not do yet")
-        if rank in self.inputs:
-            raise WorkerLostError(f"rank {rank} was handed in twice in run {self.id}: the call is being re-run "
-                                  "after a worker loss, which method='p2p' does not do yet")
-        if isinstance(x, np.generic):  # a numpy scalar is a 0-d array here too
-            x = np.asarray(x)
-        if not isinstance(x, np.ndarray) or x.shape != self.spec.shape or x.dtype.str != self.spec.dtype:
-            got = f"{type(x).__name__} {getattr(x, 'shape', '')} {getattr(x, 'dtype', '')}".strip()
-            raise InputError(f"rank {rank}'s input is {got}, not the {self.spec.shape} {np.dtype(self.spec.dtype)} "
-                             "array every rank was checked to hold")
-        self.inputs[rank] = x
+    async def hand_in(self, index: int, xs: Sequence[Any]) -> None:
+        """This worker's ranks' inputs (``spec.members(index)``, in rank order),
+        checked and combined into the plan rank ``index``'s input."""
+        members = self.prog.members
+        if index != self.spec.addresses.index(self.engine.address) or len(xs) != len(members):
+            raise WorkerLostError(f"worker {index}'s ranks ({_ranks(members)}) were handed in on "
+                                  f"{self.engine.address}, not their worker in run {self.id}: a worker left "
+                                  "and the call is being re-run elsewhere")
+        if self.handed:
+            raise WorkerLostError(f"ranks {_ranks(members)} were handed in twice in run {self.id}: the call is "
+                                  "being re-run after a worker loss")
+        for rank, x in zip(members, xs):
+            if isinstance(x, np.generic):  # a numpy scalar is a 0-d array here too
+                x = np.asarray(x)
+            if not isinstance(x, np.ndarray) or x.shape != self.spec.shape or x.dtype.str != self.spec.dtype:
+                got = f"{type(x).__name__} {getattr(x, 'shape', '')} {getattr(x, 'dtype', '')}".strip()
+                raise InputError(f"rank {rank}'s input is {got}, not the {self.spec.shape} "
+                                 f"{np.dtype(self.spec.dtype)} array every rank was checked to hold")
+            self.handed[rank] = x
+        xs = list(self.handed.values())
+        cast = self.prog.accumulate
+        if len(xs) > 1:  # ranks sharing this worker: combined here, in rank order, before the plan moves anything
+            work = partial(_combine, self.prog.op, xs, cast)
+            if xs[0].size * self.prog.itemsize * (len(xs) - 1) >= OFFLOAD_BYTES:
+                x = await asyncio.get_running_loop().run_in_executor(self.engine.executor, work)
+            else:
+                x = work()
+            cast = None
+        else:
+            x = xs[0]
+        if self.engine.runs.get(self.id) is not self:  # failed meanwhile
+            return
+        self.inputs[index] = x
         for c in range(self.spec.chunks):
-            for n in self.prog.views[rank]:
+            for n in self.prog.views[index]:
                 s = self.prog.site(c, n)
-                self._available(c, n, _kernels.split(x, s.start, s.stop, self.prog.accumulate), here=True)
+                self._available(c, n, _kernels.split(x, s.start, s.stop, cast), here=True)
         self._drain()
 
     def deliver(self, items: Sequence[Item]) -> None:
@@ -163,7 +183,7 @@ class Run:
                     del self.uses[c, i], self.values[c, i]
             t0 = _now()
             if node.kind == REDUCE:
-                work = partial(_kernels.reduce, prog.op, self.spec.ranks, prog.count[m] == self.spec.ranks, None,
+                work = partial(_kernels.reduce, prog.op, self.spec.ranks, prog.count[m] == prog.plan.ranks, None,
                                inputs, s.picks, prog.owned[m])
                 if (s.stop - s.start) * prog.itemsize >= OFFLOAD_BYTES:
                     self.offloaded += 1
@@ -219,15 +239,16 @@ class Run:
             self.sending.pop(dest, None)
         self._maybe_done()
 
-    def _finish(self, rank: int) -> None:
-        chunks = self.finals.pop(rank)
+    def _finish(self, index: int) -> None:
+        """The plan rank ``index`` has its result: each member rank gets its own array."""
+        chunks = self.finals.pop(index)
         pieces = [a for c in range(self.spec.chunks) for a in chunks[c]]
         out = _kernels.output([tuple(pieces)], self.spec.shape)
-        x = self.inputs.get(rank)
-        if x is not None and np.may_share_memory(out, x):  # never hand back a view of the user's input
-            out = out.copy()
-        if not self.results[rank].done():
-            self.results[rank].set_result(out)
+        handed = list(self.handed.values())
+        for i, rank in enumerate(self.prog.members):
+            mine = out if i == 0 and not any(np.may_share_memory(out, x) for x in handed) else out.copy()
+            if not self.results[rank].done():  # never hand back a view of the user's input, nor one array twice
+                self.results[rank].set_result(mine)
 
     def _maybe_done(self) -> None:
         """Drop the run here once its outputs are taken, its nodes computed and its messages sent."""
@@ -242,6 +263,7 @@ class Run:
                 fut.add_done_callback(_retrieved)
         self.values.clear()
         self.inputs.clear()
+        self.handed.clear()
         self.outbox.clear()
 
 
@@ -299,6 +321,14 @@ def _unpack(index: Any, packed: Any) -> list[Item] | str:
     if at != packed.size:
         return "the packed buffer is longer than its pieces"
     return out
+
+
+def _combine(op: Any, xs: Sequence[np.ndarray], dtype: np.dtype | None) -> np.ndarray:
+    """Ranks' inputs combined in rank order into a new flat array (in ``dtype`` when the op accumulates wider)."""
+    acc = np.array(xs[0].reshape(-1), dtype=dtype, copy=True)
+    for x in xs[1:]:
+        op.combine(acc, x.reshape(-1), out=acc)
+    return acc
 
 
 def _retrieved(fut: asyncio.Future) -> None:
@@ -485,7 +515,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         if token not in self.active and finish == "waiting" and f"-{BARRIER}-" in key[0]:
             ts = self.scheduler.tasks[key]
             where: dict[str, list[int]] = defaultdict(list)
-            for dts in ts.dependencies:  # the hand-ins
+            for dts in ts.dependents:  # the outputs, one per rank, pinned to its worker
                 rank = parse(dts.key)["rank"]  # type: ignore[index]
                 for w in dts.worker_restrictions or ():
                     where[w].append(rank)
@@ -537,11 +567,12 @@ def _engine() -> Engine:
     return engine
 
 
-async def hand_in(x: Any, run: str, rank: int, spec: Spec) -> None:
-    """Task: hand rank's input to this worker's engine, starting the run here if needed."""
+async def hand_in(run: str, index: int, spec: Spec, *xs: Any) -> None:
+    """Task: hand the ranks' inputs ``xs`` of the run's ``index``-th worker to
+    this worker's engine, starting the run here if needed."""
     engine = _engine()
     try:
-        engine.run(run, spec).hand_in(rank, x)
+        await engine.run(run, spec).hand_in(index, xs)
     except Exception as e:
         engine.fail(run, e, tell=True)
         raise
