@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import cli_args
+from utils import cli_args
 
 from flowreduce.cli import bench
 

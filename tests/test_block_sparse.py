@@ -10,8 +10,8 @@ import ast
 
 import numpy as np
 import pytest
-from conftest import assert_clean, scatter_ranks, transfer_bytes
 from distributed import Client, Scheduler, SpecCluster, Worker
+from utils import assert_clean, scatter_ranks, transfer_bytes
 
 import flowreduce
 from flowreduce import keys as keymod

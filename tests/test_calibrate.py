@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import workers_of
+from utils import workers_of
 
 from flowreduce import cli
 from flowreduce.calibration import calibrate, fit_link, worker_pairs

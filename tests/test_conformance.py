@@ -19,8 +19,8 @@ import functools
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, scatter_ranks
 from dask.task_spec import DataNode, TaskRef
+from utils import assert_clean, scatter_ranks
 
 import flowreduce
 from flowreduce.lower.direct import build_direct

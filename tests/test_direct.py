@@ -14,16 +14,16 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_clean, graph_depth, workers_of
 from dask.task_spec import TaskRef
 from distributed import Client, LocalCluster, wait
+from utils import assert_clean, graph_depth, workers_of
 
 import flowreduce
 from flowreduce import describe
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.lower.direct import build_direct
 from flowreduce.cost import choose
 from flowreduce.errors import InputError, InputTypeError, WorkerLostError
+from flowreduce.lower.direct import build_direct
 from flowreduce.ops import resolve_op
 from flowreduce.schedule import peer_reads, placement
 

@@ -8,8 +8,8 @@ import os
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, scatter_ranks
 from distributed import Client, LocalCluster, wait
+from utils import assert_clean, scatter_ranks
 
 import flowreduce
 

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, flowreduce_keys, flush, wait_until
 from distributed import Client, Event, LocalCluster, wait
+from utils import assert_clean, flowreduce_keys, flush, wait_until
 
 import flowreduce
 from flowreduce.errors import AllreduceTimeoutError, WorkerLostError

@@ -10,8 +10,8 @@ import gc
 
 import numpy as np
 import pytest
-from conftest import assert_clean, workers_of
 from distributed import Event, wait
+from utils import assert_clean, workers_of
 
 import flowreduce
 from flowreduce.fusion import Layout, make_buckets

@@ -18,17 +18,17 @@ import uuid
 import dask
 import numpy as np
 import pytest
-from conftest import wait_until, workers_of
 from distributed import Client, Event, LocalCluster
+from utils import wait_until, workers_of
 
 import flowreduce
-from flowreduce.shm import pool as shm_pool
-from flowreduce.shm import posts as shm_posts
-from flowreduce.kernels.shm import Handle, received
 from flowreduce.dashboard.store import OP as PUBLISH
+from flowreduce.kernels.shm import Handle, received
 from flowreduce.ops import resolve_op
 from flowreduce.schedule.guard import STATES
 from flowreduce.schedule.peer_reads import HANDLER, MAX_HELD_KEYS, named_op
+from flowreduce.shm import pool as shm_pool
+from flowreduce.shm import posts as shm_posts
 
 N = 1000
 

@@ -14,9 +14,9 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_clean, scatter_ranks, workers_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from utils import assert_clean, scatter_ranks, workers_of
 
 from flowreduce.algorithms import butterfly, hierarchical, recursive_doubling, reduce_broadcast, ring
 from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import cli_args, terminal_signals
+from utils import cli_args, terminal_signals
 
 from flowreduce import launch
 from flowreduce.launch import JobStatus

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from utils import wait_until
 
 NETEM_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "netem"
 PROBE = NETEM_DIR / "probe_transfer.py"

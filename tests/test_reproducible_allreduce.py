@@ -10,7 +10,7 @@ import math
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, scatter_ranks, workers_of
+from utils import assert_clean, scatter_ranks, workers_of
 
 import flowreduce
 from flowreduce.errors import OptionError

@@ -8,8 +8,8 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import assert_clean, scatter_ranks, workers_of
 from distributed import get_task_stream, wait
+from utils import assert_clean, scatter_ranks, workers_of
 
 import flowreduce
 from flowreduce.keys import parse

@@ -13,19 +13,19 @@ import gc
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, graph_depth, task_levels, wait_until
 from distributed import Client, Nanny, Scheduler, SpecCluster
+from utils import assert_clean, graph_depth, task_levels, wait_until
 
 import flowreduce
 from flowreduce import describe
 from flowreduce.algorithms import hierarchical
-from flowreduce.kernels import shm as shm_kernels
-from flowreduce.shm import pool as shm_pool
-from flowreduce.lower.shm_hierarchical import build_hierarchical
 from flowreduce.cost import CostModel, Link
+from flowreduce.kernels import shm as shm_kernels
+from flowreduce.lower.shm_hierarchical import build_hierarchical
 from flowreduce.ops import resolve_op
 from flowreduce.phases import COMPUTE_PHASES
 from flowreduce.schedule.shm_plugin import usage
+from flowreduce.shm import pool as shm_pool
 
 IDLE = 0.5
 

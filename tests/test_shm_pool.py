@@ -12,7 +12,7 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import ready_child
+from utils import ready_child
 
 from flowreduce.shm import pool as shm_pool
 from flowreduce.shm.pool import GRAIN, Pool, Unavailable

@@ -9,12 +9,12 @@ import signal
 
 import numpy as np
 import pytest
-from conftest import ready_child
+from utils import ready_child
 
+from flowreduce.schedule.inputs import ArrayMeta
 from flowreduce.shm import pool as shm_pool
 from flowreduce.shm import posts as shm_posts
 from flowreduce.shm.pool import GRAIN, Pool
-from flowreduce.schedule.inputs import ArrayMeta
 
 
 @pytest.fixture

@@ -15,17 +15,17 @@ import uuid
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, graph_depth, wait_until, workers_of
 from distributed import Client, LocalCluster
+from utils import assert_clean, graph_depth, wait_until, workers_of
 
 import flowreduce
 from flowreduce import config as flowreduce_config
 from flowreduce import describe
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.shm import pool as shm_pool
 from flowreduce.lower.shm_direct import build_direct
 from flowreduce.ops import resolve_op
 from flowreduce.schedule.shm_plugin import usage
+from flowreduce.shm import pool as shm_pool
 
 IDLE = 0.5  # seconds before free segments are unlinked in these clusters
 

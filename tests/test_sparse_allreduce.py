@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from conftest import assert_clean, scatter_ranks, transfer_bytes
+from utils import assert_clean, scatter_ranks, transfer_bytes
 
 import flowreduce
 from flowreduce.algorithms.sparse import quantisation_bound

@@ -21,8 +21,8 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import assert_clean, flush, wait_until
 from distributed import Client, Event, LocalCluster, wait
+from utils import assert_clean, flush, wait_until
 
 import flowreduce
 from flowreduce.errors import WorkerLostError

@@ -15,7 +15,7 @@ import socket
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, wait_until, workers_of
+from utils import assert_clean, wait_until, workers_of
 
 import flowreduce
 

@@ -10,7 +10,7 @@ import functools
 import gc
 
 import pytest
-from conftest import assert_clean
+from utils import assert_clean
 
 torch = pytest.importorskip("torch", reason="torch tests need the extra: pip install -e '.[torch]'")
 

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
-from conftest import cli_args
+from utils import cli_args
 
 distributed = pytest.importorskip("distributed")
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import cli_args, workers_of
+from utils import cli_args, workers_of
 
 import flowreduce
 from flowreduce.tracing.registry import lookup
@@ -235,8 +235,8 @@ def test_elastic_run_loses_a_worker_grows_again_and_reaches_the_accuracy():
     momentum bitwise identical, no flowreduce key left."""
     import gc
 
-    from conftest import assert_clean
     from distributed import Client, LocalCluster
+    from utils import assert_clean
 
     from flowreduce.schedule import faults
     from flowreduce.train.loop import ElasticDataParallel

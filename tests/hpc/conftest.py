@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from utils import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import terminal_signals, wait_until
+from utils import terminal_signals, wait_until
 
 import flowreduce
 from flowreduce import launch
