@@ -1,18 +1,23 @@
-"""What ``deterministic="exact"`` costs: the default against exact, float64
-sums at 1e5, 1e6 and 1e7 elements on a 4-worker LocalCluster (one rank per
-worker), ``algorithm="auto"`` in both.
+"""What ``deterministic=True`` and ``"exact"`` cost: the default against
+them, float64 sums at 1e5, 1e6 and 1e7 elements on a 4-worker LocalCluster
+(one rank per worker), ``algorithm="auto"`` (or ``--algorithm``) in all.
 
 Each repetition makes fresh inputs (untimed, pinned to their worker, checked
 there with ``client.who_has`` as ``flowreduce bench`` does), then times the
 call until every result is in memory; the two modes alternate within a
-repetition and swap order every repetition. One warm-up repetition, then
-``--repeat`` timed ones (median reported). Expected: exact moves 3 int64
+repetition and rotate every repetition. One warm-up repetition, then
+``--repeat`` timed ones (median reported). ``true`` is checked against
+``reference_reduce(order="tree")``, ``exact`` against fsum, on the first 1000
+elements of every rank's result. Expected: True adds in a fixed tree order
+and, for plans whose merges are siblings of that tree, moves no more bytes:
+about the default's time; exact moves 3 int64
 limbs and an int16 exponent per element (26 bytes against 8) through two
 all-reduces, and encodes and decodes in numpy, so about 3-4x the default at
 large sizes, less where latency dominates. Run benchmarks/warm_memory.py
 first on a freshly booted machine.
 
-    python benchmarks/reproducible.py [--sizes 1e5 1e6 1e7] [--repeat 5]
+    python benchmarks/reproducible.py [--sizes 1e5 1e6 1e7] [--repeat 5] [--modes default true exact]
+                                      [--algorithm auto] [--ranks 4]
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ import numpy as np
 from distributed import Client, LocalCluster, wait
 
 import flowreduce
+from flowreduce.reproducible import reference_reduce
+
+#: the value of ``deterministic`` for each mode
+MODES = {"default": False, "true": True, "exact": "exact"}
 
 
 def make_input(n: int, rank: int) -> np.ndarray:
@@ -47,45 +56,55 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", type=float, default=[1e5, 1e6, 1e7])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--ranks", type=int, default=None, help="ranks (default: one per worker; more share workers)")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--algorithm", default="auto")
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()}  (cores: {os.cpu_count()})")
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         workers = sorted(client.nthreads())
-        p = len(workers)
-        print(f"{'elements':>10} {'mode':>8} {'median ms':>10} {'runs ms':>40} {'x default':>10}")
+        p = args.ranks or len(workers)
+        at = [workers[r % len(workers)] for r in range(p)]
+        print(f"algorithm={args.algorithm} ranks={p} workers={len(workers)}")
+        print(f"{'elements':>10} {'mode':>8} {'median ms':>10} {'runs ms':>40} {'x default':>10}  plan")
         for n in (int(s) for s in args.sizes):
-            times: dict[str, list[float]] = {"default": [], "exact": []}
-            exact_sample = None
+            times: dict[str, list[float]] = {m: [] for m in args.modes}
+            plans: dict[str, str] = {}
+            samples: dict[str, np.ndarray] = {}
             for it in range(1 + args.repeat):
-                modes = ["default", "exact"] if it % 2 == 0 else ["exact", "default"]
+                k = it % len(args.modes)
+                modes = args.modes[k:] + args.modes[:k]
                 for m in modes:
-                    inputs = [client.submit(make_input, n, r, workers=[workers[r]], pure=False) for r in range(p)]
+                    inputs = [client.submit(make_input, n, r, workers=[at[r]], pure=False) for r in range(p)]
                     wait(inputs)
                     held = client.who_has(inputs)
                     for r, f in enumerate(inputs):
-                        if list(held[f.key]) != [workers[r]]:
-                            raise RuntimeError(f"input of rank {r} is on {list(held[f.key])}, not {workers[r]}")
+                        if list(held[f.key]) != [at[r]]:
+                            raise RuntimeError(f"input of rank {r} is on {list(held[f.key])}, not {at[r]}")
                     t0 = time.perf_counter()
-                    outs = flowreduce.allreduce(client, inputs, deterministic="exact" if m == "exact" else False)
+                    outs = flowreduce.allreduce(client, inputs, algorithm=args.algorithm, deterministic=MODES[m])
                     wait(outs)
                     elapsed = time.perf_counter() - t0
-                    if m == "exact":  # every rank the same bits, and the first 1000 are fsum's
-                        if exact_sample is None:
+                    record = flowreduce.describe(outs)
+                    plans[m] = f"{record.plan.algorithm} chunks={record.plan.chunks} ({record.transport})"
+                    if m in ("exact", "true"):  # every rank the same bits: fsum's, or the reference tree's
+                        if m not in samples:
                             xs = client.gather([client.submit(head, f, pure=False) for f in inputs])
-                            exact_sample = np.array([math.fsum(v) for v in zip(*xs)])
-                        ok = client.gather([client.submit(check, o, exact_sample, workers=[workers[r]], pure=False)
+                            samples[m] = (np.array([math.fsum(v) for v in zip(*xs)]) if m == "exact" else
+                                          reference_reduce(xs, "sum", order="tree"))
+                        ok = client.gather([client.submit(check, o, samples[m], workers=[at[r]], pure=False)
                                             for r, o in enumerate(outs)])
                         if not all(ok):
-                            raise RuntimeError(f"exact results differ from fsum at n={n}")
-                    del outs, inputs
+                            raise RuntimeError(f"{m} results differ from their reference at n={n}")
+                    del outs, inputs, record
                     if it > 0:
                         times[m].append(elapsed)
-            base = statistics.median(times["default"])
+            base = statistics.median(times["default"]) if "default" in times else float("nan")
             for m, ts in times.items():
                 med = statistics.median(ts)
                 runs = " ".join(f"{t * 1e3:.1f}" for t in ts)
-                print(f"{n:>10} {m:>8} {med * 1e3:>10.1f} {runs:>40} {med / base:>10.2f}", flush=True)
+                print(f"{n:>10} {m:>8} {med * 1e3:>10.1f} {runs:>40} {med / base:>10.2f}  {plans[m]}", flush=True)
     print(f"load average at end: {os.getloadavg()}")
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 from dask.sizeof import sizeof
 
-from flowreduce.ops import Op
-from flowreduce.reproducible import TreeNode, tree_merge
+from flowreduce.ops import FOLD_BLOCK_BYTES, Op
+from flowreduce.reproducible import TreeNode, tree_leaf, tree_merge
 
 #: A node's value: 1-D arrays whose layout the builder knows.
 Pieces = tuple[np.ndarray, ...]
@@ -124,6 +124,36 @@ def reduce_ordered(op: Op, ranks: int, finish: bool, shape: tuple[int, ...] | No
             acc = np.add(np.true_divide(acc, ranks), 0, dtype=acc.dtype)
         out = (acc,)
     return out if shape is None else output((out,), shape)
+
+
+def tree_fold(op: Op, ranks: int, arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
+    """Rank ``r``'s array ``arrays[r]`` combined over all ranks in the
+    reference tree's order (``deterministic=True``) into ``out`` (a
+    C-contiguous array of their size; it may be one of them), a cache-sized
+    block at a time (:data:`~flowreduce.ops.FOLD_BLOCK_BYTES`: the
+    temporaries stay in cache, where whole-array ones would be fresh pages),
+    mean's division as :func:`flowreduce.reproducible.reference_reduce` does
+    it. Each block's sum is the whole arrays' sum's: additions are elementwise."""
+    flat = out.reshape(-1)
+    xs = [np.asarray(x).reshape(-1) for x in arrays]
+    leaves = [tree_leaf(ranks, r) for r in range(ranks)]
+    step = max(1, FOLD_BLOCK_BYTES // max(flat.dtype.itemsize, 1))
+    fresh: set[int] = set()
+
+    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        total = np.asarray(op.combine(a, b, out=a if id(a) in fresh else b if id(b) in fresh else None))
+        fresh.add(id(total))
+        return total
+
+    for lo in range(0, flat.size, step):
+        fresh.clear()
+        (total,) = tree_merge(ranks, {t: x[lo:lo + step] for t, x in zip(leaves, xs)}, add).values()
+        block = flat[lo:lo + step]
+        if total is not block:
+            np.copyto(block, total, casting="unsafe")
+        if op.mean:
+            np.add(np.divide(block, ranks, out=block), 0, out=block)
+    return out
 
 
 def gather(shape: tuple[int, ...] | None, inputs: Sequence[Pieces],

@@ -40,7 +40,6 @@ from flowreduce.kernels import dense as kernels
 from flowreduce.shm import result_buffers
 from flowreduce.shm import pool as shm_pool
 from flowreduce.ops import Op
-from flowreduce.reproducible import tree_leaf, tree_merge
 
 #: Copies through shared memory in this process, for traces: (seq, start,
 #: stop, bytes, direction "write"/"read", the segment owner's pid, repr of
@@ -303,19 +302,7 @@ def reduce_slice_ordered(op: Op, ranks: int, lo: int, hi: int, blocks: Sequence,
     acc = mine.array[lo:hi] if isinstance(mine, Block) else np.asarray(mine).reshape(-1)[lo:hi]
     reads = [(acc, None) if r == own else _read(value, lo, hi) for r, value in enumerate(blocks)]
     t0 = time.time()
-    writable = {id(acc)}
-
-    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        out = a if id(a) in writable else b if id(b) in writable else None
-        total = np.asarray(op.combine(a, b, out=out))
-        writable.add(id(total))
-        return total
-
-    (total,) = tree_merge(ranks, {tree_leaf(ranks, r): x for r, (x, _) in enumerate(reads)}, add).values()
-    if total is not acc:
-        np.copyto(acc, total)
-    if op.mean:  # as reference_reduce: divided in the dtype, +0.0 where that is zero
-        np.add(np.divide(acc, ranks, out=acc), 0, out=acc)
+    kernels.tree_fold(op, ranks, [x for x, _ in reads], acc)  # each block read before it is written
     span, total_bytes, t = time.time() - t0, sum(x.nbytes for x, _ in reads) or 1, t0
     for x, check in reads:
         share = span * x.nbytes / total_bytes

@@ -40,7 +40,8 @@ from flowreduce.shm import result_buffers
 from flowreduce.lower.graph import Graph
 from flowreduce.lower.shm_direct import worker_groups
 from flowreduce.ops import Op
-from flowreduce.reproducible import tree_leaf, tree_merge, tree_ordered
+from flowreduce.kernels.dense import tree_fold
+from flowreduce.reproducible import tree_ordered
 
 #: Above this many bytes a task reduces off its worker's event loop (and a peer its ranks).
 OFF_LOOP_BYTES = 4 << 20
@@ -124,24 +125,12 @@ def tree_ordered_values(op: Op, values: dict[int, Any]) -> bool:
 
 
 def reduce_tree(op: Op, ranks: int, values: dict[int, Any]) -> np.ndarray:
-    """Every rank's value summed in the reference tree's order
-    (``deterministic=True``: :func:`flowreduce.reproducible.tree_merge`), mean's
-    division as :func:`flowreduce.reproducible.reference_reduce` does it."""
-    fresh: set[int] = set()
-
-    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        out = a if id(a) in fresh else b if id(b) in fresh else None
-        total = np.asarray(op.combine(a, b, out=out))
-        fresh.add(id(total))
-        return total
-
-    parts = {tree_leaf(ranks, r): np.asarray(values[r]) for r in range(ranks)}
-    (total,) = tree_merge(ranks, parts, add).values()
-    if id(total) not in fresh:
-        total = total.copy()
-    if op.mean:
-        total = np.add(np.divide(total, ranks, out=total), 0, out=total)
-    return total
+    """Every rank's value combined in the reference tree's order
+    (``deterministic=True``: :func:`flowreduce.kernels.dense.tree_fold`),
+    into a fresh result (in a warm buffer)."""
+    first = np.asarray(values[0])
+    out = result_buffers.buffers().empty(first.size, first.dtype).reshape(first.shape)
+    return tree_fold(op, ranks, [values[r] for r in range(ranks)], out)
 
 
 def reduce_groups(op: Op, ranks: int, groups: Sequence[Sequence[int]], values: dict[int, Any],
