@@ -262,6 +262,11 @@ def _up(p: int, node: TreeNode) -> tuple[TreeNode, TreeNode, bool]:
     return (level, i ^ 1), (level + 1, i >> 1), i % 2 == 0
 
 
+def tree_parent(p: int, node: TreeNode) -> TreeNode:
+    """The node that adds ``node`` and its sibling."""
+    return _up(p, node)[1]
+
+
 def tree_merge(p: int, parts: dict[TreeNode, Any], add: Callable[[Any, Any], Any]) -> dict[TreeNode, Any]:
     """Partial sums (one per node of the reference tree, covering disjoint
     sets of ranks) merged: two are added, ``add(left, right)``, only when

@@ -7,6 +7,8 @@ knows; ``picks`` say which element slices of which pieces form one input.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +16,7 @@ import numpy as np
 from dask.sizeof import sizeof
 
 from flowreduce.ops import FOLD_BLOCK_BYTES, Op
-from flowreduce.reproducible import TreeNode, tree_leaf, tree_merge
+from flowreduce.reproducible import TreeNode, tree_leaf, tree_merge, tree_parent
 
 #: A node's value: 1-D arrays whose layout the builder knows.
 Pieces = tuple[np.ndarray, ...]
@@ -126,31 +128,86 @@ def reduce_ordered(op: Op, ranks: int, finish: bool, shape: tuple[int, ...] | No
     return out if shape is None else output((out,), shape)
 
 
+@functools.lru_cache(maxsize=64)
+def tree_program(ranks: int) -> tuple[tuple[tuple[int, int, int], ...], int, int]:
+    """The reference tree's additions for ``ranks`` ranks as instructions
+    over slots (``0..ranks-1``: the ranks' values; from ``ranks`` on: scratch
+    rows, reused once their partial sum is consumed): ``((dst, a, b), ...)``
+    meaning ``slot[dst] = slot[a] op slot[b]``, the slot of the total, and the
+    number of scratch rows. Depth first, so at most lg p + 1 rows: each
+    node's value is its left plus its right child's whatever the order the
+    nodes are computed in."""
+    children: dict[TreeNode, tuple[TreeNode, TreeNode]] = {}
+
+    def add(a: TreeNode, b: TreeNode) -> TreeNode:
+        parent = tree_parent(ranks, a)
+        children[parent] = (a, b)
+        return parent
+
+    leaves = {tree_leaf(ranks, r): r for r in range(ranks)}
+    (root,) = tree_merge(ranks, {t: t for t in leaves}, add).values()
+    program: list[tuple[int, int, int]] = []
+    free: list[int] = []
+    rows = 0
+
+    def emit(node: TreeNode) -> int:
+        nonlocal rows
+        if node not in children:
+            return leaves[node]
+        a, b = (emit(c) for c in children[node])
+        dst = a if a >= ranks else b if b >= ranks else -1
+        if dst < 0:
+            if not free:
+                free.append(ranks + rows)
+                rows += 1
+            dst = free.pop()
+        if b >= ranks and b != dst:
+            free.append(b)
+        program.append((dst, a, b))
+        return dst
+
+    total = emit(root)
+    return tuple(program), total, rows
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(rows: int, step: int, dtype: np.dtype) -> np.ndarray:
+    """``rows`` x ``step`` scratch elements of ``dtype``, kept per thread
+    between calls (a few blocks: warm pages, not fresh ones every call)."""
+    nbytes = rows * step * dtype.itemsize
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 1), np.uint8)
+    return buf[:nbytes].view(dtype).reshape(rows, step)
+
+
 def tree_fold(op: Op, ranks: int, arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
     """Rank ``r``'s array ``arrays[r]`` combined over all ranks in the
-    reference tree's order (``deterministic=True``) into ``out`` (a
-    C-contiguous array of their size; it may be one of them), a cache-sized
-    block at a time (:data:`~flowreduce.ops.FOLD_BLOCK_BYTES`: the
-    temporaries stay in cache, where whole-array ones would be fresh pages),
+    reference tree's order (``deterministic=True``: :func:`tree_program`)
+    into ``out`` (a C-contiguous array of their size; it may be one of
+    them), a cache-sized block at a time (:data:`~flowreduce.ops.FOLD_BLOCK_BYTES`),
     mean's division as :func:`flowreduce.reproducible.reference_reduce` does
-    it. Each block's sum is the whole arrays' sum's: additions are elementwise."""
+    it. Each block's sum is the whole arrays' sum's: additions are
+    elementwise. The partial sums go to a few scratch rows of a block,
+    allocated once per call: a fresh temporary per addition would be fresh
+    pages each time under Dask's MALLOC_TRIM_THRESHOLD_."""
     flat = out.reshape(-1)
     xs = [np.asarray(x).reshape(-1) for x in arrays]
-    leaves = [tree_leaf(ranks, r) for r in range(ranks)]
-    step = max(1, FOLD_BLOCK_BYTES // max(flat.dtype.itemsize, 1))
-    fresh: set[int] = set()
-
-    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        total = np.asarray(op.combine(a, b, out=a if id(a) in fresh else b if id(b) in fresh else None))
-        fresh.add(id(total))
-        return total
-
+    program, total, nrows = tree_program(ranks)
+    step = max(1, min(FOLD_BLOCK_BYTES // max(flat.dtype.itemsize, 1), flat.size))
+    scratch = _scratch(nrows, step, flat.dtype) if op.in_place else None
     for lo in range(0, flat.size, step):
-        fresh.clear()
-        (total,) = tree_merge(ranks, {t: x[lo:lo + step] for t, x in zip(leaves, xs)}, add).values()
+        slots: dict[int, Any] = {r: x[lo:lo + step] for r, x in enumerate(xs)}
+        width = slots[0].size
+        for dst, a, b in program:
+            if scratch is not None:
+                slots[dst] = op.combine(slots[a], slots[b], out=scratch[dst - ranks, :width])
+            else:
+                slots[dst] = np.asarray(op.combine(slots[a], slots[b]))
         block = flat[lo:lo + step]
-        if total is not block:
-            np.copyto(block, total, casting="unsafe")
+        np.copyto(block, slots[total], casting="unsafe")
         if op.mean:
             np.add(np.divide(block, ranks, out=block), 0, out=block)
     return out
