@@ -15,7 +15,8 @@ import gc
 import dask
 import numpy as np
 import pytest
-from conftest import assert_clean, scatter_ranks, wait_until, workers_of
+import faults
+from utils import assert_clean, scatter_ranks, wait_until, workers_of
 from distributed import Client, LocalCluster
 
 import flowreduce
@@ -23,7 +24,7 @@ from flowreduce.algorithms import plan as make_plan
 from flowreduce.lower.p2p import Spec
 from flowreduce.errors import InputError, OptionError, WorkerLostError
 from flowreduce.ops import resolve_op
-from flowreduce.schedule import call, faults
+from flowreduce.schedule import call
 from flowreduce.schedule import p2p as engine
 
 DENSE = [a for a in flowreduce.ALGORITHMS if a != "auto"]
@@ -239,27 +240,60 @@ def killable():
 
 
 @pytest.mark.parametrize("algorithm", ["butterfly", "ring"])
-def test_a_worker_killed_mid_run_fails_every_rank_in_bounded_time(killable, algorithm):
-    """Rank 1's worker is killed as its input is handed in: the other workers have started the run and wait
-    for its values. Every rank's result fails with WorkerLostError naming a rank, and the survivors hold
-    no run."""
+@pytest.mark.parametrize("rank, step, action", [(1, 0, "kill"), (2, None, "kill"), (1, 0, "retire")],
+                         ids=["killed-at-hand-in", "killed-at-output", "retired-at-hand-in"])
+def test_a_worker_lost_mid_run_restarts_it_on_the_survivors(killable, algorithm, rank, step, action):
+    """Rank ``rank``'s worker is killed (or retired) as its hand-in (step 0) or its output starts: the others
+    have started the run and wait for its values. The run restarts as attempt 1 over the two survivors (one
+    of them now holds two of the plan's ranks), the lost inputs are recomputed by Dask, and every rank's
+    result is right; no run, key or segment is left."""
     p = 6
     workers = sorted(killable.nthreads())
-    # computed, not scattered: the kill comes before the guard hears of the call, and Dask would forget the
-    # dependents of lost scattered data (cancelling the results) rather than fail them
-    futures = [killable.submit(np.arange, 1000 * r, 1000 * (r + 1), workers=[workers[r % 3]], pure=False)
-               for r in range(p)]
-    faults.fail_at(killable, rank=1, step=0, action="kill", algorithm=algorithm)
+    futures = [killable.submit(np.arange, 1000 * r, 1000 * (r + 1), workers=[workers[r % 3]],
+                               allow_other_workers=True, pure=False) for r in range(p)]
+    faults.fail_at(killable, rank=rank, step=step, action=action, algorithm=algorithm)
     out = flowreduce.allreduce(killable, futures, algorithm=algorithm, chunks=2, method="p2p")
+    want = np.arange(1000 * p).reshape(p, 1000).sum(0)
+    for f in out:
+        np.testing.assert_array_equal(f.result(timeout=60), want)
+    assert faults.fired(killable), "the fault did not fire: nothing was tested"
+    assert len(killable.nthreads()) == 2
+    assert wait_until(lambda: not _held(killable), 10), _held(killable)
+    del out, futures, f
+    gc.collect()
+    assert_clean(killable)
+
+
+def test_two_workers_lost_in_one_call_leave_one_worker_to_finish_it(killable):
+    """Two of three workers die during one call (at two ranks' hand-ins): it restarts each time and ends on the
+    last worker, holding all three plan ranks."""
+    p = 6
+    workers = sorted(killable.nthreads())
+    futures = [killable.submit(np.arange, 1000 * r, 1000 * (r + 1), workers=[workers[r % 3]],
+                               allow_other_workers=True, pure=False) for r in range(p)]
+    faults.fail_at(killable, rank=1, step=0, action="kill", algorithm="butterfly", more=((2, 0),))
+    out = flowreduce.allreduce(killable, futures, algorithm="butterfly", method="p2p")
+    want = np.arange(1000 * p).reshape(p, 1000).sum(0)
+    for f in out:
+        np.testing.assert_array_equal(f.result(timeout=90), want)
+    assert len(faults.fired(killable)) == 2 and len(killable.nthreads()) == 1
+    assert wait_until(lambda: not _held(killable), 10), _held(killable)
+
+
+def test_a_lost_scattered_input_fails_every_rank_naming_it(killable):
+    """Scattered data cannot be recomputed: the loss of its only copy fails the call, naming the rank."""
+    p = 6
+    workers = sorted(killable.nthreads())
+    arrays = _inputs(p, 100, "sum")
+    futures = [killable.scatter(x, workers=[workers[r % 3]], hash=False) for r, x in enumerate(arrays)]
+    faults.fail_at(killable, rank=1, step=0, action="kill", algorithm="butterfly")
+    out = flowreduce.allreduce(killable, futures, algorithm="butterfly", method="p2p")
     for f in out:
         with pytest.raises(WorkerLostError, match="rank") as caught:
             f.result(timeout=60)
         caught.value.__traceback__ = None  # its frames hold the future (and so its key)
     assert faults.fired(killable), "the fault did not fire: nothing was tested"
     assert wait_until(lambda: not _held(killable), 10), _held(killable)
-    del out, futures, f, caught
-    gc.collect()
-    assert_clean(killable)
 
 
 def test_the_dashboard_draws_a_p2p_call(inproc_client):

@@ -56,6 +56,8 @@ class Spec:
     addresses: tuple[str, ...]
     where: tuple[int, ...]
     in_place: bool = True  # received buffers are private copies (not inproc://): reduce into them
+    #: the ranks whose results are taken out (None: all); a restarted run leaves out those already taken
+    outputs: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, plan: Plan, op: Op, dtype: np.dtype, shape: tuple[int, ...], workers: Sequence[str],
@@ -175,8 +177,11 @@ class Program:
         self.accumulate = self.op.accumulator(self.dtype)
         self.itemsize = (self.accumulate or self.dtype).itemsize
         self.bounds = chunk_bounds(spec.size, spec.chunks)
-        #: the call's ranks on this worker, combined into its plan rank's input
-        self.members = spec.members(spec.addresses.index(address)) if address in spec.addresses else ()
+        #: plan rank here -> the call's ranks combined into its input (a restarted run may give a worker two)
+        self.members = {i: spec.members(i) for i in self.local_ranks}
+        #: the call's ranks whose results this worker hands out
+        self.outputs = tuple(r for i in self.local_ranks for r in self.members[i]
+                             if spec.outputs is None or r in spec.outputs)
         self._sites: dict[tuple[int, int], Site] = {}
 
     def elem(self, chunk: int, segment: int) -> int:

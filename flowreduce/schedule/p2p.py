@@ -28,13 +28,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import numpy as np
 from distributed import get_worker
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from dask.task_spec import Task
 from distributed.protocol import to_serialize
 
 from flowreduce.algorithms.ir import REDUCE
@@ -43,7 +45,7 @@ from flowreduce.lower.graph import Graph
 from flowreduce.lower.p2p import Program, Spec, engine_workers, lower_p2p, program
 from flowreduce.errors import InputError, WorkerLostError, refused
 from flowreduce.keys import new_token, parse
-from flowreduce.phases import BARRIER
+from flowreduce.phases import BARRIER, HAND_IN, OUTPUT
 from flowreduce.schedule.engine_log import EngineLog, now as _now, serve as _serve_engine_log
 
 logger = logging.getLogger("flowreduce")
@@ -68,7 +70,7 @@ Item = tuple[int, int, tuple[np.ndarray, ...]]  # (chunk, node, pieces)
 
 
 def run_id(token: str, attempt: int = 0) -> str:
-    """A run's id: the call's token and the attempt (restarts are to come: always 0 now)."""
+    """A run's id: the call's token and the attempt (0, then one more at each restart after a worker loss)."""
     return f"{token}.{attempt}"
 
 
@@ -82,9 +84,9 @@ class Run:
         engine.log.begin(run, self.prog)
         loop = asyncio.get_running_loop()
         #: the call's ranks on this worker -> their results
-        self.results: dict[int, asyncio.Future] = {r: loop.create_future() for r in self.prog.members}
-        self.inputs: dict[int, Any] = {}  # plan rank -> its input here (the members combined)
-        self.handed: dict[int, Any] = {}  # member rank -> its input as handed in (never returned as a result)
+        self.results: dict[int, asyncio.Future] = {r: loop.create_future() for r in self.prog.outputs}
+        self.inputs: dict[int, Any] = {}  # plan rank -> its input here (its members combined)
+        self.handed: dict[int, list[Any]] = {}  # plan rank -> its members' inputs as handed in (never returned)
         self.values: dict[tuple[int, int], Any] = {}
         self.uses: dict[tuple[int, int], int] = {}
         self.missing: dict[tuple[int, int], int] = {}
@@ -101,14 +103,13 @@ class Run:
     async def hand_in(self, index: int, xs: Sequence[Any]) -> None:
         """This worker's ranks' inputs (``spec.members(index)``, in rank order),
         checked and combined into the plan rank ``index``'s input."""
-        members = self.prog.members
-        if index != self.spec.addresses.index(self.engine.address) or len(xs) != len(members):
-            raise WorkerLostError(f"worker {index}'s ranks ({_ranks(members)}) were handed in on "
-                                  f"{self.engine.address}, not their worker in run {self.id}: a worker left "
-                                  "and the call is being re-run elsewhere")
-        if self.handed:
-            raise WorkerLostError(f"ranks {_ranks(members)} were handed in twice in run {self.id}: the call is "
-                                  "being re-run after a worker loss")
+        members = self.prog.members.get(index, ())
+        if len(xs) != len(members) or not members:
+            raise WorkerLostError(f"worker {index}'s ranks were handed in on {self.engine.address}, not their "
+                                  f"worker in run {self.id} ({self.spec.addresses[index]}): a worker left and "
+                                  "the call is being re-run elsewhere")
+        if index in self.handed:  # Dask ran the hand-in again (a task may run more than once): the same values
+            return
         for rank, x in zip(members, xs):
             if isinstance(x, np.generic):  # a numpy scalar is a 0-d array here too
                 x = np.asarray(x)
@@ -116,8 +117,7 @@ class Run:
                 got = f"{type(x).__name__} {getattr(x, 'shape', '')} {getattr(x, 'dtype', '')}".strip()
                 raise InputError(f"rank {rank}'s input is {got}, not the {self.spec.shape} "
                                  f"{np.dtype(self.spec.dtype)} array every rank was checked to hold")
-            self.handed[rank] = x
-        xs = list(self.handed.values())
+        xs = self.handed[index] = [np.asarray(x) for x in xs]
         cast = self.prog.accumulate
         if len(xs) > 1:  # ranks sharing this worker: combined here, in rank order, before the plan moves anything
             work = partial(_combine, self.prog.op, xs, cast)
@@ -244,8 +244,9 @@ class Run:
         chunks = self.finals.pop(index)
         pieces = [a for c in range(self.spec.chunks) for a in chunks[c]]
         out = _kernels.output([tuple(pieces)], self.spec.shape)
-        handed = list(self.handed.values())
-        for i, rank in enumerate(self.prog.members):
+        handed = self.handed.get(index, ())
+        wanted = [r for r in self.prog.members[index] if r in self.results]
+        for i, rank in enumerate(wanted):
             mine = out if i == 0 and not any(np.may_share_memory(out, x) for x in handed) else out.copy()
             if not self.results[rank].done():  # never hand back a view of the user's input, nor one array twice
                 self.results[rank].set_result(mine)
@@ -255,6 +256,9 @@ class Run:
         if (len(self.taken) == len(self.results) and not self.left and not self.offloaded and not self.sending
                 and self.engine.runs.get(self.id) is self):
             del self.engine.runs[self.id]
+            self.engine.done[self.id] = None
+            while len(self.engine.done) > FAILED_KEPT:
+                self.engine.done.popitem(last=False)
 
     def fail(self, exc: BaseException) -> None:
         for fut in self.results.values():
@@ -346,6 +350,8 @@ class Engine:
         self.worker = worker
         self.runs: dict[str, Run] = {}
         self.failed: OrderedDict[str, BaseException] = OrderedDict()
+        #: runs that ended here (FAILED_KEPT at most): a task of one that Dask runs again does nothing
+        self.done: OrderedDict[str, None] = OrderedDict()
         self.log = EngineLog(worker)  # what the runs did, for traces and the dashboard (engine_log.py)
 
     @property
@@ -360,6 +366,8 @@ class Engine:
         """The run ``run`` here, started if new (a peer's message may start it before the rank's hand-in)."""
         if run in self.failed:
             raise self.failed[run].with_traceback(None)
+        if run in self.done:
+            raise ValueError(f"run {run} has ended here")
         found = self.runs.get(run)
         if found is None:
             if self.address not in spec.addresses:
@@ -442,6 +450,8 @@ def _refusal(engine: Engine, run: Any, items: Any, spec: Any) -> str | None:
         return f"run must be a run id, got {type(run).__name__}"
     if run in engine.failed:
         return "failed"
+    if run in engine.done:
+        return f"run {run!r} has ended here"
     found = engine.runs.get(run)
     if found is None:
         if not isinstance(spec, Spec):
@@ -502,6 +512,8 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.scheduler: Any = None
         #: call token -> (worker -> its ranks, outputs not yet in memory)
         self.active: dict[str, tuple[dict[str, list[int]], set[Hashable]]] = {}
+        #: call token -> its current run id, once restarted (else attempt 0's)
+        self.runs: dict[str, str] = {}
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -531,21 +543,74 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         elif finish == "memory" and key in outputs:
             outputs.discard(key)
             if not outputs:
-                del self.active[token]
+                where, _ = self.active.pop(token)
+                restarted = self.runs.pop(token, None)
+                if restarted is not None:  # a result the old run finished is not taken from the new one: drop it
+                    self.tell(where, restarted, f"run {restarted} ended: every result is in memory", lost=False)
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
-        for token, (where, _) in list(self.active.items()):
-            if worker in where:
-                self._fail(token, f"all-reduce {token} (method='p2p'): worker {worker}, holding rank(s) "
-                                  f"{_ranks(sorted(where[worker]))}, left the cluster (died or was retired) "
-                                  "mid-run; restarting a p2p run is not there yet: call allreduce again", lost=True)
+        """Nothing here: the guard's recovery owns what a lost worker means for
+        a call (:func:`restart` the run on the survivors, or fail it)."""
 
     def _fail(self, token: str, message: str, lost: bool) -> None:
         where, _ = self.active.pop(token)
-        for w in where:
+        self.tell(where, self.runs.pop(token, run_id(token)), message, lost)
+
+    def tell(self, workers: Iterable[str], run: str, message: str, lost: bool) -> None:
+        """Tell ``workers`` that ``run`` cannot finish (their engines drop it and fail its outputs)."""
+        for w in workers:
             bs = self.scheduler.stream_comms.get(w)
             if bs is not None:
-                bs.send({"op": FAIL, "run": run_id(token), "message": message, "lost": lost})
+                bs.send({"op": FAIL, "run": run, "message": message, "lost": lost})
+
+
+def is_p2p(tasks: Iterable[Any]) -> bool:
+    """Whether these scheduler tasks of one call are a p2p call's (it has hand-ins)."""
+    return any(f"-{HAND_IN}-" in ts.key[0] for ts in tasks)
+
+
+def lost_output(ts: Any) -> bool:
+    """Whether a p2p call's task is a result that was computed and is gone (a client still wants it)."""
+    return f"-{OUTPUT}-" in ts.key[0] and ts.state in ("released", "waiting", "no-worker") and bool(ts.who_wants)
+
+
+def restart(s: Any, token: str, tasks: Sequence[Any], moves: Mapping[str, str], attempt: int) -> set[Hashable]:
+    """Run p2p call ``token`` again as attempt ``attempt``, its lost workers'
+    part moved as ``moves`` says (by :func:`flowreduce.schedule.recovery.recover`,
+    which re-pinned its tasks and releases them next). Every hand-in and output
+    gets the new run id; the new spec runs the same plan with the lost
+    workers' plan ranks on their replacements (a worker may hold two) and
+    hands out only the results not already in memory. The old run is dropped
+    on every worker still there. The keys rewritten (none if ``token`` is
+    not a p2p call)."""
+    hand_ins = [ts for ts in tasks if f"-{HAND_IN}-" in ts.key[0]]
+    if not hand_ins:
+        return set()
+    outputs = [ts for ts in tasks if f"-{OUTPUT}-" in ts.key[0]]
+    pending = tuple(sorted(ts.key[1] for ts in outputs if ts.state != "memory"))
+    new = run_id(token, attempt)
+    old = None
+    for ts in hand_ins:
+        run, index, spec, *xs = ts.run_spec.args
+        old = run
+        spec = replace(spec, addresses=tuple(moves.get(a, a) for a in spec.addresses), outputs=pending)
+        ts.run_spec = Task(ts.key, ts.run_spec.func, new, index, spec, *xs)
+    for ts in outputs:
+        gate, _, rank = ts.run_spec.args
+        ts.run_spec = Task(ts.key, ts.run_spec.func, gate, new, rank)
+    plugin = s.plugins.get(P2PSchedulerPlugin.name)
+    if plugin is not None:
+        found = plugin.active.get(token)
+        if found is not None:
+            where: dict[str, list[int]] = defaultdict(list)
+            for w, ranks in found[0].items():
+                where[moves.get(w, w)].extend(ranks)
+            plugin.active[token] = (dict(where), {ts.key for ts in outputs if ts.state != "memory"})
+        plugin.runs[token] = new
+        if old is not None:
+            plugin.tell([w for w in s.workers if w not in moves], old, f"run {old} restarts as {new}", lost=True)
+    logger.info("flowreduce: p2p run %s restarts as %s (%s)", old, new, ", ".join(f"{a} -> {b}" for a, b in moves.items()))
+    return {ts.key for ts in [*hand_ins, *outputs]}
 
 
 _installed: set[str] = set()
@@ -571,6 +636,8 @@ async def hand_in(run: str, index: int, spec: Spec, *xs: Any) -> None:
     """Task: hand the ranks' inputs ``xs`` of the run's ``index``-th worker to
     this worker's engine, starting the run here if needed."""
     engine = _engine()
+    if run in engine.done:  # Dask ran it again after the run ended here
+        return
     try:
         await engine.run(run, spec).hand_in(index, xs)
     except Exception as e:

@@ -40,6 +40,8 @@ from typing import Any
 
 from dask.task_spec import Task
 
+from flowreduce.schedule import p2p
+
 logger = logging.getLogger("flowreduce")
 
 
@@ -198,7 +200,9 @@ def _rerun(guard: Any, gone: set[str], stimulus_id: str) -> None:
         for lost in sorted(gone):
             if any(ts.worker_restrictions == {lost} for ts in tasks):
                 moves[lost] = _replacement(s, tasks, lost)
-        if live:
+        # a p2p call whose result died with a worker after its run ended must run again too
+        p2p_lost = p2p.is_p2p(tasks) and any(p2p.lost_output(ts) for ts in tasks)
+        if live or p2p_lost:
             n = guard.attempt(token)
             stuck = [w for w, to in moves.items() if to is None]
             if n > guard.attempts or stuck:
@@ -206,8 +210,9 @@ def _rerun(guard: Any, gone: set[str], stimulus_id: str) -> None:
                        f"it already recovered {guard.attempts} times (dask config flowreduce.recovery.attempts)")
                 exc = WorkerLostError(f"all-reduce {token}: worker {', '.join(sorted(gone))} left the cluster "
                                       f"(died or was retired) and the call cannot recover: {why}.")
-                wanted = [ts.key for ts in live if ts.who_wants]
-                fail(s, wanted or [ts.key for ts in live], exc, stimulus_id)
+                pending = live or [ts for ts in tasks if p2p.lost_output(ts)]
+                wanted = [ts.key for ts in pending if ts.who_wants]
+                fail(s, wanted or [ts.key for ts in pending], exc, stimulus_id)
                 continue
             logger.warning("flowreduce: all-reduce %s lost worker(s) %s; attempt %d re-runs it with %s", token,
                            ", ".join(sorted(gone)), n + 1, ", ".join(f"{a} -> {b}" for a, b in moves.items()))
@@ -216,8 +221,13 @@ def _rerun(guard: Any, gone: set[str], stimulus_id: str) -> None:
                 (w,) = ts.worker_restrictions
                 if w in moves and moves[w] is not None:
                     s.set_restrictions({ts.key: [moves[w]]})
-            ts.run_spec = _on_private_copies(ts.run_spec)
-        if not live:
+        # the engine never writes into a task's inputs: its tasks keep plain run_specs, with the new run id
+        rewritten = p2p.restart(s, token, tasks, {w: to for w, to in moves.items() if to is not None}, n) if (
+            live or p2p_lost) else set()
+        for ts in tasks:
+            if ts.key not in rewritten:
+                ts.run_spec = _on_private_copies(ts.run_spec)
+        if not (live or p2p_lost):
             continue  # a finished call: re-pinned, so a lost result recomputes where it can
         recs = {}
         for ts in tasks:
