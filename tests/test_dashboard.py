@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import time
 import types
 import urllib.request
@@ -294,4 +295,87 @@ def test_browser_shows_the_held_back_rank_waiting_then_done(dash):
         assert not errors, errors  # the page rendered: Bokeh logs rendering failures here
     del out, xs
     gc.collect()  # futures held by reference cycles (exceptions, frames) go first
+    assert_clean(client)
+
+
+def _engine_cells(grid, token):
+    """(rank, column) -> (state, done, tasks) of the grid's engine steps (between the barrier and the outputs)."""
+    from flowreduce.dashboard.record import ENGINE_COLUMN
+
+    if grid["token"][:1] != [token]:
+        return {}
+    last = max(grid["column"], default=0)
+    return {(r, c): (s, d, n) for r, c, s, d, n in zip(grid["rank"], grid["column"], grid["state"], grid["done"],
+                                                      grid["tasks"], strict=True) if ENGINE_COLUMN <= c < last}
+
+
+#: p2p hand-ins on this worker wait until the event is set (the cluster is in-process: one module, one event)
+_HOLD_WORKER: list[str] = []
+_RELEASE = threading.Event()
+
+
+async def _held_hand_in(*args, **kwargs):
+    import asyncio
+
+    from distributed import get_worker
+
+    while get_worker().address in _HOLD_WORKER and not _RELEASE.is_set():
+        await asyncio.sleep(0.05)
+    return await _HAND_IN[0](*args, **kwargs)
+
+
+_HAND_IN: list = []
+
+
+def test_browser_shows_the_engine_steps_of_a_p2p_call_held_back_on_one_rank(dash, monkeypatch):
+    """method="p2p": the plan's steps are no tasks, the engines report them. While the hand-in on the
+    held rank's worker waits, the page shows the call running with engine steps on the grid, none done
+    where they need the held rank and the held rank's output waiting; once released, every engine cell
+    has all its nodes done. (A p2p call cannot be submitted with an input still being computed: the
+    engine needs its shape first, so the hand-in is what is held back.)"""
+    from flowreduce.dashboard.browser import chromium, read_source, wait_for
+    from flowreduce.schedule import p2p
+
+    cluster, client = dash
+    xs, ws = _ranks(client)
+    client.gather(xs)
+    held = 2
+    _HAND_IN[:] = [p2p.hand_in]
+    _HOLD_WORKER[:] = [ws[held % len(ws)]]
+    _RELEASE.clear()
+    monkeypatch.setattr(p2p, "hand_in", _held_hand_in)
+    try:
+        out = flowreduce.allreduce(client, xs, algorithm="butterfly", method="p2p")
+        token = flowreduce.describe(out).token
+        with chromium() as driver:
+            driver.get(_url(cluster, "flowreduce"))
+
+            def held_back(grid):
+                cells = _cells(grid) if grid["token"][:1] == [token] else {}
+                engine = _engine_cells(grid, token)
+                outputs = {r: s for (r, c), s in cells.items() if c == max(grid["column"])}
+                return bool(engine) and outputs.get(held) == "waiting" and all(
+                    s != "done" for s, _, _ in engine.values())
+
+            wait_for(driver, "flowreduce-grid", held_back)
+            time.sleep(0.5)  # the engines report every 100 ms: still held back after several reports
+            grid = read_source(driver, "flowreduce-grid")
+            assert held_back(grid), grid
+            calls = read_source(driver, "flowreduce-calls")
+            assert calls["state"][calls["token"].index(token[:8])] == "running"
+
+            _RELEASE.set()
+            np.testing.assert_array_equal(client.gather(out)[held], np.full(N, 10.0))
+            grid = wait_for(driver, "flowreduce-grid",
+                            lambda g: g["token"][:1] == [token] and all(s == "done" for s in g["state"])
+                            and bool(_engine_cells(g, token))
+                            and all(d == n for _, d, n in _engine_cells(g, token).values()))
+            assert {r for r, _ in _engine_cells(grid, token)} >= {0, 1}
+            errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            assert not errors, errors
+    finally:
+        _RELEASE.set()
+        _HOLD_WORKER.clear()
+    del out, xs
+    gc.collect()
     assert_clean(client)

@@ -192,6 +192,8 @@ def _rank(prog: Any, plan_rank: int) -> int:
     plan rank itself, or where the plan runs over workers (ranks sharing one
     are combined first), the worker's lowest rank (its hand-in's row)."""
     members = getattr(prog, "members", None)
+    if isinstance(members, dict):  # plan rank -> the call's ranks it combines
+        return members[plan_rank][0] if members.get(plan_rank) else plan_rank
     return members[0] if members and len(prog.spec.where) != prog.plan.ranks else plan_rank
 
 
