@@ -334,6 +334,7 @@ def test_browser_shows_the_engine_steps_of_a_p2p_call_held_back_on_one_rank(dash
     has all its nodes done. (A p2p call cannot be submitted with an input still being computed: the
     engine needs its shape first, so the hand-in is what is held back.)"""
     from flowreduce.dashboard.browser import chromium, read_source, wait_for
+
     from flowreduce.schedule import p2p
 
     cluster, client = dash

@@ -130,3 +130,18 @@ def test_malformed_progress_is_counted_and_dropped():
     for m in bad:
         store.engine_steps(**m)
     assert store.malformed == len(bad) and not store.find(token).engine
+
+
+def test_a_restarted_run_starts_its_cells_over_and_late_reports_of_the_old_one_are_ignored():
+    scheduler = SimpleNamespace(tasks={})
+    store = DashboardStore()
+    store.scheduler = scheduler
+    token = "d" * 32
+    _p2p_call(store, scheduler, token)
+    store.engine_steps(token=token, run=f"{token}.0", totals=[[0, 1, "reduce-scatter", 2]], cells=[[0, 1, 2]])
+    cell = store.find(token).engine[0, ("engine", 1)]
+    assert cell == [2, 2]
+    store.engine_steps(token=token, run=f"{token}.1", totals=[[0, 1, "reduce-scatter", 2]], cells=[[0, 1, 1]])
+    assert cell == [1, 2]
+    store.engine_steps(token=token, run=f"{token}.0", totals=[], cells=[[0, 1, 1]])  # late, of attempt 0
+    assert cell == [1, 2] and store.malformed == 0

@@ -85,6 +85,7 @@ class Call:
     link_bytes: dict[tuple[int, int], float] = field(default_factory=dict)  # (source rank, dest rank)
     fetched: set = field(default_factory=set)  # (key, dest rank) counted in link_bytes, while in flight
     engine: dict[Slot, list[int]] = field(default_factory=dict)  # p2p: (rank, ("engine", step)) -> [done, total]
+    engine_attempt: int = 0  # the p2p run's attempt the engine cells count (a restart starts them over)
 
     @property
     def in_flight(self) -> bool:
@@ -137,7 +138,8 @@ class DashboardStore(SchedulerPlugin):
         call.record = rec
         self.generation += 1
 
-    def engine_steps(self, token: Any = None, cells: Any = None, totals: Any = None, **_: Any) -> None:
+    def engine_steps(self, token: Any = None, cells: Any = None, totals: Any = None, run: Any = None,
+                     **_: Any) -> None:
         """A p2p engine's progress (:mod:`flowreduce.schedule.engine_log`):
         ``totals`` ``[[rank, step, phase, nodes], ...]`` the first time a worker
         reports a run, ``cells`` ``[[rank, step, nodes computed since its last
@@ -150,6 +152,14 @@ class DashboardStore(SchedulerPlugin):
             self.malformed += 1
             logger.error("flowreduce: %s refused engine steps of call %s: %s", ENGINE_OP, repr(token)[:100], why)
             return
+        attempt = _attempt(run)
+        if attempt < call.engine_attempt:  # a late report of an attempt that was restarted
+            return
+        if attempt > call.engine_attempt:  # the run restarted over the survivors: its steps start over
+            call.engine_attempt = attempt
+            for slot, cell in call.engine.items():
+                cell[0] = 0
+                call.done_at.pop(slot, None)
         for r, s, phase, n in totals:
             slot = (r, ("engine", s))
             call.engine.setdefault(slot, [0, 0])[1] = n
@@ -299,6 +309,12 @@ def _out_of_bounds(rec: DashboardRecord) -> str | None:
     if not all(math.isfinite(x) and x >= 0 for x in numbers):
         return f"predicted {rec.predicted!r}, segment bytes {rec.segment_bytes!r}"
     return None
+
+
+def _attempt(run: Any) -> int:
+    """The attempt of a run id ``"<token>.<attempt>"`` (0 when it says none)."""
+    tail = run.rpartition(".")[2] if isinstance(run, str) else ""
+    return int(tail) if tail.isdigit() and len(tail) < 6 else 0
 
 
 def _engine_refusal(call: Call | None, cells: Any, totals: Any) -> str | None:

@@ -143,6 +143,12 @@ def _worker_snapshot(marks: dict, shm_marks: dict | None = None, engine_marks: d
     }
 
 
+def _attempt(run: str) -> str:
+    """``, attempt N`` for a p2p run restarted N times (run id ``"<token>.<N>"``), else nothing."""
+    tail = run.rpartition(".")[2]
+    return f", attempt {tail}" if tail not in ("", "0") else ""
+
+
 def _key_of(text: str) -> Any:
     """A task key back from its repr (as events keep it)."""
     import ast
@@ -563,7 +569,8 @@ class Trace:
                                  algorithm=call.algorithm, step=node.step, chunk=c, token=token, node=n,
                                  key=repr(keymod.node_key(call.algorithm, node.phase, token, node.step, node.rank,
                                                           c, n)),
-                                 nbytes=int(nbytes), detail="p2p engine" + (" (executor)" if executor else "")))
+                                 nbytes=int(nbytes), detail="p2p engine" + (" (executor)" if executor else "")
+                                 + _attempt(run)))
         if len(self._arrivals) > 1_000_000:  # arrivals whose sends were never read (sampled out calls)
             self._arrivals.clear()
         for src, (_, run, dest, t0, t1, values, nbytes, ids) in sends:
@@ -592,7 +599,8 @@ class Trace:
                              key=keys[0] if keys else "", nbytes=int(nbytes), source=src, dest=dest,
                              keys=tuple(keys), key_bytes=tuple(key_bytes),
                              detail=f"p2p message: {values} value(s), rpc round trip {(t1 - t0) * 1e3:.3f} ms"
-                                    + ("" if arrived is not None else "; arrival not logged: stop is the reply")))
+                                    + ("" if arrived is not None else "; arrival not logged: stop is the reply")
+                                    + _attempt(run)))
 
     def _sent_bytes(self, key: Any, info: dict | None, logged: Any) -> int:
         """Bytes a fetch of ``key`` carried. Dask logs its size estimate;
