@@ -88,6 +88,7 @@ def test_progress_fills_the_grid_between_the_barrier_and_the_outputs():
     assert {c.column for c in cells if c.phase == "output"} == {out_col} and out_col > ENGINE_COLUMN + steps[-1]
     labels = views.column_labels(call)
     assert (labels[0], labels[1], labels[out_col]) == ("hand-in", "barrier", "out")
+    assert views.straggler(call, cells, scheduler, 0.0)["text"] == "no straggler: every rank is at hand-in or before"
 
     # rank 0 computes its first step's nodes of chunk 0: that cell runs, then all of it: done
     first = [n for n in plan.nodes if n.rank == 0 and n.inputs and n.step == steps[0]]

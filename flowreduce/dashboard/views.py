@@ -198,7 +198,7 @@ def straggler(call: Call, cells: list[Cell], scheduler, now: float) -> dict[str,
     ahead = [call.done_at[r, s] for (r, s), col in cols.items()
              if col == cell.column and r != rank and (r, s) in call.done_at
              and ((f := frontier.get(r)) is None or f.column > cell.column)]
-    step = _column_name(cell.column, cell.phase)
+    step = _column_name(cell.column, cell.phase, column_labels(call) if call.engine else None)
     if not ahead:
         return {"rank": rank, "column": cell.column, "lag": 0.0,
                 "text": f"no straggler: every rank is at {step} or before"}
@@ -226,7 +226,10 @@ def _waiting_on(call: Call, rank: int, cell: Cell, cols: dict[Slot, int], schedu
     return ""
 
 
-def _column_name(column: int, phase: str) -> str:
+def _column_name(column: int, phase: str, labels: dict[int, str] | None = None) -> str:
+    if labels is not None:  # p2p: hand-in, barrier, step s of the engine, out
+        label = labels.get(column, str(column))
+        return label if label in (phase, "out") or phase in ("hand-in", "barrier") else f"{label} ({phase})"
     if column == PACK_COLUMN:
         return "pack"
     return f"step {column} ({phase})"
