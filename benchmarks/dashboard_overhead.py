@@ -52,8 +52,12 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
+
+#: tests/, for its test helpers (faults.py, browser.py: not part of the library)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 VARIANTS = ("open", "paused", "closed")
 
@@ -159,10 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     import dask
     import distributed
+    from browser import chromium, read_source
     from distributed import Client, LocalCluster, wait
 
     import flowreduce
-    from flowreduce.dashboard.browser import chromium, read_source
 
     n = int(a.size)
     period = 60.0 / a.rate

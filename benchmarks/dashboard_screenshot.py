@@ -13,8 +13,13 @@ input is then released and everything is cleaned up.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
+
+#: tests/, for its test helpers (faults.py, browser.py: not part of the library)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def _held(name: str, value):
@@ -38,10 +43,10 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--size", type=float, default=2e5, help="float64 elements per rank")
     a = ap.parse_args(argv)
 
+    from browser import chromium, wait_for
     from distributed import Client, Event, LocalCluster, wait
 
     import flowreduce
-    from flowreduce.dashboard.browser import chromium, wait_for
 
     n, p, held = int(a.size), a.ranks, 5
     with LocalCluster(n_workers=4, threads_per_worker=2, processes=True, dashboard_address=":0") as cl, \

@@ -6,7 +6,7 @@ the middle and at the end (flat means nothing of the calls piles up).
     python benchmarks/failure_soak.py --calls 1000 --every 100
 
 On a 4-worker LocalCluster with nannies (a killed worker is restarted by
-its nanny). The kill is :func:`flowreduce.schedule.faults.fail_at` at a
+its nanny). The kill is tests/faults.py's ``fail_at`` (a test helper) at a
 rotating rank and plan step of the next call.
 """
 
@@ -15,9 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+#: tests/, for its test helpers (faults.py, browser.py: not part of the library)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def rank_input(r: int, n: int) -> np.ndarray:
@@ -50,10 +55,10 @@ def _growth(before, after, top: int = 15) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    import faults
     from distributed import Client, LocalCluster, wait
 
     import flowreduce
-    from flowreduce.schedule import faults
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=1000)

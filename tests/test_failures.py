@@ -1,5 +1,5 @@
 """Failures as HPC clusters cause them (issue #15), each injected at a
-chosen rank and plan step (:mod:`flowreduce.schedule.faults`), on a
+chosen rank and plan step (tests/faults.py), on a
 4-worker LocalCluster with nannies: the call recovers, or fails with an
 error naming what was lost, or times out saying where it is stuck. It never
 hangs, and no flowreduce key outlives the results (docs/failures.md).
@@ -16,6 +16,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import dask
+import faults
 import numpy as np
 import pytest
 from distributed import Client, Event, LocalCluster, wait
@@ -24,7 +25,6 @@ from utils import assert_clean, flowreduce_keys, flush, wait_until
 import flowreduce
 from flowreduce.errors import AllreduceTimeoutError, WorkerLostError
 from flowreduce.keys import parse
-from flowreduce.schedule import faults
 from flowreduce.schedule.guard import PinGuard
 
 N = 10**5  # elements per rank

@@ -1,6 +1,6 @@
 """Elastic PyTorch training (issue #15, requirement 3):
 ``flowreduce.torch.elastic.ElasticTrainer`` on a LocalCluster with nannies
-loses a rank's worker mid-step (SIGKILL, by ``flowreduce.schedule.faults``),
+loses a rank's worker mid-step (SIGKILL, by tests/faults.py),
 goes on on the survivors, grows again when workers join, and ends with the
 digits accuracy target and every replica bitwise identical."""
 
@@ -42,9 +42,9 @@ def test_elastic_torch_run_loses_a_worker_grows_again_and_reaches_the_accuracy()
     restarted process join (5 ranks). At the end: test accuracy >= 0.97, the
     model's and the optimizer's state_dict of every rank bitwise identical
     (parameters and momentum buffers), no flowreduce key left."""
+    import faults
     from distributed import Client, LocalCluster
 
-    from flowreduce.schedule import faults
 
     KILL, GROW = 10, 30
     with LocalCluster(n_workers=4, threads_per_worker=1, dashboard_address=None) as cluster, \

@@ -235,10 +235,10 @@ def test_elastic_run_loses_a_worker_grows_again_and_reaches_the_accuracy():
     momentum bitwise identical, no flowreduce key left."""
     import gc
 
+    import faults
     from distributed import Client, LocalCluster
     from utils import assert_clean
 
-    from flowreduce.schedule import faults
     from flowreduce.train.loop import ElasticDataParallel
 
     KILL, GROW = 10, 30

@@ -1,6 +1,11 @@
 """Deterministic fault injection for tests (as Horovod's ``exit_schedule``
 and torchft's ``FailureInjector.fail_at(rank, step)``): hurt the worker of
-rank ``r`` at the moment step ``s`` of an all-reduce reaches it.
+rank ``r`` at the moment step ``s`` of an all-reduce reaches it. A test
+helper, not part of the library: the tests import it as ``faults``
+(tests/ is on pytest's ``pythonpath``), benchmarks/failure_soak.py puts
+tests/ on its path. The plugin is pickled by reference, so the scheduler
+must import this module too: it does in a LocalCluster, whose scheduler
+runs in the client's process.
 
 ``FailAt`` is a scheduler plugin watching flowreduce keys
 (``("flowreduce-<algorithm>-<phase>-<token>", step, rank, chunk, node)``,

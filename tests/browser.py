@@ -1,6 +1,8 @@
 """Open dashboard pages in headless Chromium and read their Bokeh data.
 
-For the browser test, the overhead benchmark and the screenshot command
+For the browser test (tests/test_dashboard.py), the overhead benchmark and
+the screenshot script (benchmarks/dashboard_overhead.py, dashboard_screenshot.py,
+which put tests/ on their path): a test helper, not part of the library
 (``pip install flowreduce[test]`` for selenium; Chromium and its driver from
 the system: Debian's ``chromium`` and ``chromium-driver``). Selenium is
 pointed at those binaries, so it downloads nothing.
