@@ -146,3 +146,24 @@ def test_a_restarted_run_starts_its_cells_over_and_late_reports_of_the_old_one_a
     assert cell == [1, 2]
     store.engine_steps(token=token, run=f"{token}.0", totals=[], cells=[[0, 1, 1]])  # late, of attempt 0
     assert cell == [1, 2] and store.malformed == 0
+
+
+def test_bytes_sent_by_the_engines_are_the_links_of_the_workers_lowest_ranks():
+    scheduler = SimpleNamespace(tasks={})
+    store = DashboardStore()
+    store.scheduler = scheduler
+    token = "c" * 32
+    _p2p_call(store, scheduler, token)
+    workers = ["tcp://a:1", "tcp://b:1", "tcp://a:1", "tcp://b:1"]  # ranks 0, 2 on a; 1, 3 on b
+    store.publish(record={"token": token, "algorithm": "butterfly", "ranks": 4, "nbytes": 800, "chunks": 1,
+                          "workers": workers})
+    log = EngineLog()
+    log.begin(f"{token}.0", _program())
+    log.send(f"{token}.0", "tcp://b:1", 0.0, [], np.zeros(0, np.uint8), [(0, 9, (np.zeros(100),))])
+    log.send(f"{token}.0", "tcp://b:1", 0.0, [[1, 9, [["<f8", 4]]]], np.zeros(32, np.uint8), [])
+    (msg,) = log.progress(log.since(0)[0])
+    assert msg["sent"] == [["tcp://b:1", 832]]
+    store.engine_steps(**{k: v for k, v in msg.items() if k != "op"}, worker="tcp://a:1")
+    assert store.find(token).link_bytes == {(0, 1): 832}
+    store.engine_steps(token=token, run=f"{token}.0", cells=[], totals=[], sent=[["tcp://b:1", -5]])
+    assert store.malformed == 1

@@ -658,6 +658,11 @@ def test_p2p_engine_steps_in_the_exported_json(client, tmp_path):
     for link, planned in s.planned_links.items():  # segments of a chunk round to whole elements
         assert abs(moved[link] - planned) <= itemsize * plan.segments * plan.chunks, (link, moved[link], planned)
 
+    # Perfetto draws an arrow into every message that carries a value an engine node made
+    made = sum(any(keymod.parse(ast.literal_eval(k))["phase"] != "split" for k in e["args"]["keys"])
+               for e in messages)
+    assert made and sum(e["ph"] == "f" for e in doc["traceEvents"]) >= made
+
     # all inside the call's span: its hand-in, barrier and output tasks
     tasks = [e for e in evs if e["args"].get("detail") == "compute"]
     assert {keymod.parse(ast.literal_eval(e["args"]["key"]))["phase"] for e in tasks} == {"hand-in", "barrier",

@@ -139,15 +139,17 @@ class DashboardStore(SchedulerPlugin):
         self.generation += 1
 
     def engine_steps(self, token: Any = None, cells: Any = None, totals: Any = None, run: Any = None,
-                     **_: Any) -> None:
+                     sent: Any = (), worker: Any = None, **_: Any) -> None:
         """A p2p engine's progress (:mod:`flowreduce.schedule.engine_log`):
         ``totals`` ``[[rank, step, phase, nodes], ...]`` the first time a worker
         reports a run, ``cells`` ``[[rank, step, nodes computed since its last
-        report], ...]``. Filed under the call in flight or in the history (the
+        report], ...]``, ``sent`` ``[[worker, bytes], ...]`` the bytes the
+        reporting ``worker`` sent each worker since (links between the
+        workers' lowest ranks). Filed under the call in flight or in the history (the
         last report may come after the outputs); anything else is counted and
         dropped."""
         call = self.find(token) if isinstance(token, str) else None
-        why = _engine_refusal(call, cells, totals)
+        why = _engine_refusal(call, cells, totals) or _sent_refusal(sent)
         if why is not None or call is None:
             self.malformed += 1
             logger.error("flowreduce: %s refused engine steps of call %s: %s", ENGINE_OP, repr(token)[:100], why)
@@ -164,6 +166,13 @@ class DashboardStore(SchedulerPlugin):
             slot = (r, ("engine", s))
             call.engine.setdefault(slot, [0, 0])[1] = n
             call.phases[slot] = phase
+        rank_of: dict[str, int] = {}
+        for r, w in enumerate(call.record.workers if call.record is not None else ()):
+            rank_of.setdefault(w, r)
+        for dest, nbytes in sent or ():
+            link = (rank_of.get(worker, -1), rank_of.get(dest, -1))
+            if -1 not in link:
+                call.link_bytes[link] = call.link_bytes.get(link, 0) + nbytes
         now = time()
         for r, s, n in cells:
             cell = call.engine.setdefault((r, ("engine", s)), [0, 0])
@@ -236,6 +245,8 @@ class DashboardStore(SchedulerPlugin):
             if not _ours(dep.key) or (dep.key, rank) in call.fetched:
                 continue
             src = keys_parse(dep.key)
+            if src is not None and src["phase"] in ("hand-in", "barrier"):  # p2p's gates: the engines report bytes
+                continue
             if src is not None and src["token"] == call.token and src["rank"] != rank:
                 call.fetched.add((dep.key, rank))
                 link = (src["rank"], rank)
@@ -315,6 +326,14 @@ def _attempt(run: Any) -> int:
     """The attempt of a run id ``"<token>.<attempt>"`` (0 when it says none)."""
     tail = run.rpartition(".")[2] if isinstance(run, str) else ""
     return int(tail) if tail.isdigit() and len(tail) < 6 else 0
+
+
+def _sent_refusal(sent: Any) -> str | None:
+    if not isinstance(sent, (list, tuple)) or len(sent) > MAX_RANKS or not all(
+            isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str) and len(x[0]) <= MAX_TEXT
+            and type(x[1]) is int and x[1] >= 0 for x in sent):
+        return "sent is not [[worker, bytes], ...]"
+    return None
 
 
 def _engine_refusal(call: Call | None, cells: Any, totals: Any) -> str | None:

@@ -22,8 +22,8 @@ it aligns the shared-memory copies: :mod:`flowreduce.tracing.clocks`):
 
 The dashboard: every :data:`REPORT_MS` a worker whose log grew sends the
 scheduler one stream message per run (:data:`flowreduce.dashboard.record.ENGINE_OP`)
-with how many nodes it computed per (rank, step) since the last one, and
-the first time each cell's total; the p2p scheduler plugin forwards it to
+with how many nodes it computed per (rank, step) since the last one, the
+bytes it sent to each worker, and the first time each cell's total; the p2p scheduler plugin forwards it to
 the dashboard's store (:func:`serve`). That is one message per worker and
 run every 100 ms at most, on the worker's existing batched stream, rather
 than the page asking every worker at each refresh: no work at all while
@@ -149,6 +149,7 @@ class EngineLog:
         """The progress messages of ``entries``: per run, nodes computed per
         (rank, step), and each new cell's plan phase and total (nodes x chunks)."""
         done: dict[str, dict[tuple[int, int], int]] = {}
+        sent: dict[str, dict[str, int]] = {}
         for e in entries:
             if e[0] == NODE:
                 prog = self.programs.get(e[1])
@@ -160,6 +161,10 @@ class EngineLog:
                 cells[rank, nd.step] = cells.get((rank, nd.step), 0) + 1
             elif e[0] == BEGIN and e[1] in self.programs:
                 done.setdefault(e[1], {})
+            elif e[0] == SEND and e[1] in self.programs:
+                done.setdefault(e[1], {})
+                to = sent.setdefault(e[1], {})
+                to[e[2]] = to.get(e[2], 0) + e[6]
         out = []
         for run, cells in done.items():
             totals = []
@@ -169,7 +174,8 @@ class EngineLog:
                 if len(self.told) > KEPT_RUNS:
                     self.told.popitem(last=False)
             out.append({"op": ENGINE_OP, "token": token_of(run), "run": run,
-                        "cells": [[r, s, n] for (r, s), n in cells.items()], "totals": totals})
+                        "cells": [[r, s, n] for (r, s), n in cells.items()], "totals": totals,
+                        "sent": [[dest, n] for dest, n in sent.get(run, {}).items()]})
         return out
 
 

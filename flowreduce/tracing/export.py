@@ -91,7 +91,9 @@ def chrome_events(trace: Any) -> list[dict]:
     for i, e in enumerate(events):
         if e.phase != "transfer" or e.source not in pid:
             continue
-        j = serialise.get((e.source, e.dest, e.keys), made.get((e.source, e.key)))
+        j = serialise.get((e.source, e.dest, e.keys))
+        if j is None:  # the task (or p2p engine node) that made a key of the message, the first one first
+            j = next((made[e.source, k] for k in (e.key, *e.keys) if (e.source, k) in made), None)
         if j is None:
             continue
         s = events[j]
