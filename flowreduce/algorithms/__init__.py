@@ -39,7 +39,7 @@ _SPARSE_PLANNERS: dict[str, Callable[..., Plan]] = {
 
 #: Registered algorithm names, plus ``"auto"`` (chosen by the cost model).
 ALGORITHMS: tuple[str, ...] = (*_PLANNERS, "auto")
-#: Algorithms that move only non-zeros (:mod:`flowreduce.sparse`): the first two
+#: Algorithms that move only non-zeros (:mod:`flowreduce.algorithms.sparse`, docs/sparse.md): the first two
 #: take scipy.sparse inputs, ``block-sparse`` dense numpy inputs with zero blocks.
 SPARSE_ALGORITHMS: tuple[str, ...] = tuple(_SPARSE_PLANNERS)
 

@@ -2,7 +2,7 @@
 
 The index space counts blocks of ``block`` elements of the flattened input
 (the last block may be short). A rank packs the blocks of a range that hold
-any non-zero (:class:`~._payload.BlockPack`); an aggregator adds the packs of
+any non-zero (:class:`~flowreduce.kernels.sparse_payload.BlockPack`); an aggregator adds the packs of
 all ranks over the union of their blocks; every rank unpacks the sums into a
 dense array. Only ``sum`` and ``mean`` (OmniReduce's aggregation).
 """

@@ -1,6 +1,6 @@
 """Kernels of the element-sparse all-reduce (SparCML): what the tasks run.
 
-A node's value is a tuple of pieces (see :mod:`._payload`), each covering a
+A node's value is a tuple of pieces (see :mod:`flowreduce.kernels.sparse_payload`), each covering a
 contiguous range of the *index space*: the input's elements numbered in the
 order its format stores them (row-major for CSR and COO, column-major for
 CSC), so a range is a slice of rows (columns) and cutting it is cheap.

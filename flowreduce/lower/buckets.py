@@ -27,17 +27,17 @@ from dask.typing import Key
 
 from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
+from flowreduce.fusion import Bucket, Layout
 from flowreduce.kernels import fusion as _fusion_kernels
 from flowreduce.lower.graph import build_graph
-from flowreduce.reproducible import tree_ordered
-from flowreduce.fusion import Bucket, Layout
 from flowreduce.ops import Op
 from flowreduce.pytree import paths
+from flowreduce.reproducible import tree_ordered
 
 
 @dataclass
 class BucketGraph:
-    """One bucket's all-reduce inside a tree graph."""
+    """One bucket's all-reduce inside a pytree graph."""
 
     bucket: Bucket
     plan: Plan
@@ -47,7 +47,7 @@ class BucketGraph:
 
 
 @dataclass
-class TreeGraph:
+class PytreeGraph:
     """A lowered all-reduce of a pytree per rank: the tasks, the key of each
     rank's result per input future (``outputs[rank][j]``), where every task
     runs, and the buckets."""
@@ -58,7 +58,7 @@ class TreeGraph:
     buckets: list[BucketGraph] = field(default_factory=list)
 
 
-def build_tree_graph(
+def build_pytree_graph(
     layout: Layout,
     buckets: Sequence[Bucket],
     plans: Sequence[Plan],
@@ -69,7 +69,7 @@ def build_tree_graph(
     check: bool = False,
     in_place: bool = True,
     ordered: bool = False,
-) -> TreeGraph:
+) -> PytreeGraph:
     """Lower buckets ``buckets`` (each with its plan in ``plans``) for rank
     inputs ``inputs[rank][j]`` (futures or TaskRefs, one per input future
     of the layout, in flatten order) on ``workers`` (one address per rank).
@@ -85,7 +85,7 @@ def build_tree_graph(
     opaths = paths(layout.outer)
     specs_of = [tuple(layout.tensors[i].spec for i in layout.tensors_of(j)) for j in range(len(layout.inner))]
     where = {t: layout.tensors[t] for t in range(len(layout.tensors))}
-    g = TreeGraph(outputs=[[] for _ in range(p)])  # filled in input order, below
+    g = PytreeGraph(outputs=[[] for _ in range(p)])  # filled in input order, below
     located: dict[int, tuple[int, int]] = {}  # tensor -> (bucket, offset)
 
     for b, (bucket, plan) in enumerate(zip(buckets, plans)):
@@ -123,10 +123,10 @@ def build_tree_graph(
         for i, off in zip(bucket.tensors, bucket.offsets):
             located[i] = (b, off)
 
-    for j, tree in enumerate(layout.inner):
+    for j, structure in enumerate(layout.inner):
         mine = layout.tensors_of(j)
         first = located[mine[0]][0] if mine else 0
-        if tree.is_leaf and not buckets[first].fused and layout.tensors[mine[0]].spec.native is None:
+        if structure.is_leaf and not buckets[first].fused and layout.tensors[mine[0]].spec.native is None:
             for r in range(p):
                 g.outputs[r].append(g.buckets[first].outputs[r])
             continue
@@ -137,8 +137,15 @@ def build_tree_graph(
         bg = g.buckets[used[0]] if used else g.buckets[0]
         for r in range(p):
             key = keys.unpack_key(bg.plan.algorithm, bg.token, r, j)
-            g.tasks[key] = Task(key, _fusion_kernels.unpack, tree,
+            g.tasks[key] = Task(key, _fusion_kernels.unpack, structure,
                                 List(*(TaskRef(cast(Key, g.buckets[b].outputs[r])) for b in used)), parts)
             g.placement[key] = workers[r]
             g.outputs[r].append(key)
     return g
+
+
+# The old names, from before "tree" meant only the `tree` algorithm (algorithms/kary_tree.py):
+# schedule/call.py, edited elsewhere meanwhile, still imports build_tree_graph. Drop these two
+# once nothing does.
+TreeGraph = PytreeGraph
+build_tree_graph = build_pytree_graph

@@ -49,11 +49,11 @@ import numpy as np
 from dask.typing import Key
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from flowreduce.shm import posts as shm_posts
-from flowreduce.lower.direct import Partial
 from flowreduce.errors import WorkerLostError, refused
 from flowreduce.keys import parse as parse_key
+from flowreduce.lower.direct import Partial
 from flowreduce.ops import Op, resolve_op
+from flowreduce.shm import posts as shm_posts
 
 logger = logging.getLogger("flowreduce")
 
@@ -389,7 +389,7 @@ def _copy_into(value: np.ndarray, out: np.ndarray) -> None:
 
 
 def _sum_into(op: Op, values: Sequence[np.ndarray], out: np.ndarray) -> None:
-    op.fold(values, out)  # the bits of build.direct.accumulate: the first cast to ``out``'s dtype, then the rest
+    op.fold(values, out)  # the bits of lower.direct.accumulate: the first cast to ``out``'s dtype, then the rest
 
 
 async def _collect(worker: Any, pool: Any, token: str, first: dict[str, int], key: Hashable

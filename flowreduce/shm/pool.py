@@ -1,5 +1,5 @@
 """A per-process pool of shared-memory segments: the same-host data plane's
-buffers. Pure (os, mmap, numpy, dask.config); build kernels get it through
+buffers. Pure (os, mmap, numpy, dask.config); the kernels get it through
 :func:`pool`, and the scheduling layer's worker plugin releases it when idle
 and when the worker closes.
 

@@ -3,7 +3,7 @@ worker shares one host: the ``shm-direct`` collective
 (:mod:`flowreduce.lower.shm_direct`) lowered into the trainer's own step
 graph, so that a step costs at most two dependent task levels:
 
-1. per rank, one ``torch-step`` task (:func:`flowreduce.torch.replica.step`):
+1. per rank, one ``torch-step`` task (:func:`flowreduce.torch.replica.step_direct`):
    the previous step's averaged gradients copied out of the peers' slices
    into ``.grad`` and the optimizer step, then forward/backward, then each
    bucket's gradients written into a pooled shared-memory segment
@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowreduce.kernels import shm as shm_kernels
-from flowreduce.shm import pool as shm_pool
-from flowreduce.lower.graph import chunk_bounds
 from flowreduce.fusion import Bucket, make_buckets
+from flowreduce.kernels import shm as shm_kernels
+from flowreduce.lower.graph import chunk_bounds
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import TensorSpec
+from flowreduce.shm import pool as shm_pool
 
 #: What the trainer computes: DDP's average of the ranks' gradients.
 MEAN: Op = resolve_op("mean")
