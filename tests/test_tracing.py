@@ -67,7 +67,7 @@ def _inputs(client, delays=None, seed=0):
 def _traced(client, algorithm, chunks, delays=None, **trace_kw):
     with trace(client, **trace_kw) as tr:
         xs = _inputs(client, delays)
-        out = flowreduce.allreduce(client, xs, algorithm=algorithm, chunks=chunks)
+        out = flowreduce.allreduce(client, xs, algorithm=algorithm, chunks=chunks, method="tasks")
         tr.add(out, xs)
         client.gather(out)
     who = client.who_has(out)
@@ -422,7 +422,7 @@ def test_user_task_on_the_same_timeline(client, tmp_path):
                              key=f"train-step-{time.time_ns()}")
         xs = [step, *(client.submit(make_input, N, r, workers=[w], pure=False)
                       for r, w in enumerate(workers) if r)]
-        out = flowreduce.allreduce(client, xs, algorithm="butterfly", chunks=1)
+        out = flowreduce.allreduce(client, xs, algorithm="butterfly", chunks=1, method="tasks")
         client.gather(out)
     call = tr.last_call
     mine = [e for e in tr.events if e.key == repr(step.key) and e.phase != "wait-for-input"]
@@ -524,7 +524,7 @@ def test_a_message_carrying_two_calls_keys_is_split_per_call(client):
         calls = []
         for seed, n in ((0, N), (1, 2 * N)):  # different sizes: bytes tell the keys apart
             xs = [client.submit(make_input, n, seed + r, workers=[w], pure=False) for r, w in enumerate(pair)]
-            calls.append(flowreduce.allreduce(client, xs, algorithm="reduce-broadcast"))
+            calls.append(flowreduce.allreduce(client, xs, algorithm="reduce-broadcast", method="tasks"))
         a, b = (c[0] for c in calls)
         distributed.wait([a, b])
         assert client.who_has([a, b]) == {a.key: (pair[0],), b.key: (pair[0],)}
