@@ -682,3 +682,26 @@ def test_p2p_engine_steps_in_the_exported_json(client, tmp_path):
     text = str(s)
     assert "critical path:" in text and "straggler: rank 2" in text
     assert tr.lost["engine_log"] == 0
+
+
+def test_p2p_engine_steps_with_ranks_sharing_workers(client):
+    """8 ranks on the 4 workers, p2p: every reduction of the plan the engines ran is an event once, on the
+    worker of the rank it carries; the summary has a row per plan rank and a critical path."""
+    from flowreduce.tracing.summary import plan_ranks, plan_workers
+
+    workers = sorted(client.nthreads())
+    with trace(client) as tr:
+        xs = [client.submit(make_input, N, r, workers=[workers[r % RANKS]], pure=False) for r in range(2 * RANKS)]
+        out = flowreduce.allreduce(client, xs, algorithm="butterfly", chunks=2, method="p2p")
+        tr.add(out, xs)
+        client.gather(out)
+    call = tr.last_call
+    plan, ranks, where = call.plan, plan_ranks(call), plan_workers(call)
+    got = Counter((e.rank, e.step, e.chunk, e.node, e.worker) for e in tr.iter_events(call.token)
+                  if e.detail.startswith("p2p engine") and e.phase == "reduce")
+    want = Counter((ranks[n.rank], n.step, c, n.id, where[n.rank]) for c in range(plan.chunks) for n in plan.nodes
+                   if n.kind == "reduce")
+    assert want and got == want
+    s = summarize(tr)
+    assert [r.rank for r in s.per_rank] == ranks and [r.worker for r in s.per_rank] == where
+    assert any(p.kind == "reduce" for p in s.critical_path)

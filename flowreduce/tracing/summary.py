@@ -237,14 +237,15 @@ def summarize(trace: Any, token: str | None = None) -> Summary:
         phases: dict[str, float] = defaultdict(float)
         for p, a, b in clipped:
             phases[p] += b - a
+        label = plan_ranks(call)[r] if engine_run_over_workers(call) else r  # a worker's row: its lowest rank
         for e in trace.iter_events(token):
-            if e.phase == WAIT_FOR_INPUT and e.rank == r:
+            if e.phase == WAIT_FOR_INPUT and e.rank == label:
                 phases[WAIT_FOR_INPUT] += e.duration
         comp = [(a, b) for p, a, b in clipped if p in COMPUTE_PHASES]
         comm = [(a, b) for p, a, b in clipped if p in COMM_PHASES]
         busy = length(comp + comm)
         c, o = length(comm), intersect(comm, comp)
-        per_rank.append(RankStats(r, w, dict(phases), busy, (t1 - t0) - busy, c, o))
+        per_rank.append(RankStats(label, w, dict(phases), busy, (t1 - t0) - busy, c, o))
         all_busy, all_comm, all_over = all_busy + busy, all_comm + c, all_over + o
         for p, v in phases.items():
             totals[p] += v
