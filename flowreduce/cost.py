@@ -129,6 +129,9 @@ class CostModel:
     reduce_rate: float = 1.5e10  # bytes/s a rank combines
     copy_rate: float = 1.0e10  # bytes/s for assembling an output from pieces (fresh pages)
     cores: int | None = None  # CPU cores shared by the ranks (None: one each)
+    # s per dependent step of a plan run by the workers' p2p engine (one message between two workers'
+    # event loops, no scheduler): 4 and 64 ranks on 4 workers, loopback, benchmarks/p2p_scale.py
+    message: float = 1.5e-3
     intra: Link | None = None  # between ranks of one host (None: level and bandwidth above)
     inter: Link | None = None  # through a host's network link (None: DEFAULT_INTER)
     shm: Link | None = None  # shared memory between workers of one host (None: DEFAULT_SHM)
@@ -171,6 +174,30 @@ class CostModel:
         else:
             body = max(link, compute) + min(link, compute) / chunks + copy
         return self.call + card.tasks * self.task + latency + body
+
+    def p2p_time(self, plan: Plan, nbytes: float, ranks: int, groups: Groups | None = None) -> float:
+        """``method="p2p"``: ``plan`` over the call's workers (``plan.ranks``
+        of them) run by their engines, for ``ranks`` ranks (docs/p2p.md)::
+
+            T = call + 3·level + (workers + 1 + ranks)·task + combine + copies + engine
+
+        three dependent task levels (hand-in, barrier, output) of a hand-in
+        per worker and an output per rank; each worker combines its
+        ``ranks/workers`` inputs and copies the result out for each but one;
+        the engine is the plan priced as for tasks but with no task and a
+        message (``message``, or the inter-host α) per dependent step."""
+        workers = plan.ranks
+        per_worker = math.ceil(ranks / workers)
+        combine = (per_worker - 1) * nbytes / self.reduce_rate
+        copies = (per_worker - 1) * nbytes / self.copy_rate
+        if self.cores and self.cores < workers:
+            combine, copies = combine * workers / self.cores, copies * workers / self.cores
+        card = plan.cost(nbytes)
+        loads = link_loads(plan, groups, nbytes) if groups is not None and len(groups) > 1 else None
+        intra = Link(self.message, (self.intra or Link(self.level, 1.0 / self.bandwidth)).beta)
+        engine = replace(self, level=self.message, task=0.0, call=0.0, intra=intra)
+        return (self.call + 3 * self.level + (workers + 1 + ranks) * self.task + combine + copies
+                + engine._time(workers, plan.chunks, card, loads, nbytes))
 
     def shm_direct_time(self, plan: Plan, nbytes: float) -> float:
         """The one-level intra-host collective over shared memory: 3 levels,

@@ -189,6 +189,23 @@ def test_the_handler_refuses_what_no_run_sends(inproc_client):
     wrong = engine.program(spec, address).expected(0, received) + 1
     assert "elements" in reply(run="r.0", index=[[0, received, [["<i8", wrong]]]], packed=np.zeros(8 * wrong, np.uint8),
                                items=[], spec=spec)["message"]
+    # a shared segment's handle: only a flowreduce segment of this user, of the generation sent, read within it
+    assert "segment handle" in reply(run="r.0", items=[], spec=spec, shared={"name": "x"})["message"]
+    handle = {"name": "../../etc/passwd", "size": 4096, "generation": 1, "values": []}
+    assert "not a flowreduce segment" in reply(run="r.0", items=[], spec=spec, shared=handle)["message"]
+    from flowreduce.shm import pool as shm_pool
+
+    seg = shm_pool.pool().lease(64)
+    try:
+        handle = {"name": seg.name, "size": seg.size, "generation": seg.generation + 1, "values": []}
+        assert "another lease" in reply(run="r.0", items=[], spec=spec, shared=handle)["message"]
+        handle["generation"] = seg.generation
+        for piece, why in ([["<i8", 1, seg.size], "overruns"], [["|O", 1, 0], "not numeric"],
+                           [["<i8", -1, 0], "not [dtype, size, offset]"]):
+            handle["values"] = [[0, received, [piece]]]
+            assert why in reply(run="r.0", items=[], spec=spec, shared=handle)["message"], why
+    finally:
+        shm_pool.pool().give_back(seg)
     assert inproc_client.run(engine.runs_held) == {w: [] for w in inproc_client.nthreads()}
 
 
@@ -381,3 +398,35 @@ def test_ranks_sharing_a_worker_are_combined_there_first(inproc_client, dtype, o
         for r, b in enumerate(results):
             assert b.dtype == want.dtype and b.tobytes() == want.tobytes(), f"{algorithm} rank {r}"
         assert len({id(b) for b in results}) == 7  # every rank its own array
+
+
+
+def _shared_sends(dask_worker=None):
+    return dask_worker.extensions[engine.EXTENSION].shared_sends
+
+
+def _leased(dask_worker=None):
+    from flowreduce.shm import pool as shm_pool
+
+    found = shm_pool.current()
+    return found.stats()["leased"] if found is not None else 0
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring", "reduce-broadcast"])
+def test_workers_of_one_host_exchange_big_values_through_shared_segments(proc_client, algorithm):
+    """Values of at least flowreduce.shm.min-bytes between workers of one host go through a segment of the
+    sender's pool (the receiver copies them out before answering): the same result as through Dask's comm,
+    none when transport='dask', every segment given back after."""
+    arrays = _inputs(4, 200_000, "sum")
+    futures = scatter_ranks(proc_client, arrays)
+    want = _expected(arrays, "sum")
+    for transport in ("dask", "auto"):
+        before = sum(proc_client.run(_shared_sends).values())
+        out = flowreduce.allreduce(proc_client, futures, algorithm=algorithm, chunks=2, method="p2p",
+                                   transport=transport)
+        for f in out:
+            np.testing.assert_array_equal(f.result(timeout=60), want)
+        sent = sum(proc_client.run(_shared_sends).values()) - before
+        assert (sent > 0) == (transport == "auto"), (transport, sent)
+        assert wait_until(lambda: not any(proc_client.run(_leased).values()), 10)
+    assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)

@@ -58,17 +58,21 @@ class Spec:
     in_place: bool = True  # received buffers are private copies (not inproc://): reduce into them
     #: the ranks whose results are taken out (None: all); a restarted run leaves out those already taken
     outputs: tuple[int, ...] | None = None
+    #: per worker, the memory domain it shares with the others of its host (None: values go through
+    #: Dask's comm); empty: none does
+    domains: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, plan: Plan, op: Op, dtype: np.dtype, shape: tuple[int, ...], workers: Sequence[str],
-           in_place: bool) -> Spec:
+           in_place: bool, domains: Sequence[Any] = ()) -> Spec:
         """The run of ``plan`` (over :func:`engine_workers` of ``workers``, in that order) for ranks on ``workers``."""
         addresses = engine_workers(workers)
         if plan.ranks != len(addresses):
             raise ValueError(f"a p2p plan runs over the {len(addresses)} workers of the ranks, not {plan.ranks} ranks")
         index = {w: i for i, w in enumerate(addresses)}
         return cls(plan.algorithm, len(workers), plan.chunks, frozen_options(dict(plan.options)), op.name,
-                   np.dtype(dtype).str, tuple(shape), addresses, tuple(index[w] for w in workers), in_place)
+                   np.dtype(dtype).str, tuple(shape), addresses, tuple(index[w] for w in workers), in_place,
+                   domains=tuple(domains) if any(d is not None for d in domains) else ())
 
     def worker(self, rank: int) -> str:
         """The worker of the call's rank ``rank``."""

@@ -195,9 +195,11 @@ def allreduce(
         the dask config key ``flowreduce.deterministic`` (False).
     method : str, optional
         ``"tasks"``: a task per plan node and chunk; ``"p2p"``: the plan runs
-        in a worker extension, with 2 tasks per rank whatever the algorithm
-        and chunks (dense numpy arrays only for now; docs/p2p.md). Default:
-        the dask config key ``flowreduce.method`` (``"tasks"``).
+        over the ranks' workers in their engines, with a task per worker and
+        one per rank whatever the algorithm and chunks (dense numpy arrays,
+        ops by name; docs/p2p.md); ``"auto"``: the one the cost model prices
+        lower (``tasks`` for what p2p does not take). Default: the dask
+        config key ``flowreduce.method`` (``"auto"``).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
         the file named by the dask config key ``flowreduce.cost-model``,
@@ -264,7 +266,8 @@ def allreduce(
     if exact is True:  # one fixed order of float additions (docs/reproducibility.md)
         settings, exact = replace(settings, deterministic=True), False
     # exact needs the inputs' dtype: a name glance() does not take makes describe_inputs learn it
-    if _p2p_method(method, like, algorithm, bool(exact)):  # the ranks described as for a dense call, then the engine
+    how = _method(method, like, algorithm, bool(exact))
+    if how == "p2p":  # the ranks described as for a dense call, then the engine
         ranks = describe_inputs(client, outer, futures, None, replace(settings, algorithm="p2p"))
         _refuse_unordered(ranks, settings, "method='p2p' (the engine does not follow the tree order yet; "
                           "use method='tasks')")
@@ -278,7 +281,7 @@ def allreduce(
                              deterministic=False, **options)
         return _reproducible.allreduce(client, [fs[0] for fs in ranks.futures], ranks.workers, ranks.held,
                                        settings.op, run)
-    return submit(client, lower(client, ranks, settings), ranks, settings.timeout)
+    return submit(client, lower(client, ranks, settings, may_p2p=how == "auto"), ranks, settings.timeout)
 
 
 @dataclass(frozen=True)
@@ -544,8 +547,11 @@ class Job:
     hold: bool = False  # the tasks read inputs they do not depend on: the guard keeps them until the call is done
 
 
-def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
-    """Choose the plans and lower them to one graph for the whole call."""
+def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = False) -> Job:
+    """Choose the plans and lower them to one graph for the whole call;
+    ``may_p2p`` (``method="auto"``): the p2p engine's route where the cost
+    model prices it below the task graph's."""
+    asked = settings
     workers = list(ranks.workers)
     p = len(workers)
     model = model_for(settings.model, hosts.shared_cores(workers, ranks.places))
@@ -613,6 +619,10 @@ def lower(client: Client, ranks: Ranks, settings: Settings) -> Job:
         settings = replace(settings, options=_transport.direct_options(dict(settings.options), workers),
                            chunks=settings.chunks_for(nbytes) or 1)
     plan = dense_plan(nbytes, levels, model, settings, workers, domains)
+    if may_p2p and _p2p_refusal(ranks, asked) is None:  # the route the model prices lower, tasks on a tie
+        route = p2p_route(client, ranks, asked)
+        if route.predicted < _transport.predict(plan, model, nbytes, workers, domains, levels[0]):
+            return lower_p2p(client, ranks, asked, route)
     if plan.algorithm == _direct.NAME and plan.chunks == 1:
         return direct(plan, nbytes, shape, dtype.str)
     graph, how, links = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
@@ -662,48 +672,84 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
                tuple(calls), whole, priority=1, summary=summary)
 
 
-def _p2p_method(method: str | None, like: Any, algorithm: str, exact: bool) -> bool:
-    """Whether the call runs through the p2p engine: ``method``, else the
-    dask config key ``flowreduce.method``; what it does not take yet is refused."""
+METHODS = ("auto", "tasks", "p2p")
+
+
+def _method(method: str | None, like: Any, algorithm: str, exact: bool) -> str:
+    """How the call runs: ``method``, else the dask config key
+    ``flowreduce.method``. ``"p2p"`` refuses what the engine does not take
+    yet; ``"auto"`` is ``"tasks"`` for those calls (and the cost model
+    chooses for the others, in :func:`lower`)."""
     method = config.get("method") if method is None else method
-    if method not in ("tasks", "p2p"):
-        raise OptionError(f"unknown method {method!r}; valid: 'tasks', 'p2p'")
-    if method == "tasks":
-        return False
+    if method not in METHODS:
+        raise OptionError(f"unknown method {method!r}; valid: {', '.join(map(repr, METHODS))}")
     why = ("like= templates" if like is not None else f"the sparse algorithm {algorithm!r}"
            if algorithm in SPARSE_ALGORITHMS else "deterministic='exact'" if exact else None)
-    if why is not None:
+    if why is not None and method == "p2p":
         raise OptionError(f"method='p2p' does not take {why} yet; use method='tasks'")
-    return True
+    return "tasks" if why is not None else method
 
 
-def lower_p2p(client: Client, ranks: Ranks, settings: Settings) -> Job:
-    """method="p2p": the plan (:func:`choose_plan`, as for tasks) run by
-    the workers' engine (:mod:`flowreduce.schedule.p2p`), one array per rank."""
+def _p2p_refusal(ranks: Ranks, settings: Settings) -> str | None:
+    """Why the p2p engine cannot run this call (yet), or None."""
     held = ranks.held
     if not isinstance(held, ArrayMeta) or held.native is not None or not ranks.outer.is_leaf:
         what = ("sparse" if isinstance(held, SparseInputs) else "torch" if isinstance(held, ArrayMeta)
-                and held.native is not None else "pytree")
-        raise OptionError(f"method='p2p' takes one dense numpy array per rank; {what} inputs are not there yet "
-                          "(use method='tasks')")
+                and held.native is not None else "pytree" if isinstance(held, (ArrayMeta, Layout)) else "unseen")
+        return f"method='p2p' takes one dense numpy array per rank; {what} inputs are not there yet"
     if not settings.op.in_place or resolve_op(settings.op.name).func is not settings.op.func:
-        raise OptionError(f"method='p2p' takes ops by name or numpy ufunc, not the callable {settings.op.name!r} "
-                          "yet (use method='tasks')")
+        return f"method='p2p' takes ops by name or numpy ufunc, not the callable {settings.op.name!r} yet"
+    if settings.deterministic:
+        return "method='p2p' does not follow deterministic=True's tree order yet"
+    return None
+
+
+@dataclass(frozen=True)
+class P2PRoute:
+    """The p2p route of a call: the plan over its workers, priced as the engine runs it."""
+
+    plan: Plan
+    model: CostModel
+    engines: tuple[str, ...]
+    nbytes: int
+    predicted: float
+
+
+def p2p_route(client: Client, ranks: Ranks, settings: Settings) -> P2PRoute:
+    """The plan (:func:`choose_plan`, as for tasks) over the ranks' distinct
+    workers, and its price (:meth:`CostModel.p2p_time`)."""
+    held = cast(ArrayMeta, ranks.held)
     workers = list(ranks.workers)
-    engines = list(_p2p.engine_workers(workers))  # the plan runs over these: a worker's ranks are combined there
+    engines = _p2p.engine_workers(workers)  # the plan runs over these: a worker's ranks are combined there
     model = model_for(settings.model, hosts.shared_cores(engines, ranks.places))
     levels = hosts.rank_levels(client, engines, ranks.places, settings.topology)
-    shape, dtype = tuple(held.shape), np.dtype(held.dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
+    nbytes = math.prod(held.shape) * np.dtype(held.dtype).itemsize
     plan = choose_plan(len(engines), nbytes, levels, model, settings)
-    spec = _p2p.Spec.of(plan, settings.op, dtype, shape, workers, ranks.in_place)
+    return P2PRoute(plan, model, engines, nbytes, model.p2p_time(plan, nbytes, len(workers), levels[0]))
+
+
+def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute | None = None) -> Job:
+    """method="p2p": ``route`` (else :func:`p2p_route`) run by the workers'
+    engine (:mod:`flowreduce.schedule.p2p`), one array per rank."""
+    why = _p2p_refusal(ranks, settings)
+    if why is not None:
+        raise OptionError(f"{why} (use method='tasks')")
+    route = route or p2p_route(client, ranks, settings)
+    held = cast(ArrayMeta, ranks.held)
+    workers = list(ranks.workers)
+    shape, dtype = tuple(held.shape), np.dtype(held.dtype)
+    # workers of one host exchange big values through shared segments (one process: by reference already)
+    domains = [None if d == _transport.IN_PROCESS else d
+               for d in _transport.memory_domains(list(route.engines), ranks.places, settings.transport)]
+    spec = _p2p.Spec.of(route.plan, settings.op, dtype, shape, workers, ranks.in_place, domains)
     graph = _p2p.lower(spec, [fs[0] for fs in ranks.futures])
     _p2p.ensure_p2p(client)
-    # priced as its task graph for now: the engine's own cost card is to come
-    record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes, levels[0]), tuple(workers), shape,
+    if spec.domains:
+        ensure_shm(client)
+    record = CallRecord(graph.token, route.plan, route.nbytes, route.predicted, tuple(workers), shape,
                         dtype.str, tuple(fs[0].key for fs in ranks.futures), method="p2p")
-    summary = ("allreduce %s (p2p over %d workers): %d ranks, %d bytes each, %d tasks", plan, len(engines),
-               len(workers), nbytes, len(graph.tasks))
+    summary = ("allreduce %s (p2p over %d workers): %d ranks, %d bytes each, %d tasks", route.plan,
+               len(route.engines), len(workers), route.nbytes, len(graph.tasks))
     return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
 
 

@@ -46,6 +46,7 @@ from flowreduce.lower.p2p import Program, Spec, engine_workers, lower_p2p, progr
 from flowreduce.errors import InputError, WorkerLostError, refused
 from flowreduce.keys import new_token, parse
 from flowreduce.phases import BARRIER, HAND_IN, OUTPUT
+from flowreduce.shm import pool as _shm_pool
 from flowreduce.schedule.engine_log import EngineLog, now as _now, serve as _serve_engine_log
 
 logger = logging.getLogger("flowreduce")
@@ -213,15 +214,23 @@ class Run:
     async def _send(self, dest: str) -> None:
         """Send what waits for ``dest``, one message at a time: whatever became
         ready during a send goes in the next one."""
+        lease = None
         try:
             while self.outbox.get(dest):
                 index, packed, large = _pack(self.outbox.pop(dest))
                 spec = None if dest in self.told else to_serialize(self.spec)
                 self.told.add(dest)
                 t0 = _now()
+                sent, shared = large, None
+                if large and self._same_host(dest):
+                    lease, shared, large = await self._into_segment(large)
                 reply = await self.engine.worker.rpc(dest).flowreduce_p2p_receive(
-                    run=self.id, index=index, packed=to_serialize(packed), items=to_serialize(large), spec=spec)
-                self.engine.log.send(self.id, dest, t0, index, packed, large)
+                    run=self.id, index=index, packed=to_serialize(packed), items=to_serialize(large), spec=spec,
+                    shared=shared)
+                if lease is not None:  # the peer copied its values out before answering
+                    lease, (pool, seg, generation) = None, lease
+                    pool.give_back(seg, generation)
+                self.engine.log.send(self.id, dest, t0, index, packed, sent)
                 if isinstance(reply, dict) and isinstance(reply.get("error"), BaseException):
                     raise _Failed(reply["error"])  # the run failed there first: fail here with its error
                 if not isinstance(reply, dict) or reply.get("status") != "OK":
@@ -237,7 +246,52 @@ class Run:
                 self.engine.fail(self.id, exc, tell=True)
         finally:
             self.sending.pop(dest, None)
+            if lease is not None:  # the send failed: the peer may still be reading it, so it is not reused
+                lease[0].discard(lease[1], lease[2])
         self._maybe_done()
+
+    def _same_host(self, dest: str) -> bool:
+        """Whether values for ``dest`` go through a shared segment: it shares this worker's memory domain."""
+        domains = self.spec.domains
+        if not domains:
+            return False
+        mine = domains[self.spec.addresses.index(self.engine.address)]
+        return mine is not None and mine == domains[self.spec.addresses.index(dest)]
+
+    async def _into_segment(self, items: list[Item]) -> tuple[Any, Any, list[Item]]:
+        """The values of at least ``flowreduce.shm.min-bytes`` written into one leased segment of
+        this worker's pool, and the handle a peer maps to read them; the rest stay as they are
+        (all of them when no segment can be had: shared memory off, full or at its bound)."""
+        big = [it for it in items if sum(a.nbytes for a in it[2]) >= self.engine.shm_min_bytes]
+        if not big:
+            return None, None, items
+        layout, at = [], 0
+        for c, n, pieces in big:
+            entry = []
+            for a in pieces:
+                entry.append([a.dtype.str, int(a.size), at])
+                at += -(-a.nbytes // 64) * 64  # each piece 64-byte aligned
+            layout.append([c, n, entry])
+        try:
+            pool = _shm_pool.pool()
+            seg = pool.lease(at, owner=self.id)
+        except _shm_pool.Unavailable:
+            return None, None, items
+        generation = seg.generation
+
+        def write() -> None:
+            for (c, n, pieces), (_, _, entry) in zip(big, layout):
+                for a, (_, count, offset) in zip(pieces, entry):
+                    seg.view(a.dtype, count, offset)[:] = a.reshape(-1)
+
+        if at >= OFFLOAD_BYTES:
+            await asyncio.get_running_loop().run_in_executor(self.engine.executor, write)
+        else:
+            write()
+        rest = [it for it in items if sum(a.nbytes for a in it[2]) < self.engine.shm_min_bytes]
+        self.engine.shared_sends += 1
+        handle = {"name": seg.name, "size": seg.size, "generation": generation, "values": layout}
+        return (pool, seg, generation), handle, rest
 
     def _finish(self, index: int) -> None:
         """The plan rank ``index`` has its result: each member rank gets its own array."""
@@ -352,6 +406,9 @@ class Engine:
         self.failed: OrderedDict[str, BaseException] = OrderedDict()
         #: runs that ended here (FAILED_KEPT at most): a task of one that Dask runs again does nothing
         self.done: OrderedDict[str, None] = OrderedDict()
+        #: values for a worker of this host at least this big go through a shared segment
+        self.shm_min_bytes = int(_shm_pool.config()["min-bytes"])
+        self.shared_sends = 0  # messages whose big values went through a segment (tests read it)
         self.log = EngineLog(worker)  # what the runs did, for traces and the dashboard (engine_log.py)
 
     @property
@@ -402,16 +459,25 @@ class Engine:
 
     # -- handlers ---------------------------------------------------------------
     async def receive(self, run: Any = None, index: Any = None, packed: Any = None, items: Any = None,
-                      spec: Any = None, **other: Any) -> dict[str, Any]:
-        """A peer's values for ``run`` (:func:`_pack`'s three parts). Anything
-        but what :meth:`Run._send` sends (unknown arguments or run, a buffer
-        that does not match its index, items that are not this run's nodes
-        for this worker or not of their size) is refused with a logged error."""
+                      spec: Any = None, shared: Any = None, **other: Any) -> dict[str, Any]:
+        """A peer's values for ``run`` (:func:`_pack`'s three parts, and the
+        handle of a segment on this host holding the big ones, copied out
+        here before answering). Anything but what :meth:`Run._send` sends
+        (unknown arguments or run, a buffer that does not match its index, a
+        segment that is not a flowreduce one of that generation or too small,
+        items that are not this run's nodes for this worker or not of their
+        size) is refused with a logged error."""
         why = f"unknown arguments {sorted(map(str, other))[:10]}" if other else None
         small = _unpack(index, packed) if why is None else []
         if isinstance(small, str):
             why = small
-        elif why is None:
+        elif why is None and shared is not None:
+            mapped = await self._from_segment(shared)
+            if isinstance(mapped, str):
+                why = mapped
+            elif isinstance(items, list):
+                items = items + mapped
+        if why is None and not isinstance(small, str):
             items = small + items if isinstance(items, list) else items
             why = _refusal(self, run, items, spec)
         if why is not None:
@@ -426,6 +492,49 @@ class Engine:
             self.fail(run, e, tell=True)
             return {"status": "error", "message": f"{e!r}"[:300]}
         return {"status": "OK"}
+
+    async def _from_segment(self, shared: Any) -> list[Item] | str:
+        """Private copies of the values a peer wrote into its segment (:meth:`Run._into_segment`),
+        or why the handle is refused."""
+        if not (isinstance(shared, dict) and set(shared) == {"name", "size", "generation", "values"}
+                and type(shared["generation"]) is int and isinstance(shared["values"], (list, tuple))
+                and len(shared["values"]) <= MAX_ITEMS):
+            return "shared must be a segment handle {name, size, generation, values}"
+        try:
+            seg = _shm_pool.pool().attach(shared["name"], shared["size"])
+        except (_shm_pool.Refused, _shm_pool.Unavailable, RuntimeError) as e:
+            return f"segment {str(shared['name'])[:80]!r}: {e}"[:300]
+        if seg.stamped() != shared["generation"]:
+            return f"segment {seg.name} holds another lease than the one sent"
+        where: list[tuple[int, int, list[tuple[np.dtype, int, int]]]] = []
+        for entry in shared["values"]:
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and type(entry[0]) is int
+                    and type(entry[1]) is int and isinstance(entry[2], (list, tuple))):
+                return "a shared value is not [chunk, node, pieces]"
+            pieces = []
+            for piece in entry[2]:
+                if not (isinstance(piece, (list, tuple)) and len(piece) == 3 and isinstance(piece[0], str)
+                        and len(piece[0]) <= 8 and type(piece[1]) is int and type(piece[2]) is int
+                        and piece[1] >= 0 and piece[2] >= 0):
+                    return "a shared piece is not [dtype, size, offset]"
+                try:
+                    dtype = np.dtype(piece[0])
+                except TypeError:
+                    return f"unknown dtype {piece[0]!r}"
+                if dtype.kind not in "biufc":
+                    return f"dtype {piece[0]!r} is not numeric"
+                if _shm_pool.HEADER + piece[2] + dtype.itemsize * piece[1] > seg.size:
+                    return f"a shared piece overruns segment {seg.name}"
+                pieces.append((dtype, piece[1], piece[2]))
+            where.append((entry[0], entry[1], pieces))
+
+        def copy() -> list[Item]:
+            return [(c, n, tuple(np.array(seg.view(d, k, o)) for d, k, o in pieces)) for c, n, pieces in where]
+
+        nbytes = sum(d.itemsize * k for _, _, pieces in where for d, k, _ in pieces)
+        if nbytes >= OFFLOAD_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, copy)
+        return copy()
 
     def failed_elsewhere(self, run: Any = None, error: Any = None, **other: Any) -> dict[str, str]:
         """A peer (or the scheduler) says ``run`` failed: fail it here too."""
@@ -593,7 +702,9 @@ def restart(s: Any, token: str, tasks: Sequence[Any], moves: Mapping[str, str], 
     for ts in hand_ins:
         run, index, spec, *xs = ts.run_spec.args
         old = run
-        spec = replace(spec, addresses=tuple(moves.get(a, a) for a in spec.addresses), outputs=pending)
+        domains = tuple(None if a in moves else d for a, d in zip(spec.addresses, spec.domains))  # not known here
+        spec = replace(spec, addresses=tuple(moves.get(a, a) for a in spec.addresses), outputs=pending,
+                       domains=domains if any(d is not None for d in domains) else ())
         ts.run_spec = Task(ts.key, ts.run_spec.func, new, index, spec, *xs)
     for ts in outputs:
         gate, _, rank = ts.run_spec.args
