@@ -17,7 +17,9 @@ large sizes, less where latency dominates. Run benchmarks/warm_memory.py
 first on a freshly booted machine.
 
     python benchmarks/reproducible.py [--sizes 1e5 1e6 1e7] [--repeat 5] [--modes default true exact]
-                                      [--algorithm auto] [--ranks 4]
+                                      [--algorithm auto] [--ranks 4] [--method tasks]
+    python benchmarks/reproducible.py --bytes   # True's bytes on the wire against the default's, no cluster
+    MALLOC_TRIM_THRESHOLD_=65536 python benchmarks/reproducible.py --kernels --sizes 1e5 1e6 1e7 1e8  # no cluster
 """
 
 from __future__ import annotations
@@ -51,6 +53,53 @@ def check(x: np.ndarray, sample: np.ndarray) -> bool:
     return bool(np.array_equal(x[: sample.size], sample))
 
 
+def bytes_table(ranks: tuple[int, ...] = (2, 3, 4, 5, 6, 8, 16, 32)) -> None:
+    """deterministic=True's bytes on the wire relative to the default, per plan
+    (one chunk): each transfer weighed by the partial sums its value carries."""
+    from flowreduce.lower.graph import piece_layout, tree_nodes
+
+    variants = [("butterfly", {}), ("butterfly", {"radix": 4}), ("recursive-doubling", {}),
+                ("recursive-doubling", {"radix": 4}), ("reduce-broadcast", {}), ("tree", {}), ("tree", {"fan_in": 3}),
+                ("ring", {}), ("hierarchical", {}), ("shm-direct", {}), ("direct", {})]
+    print(f"{'algorithm':32} " + " ".join(f"{p:>6}" for p in ranks))
+    for algorithm, options in variants:
+        cells = []
+        for p in ranks:
+            plan = flowreduce.plan(algorithm, p, **options)
+            carried = piece_layout(plan, [len(c) for c in tree_nodes(plan)])
+            plain = piece_layout(plan)
+            base = sum(b - a for t in plan.transfers() for a, b in plain[t.src])
+            ordered = sum(b - a for t in plan.transfers() for a, b in carried[t.src])
+            cells.append(f"{ordered / base:6.2f}" if base else "     -")
+        print(f"{algorithm + (str(options) if options else ''):32} " + " ".join(cells))
+
+
+def kernels_table(sizes: list[float], repeat: int) -> None:
+    """The one-level routes' sum of 4 ranks in one process (under Dask's
+    MALLOC_TRIM_THRESHOLD_ when run as the docs say): the default's fold in
+    rank order against True's tree order (kernels.dense.tree_fold), median
+    of ``repeat`` after a warm-up; little disturbed by other load, unlike the
+    cluster timings."""
+    from flowreduce.kernels.dense import tree_fold
+    from flowreduce.ops import resolve_op
+
+    op = resolve_op("sum")
+    print(f"{'elements':>10} {'fold ms':>9} {'tree ms':>9} {'tree/fold':>9}")
+    for n in (int(x) for x in sizes):
+        xs = [make_input(n, r) for r in range(4)]
+        out = np.empty(n)
+        med = {}
+        for name, run in (("fold", lambda: op.fold(xs, out)), ("tree", lambda: tree_fold(op, 4, xs, out))):
+            run()
+            ts = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                run()
+                ts.append(time.perf_counter() - t0)
+            med[name] = statistics.median(ts)
+        print(f"{n:>10} {med['fold'] * 1e3:>9.2f} {med['tree'] * 1e3:>9.2f} {med['tree'] / med['fold']:>9.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", type=float, default=[1e5, 1e6, 1e7])
@@ -59,14 +108,23 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=None, help="ranks (default: one per worker; more share workers)")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--algorithm", default="auto")
+    ap.add_argument("--method", default="tasks", help="allreduce(method=...) for every mode (True runs as tasks)")
+    ap.add_argument("--bytes", action="store_true", help="print True's bytes against the default's and stop")
+    ap.add_argument("--kernels", action="store_true", help="time the one-level routes' sums in this process and stop")
     args = ap.parse_args()
+    if args.bytes:
+        bytes_table()
+        return
+    if args.kernels:
+        kernels_table(args.sizes, max(args.repeat, 9))
+        return
     print(f"load average at start: {os.getloadavg()}  (cores: {os.cpu_count()})")
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         workers = sorted(client.nthreads())
         p = args.ranks or len(workers)
         at = [workers[r % len(workers)] for r in range(p)]
-        print(f"algorithm={args.algorithm} ranks={p} workers={len(workers)}")
+        print(f"algorithm={args.algorithm} method={args.method} ranks={p} workers={len(workers)}")
         print(f"{'elements':>10} {'mode':>8} {'median ms':>10} {'runs ms':>40} {'x default':>10}  plan")
         for n in (int(s) for s in args.sizes):
             times: dict[str, list[float]] = {m: [] for m in args.modes}
@@ -83,7 +141,8 @@ def main() -> None:
                         if list(held[f.key]) != [at[r]]:
                             raise RuntimeError(f"input of rank {r} is on {list(held[f.key])}, not {at[r]}")
                     t0 = time.perf_counter()
-                    outs = flowreduce.allreduce(client, inputs, algorithm=args.algorithm, deterministic=MODES[m])
+                    outs = flowreduce.allreduce(client, inputs, algorithm=args.algorithm, deterministic=MODES[m],
+                                                method=args.method)
                     wait(outs)
                     elapsed = time.perf_counter() - t0
                     record = flowreduce.describe(outs)

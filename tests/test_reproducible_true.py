@@ -375,3 +375,23 @@ def test_worker_lost_mid_call_gives_the_reference_bits(nanny_client, algorithm, 
     del out, parts
     gc.collect()
     assert_clean(client, timeout=60)  # the recovered call's re-runs may still be releasing on a loaded machine
+
+
+def test_templates_and_torch_tensors(inproc_client):
+    """like= templates and torch tensors go through the pytree path (buckets): the same bits."""
+    xs = wide(5, 1001, seed=3)
+    parts = scatter_ranks(inproc_client, xs)
+    ref = reference_reduce(xs, "sum", order="tree")
+    for algorithm in ("ring", "tree", "auto"):
+        out = flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, like=xs[0], deterministic=True)
+        assert same_bytes(inproc_client.gather(out), ref), algorithm
+        del out
+    torch = pytest.importorskip("torch")
+    ts = scatter_ranks(inproc_client, [torch.from_numpy(x.astype(np.float32)) for x in xs])
+    tref = reference_reduce([x.astype(np.float32) for x in xs], "mean", order="tree")
+    for algorithm in ("ring", "butterfly"):
+        out = flowreduce.allreduce(inproc_client, ts, algorithm=algorithm, op="mean", deterministic=True)
+        assert all(t.numpy().tobytes() == tref.tobytes() for t in inproc_client.gather(out)), algorithm
+        del out
+    del parts, ts
+    assert_clean(inproc_client)
