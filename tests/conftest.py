@@ -6,28 +6,15 @@ waiting, placing ranks...) are in utils.py."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import re
 import shutil
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 from distributed import Client, LocalCluster
-
-# Still imported from here by test_p2p.py and test_dashboard.py as committed (edited elsewhere while
-# the helpers moved to utils.py); drop once they import from utils.
-from utils import assert_clean, scatter_ranks, wait_until, workers_of  # noqa: F401
-
-# The fault injector and the Chromium helper left the library for tests/ (faults.py, browser.py).
-# Until every test imports them from there (test_p2p.py, test_dashboard.py and
-# test_reproducible_true.py as committed still name the old modules), the old names resolve to
-# them in a test session only; `import flowreduce.schedule.faults` outside pytest fails.
-sys.modules.setdefault("flowreduce.schedule.faults", importlib.import_module("faults"))
-sys.modules.setdefault("flowreduce.dashboard.browser", importlib.import_module("browser"))
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import assert_clean, wait_until
 from distributed import Client, Event, LocalCluster, wait
+from utils import assert_clean, wait_until
 
 import flowreduce
 import flowreduce.dashboard
@@ -125,7 +125,7 @@ def test_a_client_that_publishes_nothing_or_garbage_breaks_nothing(dash, monkeyp
     cluster, client = dash
     monkeypatch.setattr(flowreduce.dashboard, "publish", lambda *a, **k: None)
     xs, _ = _ranks(client)
-    out = flowreduce.allreduce(client, xs, algorithm="butterfly")
+    out = flowreduce.allreduce(client, xs, algorithm="butterfly", method="tasks")  # a task per plan node
     token = flowreduce.describe(out).token
     np.testing.assert_array_equal(client.gather(out)[0], np.full(N, 10.0))
     assert wait_until(lambda: client.run_on_scheduler(_store_view, token=token)["state"] == "done", 10)
@@ -152,7 +152,7 @@ def test_a_client_that_publishes_nothing_or_garbage_breaks_nothing(dash, monkeyp
 def test_link_bytes_match_the_plans_transfers(dash):
     cluster, client = dash
     xs, _ = _ranks(client, n=4096)
-    out = flowreduce.allreduce(client, xs, algorithm="ring")
+    out = flowreduce.allreduce(client, xs, algorithm="ring", method="tasks")  # bytes from the tasks' transfers
     token = flowreduce.describe(out).token
     client.gather(out)
     assert wait_until(lambda: client.run_on_scheduler(_store_view, token=token)["state"] == "done", 10)
@@ -250,7 +250,7 @@ def _cells(grid):
 
 
 def test_browser_shows_the_held_back_rank_waiting_then_done(dash):
-    from flowreduce.dashboard.browser import chromium, read_source, table_text, wait_for
+    from browser import chromium, read_source, table_text, wait_for
 
     cluster, client = dash
     xs, ws = _ranks(client)
@@ -333,7 +333,7 @@ def test_browser_shows_the_engine_steps_of_a_p2p_call_held_back_on_one_rank(dash
     where they need the held rank and the held rank's output waiting; once released, every engine cell
     has all its nodes done. (A p2p call cannot be submitted with an input still being computed: the
     engine needs its shape first, so the hand-in is what is held back.)"""
-    from flowreduce.dashboard.browser import chromium, read_source, wait_for
+    from browser import chromium, read_source, wait_for
 
     from flowreduce.schedule import p2p
 
@@ -372,6 +372,20 @@ def test_browser_shows_the_engine_steps_of_a_p2p_call_held_back_on_one_rank(dash
                             and bool(_engine_cells(g, token))
                             and all(d == n for _, d, n in _engine_cells(g, token).values()))
             assert {r for r, _ in _engine_cells(grid, token)} >= {0, 1}
+            # the links table: the bytes the engines sent, between the workers' lowest ranks, as planned
+            from flowreduce.tracing.summary import plan_ranks, plan_workers
+
+            info = flowreduce.describe(out)
+            ranks, where = plan_ranks(info), plan_workers(info)
+            expected: dict = {}
+            for t in info.plan.transfers():
+                if where[t.source] != where[t.dest]:  # values between ranks of one worker stay in process
+                    link = (ranks[t.source], ranks[t.dest])
+                    expected[link] = expected.get(link, 0) + (t.hi - t.lo) * info.nbytes / info.plan.segments
+            assert wait_until(lambda: {(r["source"], r["dest"]) for r in client.run_on_scheduler(
+                _store_view, token=token)["links"]} == set(expected), 10)
+            for r in client.run_on_scheduler(_store_view, token=token)["links"]:
+                assert abs(r["bytes"] - expected[r["source"], r["dest"]]) <= 8 * info.plan.segments, r
             errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
             assert not errors, errors
     finally:

@@ -21,28 +21,31 @@ import itertools
 import random
 
 import dask
+import faults
 import numpy as np
 import pytest
-from utils import assert_clean, scatter_ranks, wait_until
 from dask.task_spec import DataNode, TaskRef
 from distributed import Client, LocalCluster, wait
+from utils import assert_clean, scatter_ranks, wait_until
 
 import flowreduce
 from flowreduce.errors import OptionError
 from flowreduce.fusion import Layout, make_buckets
-from flowreduce.lower.buckets import build_tree_graph
+from flowreduce.lower.buckets import build_pytree_graph
 from flowreduce.lower.direct import build_direct as build_read_direct
 from flowreduce.lower.graph import build_graph
 from flowreduce.lower.shm_direct import build_direct as build_shm_direct
 from flowreduce.ops import resolve_op
 from flowreduce.pytree import flatten
-from flowreduce.reproducible import reference_reduce, tree_cover, tree_leaf, tree_merge, tree_ordered, tree_root
+from flowreduce.reproducible import (
+    reference_reduce,
+    tree_cover,
+    tree_leaf,
+    tree_merge,
+    tree_ordered,
+    tree_root,
+)
 from flowreduce.schedule.inputs import check_values
-
-try:  # the fault injector, a test helper (tests/faults.py; formerly flowreduce.schedule.faults)
-    import faults
-except ImportError:
-    from flowreduce.schedule import faults  # type: ignore[no-redef]
 
 RANKS = (1, 2, 3, 5, 6, 8)
 LENGTHS = (0, 1, 1001)
@@ -216,7 +219,7 @@ def test_pytrees_bucket_by_bucket():
     buckets = make_buckets([t.spec for t in layout.tensors], 1 << 20)
     plans = [flowreduce.plan("ring", p) for _ in buckets]
     refs = [TaskRef(("input", r)) for r in range(p)]
-    g = build_tree_graph(layout, buckets, plans, [[ref] for ref in refs], [f"w{r}" for r in range(p)],
+    g = build_pytree_graph(layout, buckets, plans, [[ref] for ref in refs], [f"w{r}" for r in range(p)],
                          op=resolve_op("sum"), in_place=False, ordered=True)
     tasks = {**g.tasks, **{ref.key: DataNode(ref.key, t) for ref, t in zip(refs, trees)}}
     out = dask.get(tasks, [row[0] for row in g.outputs], scheduler="sync")
