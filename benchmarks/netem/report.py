@@ -39,21 +39,43 @@ def merged(results: str, names: list[str]) -> dict | None:
     rows: dict[tuple, dict] = {}
     for run in runs:
         for r in run["rows"]:
-            rows.setdefault((r["size"], r["algorithm"], str(r["chunks"])), r)
+            rows.setdefault((r["size"], r["algorithm"], str(r["chunks"]), r.get("method")), r)
     out["rows"] = list(rows.values())
     return out
 
 
 def label(r: dict) -> str:
+    """``butterfly ×8``; rows of a ``--method`` run also carry it: ``butterfly ×8 [p2p]``."""
+    method = f" [{r['method']}]" if r.get("method") and r["algorithm"] != "baseline" else ""
     if r["algorithm"] == "baseline":
         return "baseline"
     if r["algorithm"] == "auto":
-        return "auto"
-    return r["algorithm"] + (f" ×{r['chunks']}" if str(r["chunks"]) != "1" else "")
+        return "auto" + method
+    return r["algorithm"] + (f" ×{r['chunks']}" if str(r["chunks"]) != "1" else "") + method
 
 
 def key(r: dict):
-    return (ORDER.index(r["algorithm"]) if r["algorithm"] in ORDER else 99, str(r["chunks"]))
+    return (ORDER.index(r["algorithm"]) if r["algorithm"] in ORDER else 99, str(r["chunks"]), r.get("method") or "")
+
+
+def method_table(runs: dict[str, dict]) -> str:
+    """``bench_allreduce.py --method tasks,p2p`` runs: per algorithm (one
+    chunk) and size, busbw / link and the median of each method, p2p's
+    speed-up, and each method's time over reduce-broadcast's."""
+    lines = ["| run | elements | algorithm | tasks: median, busbw/link | p2p: median, busbw/link | tasks / p2p "
+             "| reduce-broadcast / it (tasks, p2p) |", "|---|---|---|---:|---:|---:|---:|"]
+    for name, run in runs.items():
+        by = {(r["algorithm"], str(r["chunks"]), r.get("method"), r["size"]): r for r in run["rows"]}
+        for n in sorted({r["size"] for r in run["rows"]}):
+            for alg in sorted({r["algorithm"] for r in run["rows"] if r["algorithm"] != "baseline"},
+                              key=lambda a: ORDER.index(a.split("@")[0]) if a.split("@")[0] in ORDER else 99):
+                t, p = by.get((alg, "1", "tasks", n)), by.get((alg, "1", "p2p", n))
+                rb = {m: by.get(("reduce-broadcast", "1", m, n)) for m in ("tasks", "p2p")}
+                cell = (lambda r: f"{r['median'] * 1e3:.0f} ms, {100 * r['link_fraction']:.0f}%" if r else "–")
+                vs = [f"{rb[m]['median'] / r['median']:.2f}x" if rb[m] and r else "–" for m, r in (("tasks", t), ("p2p", p))]
+                speedup = f"{t['median'] / p['median']:.2f}x" if t and p else "–"
+                lines.append(f"| {name} | {n:.0e} | {alg} | {cell(t)} | {cell(p)} | {speedup} | {vs[0]}, {vs[1]} |")
+    return "\n".join(lines)
 
 
 def picked(r: dict) -> str:
@@ -293,9 +315,16 @@ def draw_cluster(path: str, hosts: int = 4, workers: int = 2, rate: str = "100mb
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="directory with the campaign's JSON files")
+    ap.add_argument("results", nargs="?", help="directory with the campaign's JSON files")
     ap.add_argument("--img", help="directory to draw the figures into")
+    ap.add_argument("--methods", nargs="+", metavar="JSON",
+                    help="only the tasks-vs-p2p table of these bench_allreduce.py --method runs")
     args = ap.parse_args(argv)
+    if args.methods:
+        print(method_table({os.path.basename(f).removesuffix(".json"): load(f) for f in args.methods}))
+        return 0
+    if not args.results:
+        ap.error("the results directory is needed (or --methods JSON...)")
 
     flat = {k: v for k, v in (("8 hosts", merged(args.results, ["flat8", "flat8-small"])),
                               ("16 hosts", merged(args.results, ["flat16"]))) if v}
