@@ -142,10 +142,3 @@ def build_pytree_graph(
             g.placement[key] = workers[r]
             g.outputs[r].append(key)
     return g
-
-
-# The old names, from before "tree" meant only the `tree` algorithm (algorithms/kary_tree.py):
-# schedule/call.py, edited elsewhere meanwhile, still imports build_tree_graph. Drop these two
-# once nothing does.
-TreeGraph = PytreeGraph
-build_tree_graph = build_pytree_graph

@@ -39,7 +39,7 @@ from flowreduce.algorithms import direct as _direct
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.algorithms.sparse import SparsePlan
-from flowreduce.lower.buckets import build_tree_graph
+from flowreduce.lower.buckets import build_pytree_graph
 from flowreduce.lower.direct import build_direct
 from flowreduce.lower.graph import Graph
 from flowreduce.lower.sparse import (
@@ -206,7 +206,7 @@ def allreduce(
         else the built-in constants).
     topology : Topology or callable, optional
         Which ranks share a host (and a rack...): a
-        :class:`flowreduce.topology.Topology` of the workers, or a key
+        :class:`flowreduce.Topology` of the workers, or a key
         ``f(address, worker_info) -> label`` such as ``by_name_prefix()``
         (dask-jobqueue jobs) or ``by_resource("host-")``. Default: the node
         each worker runs on (the batch system's node name, else the host of
@@ -642,7 +642,7 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
     p = len(workers)
     buckets = make_buckets([t.spec for t in layout.tensors], settings.bucket_bytes)
     plans = [choose_plan(p, b.nbytes, levels, model, settings) for b in buckets]
-    g = build_tree_graph(layout, buckets, plans, [list(fs) for fs in ranks.futures], workers, op=settings.op,
+    g = build_pytree_graph(layout, buckets, plans, [list(fs) for fs in ranks.futures], workers, op=settings.op,
                          check=ranks.check, in_place=ranks.in_place, ordered=settings.deterministic)
     calls = []
     for bg, plan in zip(g.buckets, plans):

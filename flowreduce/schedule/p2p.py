@@ -68,6 +68,7 @@ MAX_ITEMS = 1 << 20
 PACK_BYTES = 64 << 10
 
 Item = tuple[int, int, tuple[np.ndarray, ...]]  # (chunk, node, pieces)
+Lease = tuple[Any, Any, int]  # (pool, segment, generation) of a message's values on this host
 
 
 def run_id(token: str, attempt: int = 0) -> str:
@@ -214,7 +215,7 @@ class Run:
     async def _send(self, dest: str) -> None:
         """Send what waits for ``dest``, one message at a time: whatever became
         ready during a send goes in the next one."""
-        lease = None
+        lease: Lease | None = None
         try:
             while self.outbox.get(dest):
                 index, packed, large = _pack(self.outbox.pop(dest))
@@ -228,8 +229,8 @@ class Run:
                     run=self.id, index=index, packed=to_serialize(packed), items=to_serialize(large), spec=spec,
                     shared=shared)
                 if lease is not None:  # the peer copied its values out before answering
-                    lease, (pool, seg, generation) = None, lease
-                    pool.give_back(seg, generation)
+                    lease[0].give_back(lease[1], lease[2])
+                    lease = None
                 self.engine.log.send(self.id, dest, t0, index, packed, sent)
                 if isinstance(reply, dict) and isinstance(reply.get("error"), BaseException):
                     raise _Failed(reply["error"])  # the run failed there first: fail here with its error
@@ -258,16 +259,17 @@ class Run:
         mine = domains[self.spec.addresses.index(self.engine.address)]
         return mine is not None and mine == domains[self.spec.addresses.index(dest)]
 
-    async def _into_segment(self, items: list[Item]) -> tuple[Any, Any, list[Item]]:
+    async def _into_segment(self, items: list[Item]) -> tuple[Lease | None, dict[str, Any] | None, list[Item]]:
         """The values of at least ``flowreduce.shm.min-bytes`` written into one leased segment of
         this worker's pool, and the handle a peer maps to read them; the rest stay as they are
         (all of them when no segment can be had: shared memory off, full or at its bound)."""
         big = [it for it in items if sum(a.nbytes for a in it[2]) >= self.engine.shm_min_bytes]
         if not big:
             return None, None, items
-        layout, at = [], 0
+        layout: list[list[Any]] = []
+        at = 0
         for c, n, pieces in big:
-            entry = []
+            entry: list[list[Any]] = []
             for a in pieces:
                 entry.append([a.dtype.str, int(a.size), at])
                 at += -(-a.nbytes // 64) * 64  # each piece 64-byte aligned
@@ -280,8 +282,8 @@ class Run:
         generation = seg.generation
 
         def write() -> None:
-            for (c, n, pieces), (_, _, entry) in zip(big, layout):
-                for a, (_, count, offset) in zip(pieces, entry):
+            for (_, _, pieces), (_, _, places) in zip(big, layout):
+                for a, (_, count, offset) in zip(pieces, places):
                     seg.view(a.dtype, count, offset)[:] = a.reshape(-1)
 
         if at >= OFFLOAD_BYTES:
