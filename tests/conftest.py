@@ -32,6 +32,17 @@ def proc_client():
 
 
 @pytest.fixture
+def method_tasks():
+    """Calls run as a task per plan node and chunk (``method="tasks"``): for the modules that test that
+    graph itself -- where each task runs, faults at a plan step, the same-host routes of the task graph.
+    The default, ``"auto"``, may run a named algorithm in the p2p engine instead (tests/test_p2p.py)."""
+    import dask
+
+    with dask.config.set({"flowreduce.method": "tasks"}):
+        yield
+
+
+@pytest.fixture
 def no_cluster(monkeypatch):
     """Fail the test if the command under test starts or joins a cluster
     (for errors that must come before that)."""

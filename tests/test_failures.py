@@ -27,6 +27,10 @@ from flowreduce.errors import AllreduceTimeoutError, WorkerLostError
 from flowreduce.keys import parse
 from flowreduce.schedule.guard import PinGuard
 
+# These tests are about faults at a step of the task graph and its recovery: method='tasks' (tests/test_p2p.py covers the engine)
+pytestmark = pytest.mark.usefixtures("method_tasks")
+
+
 N = 10**5  # elements per rank
 HANG = 60  # s: past this a wait counts as a hang
 

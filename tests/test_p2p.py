@@ -129,14 +129,44 @@ def test_the_front_door_submits_that_graph(inproc_client, monkeypatch):
     assert sizes == [len(inproc_client.scheduler_info()["workers"]) + 1 + p]  # hand-ins per worker, outputs per rank
 
 
-def test_method_from_the_dask_config_and_tasks_by_default(inproc_client):
-    arrays = _inputs(4, 10, "sum")
+def test_method_from_the_dask_config_and_auto_by_default(inproc_client):
+    arrays = _inputs(8, 10, "sum")
     futures = scatter_ranks(inproc_client, arrays)
-    assert flowreduce.describe(flowreduce.allreduce(inproc_client, futures, algorithm="ring")).method == "tasks"
+    with dask.config.set({"flowreduce.method": "tasks"}):
+        assert flowreduce.describe(flowreduce.allreduce(inproc_client, futures, algorithm="ring")).method == "tasks"
     with dask.config.set({"flowreduce.method": "p2p"}):
         out = flowreduce.allreduce(inproc_client, futures, algorithm="ring")
     record = flowreduce.describe(out)
     assert record.method == "p2p" and record.plan.algorithm == "ring"
+    assert flowreduce.config.get("method") == "auto"
+    with pytest.raises(OptionError, match="unknown method 'fast'.*'auto', 'tasks', 'p2p'"):
+        flowreduce.allreduce(inproc_client, futures, method="fast")
+
+
+def test_auto_runs_the_route_the_model_prices_lower(inproc_client):
+    """A named ring over 8 ranks on 4 workers: 8 task levels of ~100 tasks as a graph, a few engine messages as
+    p2p -- auto runs p2p, and says so; what p2p does not take (like=, deterministic=True, options naming ranks
+    that share workers) runs as tasks under auto and is refused by method='p2p'."""
+    arrays = _inputs(8, 1000, "sum")
+    futures = scatter_ranks(inproc_client, arrays)
+    out = flowreduce.allreduce(inproc_client, futures, algorithm="ring")
+    record = flowreduce.describe(out)
+    assert record.method == "p2p" and record.plan.ranks == 4
+    model = flowreduce.CostModel()
+    assert record.predicted == pytest.approx(model.p2p_time(record.plan, record.nbytes, 8), rel=0.01)  # cores shared
+    assert record.predicted < model.predict(flowreduce.plan("ring", 8), record.nbytes)
+    np.testing.assert_array_equal(out[5].result(), _expected(arrays, "sum"))
+    held_back = [({"deterministic": True}, "tree order"), ({"groups": [[0, 1, 2, 3], [4, 5, 6, 7]]}, "name ranks")]
+    for kwargs, why in held_back:
+        algorithm = "hierarchical" if "groups" in kwargs else "ring"
+        assert flowreduce.describe(flowreduce.allreduce(inproc_client, futures, algorithm=algorithm,
+                                                        **kwargs)).method == "tasks"
+        with pytest.raises(OptionError, match=why):
+            flowreduce.allreduce(inproc_client, futures, algorithm=algorithm, method="p2p", **kwargs)
+    # one rank per worker: options naming ranks are the workers' own
+    four = scatter_ranks(inproc_client, arrays[:4])
+    out = flowreduce.allreduce(inproc_client, four, algorithm="reduce-broadcast", root=2, method="p2p")
+    np.testing.assert_array_equal(out[0].result(), _expected(arrays[:4], "sum"))
 
 
 def test_what_p2p_does_not_take_yet_is_refused(inproc_client):

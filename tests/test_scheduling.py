@@ -15,6 +15,10 @@ import flowreduce
 from flowreduce.keys import parse
 
 
+# These tests are about where each task of the task graph runs: method='tasks' (tests/test_p2p.py covers the engine)
+pytestmark = pytest.mark.usefixtures("method_tasks")
+
+
 @pytest.mark.parametrize("algorithm", ["butterfly", "ring", "tree", "recursive-doubling", "reduce-broadcast"])
 def test_every_task_runs_where_its_plan_says(proc_client, algorithm):
     ws = workers_of(proc_client)

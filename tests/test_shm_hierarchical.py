@@ -27,6 +27,10 @@ from flowreduce.phases import COMPUTE_PHASES
 from flowreduce.schedule.shm_plugin import usage
 from flowreduce.shm import pool as shm_pool
 
+# These tests are about the task graph's hierarchical route over shared memory: method='tasks' (tests/test_p2p.py covers the engine)
+pytestmark = pytest.mark.usefixtures("method_tasks")
+
+
 IDLE = 0.5
 
 

@@ -27,6 +27,10 @@ from flowreduce.ops import resolve_op
 from flowreduce.schedule.shm_plugin import usage
 from flowreduce.shm import pool as shm_pool
 
+# These tests are about the task graph's same-host routes: method='tasks' (tests/test_p2p.py covers the engine)
+pytestmark = pytest.mark.usefixtures("method_tasks")
+
+
 IDLE = 0.5  # seconds before free segments are unlinked in these clusters
 
 

@@ -673,6 +673,8 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
 
 
 METHODS = ("auto", "tasks", "p2p")
+#: Plan options that name ranks (a plan over workers cannot take them when ranks share workers).
+RANK_OPTIONS = frozenset({"groups", "group_size", "levels", "workers", "root"})
 
 
 def _method(method: str | None, like: Any, algorithm: str, exact: bool) -> str:
@@ -701,6 +703,10 @@ def _p2p_refusal(ranks: Ranks, settings: Settings) -> str | None:
         return f"method='p2p' takes ops by name or numpy ufunc, not the callable {settings.op.name!r} yet"
     if settings.deterministic:
         return "method='p2p' does not follow deterministic=True's tree order yet"
+    named = sorted(RANK_OPTIONS & set(settings.options))
+    if named and len(set(ranks.workers)) < len(ranks.workers):
+        return (f"method='p2p' plans over the ranks' workers, and options {named} name ranks, several of which "
+                "share a worker")
     return None
 
 
