@@ -159,8 +159,7 @@ def test_the_config_key_sets_the_default(inproc_client):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"deterministic": True}, "not available yet.*'exact'"),
-    ({"deterministic": "bits"}, "False or 'exact'"),
+    ({"deterministic": "bits"}, "False, True or 'exact'"),
     ({"deterministic": "exact", "op": "prod"}, "no exact form"),
     ({"deterministic": "exact", "op": lambda a, b: a + b}, "no exact form"),
 ])
