@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the tasks-vs-p2p table of these bench_allreduce.py --method runs")
     args = ap.parse_args(argv)
     if args.methods:
-        print(method_table({os.path.basename(f).removesuffix(".json"): load(f) for f in args.methods}))
+        runs = {os.path.basename(f).removesuffix(".json"): load(f) for f in args.methods}
+        print(method_table({k: v for k, v in runs.items() if v}))
         return 0
     if not args.results:
         ap.error("the results directory is needed (or --methods JSON...)")
