@@ -156,13 +156,18 @@ def test_auto_runs_the_route_the_model_prices_lower(inproc_client):
     assert record.predicted == pytest.approx(model.p2p_time(record.plan, record.nbytes, 8), rel=0.01)  # cores shared
     assert record.predicted < model.predict(flowreduce.plan("ring", 8), record.nbytes)
     np.testing.assert_array_equal(out[5].result(), _expected(arrays, "sum"))
-    held_back = [({"deterministic": True}, "tree order"), ({"groups": [[0, 1, 2, 3], [4, 5, 6, 7]]}, "name ranks")]
-    for kwargs, why in held_back:
+    floats = scatter_ranks(inproc_client, [a.astype("f8") for a in arrays])
+    held_back = [(floats, {"deterministic": True}, "tree order"),
+                 (futures, {"groups": [[0, 1, 2, 3], [4, 5, 6, 7]]}, "name ranks")]
+    for parts, kwargs, why in held_back:
         algorithm = "hierarchical" if "groups" in kwargs else "ring"
-        assert flowreduce.describe(flowreduce.allreduce(inproc_client, futures, algorithm=algorithm,
+        assert flowreduce.describe(flowreduce.allreduce(inproc_client, parts, algorithm=algorithm,
                                                         **kwargs)).method == "tasks"
         with pytest.raises(OptionError, match=why):
-            flowreduce.allreduce(inproc_client, futures, algorithm=algorithm, method="p2p", **kwargs)
+            flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, method="p2p", **kwargs)
+    # integer sums are exact in any order: deterministic=True keeps them on the engine
+    assert flowreduce.describe(flowreduce.allreduce(inproc_client, futures, algorithm="ring",
+                                                    deterministic=True)).method == "p2p"
     # one rank per worker: options naming ranks are the workers' own
     four = scatter_ranks(inproc_client, arrays[:4])
     out = flowreduce.allreduce(inproc_client, four, algorithm="reduce-broadcast", root=2, method="p2p")

@@ -701,7 +701,7 @@ def _p2p_refusal(ranks: Ranks, settings: Settings) -> str | None:
         return f"method='p2p' takes one dense numpy array per rank; {what} inputs are not there yet"
     if not settings.op.in_place or resolve_op(settings.op.name).func is not settings.op.func:
         return f"method='p2p' takes ops by name or numpy ufunc, not the callable {settings.op.name!r} yet"
-    if settings.deterministic:
+    if settings.deterministic and tree_ordered(settings.op.name, np.dtype(held.dtype)):  # ints, min, max: exact
         return "method='p2p' does not follow deterministic=True's tree order yet"
     named = sorted(RANK_OPTIONS & set(settings.options))
     if named and len(set(ranks.workers)) < len(ranks.workers):
