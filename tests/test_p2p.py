@@ -455,6 +455,7 @@ def test_workers_of_one_host_exchange_big_values_through_shared_segments(proc_cl
     arrays = _inputs(4, 200_000, "sum")
     futures = scatter_ranks(proc_client, arrays)
     want = _expected(arrays, "sum")
+    engine.ensure_p2p(proc_client)  # the counters live in the engines, there before any call
     for transport in ("dask", "auto"):
         before = sum(proc_client.run(_shared_sends).values())
         out = flowreduce.allreduce(proc_client, futures, algorithm=algorithm, chunks=2, method="p2p",

@@ -349,6 +349,15 @@ def _pack(items: list[Item]) -> tuple[list[Any], np.ndarray, list[Item]]:
     return index, (np.concatenate(small) if small else np.empty(0, np.uint8)), large
 
 
+def _numeric(name: str) -> np.dtype | str:
+    """The numeric dtype a peer named, or why it is refused."""
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        return f"unknown dtype {name!r}"
+    return dtype if dtype.kind in "biufc" else f"dtype {name!r} is not numeric"
+
+
 def _unpack(index: Any, packed: Any) -> list[Item] | str:
     """The small values of a message, views of its buffer; or why it is not one :func:`_pack` makes."""
     if not isinstance(index, (list, tuple)) or len(index) > MAX_ITEMS:
@@ -366,12 +375,9 @@ def _unpack(index: Any, packed: Any) -> list[Item] | str:
             if not (isinstance(piece, (list, tuple)) and len(piece) == 2 and isinstance(piece[0], str)
                     and len(piece[0]) <= 8 and type(piece[1]) is int and piece[1] >= 0):
                 return "a piece is not [dtype, size]"
-            try:
-                dtype = np.dtype(piece[0])
-            except TypeError:
-                return f"unknown dtype {piece[0]!r}"
-            if dtype.kind not in "biufc":
-                return f"dtype {piece[0]!r} is not numeric"
+            dtype = _numeric(piece[0])
+            if isinstance(dtype, str):
+                return dtype
             nbytes = dtype.itemsize * piece[1]
             if at + nbytes > packed.size:
                 return "pieces overrun the packed buffer"
@@ -519,12 +525,9 @@ class Engine:
                         and len(piece[0]) <= 8 and type(piece[1]) is int and type(piece[2]) is int
                         and piece[1] >= 0 and piece[2] >= 0):
                     return "a shared piece is not [dtype, size, offset]"
-                try:
-                    dtype = np.dtype(piece[0])
-                except TypeError:
-                    return f"unknown dtype {piece[0]!r}"
-                if dtype.kind not in "biufc":
-                    return f"dtype {piece[0]!r} is not numeric"
+                dtype = _numeric(piece[0])
+                if isinstance(dtype, str):
+                    return dtype
                 if _shm_pool.HEADER + piece[2] + dtype.itemsize * piece[1] > seg.size:
                     return f"a shared piece overruns segment {seg.name}"
                 pieces.append((dtype, piece[1], piece[2]))
