@@ -466,3 +466,36 @@ def test_workers_of_one_host_exchange_big_values_through_shared_segments(proc_cl
         assert (sent > 0) == (transport == "auto"), (transport, sent)
         assert wait_until(lambda: not any(proc_client.run(_leased).values()), 10)
     assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
+
+
+def _die_at_first_message(dask_worker=None):
+    """Arm this worker to SIGKILL itself when its engine receives a run's first values (mid-run: the
+    peers have computed and sent a step, this worker has handed in)."""
+    import os
+    import signal
+
+    real = dask_worker.handlers[engine.RECEIVE]
+
+    async def dying(**message):
+        os.kill(os.getpid(), signal.SIGKILL)
+        return await real(**message)
+
+    dask_worker.handlers[engine.RECEIVE] = dying
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring"])
+def test_a_worker_killed_between_engine_steps_restarts_the_run(killable, algorithm):
+    """The kill lands inside the engine's run, when a step's values reach a worker (no task starts then):
+    the run restarts over the survivors and every rank's result is right."""
+    p = 6
+    workers = sorted(killable.nthreads())
+    futures = [killable.submit(np.arange, 1000 * r, 1000 * (r + 1), workers=[workers[r % 3]],
+                               allow_other_workers=True, pure=False) for r in range(p)]
+    engine.ensure_p2p(killable)
+    killable.run(_die_at_first_message, workers=[workers[1]])
+    out = flowreduce.allreduce(killable, futures, algorithm=algorithm, chunks=2, method="p2p")
+    want = np.arange(1000 * p).reshape(p, 1000).sum(0)
+    for f in out:
+        np.testing.assert_array_equal(f.result(timeout=60), want)
+    assert workers[1] not in killable.nthreads()  # it did die mid-run
+    assert wait_until(lambda: not _held(killable), 10), _held(killable)
