@@ -335,6 +335,19 @@ def test_p2p_refuses_float_sums(inproc_client):
     assert_clean(inproc_client)
 
 
+def test_scipy_sparse_float_sums_are_refused_integers_pass(inproc_client):
+    import scipy.sparse as sp
+
+    floats = scatter_ranks(inproc_client, [sp.csr_matrix(x.reshape(10, 10)) for x in wide(4, 100)])
+    with pytest.raises(OptionError, match="scipy.sparse"):
+        flowreduce.allreduce(inproc_client, floats, deterministic=True)
+    ints = [sp.csr_matrix(np.arange(100, dtype=np.int64).reshape(10, 10) * r) for r in range(4)]
+    out = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, ints), deterministic=True)
+    np.testing.assert_array_equal(out[0].result().toarray(), sum(m.toarray() for m in ints))
+    del floats, out
+    assert_clean(inproc_client)
+
+
 # -- recovery: a worker killed mid-call -----------------------------------------------------------------
 
 N = 200_000

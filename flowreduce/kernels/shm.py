@@ -303,15 +303,7 @@ def reduce_slice_ordered(op: Op, ranks: int, lo: int, hi: int, blocks: Sequence,
     reads = [(acc, None) if r == own else _read(value, lo, hi) for r, value in enumerate(blocks)]
     t0 = time.time()
     kernels.tree_fold(op, ranks, [x for x, _ in reads], acc)  # each block read before it is written
-    span, total_bytes, t = time.time() - t0, sum(x.nbytes for x, _ in reads) or 1, t0
-    for x, check in reads:
-        share = span * x.nbytes / total_bytes
-        if check is not None:
-            log_copy("read", key, owner_pid(check[0].name), x.nbytes, t, t + share)
-        t += share
-    for _, check in reads:
-        if check is not None:
-            check[0].check(check[1])
+    _account_reads(reads, key, t0)
     if isinstance(mine, Block):
         return Block(mine.lease, mine.dtype, mine.count, lo, hi)
     return acc
@@ -330,7 +322,13 @@ def _reduce_into(op: Op, lo: int, hi: int, blocks: Sequence, key: str) -> tuple[
     else:
         for x, _ in reads:
             _combine_into(op, acc, x)
-    # the reads' share of the sum's time, by bytes, for traces
+    _account_reads(reads, key, t0)
+    return own, acc
+
+
+def _account_reads(reads: Sequence[tuple[np.ndarray, Any]], key: str, t0: float) -> None:
+    """After a sum that began at ``t0``: each read's share of its time, by bytes, logged
+    for traces; then every peer segment read is checked to still hold the lease it was read under."""
     t, span, total = t0, time.time() - t0, sum(x.nbytes for x, _ in reads) or 1
     for x, check in reads:
         share = span * x.nbytes / total
@@ -340,7 +338,6 @@ def _reduce_into(op: Op, lo: int, hi: int, blocks: Sequence, key: str) -> tuple[
     for _, check in reads:
         if check is not None:
             check[0].check(check[1])
-    return own, acc
 
 
 # -- hierarchical across hosts: shared memory inside each host -------------------

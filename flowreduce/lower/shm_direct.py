@@ -67,12 +67,7 @@ def build_direct(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, s
                           repr(key))
         placement[key] = workers[ranks[0]]
         scattered.append(key)
-    outputs = [keys.output_key(name, token, r) for r in range(p)]
-    for r, key in enumerate(outputs):
-        tasks[key] = Task(key, shm_kernels.gather, op, p, shape, wdtype, List(*(TaskRef(k) for k in scattered)),
-                          repr(key))
-        placement[key] = workers[r]
-    return Graph(tasks, outputs, placement, token)
+    return _with_outputs(tasks, placement, name, token, p, op, shape, wdtype, scattered, workers)
 
 
 def _build_ordered(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *, size: int,
@@ -98,6 +93,13 @@ def _build_ordered(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *,
                           List(*(TaskRef(k) for k in written)), ranks[0], repr(key))
         placement[key] = workers[ranks[0]]
         scattered.append(key)
+    return _with_outputs(tasks, placement, name, token, p, op, shape, dtype, scattered, workers)
+
+
+def _with_outputs(tasks: dict, placement: dict, name: str, token: str, p: int, op: Op, shape: tuple[int, ...],
+                  dtype: np.dtype, scattered: Sequence[Any], workers: Sequence[str]) -> Graph:
+    """The graph with each of the ``p`` ranks' outputs: every reduced slice gathered into its result,
+    on its worker."""
     outputs = [keys.output_key(name, token, r) for r in range(p)]
     for r, key in enumerate(outputs):
         tasks[key] = Task(key, shm_kernels.gather, op, p, shape, dtype, List(*(TaskRef(k) for k in scattered)),

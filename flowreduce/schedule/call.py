@@ -269,11 +269,9 @@ def allreduce(
     how = _method(method, like, algorithm, bool(exact))
     if how == "p2p":  # the ranks described as for a dense call, then the engine
         ranks = describe_inputs(client, outer, futures, None, replace(settings, algorithm="p2p"))
-        _refuse_unordered(ranks, settings, "method='p2p' (the engine does not follow the tree order yet; "
-                          "use method='tasks')")
-        return submit(client, lower_p2p(client, ranks, settings), ranks, settings.timeout)
+        return submit(client, lower_p2p(client, ranks, settings), ranks, settings.timeout)  # refuses what it cannot
     ranks = describe_inputs(client, outer, futures, like, replace(settings, algorithm="exact") if exact else settings)
-    _refuse_unordered(ranks, settings, "scipy.sparse inputs")
+    _refuse_unordered_sparse(ranks, settings)
     if exact and _reproducible.applies(ranks.held, settings.op):
         def run(parts: list[Future], op: str, template: Any) -> list[Any]:  # an ordinary call, the same options
             return allreduce(client, parts, op=op, algorithm=algorithm, chunks=chunks, chunk_bytes=chunk_bytes,
@@ -331,16 +329,15 @@ class Settings:
         return self.chunks
 
 
-def _refuse_unordered(ranks: Ranks, settings: Settings, what: str) -> None:
-    """deterministic=True on inputs whose route cannot keep the tree order: an OptionError
-    (integers, min, max... are exact in any order and pass)."""
+def _refuse_unordered_sparse(ranks: Ranks, settings: Settings) -> None:
+    """deterministic=True on scipy.sparse inputs, whose kernels cannot keep the tree order: an
+    OptionError (integers, min, max... are exact in any order and pass). The p2p route refuses
+    float sums itself (:func:`_p2p_refusal`)."""
     dtype = getattr(ranks.held, "dtype", None)
-    if not settings.deterministic or dtype is None or not tree_ordered(settings.op.name, dtype):
-        return
-    if what.startswith("scipy") and not isinstance(ranks.held, SparseInputs):
-        return
-    raise OptionError(f"deterministic=True does not take {what}; pass deterministic=False or 'exact' "
-                      "(docs/reproducibility.md)")
+    if (settings.deterministic and isinstance(ranks.held, SparseInputs) and dtype is not None
+            and tree_ordered(settings.op.name, dtype)):
+        raise OptionError("deterministic=True does not take scipy.sparse inputs; pass deterministic=False or "
+                          "'exact' (docs/reproducibility.md)")
 
 
 def _count(name: str, value: Any) -> int | None:
