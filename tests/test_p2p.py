@@ -499,3 +499,27 @@ def test_a_worker_killed_between_engine_steps_restarts_the_run(killable, algorit
         np.testing.assert_array_equal(f.result(timeout=60), want)
     assert workers[1] not in killable.nthreads()  # it did die mid-run
     assert wait_until(lambda: not _held(killable), 10), _held(killable)
+
+
+def test_a_new_scheduler_on_a_port_used_before_gets_the_engine():
+    """The engine is installed per client, not per scheduler address: a
+    scheduler started on the port of one that closed (as happens between
+    test modules, and when a user restarts a cluster on a fixed port) has
+    none of its plugins. Keyed by address, its hand-ins failed "the engine
+    is not installed" on every worker (a CI run, 2026-11-26)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    arrays = _inputs(3, 100, "sum")
+    for _ in range(2):
+        with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, scheduler_port=port,
+                          dashboard_address=None, host="127.0.0.1") as cluster, Client(cluster) as client:
+            assert client.scheduler.address == f"tcp://127.0.0.1:{port}"
+            out = flowreduce.allreduce(client, scatter_ranks(client, arrays), algorithm="ring", method="p2p")
+            for x in client.gather(out):
+                np.testing.assert_array_equal(x, _expected(arrays, "sum"))
+            del out
+            gc.collect()
+            assert_clean(client)

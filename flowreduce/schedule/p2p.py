@@ -26,6 +26,7 @@ the graph). docs/p2p.md tells the whole story.
 from __future__ import annotations
 
 import asyncio
+import weakref
 import logging
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -729,16 +730,17 @@ def restart(s: Any, token: str, tasks: Sequence[Any], moves: Mapping[str, str], 
     return {ts.key for ts in [*hand_ins, *outputs]}
 
 
-_installed: set[str] = set()
+_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def ensure_p2p(client: Any) -> None:
-    """Install the worker and scheduler plugins once per scheduler."""
-    address = client.scheduler.address
-    if address not in _installed:
+    """Install the worker and scheduler plugins once per client (on every
+    worker, present and future). Not once per scheduler address: a scheduler
+    started later on the same port is another scheduler, without them."""
+    if client not in _installed:
         client.register_plugin(P2PSchedulerPlugin())
         client.register_plugin(P2PWorkerPlugin())
-        _installed.add(address)
+        _installed[client] = True
 
 
 def _engine() -> Engine:
