@@ -25,14 +25,15 @@ if TYPE_CHECKING:  # for type checkers; at run time see __getattr__ below
     from flowreduce.schedule.call import allreduce, describe
     from flowreduce.schedule.hosts import topology
     from flowreduce.schedule.placement import rank_groups
+    from flowreduce.spmd import spmd
 
 __all__ = ["ALGORITHMS", "SPARSE_ALGORITHMS", "AllreduceTimeoutError", "CostCard", "CostModel", "FlowreduceError", "Plan",
            "Topology", "WorkerLostError", "allreduce", "by_host", "by_name_prefix", "by_resource", "choose", "describe", "plan",
-           "rank_groups", "reference_reduce", "resolve_op", "topology", "trace"]
+           "rank_groups", "reference_reduce", "resolve_op", "spmd", "topology", "trace"]
 __version__ = "0.1.0"
 
 
-_LAZY = {"allreduce", "describe", "topology", "rank_groups"}  # from flowreduce.schedule, when first asked for
+_LAZY = {"allreduce", "describe", "topology", "rank_groups", "spmd"}  # from flowreduce.schedule (spmd: flowreduce.spmd), when first asked for
 
 
 def __getattr__(name: str) -> Any:
@@ -40,6 +41,11 @@ def __getattr__(name: str) -> Any:
     ``rank_groups`` are the real functions of :mod:`flowreduce.schedule`
     (their signature and docstring), imported on first use (PEP 562) so
     that ``import flowreduce`` does not import distributed."""
+    if name == "spmd":
+        from flowreduce.spmd import job
+
+        globals()[name] = job.spmd
+        return job.spmd
     if name in _LAZY:
         from flowreduce.schedule import call, hosts, placement
 

@@ -1,0 +1,34 @@
+"""SPMD jobs on Dask: ranks that call collectives themselves, on a persistent communicator.
+
+``flowreduce.spmd(client, fn, *per_rank_args, ranks=None, workers=None, restarts=0, timeout=None, **kwargs)``
+(:func:`flowreduce.spmd.job.spmd`) runs ``fn(comm, ...)`` once per rank;
+``comm`` (:class:`flowreduce.spmd.comm.Communicator`) has ``rank``, ``size``,
+``allreduce``, ``broadcast``, ``allgather``, ``barrier`` and ``subgroup``.
+docs/spmd.md tells the whole story. Modules: ``layout`` (the peer table),
+``shared`` (a host's ranks through shared memory), ``mailbox`` (between
+hosts, and failures, on the workers), ``planrun`` (a plan run by its ranks),
+``comm`` (the communicator), ``watch`` (the scheduler's side: lost
+workers), ``job`` (the front door).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from flowreduce.spmd.comm import Communicator, Event
+from flowreduce.spmd.job import spmd
+
+__all__ = ["Communicator", "Event", "spmd"]
+
+
+class _Callable(types.ModuleType):
+    """``flowreduce.spmd`` is both this package and the function: once the package is imported,
+    ``import flowreduce`` finds the package under that name, so calling it runs :func:`spmd`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return spmd(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _Callable

@@ -1,0 +1,399 @@
+"""The communicator a rank of an SPMD job calls: ``comm.allreduce(x)`` and friends.
+
+Built once per rank by the job (:func:`flowreduce.spmd.job.run_rank`) from
+the job's :class:`~flowreduce.spmd.layout.Layout`; every collective after
+that sends nothing to the scheduler and makes no task. The shape of each
+collective is hierarchical:
+
+1. inside the host group, through shared memory (:class:`~flowreduce.spmd.shared.HostGroup`;
+   nothing to do for a rank alone on its host);
+2. between the groups' leaders (each group's lowest rank), over Dask's comm
+   worker to worker (:class:`~flowreduce.spmd.mailbox.Mailbox`): an
+   all-reduce runs a plan of :mod:`flowreduce.algorithms` over the leaders
+   (:func:`~flowreduce.spmd.planrun.run_plan`; ``algorithm="auto"``: the
+   one :func:`flowreduce.cost.choose` prices lowest), the other collectives
+   send directly;
+3. inside the group again, the leader's result to its peers.
+
+Every collective of a job must be called by every rank of the communicator,
+in the same order (as in MPI). Results are new arrays, the same bits on
+every rank (each element is combined in one place, or in the same order).
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from flowreduce.algorithms import ALGORITHMS
+from flowreduce.algorithms import plan as make_plan
+from flowreduce.algorithms.ir import Plan
+from flowreduce.cost import choose
+from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputTypeError, OptionError, raised_as
+from flowreduce.ops import Op, resolve_op
+from flowreduce.spmd.layout import Layout
+from flowreduce.spmd.mailbox import Mailbox
+from flowreduce.spmd.planrun import run_plan
+from flowreduce.spmd.shared import Aborted, HostGroup
+
+#: Events a communicator keeps (the newest).
+EVENTS = 10_000
+
+
+class Event(NamedTuple):
+    """One collective on one rank: what it was, when (``time.time()`` of the
+    worker), the bytes of the rank's input and of what it sent and received
+    between hosts, the peers it exchanged with, and the path taken."""
+
+    collective: str
+    seq: int
+    start: float
+    stop: float
+    nbytes: int
+    sent: int
+    received: int
+    peers: tuple[int, ...]
+    path: str  # "local" (one rank), "shm", "dask" or "shm+dask"
+    algorithm: str = ""
+
+
+def as_numpy(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
+    """``x`` as a numpy array (no copy for a numpy array or a CPU tensor) and
+    the function that turns a result back into ``x``'s kind."""
+    if isinstance(x, np.ndarray):
+        return x, lambda a: a
+    if isinstance(x, (np.generic, int, float, bool, complex)):
+        return np.asarray(x), lambda a: a
+    module = type(x).__module__
+    if module.startswith("torch"):
+        import torch
+
+        if not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"a collective takes numpy arrays and torch tensors, not {type(x).__name__}")
+        t = x.detach()
+        if t.device.type != "cpu":
+            raise InputTypeError(f"a collective takes CPU tensors; this one is on {t.device} (call .cpu() first)")
+        dtype = t.dtype
+        if dtype == torch.bfloat16:  # numpy has no bfloat16: reduce in float32, round back once
+            t = t.float()
+        array = t.contiguous().numpy()
+
+        def back(a: np.ndarray) -> Any:
+            out = torch.from_numpy(np.ascontiguousarray(a))
+            return out.to(dtype) if out.dtype != dtype and dtype == torch.bfloat16 else out
+
+        return array, back
+    raise InputTypeError(f"a collective takes numpy arrays and torch tensors, not {type(x).__name__}")
+
+
+class Communicator:
+    """A rank's handle on its job's collectives (see the module).
+
+    Attributes
+    ----------
+    rank, size : int
+        This rank, and the number of ranks.
+    attempt : int
+        0, then one more at each restart of the job (``spmd(..., restarts=k)``).
+    events : deque of Event
+        The collectives this rank ran, newest last (:data:`EVENTS` kept).
+    """
+
+    def __init__(self, layout: Layout, rank: int, mailbox: Mailbox, parents: Sequence[Communicator] = ()):
+        self.layout, self.rank, self.size = layout, rank, layout.size
+        self.attempt = layout.attempt
+        self.mailbox = mailbox
+        self.run = layout.run
+        self.parents = tuple(parents)
+        self.runs = (self.run, *(p.run for p in self.parents))
+        self.group = layout.groups[layout.group_of[rank]]
+        self.leader = self.group[0] == rank
+        self.leaders = layout.leaders
+        self.me = layout.group_of[rank]
+        self.host: HostGroup | None = None
+        self.seq = 0
+        self.events: deque[Event] = deque(maxlen=EVENTS)
+        self.failed = False
+        self.closed = False
+        self._plans: dict[tuple[str, int], Plan] = {}
+        self._ops: dict[Any, Op] = {}
+        self._subs: dict[tuple[int, ...], itertools.count] = {}
+        self._children: list[Communicator] = []
+        mailbox.open(self.run)
+
+    def __repr__(self) -> str:
+        return f"<flowreduce.spmd.Communicator rank {self.rank} of {self.size}, job {self.run}>"
+
+    # -- plumbing -----------------------------------------------------------------
+    def _why(self) -> str | None:
+        for run in self.runs:
+            why = self.mailbox.why(run)
+            if why is not None:
+                return why
+        return None
+
+    def _deadline(self) -> float | None:
+        return None if self.layout.timeout is None else time.monotonic() + self.layout.timeout
+
+    def _shm(self) -> HostGroup | None:
+        if self.host is None and len(self.group) > 1:
+            self.host = HostGroup(self.layout, self.rank, self._why)
+        return self.host
+
+    def _begin(self, name: str) -> tuple[str, float | None, float]:
+        if self.closed:
+            raise FlowreduceError(f"{name} on rank {self.rank}: the communicator of job {self.run} is closed "
+                                  "(its rank's function returned)")
+        why = self._why()
+        if why is not None:
+            raise Aborted(f"{name} #{self.seq + 1} on rank {self.rank}: {why}")
+        self.seq += 1
+        return f"{name} #{self.seq} of job {self.run}", self._deadline(), time.time()
+
+    def _fail(self, why: str) -> None:
+        """Fail the job: every rank's pending and next collective raises ``why``."""
+        self.failed = True
+        if self.host is not None:
+            self.host.abort(why)
+        for p in self.parents:
+            if p.host is not None:
+                p.host.abort(why)
+        for run in self.runs:
+            self.mailbox.tell(self.layout.workers, run, why)
+
+    def _collective(self, what: str, body: Callable[[], Any]) -> Any:
+        try:
+            return body()
+        except Aborted:
+            self.failed = True
+            raise
+        except (AllreduceTimeoutError, FlowreduceError, Exception) as e:  # ours: tell the others, then raise
+            self._fail(f"rank {self.rank} failed in {what}: {type(e).__name__}: {e}")
+            raise
+
+    def _send(self, rank: int, key: str, value: Any) -> None:
+        self.mailbox.send(self.layout.workers[rank], self.run, f"{key}:{self.rank}>{rank}", value)
+
+    def _take(self, rank: int, key: str, what: str, deadline: float | None) -> Any:
+        return self.mailbox.take(self.run, f"{key}:{rank}>{self.rank}", deadline=deadline, what=what, rank=self.rank,
+                                 source=rank)
+
+    def _record(self, name: str, start: float, nbytes: int, sent: int, received: int, algorithm: str = "") -> None:
+        path = ("shm" if len(self.group) > 1 else "") + ("+dask" if len(self.leaders) > 1 else "")
+        peers = tuple(r for r in self.group if r != self.rank)
+        if self.leader and len(self.leaders) > 1:
+            peers += tuple(r for r in self.leaders if r != self.rank)
+        self.events.append(Event(name, self.seq, start, time.time(), nbytes, sent, received, peers,
+                                 path.lstrip("+") or "local", algorithm))
+
+    def _op(self, op: Any) -> Op:
+        found = self._ops.get(op) if isinstance(op, (str, np.ufunc)) else None
+        if found is None:
+            with raised_as(OptionError):
+                found = resolve_op(op)
+            if isinstance(op, (str, np.ufunc)):
+                self._ops[op] = found
+        return found
+
+    def plan_for(self, algorithm: str, nbytes: int) -> Plan | None:
+        """The plan an all-reduce of ``nbytes`` runs between the host groups' leaders (None: one group)."""
+        if algorithm not in ALGORITHMS:
+            raise OptionError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+        h = len(self.leaders)
+        if h < 2:
+            return None
+        key = (algorithm, nbytes if algorithm == "auto" else 0)
+        found = self._plans.get(key)
+        if found is None:
+            with raised_as(OptionError):
+                found = choose(h, nbytes, chunks=1) if algorithm == "auto" else make_plan(algorithm, h)
+            self._plans[key] = found
+        return found
+
+    # -- collectives ----------------------------------------------------------------
+    def allreduce(self, x: Any, op: Any = "sum", algorithm: str = "auto") -> Any:
+        """``op`` over every rank's ``x``, a new array (or tensor) of ``x``'s kind on every rank.
+
+        ``x``: a numpy array or CPU tensor, the same shape and dtype on every
+        rank. ``op``: ``sum prod min max mean``, a binary numpy ufunc (or its
+        name), or a callable ``f(a, b)`` (associative and commutative).
+        ``algorithm``: the plan between hosts (``flowreduce.ALGORITHMS``;
+        ``auto``: the cost model's choice); inside a host the exchange is
+        always through shared memory.
+        """
+        what, deadline, start = self._begin("allreduce")
+        a, back = as_numpy(x)
+        resolved = self._op(op)
+        flat = np.ascontiguousarray(a).reshape(-1)
+        acc = resolved.accumulator(flat.dtype) or flat.dtype
+        plan = self.plan_for(algorithm, flat.size * acc.itemsize)
+
+        def body() -> tuple[np.ndarray, int, int]:
+            sent = received = 0
+            host = self._shm()
+            part = host.allreduce(flat, resolved, acc, what, deadline) if host is not None else flat
+            if plan is not None:
+                if self.leader:
+                    tag = f"a{self.seq}."
+                    part, sent, received = run_plan(
+                        plan, self.me, np.asarray(part, dtype=acc), resolved,
+                        lambda dest, node, v: self._send(self.leaders[dest], f"{tag}{node}", v),
+                        lambda src, node: self._take(self.leaders[src], f"{tag}{node}", what, deadline))
+                if host is not None:
+                    part = host.broadcast(part if self.leader else None, 0, what, deadline)
+            return part, sent, received
+
+        part, sent, received = self._collective(what, body)
+        fresh = part is not flat and part.flags.owndata and part.dtype == acc
+        out = part if fresh else np.array(part, dtype=acc, copy=True)
+        out = resolved.finish(out, self.size, owned=True)
+        self._record("allreduce", start, a.nbytes, sent, received, plan.algorithm if plan is not None else "")
+        return back(out.reshape(a.shape))
+
+    def broadcast(self, x: Any, root: int = 0) -> Any:
+        """Rank ``root``'s ``x``, a new array on every rank (others' ``x`` only tells the kind
+        to return, and may be None)."""
+        if not 0 <= root < self.size:
+            raise OptionError(f"root {root} is not a rank of this communicator (0..{self.size - 1})")
+        what, deadline, start = self._begin("broadcast")
+        a, back = as_numpy(x) if x is not None else (None, lambda v: v)
+        if self.rank == root and a is None:
+            raise InputTypeError(f"{what}: the root (rank {root}) gives None")
+        group_of = self.layout.group_of
+        root_group = group_of[root]
+        tag = f"b{self.seq}"
+
+        def body() -> tuple[np.ndarray, int, int]:
+            host, value, sent, received = self._shm(), None, 0, 0
+            if self.me == root_group:
+                if host is not None:
+                    value = host.broadcast(a if self.rank == root else None, self.group.index(root), what, deadline)
+                else:
+                    value = np.array(a, copy=True)
+            if len(self.leaders) > 1:
+                if self.leader and self.me == root_group:
+                    for r in self.leaders:
+                        if r != self.rank:
+                            self._send(r, tag, value)
+                            sent += value.nbytes  # type: ignore[union-attr]
+                elif self.leader:
+                    value = self._take(self.leaders[root_group], tag, what, deadline)
+                    received += value.nbytes
+                if self.me != root_group and host is not None:
+                    value = host.broadcast(value if self.leader else None, 0, what, deadline)
+            return value, sent, received  # type: ignore[return-value]
+
+        value, sent, received = self._collective(what, body)
+        self._record("broadcast", start, value.nbytes, sent, received)
+        return back(value)
+
+    def allgather(self, x: Any) -> list[Any]:
+        """Every rank's ``x`` (shapes and dtypes may differ), a list of new arrays in rank order."""
+        what, deadline, start = self._begin("allgather")
+        a, back = as_numpy(x)
+        a = np.ascontiguousarray(a)
+        tag = f"g{self.seq}"
+
+        def body() -> tuple[list[np.ndarray], int, int]:
+            host, sent, received = self._shm(), 0, 0
+            mine = host.allgather(a, what, deadline) if host is not None else [a.copy()]
+            if len(self.leaders) <= 1:
+                return mine, 0, 0
+            blob: np.ndarray | None = None
+            if self.leader:
+                parts: dict[int, np.ndarray] = dict(zip(self.group, mine))
+                for r in self.leaders:
+                    if r != self.rank:
+                        self._send(r, tag, mine)
+                        sent += sum(m.nbytes for m in mine)
+                for i, r in enumerate(self.leaders):
+                    if r != self.rank:
+                        theirs = self._take(r, tag, what, deadline)
+                        received += sum(t.nbytes for t in theirs)
+                        parts.update(zip(self.layout.groups[i], theirs))
+                everything = [parts[r] for r in range(self.size)]
+                if host is None:
+                    return everything, sent, received
+                blob = np.frombuffer(pickle.dumps(everything, protocol=5), np.uint8)
+            assert host is not None
+            blob = host.broadcast(blob, 0, what, deadline)
+            return (everything if self.leader else pickle.loads(blob.tobytes())), sent, received
+
+        values, sent, received = self._collective(what, body)
+        self._record("allgather", start, a.nbytes, sent, received)
+        return [back(v) for v in values]
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        what, deadline, start = self._begin("barrier")
+        tag = f"z{self.seq}"
+
+        def body() -> None:
+            host = self._shm()
+            if host is not None:
+                host.barrier(what, deadline)
+            if len(self.leaders) > 1:
+                if self.leader:
+                    for r in self.leaders:
+                        if r != self.rank:
+                            self._send(r, tag, 0)
+                    for r in self.leaders:
+                        if r != self.rank:
+                            self._take(r, tag, what, deadline)
+                if host is not None:
+                    host.barrier(what, deadline)
+
+        self._collective(what, body)
+        self._record("barrier", start, 0, 0, 0)
+
+    def subgroup(self, ranks: Sequence[int]) -> Communicator | None:
+        """A communicator over ``ranks`` of this one (its rank ``i`` is ``ranks[i]``), or None on
+        a rank not in ``ranks`` (as ``torch.distributed.new_group``). Local: no message; the
+        ranks of ``ranks`` must create their subgroups in the same order. A failure of the
+        subgroup fails the job, and the job's failure fails the subgroup."""
+        members = tuple(int(r) for r in ranks)
+        if not members or len(set(members)) != len(members) or not all(0 <= r < self.size for r in members):
+            raise OptionError(f"a subgroup takes distinct ranks of 0..{self.size - 1}; got {list(ranks)}")
+        n = next(self._subs.setdefault(members, itertools.count()))
+        if self.rank not in members:
+            return None
+        tag = f"{self.layout.sub}s{'_'.join(map(str, members))}n{n}"
+        if len(tag) > 120:
+            tag = f"{self.layout.sub}s{abs(hash(members)):x}n{n}"
+        sub = Layout(self.layout.job, self.layout.attempt, tuple(self.layout.workers[r] for r in members),
+                     tuple(self.layout.hosts[r] for r in members), self.layout.timeout, self.layout.directory,
+                     sub=tag.replace("-", "_"))
+        child = Communicator(sub, members.index(self.rank), self.mailbox, parents=(self, *self.parents))
+        self._children.append(child)
+        return child
+
+    split = subgroup
+
+    # -- the end ----------------------------------------------------------------------
+    def close(self, failed: bool = False) -> None:
+        """End this rank's part: unless the job failed, wait for the ranks of its host (they may
+        still read its segments: a collective ``finalize``, as MPI's); then drop its segments."""
+        if self.closed:
+            return
+        for child in self._children:
+            child.close(failed)
+        failed = failed or self.failed or self._why() is not None
+        try:
+            if self.host is not None and not failed:
+                what = f"finalize of job {self.run}"
+                try:
+                    self.host.barrier(what, self._deadline())
+                except Exception:
+                    failed = True
+                    raise
+        finally:
+            self.closed = True
+            if self.host is not None:
+                self.host.close(failed)
+            self.mailbox.close(self.run)

@@ -1,0 +1,165 @@
+"""The worker side of SPMD jobs: values between hosts, and the word that a job failed.
+
+:class:`Mailbox` (``worker.extensions["flowreduce-spmd"]``, installed on
+every worker by :class:`SpmdWorkerPlugin`) keeps, per attempt of a job, the
+values other workers' ranks sent to this worker's ranks (handler
+:data:`DELIVER`, worker to worker on the worker's connection pool, as
+:mod:`flowreduce.schedule.p2p` sends its values) until a rank takes them,
+and why the attempt failed, if it did (handler :data:`ABORT` from a peer,
+stream message :data:`ABORT` from the scheduler's watch). A rank's thread
+sends through the worker's event loop and waits on a condition variable:
+nothing here talks to the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import to_serialize
+
+from flowreduce.errors import AllreduceTimeoutError, refused
+from flowreduce.spmd.shared import Aborted
+
+logger = logging.getLogger("flowreduce")
+
+EXTENSION = "flowreduce-spmd"
+DELIVER = "flowreduce_spmd_deliver"
+ABORT = "flowreduce_spmd_abort"
+#: Failed attempts remembered (a late message for one is dropped, a late rank fails at once).
+KEPT = 1024
+
+
+class Mailbox:
+    """One worker's mailboxes, one per attempt of a job with ranks here."""
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.cond = threading.Condition()
+        self.boxes: dict[str, dict[str, Any]] = defaultdict(dict)
+        self.users: dict[str, int] = defaultdict(int)  # ranks here using each attempt's box
+        self.failed: OrderedDict[str, str] = OrderedDict()
+        self.ended: OrderedDict[str, None] = OrderedDict()
+
+    # -- ranks ------------------------------------------------------------------
+    def open(self, run: str) -> None:
+        with self.cond:
+            self.users[run] += 1
+
+    def close(self, run: str) -> None:
+        with self.cond:
+            self.users[run] -= 1
+            if self.users[run] <= 0:
+                self.users.pop(run, None)
+                self.boxes.pop(run, None)
+                self.ended[run] = None
+                while len(self.ended) > KEPT:
+                    self.ended.popitem(last=False)
+
+    def why(self, run: str) -> str | None:
+        """Why ``run`` failed, if some worker said so."""
+        return self.failed.get(run)
+
+    def take(self, run: str, key: str, *, deadline: float | None, what: str, rank: int, source: int) -> Any:
+        """The value sent for ``key``, waiting for it until the deadline or the attempt's failure."""
+        with self.cond:
+            while True:
+                box = self.boxes.get(run)
+                if box is not None and key in box:
+                    return box.pop(key)
+                why = self.failed.get(run)
+                if why is not None:
+                    raise Aborted(f"{what} on rank {rank}: {why}")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise AllreduceTimeoutError(f"{what} on rank {rank} timed out waiting for rank {source} "
+                                                f"(message {key} of job attempt {run})")
+                self.cond.wait(1.0 if left is None else min(left, 1.0))
+
+    def send(self, address: str, run: str, key: str, value: Any) -> None:
+        """Deliver ``value`` to the worker at ``address`` (without waiting for it to arrive)."""
+        if address == self.worker.address:
+            self._put(run, key, value)
+            return
+        asyncio.run_coroutine_threadsafe(self._send(address, run, key, value), self.worker.loop.asyncio_loop)
+
+    async def _send(self, address: str, run: str, key: str, value: Any) -> None:
+        try:
+            reply = await self.worker.rpc(address).flowreduce_spmd_deliver(run=run, key=key, value=to_serialize(value))
+            if isinstance(reply, dict) and reply.get("status") == "error":
+                raise RuntimeError(reply.get("message"))
+        except Exception as e:  # the peer is gone: its rank fails the job, or the scheduler says it left
+            self.fail(run, f"sending {key} to {address} failed: {e!r}")
+
+    def tell(self, addresses: Iterable[str], run: str, why: str) -> None:
+        """Fail ``run`` here and on ``addresses`` (a rank here raised or timed out)."""
+        self.fail(run, why)
+        for address in set(addresses) - {self.worker.address}:
+            asyncio.run_coroutine_threadsafe(self._tell(address, run, why), self.worker.loop.asyncio_loop)
+
+    async def _tell(self, address: str, run: str, why: str) -> None:
+        try:
+            await self.worker.rpc(address).flowreduce_spmd_abort(run=run, why=why)
+        except Exception as e:  # gone too: the scheduler's watch tells the others
+            logger.debug("flowreduce: could not tell %s that %s failed: %r", address, run, e)
+
+    def fail(self, run: str, why: str) -> None:
+        with self.cond:
+            if run not in self.failed:
+                self.failed[run] = why
+                while len(self.failed) > KEPT:
+                    self.failed.popitem(last=False)
+            self.boxes.pop(run, None)
+            self.cond.notify_all()
+
+    def _put(self, run: str, key: str, value: Any) -> None:
+        with self.cond:
+            if run in self.failed or run in self.ended:
+                return
+            self.boxes[run][key] = value
+            self.cond.notify_all()
+
+    # -- handlers -----------------------------------------------------------------
+    async def deliver(self, run: Any = None, key: Any = None, value: Any = None, **other: Any) -> dict[str, Any]:
+        if other or not isinstance(run, str) or not isinstance(key, str):
+            return refused(DELIVER, f"not an SPMD message: run {type(run).__name__}, key {type(key).__name__}, "
+                                    f"other arguments {sorted(map(str, other))[:10]}")
+        self._put(run, key, value)
+        return {"status": "OK"}
+
+    async def aborted(self, run: Any = None, why: Any = None, **other: Any) -> dict[str, Any]:
+        if other or not isinstance(run, str):
+            return refused(ABORT, f"not an SPMD abort: run {type(run).__name__}")
+        self.fail(run, str(why))
+        return {"status": "OK"}
+
+    def scheduler_says(self, run: Any = None, why: Any = None, **other: Any) -> None:
+        if isinstance(run, str):
+            self.fail(run, str(why))
+
+
+class SpmdWorkerPlugin(WorkerPlugin):
+    """Puts a :class:`Mailbox` and its handlers on every worker."""
+
+    name = "flowreduce-spmd"
+    idempotent = True
+
+    def setup(self, worker: Any) -> None:
+        box = worker.extensions.get(EXTENSION)
+        if box is None:
+            box = worker.extensions[EXTENSION] = Mailbox(worker)
+        worker.handlers[DELIVER] = box.deliver
+        worker.handlers[ABORT] = box.aborted
+        worker.stream_handlers[ABORT] = box.scheduler_says
+
+    def teardown(self, worker: Any) -> None:
+        worker.handlers.pop(DELIVER, None)
+        worker.handlers.pop(ABORT, None)
+        worker.stream_handlers.pop(ABORT, None)
+        worker.extensions.pop(EXTENSION, None)

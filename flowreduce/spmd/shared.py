@@ -1,0 +1,342 @@
+"""The ranks of one host exchanging through POSIX shared memory, no message at all.
+
+Each host group of a job has one small *control* segment and each of its
+ranks one *data* segment of three regions (two inputs, used by collectives
+in turn, and one output for the reduce-scatter's slice)::
+
+    control:  [abort word, message] [rank 0: step | region 0 | region 1 | out] [rank 1: ...] ...
+    data:     [ input region 0 | input region 1 | out ]     (one segment per rank, grown as needed)
+
+A collective is one or two *steps*. In a step every rank writes its region,
+then bumps its step counter; then it waits until every peer's counter
+reaches the step (spinning briefly, then yielding the CPU, then sleeping a
+little longer each time) and reads the peers' regions. Why no one
+overwrites what a peer still reads: collectives alternate input regions,
+and passing a step's wait means every peer has finished every earlier
+collective (it bumped its counter for this one after). A rank whose data
+outgrows its segment maps a bigger one (a new *generation*); each region
+names the generation it was written in, and the old name is unlinked once
+every peer has passed the next step (they have mapped it, if they read it).
+
+* ``allreduce``: small vectors in one step (every rank folds every slot, in
+  rank order: the same bits on every rank); from :data:`SPLIT_BYTES` a
+  reduce-scatter (rank ``i`` folds slice ``i`` of every slot into its out
+  region) and an all-gather of the slices, two steps, the work split.
+* ``broadcast``, ``allgather``, ``barrier``: one step.
+
+Failure: a rank that fails sets the abort word (with why), and every rank
+polling a counter raises; the communicator also gives a callable checked
+while waiting (a peer on another worker or the scheduler said the job
+failed) and the deadline. Names start with :meth:`Layout.prefix`, so a
+sweep removes everything of a failed attempt (:func:`sweep`).
+
+x86 stores are not reordered with other stores, nor loads with loads: a
+counter written after the data is seen after it. (Another architecture
+would need a fence here.)
+"""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, OptionError
+from flowreduce.ops import Op
+from flowreduce.spmd.layout import Layout
+
+#: From this many bytes an all-reduce is a reduce-scatter and an all-gather (two steps, the work split).
+SPLIT_BYTES = 64 << 10
+HEADER = 1024  # abort word, message length, message
+SLOT = 512  # per rank: step counter (64 bytes), then three regions' records of 128 bytes
+REGION = 128  # generation, bytes, meta length, meta (dtype and shape)
+META = REGION - 24
+OUT = 2  # the output region's index
+#: Polls of a counter before yielding the CPU, yields before sleeping.
+SPINS, YIELDS = 64, 256
+#: Longest sleep between polls, and how often the external abort and the deadline are checked.
+MAX_SLEEP, CHECK_EVERY = 1e-3, 2e-3
+
+
+class Aborted(FlowreduceError, RuntimeError):
+    """The job failed elsewhere (a rank raised, a worker left, a collective timed out)."""
+
+
+def _page(n: int) -> int:
+    return max(mmap.PAGESIZE, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+
+def _create(path: str, size: int, exclusive: bool) -> mmap.mmap:
+    flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if exclusive else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _open(path: str) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def sweep(directory: str, prefix: str) -> list[str]:
+    """Unlink every segment whose name starts with ``prefix``; the names removed."""
+    gone = []
+    for path in glob.glob(os.path.join(directory, glob.escape(prefix) + "*")):
+        _unlink(path)
+        gone.append(os.path.basename(path))
+    return gone
+
+
+def encode_meta(dtype: np.dtype, shape: Sequence[int]) -> bytes:
+    meta = f"{dtype.str}|{','.join(map(str, shape))}".encode()
+    if len(meta) > META:
+        raise OptionError(f"an array of shape {tuple(shape)} has too many dimensions for the shared-memory exchange; "
+                          "reshape it to fewer before the collective")
+    return meta
+
+
+def decode_meta(meta: bytes) -> tuple[np.dtype, tuple[int, ...]]:
+    dt, _, shape = meta.decode().partition("|")
+    return np.dtype(dt), tuple(int(s) for s in shape.split(",") if s)
+
+
+class HostGroup:
+    """One rank's view of its host group (``layout.groups[...]``, more than one rank)."""
+
+    def __init__(self, layout: Layout, rank: int, external: Callable[[], str | None]):
+        self.layout, self.rank, self.external = layout, rank, external
+        self.local = layout.groups[layout.group_of[rank]]
+        self.n, self.me = len(self.local), self.local.index(rank)
+        self.dir = layout.directory
+        base = f"{layout.prefix()}g{layout.group_of[rank]}"
+        self.control_path = os.path.join(self.dir, f"{base}-ctl")
+        self.data_base = os.path.join(self.dir, f"{base}-r")
+        self.ctl = _create(self.control_path, _page(HEADER + SLOT * self.n), exclusive=False)
+        self.words = np.frombuffer(self.ctl, dtype=np.int64)
+        self.bytes = np.frombuffer(self.ctl, dtype=np.uint8)
+        self.stamps = self.words[HEADER // 8::SLOT // 8][:self.n]
+        self.step = 0
+        self.turn = 0  # which input region the next collective writes
+        self.gen, self.cap = 0, 0
+        self.data: np.ndarray | None = None
+        self.mine: list[str] = []  # names of my data segments not unlinked yet
+        self.retired: list[tuple[int, str]] = []  # (step after which no peer needs it, name)
+        self.peers: dict[int, dict[int, np.ndarray]] = {i: {} for i in range(self.n)}
+        self.control_unlinked = False
+
+    # -- records ----------------------------------------------------------------
+    def _record(self, i: int, region: int) -> int:
+        return (HEADER + SLOT * i + 64 + REGION * region) // 8
+
+    def _write_record(self, region: int, nbytes: int, meta: bytes = b"") -> None:
+        w = self._record(self.me, region)
+        self.words[w] = self.gen
+        self.words[w + 1] = nbytes
+        self.words[w + 2] = len(meta)
+        if meta:
+            self.bytes[w * 8 + 24:w * 8 + 24 + len(meta)] = np.frombuffer(meta, np.uint8)
+
+    def _peer_region(self, i: int, region: int) -> tuple[np.ndarray, int, bytes]:
+        """Peer ``i``'s region (its bytes), the bytes written and its meta."""
+        w = self._record(i, region)
+        gen, nbytes, mlen = int(self.words[w]), int(self.words[w + 1]), int(self.words[w + 2])
+        meta = self.bytes[w * 8 + 24:w * 8 + 24 + mlen].tobytes()
+        if i == self.me:
+            assert self.data is not None
+            buf = self.data
+        else:
+            maps = self.peers[i]
+            buf = maps.get(gen)  # type: ignore[assignment]
+            if buf is None:
+                buf = maps[gen] = np.frombuffer(_open(f"{self.data_base}{self.local[i]}-g{gen}"), np.uint8)
+                for old in [g for g in maps if g < gen - 1]:
+                    del maps[old]
+        cap = buf.size // 3
+        return buf[region * cap:region * cap + nbytes], nbytes, meta
+
+    def _ensure(self, nbytes: int) -> None:
+        """A data segment whose regions hold ``nbytes`` (a new generation if the current is smaller)."""
+        if nbytes <= self.cap and self.data is not None:
+            return
+        cap = _page(max(nbytes, 2 * self.cap, 4096))
+        gen = self.gen + 1
+        name = f"{self.data_base}{self.rank}-g{gen}"
+        mm = _create(name, 3 * cap, exclusive=True)
+        if self.mine:
+            self.retired.append((self.step + 1, self.mine[-1]))
+        self.mine.append(name)
+        self.data, self.cap, self.gen = np.frombuffer(mm, np.uint8), cap, gen
+
+    def _region(self, region: int, nbytes: int) -> np.ndarray:
+        assert self.data is not None
+        return self.data[region * self.cap:region * self.cap + nbytes]
+
+    # -- steps ------------------------------------------------------------------
+    def _arrive(self, what: str, deadline: float | None) -> None:
+        """Bump my counter and wait for every peer's."""
+        self.step += 1
+        target = self.step
+        self.stamps[self.me] = target
+        st, words = self.stamps, self.words
+        if st.min() < target:
+            spins, sleep, checked = 0, 2e-5, time.monotonic()
+            while st.min() < target:
+                if words[0]:
+                    raise self._aborted(what)
+                spins += 1
+                if spins < SPINS:
+                    continue
+                if spins < SPINS + YIELDS:
+                    os.sched_yield()
+                else:
+                    time.sleep(sleep)
+                    sleep = min(sleep * 1.5, MAX_SLEEP)
+                now = time.monotonic()
+                if now - checked > CHECK_EVERY:
+                    checked = now
+                    why = self.external()
+                    if why is not None:
+                        raise Aborted(f"{what} on rank {self.rank}: {why}")
+                    if deadline is not None and now > deadline:
+                        late = [self.local[i] for i in range(self.n) if st[i] < target]
+                        raise AllreduceTimeoutError(
+                            f"{what} on rank {self.rank} timed out waiting for rank(s) {late} of its host "
+                            f"(step {target}; they are at {[int(st[i]) for i in range(self.n) if st[i] < target]})")
+        if words[0]:
+            raise self._aborted(what)
+        if not self.control_unlinked:  # every peer has mapped the control segment: its name is not needed
+            _unlink(self.control_path)
+            self.control_unlinked = True
+        while self.retired and self.retired[0][0] <= target:
+            name = self.retired.pop(0)[1]
+            _unlink(name)
+            self.mine.remove(name)
+
+    def _aborted(self, what: str) -> Aborted:
+        n = int(self.words[1])
+        why = self.bytes[16:16 + n].tobytes().decode(errors="replace")
+        return Aborted(f"{what} on rank {self.rank}: {why}")
+
+    def abort(self, why: str) -> None:
+        """Tell every rank of the host that the job failed (their pending and next steps raise)."""
+        if self.words[0]:
+            return
+        msg = why.encode()[:HEADER - 16]
+        self.bytes[16:16 + len(msg)] = np.frombuffer(msg, np.uint8)
+        self.words[1] = len(msg)
+        self.words[0] = self.rank + 1
+
+    def _next_region(self) -> int:
+        region, self.turn = self.turn, 1 - self.turn
+        return region
+
+    # -- collectives ------------------------------------------------------------
+    def allreduce(self, x: np.ndarray, op: Op, acc: np.dtype, what: str, deadline: float | None) -> np.ndarray:
+        """``op`` over the group's ``x`` (1-d, C-contiguous, same dtype and size everywhere),
+        in ``acc``; unfinished (a mean is not divided here)."""
+        size = x.size
+        part = -(-size // self.n) * acc.itemsize
+        self._ensure(max(x.nbytes, part))
+        region = self._next_region()
+        np.copyto(self._region(region, x.nbytes).view(x.dtype), x)
+        self._write_record(region, x.nbytes, x.dtype.str.encode())
+        self._arrive(what, deadline)
+        views = []
+        for i in range(self.n):
+            buf, nbytes, meta = self._peer_region(i, region)
+            if nbytes != x.nbytes or meta != x.dtype.str.encode():
+                raise InputError(f"{what}: rank {self.local[i]} gave {nbytes} bytes of {meta.decode()!r}, rank {self.rank} "
+                                 f"{x.nbytes} bytes of {x.dtype.str!r}: every rank must give the same shape and dtype")
+            views.append(buf.view(x.dtype))
+        out = np.empty(size, acc)
+        if x.nbytes < SPLIT_BYTES or size < self.n:
+            _fold(op, views, out)
+            return out
+        lo, hi = size * self.me // self.n, size * (self.me + 1) // self.n
+        mine = self._region(OUT, (hi - lo) * acc.itemsize).view(acc)
+        _fold(op, [v[lo:hi] for v in views], mine)
+        self._write_record(OUT, mine.nbytes)
+        self._arrive(what, deadline)
+        for i in range(self.n):
+            a, b = size * i // self.n, size * (i + 1) // self.n
+            buf, _, _ = self._peer_region(i, OUT)
+            out[a:b] = buf.view(acc)[:b - a]
+        return out
+
+    def broadcast(self, x: np.ndarray | None, root: int, what: str, deadline: float | None) -> np.ndarray:
+        """The array of the group's rank ``root`` (an index into the group), a copy on every rank."""
+        region = self._next_region()
+        if self.me == root:
+            assert x is not None
+            self._ensure(x.nbytes)
+            np.copyto(self._region(region, x.nbytes).view(x.dtype).reshape(x.shape), x)
+            self._write_record(region, x.nbytes, encode_meta(x.dtype, x.shape))
+        self._arrive(what, deadline)
+        if self.me == root:
+            assert x is not None
+            return x.copy()
+        buf, _, meta = self._peer_region(root, region)
+        dtype, shape = decode_meta(meta)
+        return buf.view(dtype).reshape(shape).copy()
+
+    def allgather(self, x: np.ndarray, what: str, deadline: float | None) -> list[np.ndarray]:
+        """Every rank's array of the group, copies, in group order."""
+        region = self._next_region()
+        self._ensure(x.nbytes)
+        np.copyto(self._region(region, x.nbytes).view(x.dtype).reshape(x.shape), x)
+        self._write_record(region, x.nbytes, encode_meta(x.dtype, x.shape))
+        self._arrive(what, deadline)
+        out = []
+        for i in range(self.n):
+            if i == self.me:
+                out.append(x.copy())
+                continue
+            buf, _, meta = self._peer_region(i, region)
+            dtype, shape = decode_meta(meta)
+            out.append(buf.view(dtype).reshape(shape).copy())
+        return out
+
+    def barrier(self, what: str, deadline: float | None) -> None:
+        self._next_region()
+        self._arrive(what, deadline)
+
+    def close(self, failed: bool) -> None:
+        """Unlink my segments (all of the attempt's on this host if the job failed: a dead peer's too)."""
+        for name in self.mine:
+            _unlink(name)
+        self.mine.clear()
+        _unlink(self.control_path)
+        if failed:
+            sweep(self.dir, self.layout.prefix())
+        self.peers.clear()
+        self.data = None
+
+
+def _fold(op: Op, parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """``parts[0] op parts[1] op ...`` in that order, into ``out``."""
+    if op.in_place:
+        return op.fold(parts, out)
+    acc: Any = parts[0]
+    for p in parts[1:]:
+        acc = op.func(acc, p)
+    np.copyto(out, acc, casting="unsafe")
+    return out
