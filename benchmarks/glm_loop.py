@@ -32,10 +32,11 @@ share the machine's state; the first ``--warmup`` repetitions are not kept.
     python benchmarks/glm_loop.py --sizes 1e3,1e5,1e6,1e7 --repeat 5 \\
         --json benchmarks/results/glm_loop_<date>.json --markdown benchmarks/results/glm_loop_<date>.md
 
-``--trace DIR`` traces one more iteration of the ``futures`` variant at the
-largest size (``flowreduce.trace``: the user's gradient tasks and the
-all-reduce on one timeline) and writes DIR/timeline.png, trace.json and
-summary.txt.
+``--trace DIR`` then traces one more iteration of the ``futures`` and of the
+``naive`` loop at the largest size (``--trace-sizes`` to choose), after two
+untraced ones (``flowreduce.trace``: the user's gradient and update tasks and
+the all-reduce on one timeline), into DIR/<variant>-<size>/: timeline.png and
+.svg, trace.json (Perfetto), summary.txt (flowreduce's summary of the call).
 """
 
 from __future__ import annotations
@@ -210,24 +211,26 @@ def git_head() -> str:
         return "?"
 
 
-def trace_one_iteration(client, shards, workers, n, step, out_dir: str) -> dict:
-    """Trace one iteration of the futures loop (after one untraced one)."""
+def trace_one_iteration(client, shards, workers, n, step, out_dir: str, variant: str = "futures") -> dict:
+    """Trace one iteration of a futures loop (``futures`` or ``naive``), after
+    two untraced ones: DIR/timeline.png (and .svg), trace.json, summary.txt."""
     from flowreduce.tracing import plot_timeline, summarize, to_chrome
 
     os.makedirs(out_dir, exist_ok=True)
     w = [client.submit(init_weights, n, workers=[wr], pure=False) for wr in workers]
-    w = loop_futures(client, shards, w, workers, 1, step)
+    w = LOOPS[variant](client, shards, w, workers, 2, step)
     wait(w)
     with flowreduce.trace(client) as tr:
-        w = loop_futures(client, shards, w, workers, 1, step)
+        w = LOOPS[variant](client, shards, w, workers, 1, step)
         wait(w)
     to_chrome(tr, os.path.join(out_dir, "trace.json"))
-    summary = summarize(tr)
-    with open(os.path.join(out_dir, "summary.txt"), "w") as f:
-        f.write(str(summary) + "\n")
-    plot_timeline(tr, [os.path.join(out_dir, "timeline.png")],
-                  title=f"one glm_loop iteration, {n:.0e} features, flowreduce.allreduce on futures")
-    return {"dir": out_dir, "events": len(tr.events)}
+    if tr.calls:
+        with open(os.path.join(out_dir, "summary.txt"), "w") as f:
+            f.write(str(summarize(tr)) + "\n")
+    what = "flowreduce.allreduce on futures" if variant == "futures" else "naive submit(sum_of_gradients)"
+    plot_timeline(tr, [os.path.join(out_dir, "timeline.png"), os.path.join(out_dir, "timeline.svg")],
+                  title=f"one glm_loop iteration, {n:.0e} features, {what}")
+    return {"dir": out_dir, "variant": variant, "size": n, "events": len(tr.events)}
 
 
 def table(results: dict, sizes: list[int]) -> str:
@@ -265,10 +268,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rtol", type=float, default=1e-9, help="final losses must agree within this")
     ap.add_argument("--json", help="write everything (raw timings too) here")
     ap.add_argument("--markdown", help="write the table here")
-    ap.add_argument("--trace", metavar="DIR", help="trace one futures iteration at the largest size into DIR")
+    ap.add_argument("--trace", metavar="DIR", help="trace one futures iteration (and one naive) into DIR/futures-<size>/ "
+                    "(and DIR/naive-<size>/) after the timed runs of that size")
+    ap.add_argument("--trace-sizes", default=None, help="sizes to trace (default: the largest)")
     a = ap.parse_args(argv)
     sizes = [int(float(s)) for s in a.sizes.split(",")]
     variants = [v for v in a.variants.split(",") if v]
+    trace_sizes = [int(float(s)) for s in a.trace_sizes.split(",")] if a.trace_sizes else [max(sizes)]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
@@ -325,8 +331,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{n:.0e}: final losses {sorted(set(all_losses))}", flush=True)
             assert not bad, f"final losses disagree at n={n}: {all_losses}"
             out["results"][str(n)] = row
-            if a.trace and n == max(sizes):
-                out["trace"] = trace_one_iteration(client, shards, workers, n, step, a.trace)
+            if a.trace and n in trace_sizes:
+                for v in ("futures", "naive"):
+                    out.setdefault("traces", []).append(
+                        trace_one_iteration(client, shards, workers, n, step, os.path.join(a.trace, f"{v}-{n:.0e}"), v))
             del shards
     out["load_after"] = loadavg()
     out["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
