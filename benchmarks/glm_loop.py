@@ -52,11 +52,16 @@ import sys
 import time
 from datetime import datetime, timezone
 
-import dask
-import numpy as np
-from distributed import Client, Future, LocalCluster, futures_of, wait
+# Run as a script, this directory is sys.path[0], and its sparse/ folder would shadow the
+# pydata `sparse` package that dask.array probes for (AttributeError: no SparseArray).
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
 
-import flowreduce
+import dask  # noqa: E402
+import numpy as np  # noqa: E402
+from distributed import Client, Future, LocalCluster, futures_of, wait  # noqa: E402
+
+import flowreduce  # noqa: E402
 
 VARIANTS = ("naive", "futures", "delayed")
 
