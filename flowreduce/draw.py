@@ -77,6 +77,7 @@ PHASE_COLOURS: dict[str, str] = {
     phases.UNPACK: "#f3d98c",
     phases.HAND_IN: "#d9d9d9",
     phases.BARRIER: "#f0f0f0",
+    phases.ARRIVE: "#d9d9d9",
 }
 _OTHER_PHASE = "#ffffff"
 TRANSFER_COLOUR = "#222222"

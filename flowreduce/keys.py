@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 
-from flowreduce.phases import BARRIER, HAND_IN, KEY_PHASES, OUTPUT, PACK, UNPACK
+from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, KEY_PHASES, OUTPUT, PACK, UNPACK
 
 #: Longest first, so no phase is mistaken for the tail of a longer one.
 _BY_LENGTH = sorted(KEY_PHASES, key=len, reverse=True)
@@ -49,6 +49,11 @@ def hand_in_key(algorithm: str, token: str, rank: int):
     return (name(algorithm, HAND_IN, token), rank)
 
 
+def arrive_key(algorithm: str, token: str, rank: int):
+    """method="p2p" placed by Dask: the task keeping a rank's input in its worker's engine (step 0)."""
+    return (name(algorithm, ARRIVE, token), rank)
+
+
 def barrier_key(algorithm: str, token: str):
     """method="p2p": the task that runs once every rank has handed its input in."""
     return (name(algorithm, BARRIER, token), 0)
@@ -68,9 +73,9 @@ def parse(key) -> dict | None:
         return None
     if phase == OUTPUT:
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1]}
-    if phase in (HAND_IN, BARRIER):  # the barrier runs on rank 0's worker, after every hand-in (step 0)
+    if phase in (HAND_IN, ARRIVE, BARRIER):  # the barrier runs on rank 0's worker, after every hand-in (step 0)
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1],
-                "step": 0 if phase == HAND_IN else 1, "chunk": None, "node": None}
+                "step": 1 if phase == BARRIER else 0, "chunk": None, "node": None}
     if phase in (PACK, UNPACK):
         return {"algorithm": algorithm, "phase": phase, "token": token, "rank": key[1],
                 "leaf": key[2] if phase == UNPACK else None, "step": None, "chunk": None, "node": None}

@@ -43,9 +43,10 @@ PACK = "pack"  # tensor fusion: a rank's tensors copied into one bucket
 UNPACK = "unpack"  # tensor fusion: a rank's tensor cut from the reduced buckets
 HAND_IN = "hand-in"  # method="p2p": a rank's input handed to the worker extension that runs the plan
 BARRIER = "barrier"  # method="p2p": every rank has handed its input in
+ARRIVE = "arrive"  # method="p2p", placed by Dask: a rank's input kept by its worker's engine until the call begins
 
 #: Every phase a flowreduce task key may carry.
-KEY_PHASES: tuple[str, ...] = (*PLAN_PHASES, OUTPUT, PACK, UNPACK, HAND_IN, BARRIER)
+KEY_PHASES: tuple[str, ...] = (*PLAN_PHASES, OUTPUT, PACK, UNPACK, HAND_IN, BARRIER, ARRIVE)
 
 # -- trace phases -----------------------------------------------------------------
 WAIT_FOR_INPUT = "wait-for-input"
@@ -87,5 +88,6 @@ TRACE_PHASE_OF: dict[str, str] = {
     UNPACK: FUSION,
     HAND_IN: OTHER,  # the engine's own steps are not tasks (docs/p2p.md)
     BARRIER: OTHER,
+    ARRIVE: OTHER,
 }
 

@@ -219,6 +219,7 @@ def test_every_phase_a_planner_emits_is_known_to_keys_tracer_and_drawer():
     made[phases.PACK] = ("butterfly", keys.pack_key("butterfly", token, 1))
     made[phases.UNPACK] = ("butterfly", keys.unpack_key("butterfly", token, 1, 4))
     made[phases.HAND_IN] = ("tree", keys.hand_in_key("tree", token, 3))
+    made[phases.ARRIVE] = ("auto", keys.arrive_key("auto", token, 2))
     made[phases.BARRIER] = ("reduce-broadcast", keys.barrier_key("reduce-broadcast", token))
     assert set(made) == set(phases.KEY_PHASES)
     for ph, (algorithm, key) in made.items():

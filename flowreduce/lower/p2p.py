@@ -17,6 +17,12 @@ process's tensors). With one rank per worker this is the ranks' plan itself.
 The graph (:func:`lower_p2p`) is ``workers + 1 + ranks`` tasks whatever the
 algorithm and chunk count: per worker a *hand-in* (its ranks' inputs into the
 engine), one *barrier*, per rank an *output* (its result out of the engine).
+
+A call that does not wait for its inputs (:func:`lower_arrivals`) has the
+same three levels with a task per rank in the first: each rank's *arrive*
+task runs where Dask puts it, next to its input, and keeps the input in
+that worker's engine; the barrier learns where every rank arrived and what
+it holds, and only then is the plan chosen and the outputs pinned.
 """
 
 from __future__ import annotations
@@ -221,6 +227,27 @@ def program(spec: Spec, address: str) -> Program:
     return Program(spec, address)
 
 
+class EngineTask(Task):
+    """A task that talks to the engine: never fused with its neighbours (a
+    fused chain would call a coroutine function inside another task, and
+    the engine's tasks must keep their keys: the scheduler plugin follows
+    them)."""
+
+    __slots__ = ()
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Named:
+    """Keys passed to a task as data, not as dependencies (dask reads keys
+    found in a task's plain arguments as dependencies when it culls)."""
+
+    keys: tuple[Hashable, ...]
+
+
 def lower_p2p(spec: Spec, inputs: Sequence[Any], *, token: str, run: str,
               hand_in: Callable[..., Any], barrier: Callable[..., Any], take_out: Callable[..., Any]) -> Graph:
     """The graph of a p2p run: ``hand_in(run, index, spec, *xs)`` pinned to
@@ -233,14 +260,39 @@ def lower_p2p(spec: Spec, inputs: Sequence[Any], *, token: str, run: str,
     for i, address in enumerate(spec.addresses):
         members = spec.members(i)
         key = keys.hand_in_key(spec.algorithm, token, members[0])
-        tasks[key] = Task(key, hand_in, run, i, spec, *(inputs[r] for r in members))
+        tasks[key] = EngineTask(key, hand_in, run, i, spec, *(inputs[r] for r in members))
         placement[key] = address
         handed.append(TaskRef(key))
     gate = keys.barrier_key(spec.algorithm, token)
-    tasks[gate] = Task(gate, barrier, List(*handed))
+    tasks[gate] = EngineTask(gate, barrier, List(*handed))
     placement[gate] = spec.addresses[0]
     outputs = [keys.output_key(spec.algorithm, token, r) for r in range(spec.ranks)]
     for r, key in enumerate(outputs):
-        tasks[key] = Task(key, take_out, TaskRef(gate), run, r)
+        tasks[key] = EngineTask(key, take_out, TaskRef(gate), run, r)
         placement[key] = spec.worker(r)
     return Graph(tasks, outputs, placement, token)
+
+
+def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive: Callable[..., Any],
+                   begin: Callable[..., Any], take_out: Callable[..., Any], decide: Any,
+                   output_keys: Sequence[Hashable] | None = None) -> Graph:
+    """The graph of a p2p call placed when its inputs arrive: per rank
+    ``arrive(token, rank, x)`` (not pinned: Dask runs it next to its input),
+    once ``begin(token, decide, outputs, *arrivals)`` (chooses the plan from
+    the arrivals, pins the outputs, starts the run; its value is the run
+    id), per rank ``take_out(run, run, rank)``. ``2 * ranks + 1`` tasks;
+    ``output_keys``: the results' keys (default :func:`keys.output_key`),
+    e.g. a dask array's block keys."""
+    tasks: dict[Hashable, Task] = {}
+    arrived = []
+    for r, x in enumerate(inputs):
+        key = keys.arrive_key(algorithm, token, r)
+        tasks[key] = EngineTask(key, arrive, token, r, x)
+        arrived.append(TaskRef(key))
+    outputs = list(output_keys) if output_keys is not None else [keys.output_key(algorithm, token, r)
+                                                                  for r in range(len(inputs))]
+    gate = keys.barrier_key(algorithm, token)
+    tasks[gate] = EngineTask(gate, begin, token, decide, Named(tuple(outputs)), *arrived)
+    for r, key in enumerate(outputs):
+        tasks[key] = EngineTask(key, take_out, TaskRef(gate), TaskRef(gate), r)
+    return Graph(tasks, outputs, {}, token)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import pickle
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -52,13 +53,14 @@ from flowreduce.lower.sparse import (
     sparse_call,
 )
 from flowreduce.cost import CostModel, choose, choose_sparse, model_for, tune
-from flowreduce.errors import InputError, OptionError, raised_as
+from flowreduce.errors import InputError, InputTypeError, OptionError, raised_as
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
-from flowreduce.keys import parse
+from flowreduce.keys import new_token, parse
 from flowreduce.ops import Op, resolve_op
-from flowreduce.pytree import TreeDef, flatten, unflatten
+from flowreduce.pytree import LEAF, TreeDef, flatten, unflatten
 from flowreduce.reproducible import tree_ordered
 from flowreduce.schedule import guard, hosts, placement, records
+from flowreduce.schedule import arrivals as _arrivals
 from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule import transport as _transport
@@ -86,10 +88,20 @@ def describe(futures: Sequence[Any]) -> CallRecord | PytreeRecord:
     ``allreduce`` call that made ``futures`` (for example, which algorithm
     ``"auto"`` picked); a :class:`~flowreduce.schedule.records.PytreeRecord`
     (one record per bucket) when the call reduced pytrees. ``futures`` may be
-    the call's result or any rank's part of it, down to one future."""
+    the call's result or any rank's part of it, down to one future (or
+    ``Delayed``). For a call that did not wait for its inputs, this waits
+    until they arrived and the plan was chosen (None if the call failed first)."""
     leaves = flatten(futures)[0]
     info = parse(leaves[0].key) if leaves and hasattr(leaves[0], "key") else None
     found = records.find(info["token"]) if info is not None else None
+    if found is None and info is not None and info["algorithm"] in ALGORITHMS:
+        # a call that did not wait for its inputs: what it runs is known once they arrived (on the scheduler)
+        futures_ = [f for f in leaves if isinstance(f, Future)]  # or Delayed, whose attributes are all Delayed
+        client = futures_[0].client if futures_ else _default_client()
+        call = _arrivals.record_of(client, info["token"], futures_)
+        if call is not None:
+            records.remember(client, (call,))
+            found = call
     if found is None:
         raise KeyError("these futures do not come from a recent flowreduce.allreduce call")
     return found
@@ -111,15 +123,20 @@ def allreduce(
     transport: str = "auto",
     deterministic: bool | str | None = None,
     method: str | None = None,
+    axis: int = 0,
     **options: Any,
-) -> list[Any]:
-    """All-reduce numpy arrays held by futures: one array, or a pytree of
-    arrays (a model's gradients), per rank.
+) -> Any:
+    """All-reduce numpy arrays held by futures or Dask collections: one
+    array, or a pytree of arrays (a model's gradients), per rank.
+
+    A call on futures that are still being computed, or on Dask
+    collections, returns at once: it is a graph operation, placed where its
+    inputs arrive, whose plan is chosen once they have (docs/workflows.md).
 
     Parameters
     ----------
     client : distributed.Client
-    inputs : list
+    inputs : list, or a dask array
         Rank i's input, in one of these forms (every rank the same):
 
         * a Future of an array: ``result[i]`` is a Future of the reduced array;
@@ -129,6 +146,15 @@ def allreduce(
           array or a pytree of arrays: ``result[i]`` is the same pytree of
           Futures. A bucket's all-reduce starts as soon as the futures its
           tensors come from are computed (DDP-style overlap).
+
+        * a ``dask.delayed`` object of an array: ``result[i]`` is a
+          ``Delayed`` of the reduced array, in a graph that holds the
+          all-reduce (compute or persist it with the rest of yours);
+        * a dask array (one rank's input, any chunks): ``result[i]`` is a
+          one-block dask array of the reduced array;
+        * or, instead of a list, one dask array with one block per rank
+          along ``axis``: the result is a dask array of the same chunks
+          whose every block is the reduced block.
 
         Arrays of any shape and dtype, reduced elementwise; all ranks must
         agree tensor by tensor. Ranks may share a worker.
@@ -200,6 +226,9 @@ def allreduce(
         ops by name; docs/p2p.md); ``"auto"``: the one the cost model prices
         lower (``tasks`` for what p2p does not take). Default: the dask
         config key ``flowreduce.method`` (``"auto"``).
+    axis : int
+        The axis along which a dask array passed as ``inputs`` has one
+        block per rank (default 0).
     model : CostModel, optional
         The cost model for ``auto`` and for the choices left open (default:
         the file named by the dask config key ``flowreduce.cost-model``,
@@ -229,7 +258,13 @@ def allreduce(
         ``inputs[i]``, or the one it is pinned to), in the structure
         described above. :func:`describe` on it tells what ran (plan,
         predicted time, buckets). The call returns without waiting for the
-        reduction; without ``like`` it first waits for the inputs.
+        reduction. On futures all computed, it places the ranks from what the
+        scheduler knows (one request) and may run any route (``direct``...);
+        on futures still being computed and on Dask collections it waits for
+        nothing: one dense numpy array per rank runs on the p2p engine,
+        placed where the inputs arrive (other inputs: with ``like=``, or
+        after waiting for the futures, as before). Input errors of such a
+        call come on the results, naming the ranks.
 
     Raises
     ------
@@ -257,7 +292,8 @@ def allreduce(
         Every error raised on purpose, by the call or its results, is a
         :class:`flowreduce.FlowreduceError` and the built-in type above.
     """
-    outer, futures = rank_futures(list(inputs))
+    collection = _arrivals.is_collection(inputs)
+    outer, futures = (LEAF, []) if collection else rank_futures(list(inputs))
     check_cluster(client, futures)
     settings = Settings.check(op, algorithm, chunks, chunk_bytes, model, topology, bucket_bytes, options, timeout, transport)
     exact = _reproducible.mode(config.get("deterministic") if deterministic is None else deterministic)
@@ -267,6 +303,19 @@ def allreduce(
         settings, exact = replace(settings, deterministic=True), False
     # exact needs the inputs' dtype: a name glance() does not take makes describe_inputs learn it
     how = _method(method, like, algorithm, bool(exact))
+    if collection or (_arrivals.pending([fs[0] for fs in futures]) and outer.is_leaf):
+        if _on_arrival(outer, like, settings, exact, how):  # the call returns at once: docs/workflows.md
+            token = new_token()
+            if collection:
+                return _arrivals.lower_collection(client, inputs, axis, settings.algorithm,
+                                                  lambda t: OnArrival(settings, t, ()), token)
+            decide = OnArrival(settings, token, tuple(fs[0].key for fs in futures))
+            return _arrivals.submit_futures(client, [fs[0] for fs in futures], settings.algorithm, decide, token,
+                                            settings.timeout)
+        if collection:
+            raise OptionError("Dask collections are reduced on the p2p engine: one dense numpy array per rank, "
+                              "an op by name, no like=, deterministic=, topology=, sparse algorithm or options "
+                              f"naming ranks ({sorted(RANK_OPTIONS)}), and method 'auto' or 'p2p'")
     if how == "p2p":  # the ranks described as for a dense call, then the engine
         ranks = describe_inputs(client, outer, futures, None, replace(settings, algorithm="p2p"))
         return submit(client, lower_p2p(client, ranks, settings), ranks, settings.timeout)  # refuses what it cannot
@@ -718,7 +767,7 @@ class P2PRoute:
     predicted: float
 
 
-def p2p_route(client: Client, ranks: Ranks, settings: Settings) -> P2PRoute:
+def p2p_route(client: Client | None, ranks: Ranks, settings: Settings) -> P2PRoute:
     """The plan (:func:`choose_plan`, as for tasks) over the ranks' distinct
     workers, and its price (:meth:`CostModel.p2p_time`)."""
     held = cast(ArrayMeta, ranks.held)
@@ -731,6 +780,16 @@ def p2p_route(client: Client, ranks: Ranks, settings: Settings) -> P2PRoute:
     return P2PRoute(plan, model, engines, nbytes, model.p2p_time(plan, nbytes, len(workers), levels[0]))
 
 
+def p2p_spec(ranks: Ranks, settings: Settings, route: P2PRoute) -> Any:
+    """The engine's spec of ``route`` for these ranks."""
+    held = cast(ArrayMeta, ranks.held)
+    # workers of one host exchange big values through shared segments (one process: by reference already)
+    domains = [None if d == _transport.IN_PROCESS else d
+               for d in _transport.memory_domains(list(route.engines), ranks.places, settings.transport)]
+    return _p2p.Spec.of(route.plan, settings.op, np.dtype(held.dtype), tuple(held.shape), list(ranks.workers),
+                        ranks.in_place, domains)
+
+
 def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute | None = None) -> Job:
     """method="p2p": ``route`` (else :func:`p2p_route`) run by the workers'
     engine (:mod:`flowreduce.schedule.p2p`), one array per rank."""
@@ -738,22 +797,65 @@ def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute 
     if why is not None:
         raise OptionError(f"{why} (use method='tasks')")
     route = route or p2p_route(client, ranks, settings)
-    held = cast(ArrayMeta, ranks.held)
+    spec = p2p_spec(ranks, settings, route)
     workers = list(ranks.workers)
-    shape, dtype = tuple(held.shape), np.dtype(held.dtype)
-    # workers of one host exchange big values through shared segments (one process: by reference already)
-    domains = [None if d == _transport.IN_PROCESS else d
-               for d in _transport.memory_domains(list(route.engines), ranks.places, settings.transport)]
-    spec = _p2p.Spec.of(route.plan, settings.op, dtype, shape, workers, ranks.in_place, domains)
     graph = _p2p.lower(spec, [fs[0] for fs in ranks.futures])
     _p2p.ensure_p2p(client)
     if spec.domains:
         ensure_shm(client)
-    record = CallRecord(graph.token, route.plan, route.nbytes, route.predicted, tuple(workers), shape,
-                        dtype.str, tuple(fs[0].key for fs in ranks.futures), method="p2p")
+    record = CallRecord(graph.token, route.plan, route.nbytes, route.predicted, tuple(workers), spec.shape,
+                        spec.dtype, tuple(fs[0].key for fs in ranks.futures), method="p2p")
     summary = ("allreduce %s (p2p over %d workers): %d ranks, %d bytes each, %d tasks", route.plan,
                len(route.engines), len(workers), route.nbytes, len(graph.tasks))
     return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
+
+
+def _default_client() -> Any:
+    from distributed import get_client
+
+    return get_client()
+
+
+@dataclass(frozen=True)
+class OnArrival:
+    """The decision of a call that did not wait for its inputs, made by its
+    barrier (:func:`flowreduce.schedule.p2p.begin`) from where the ranks
+    arrived and what they hold: the same checks (errors naming the ranks),
+    the same plan choice and price as :func:`lower_p2p`."""
+
+    settings: Settings
+    token: str
+    input_keys: tuple[Hashable, ...]
+
+    def __call__(self, arrivals: Sequence[Any]) -> tuple[Any, bytes]:
+        workers = tuple(a[0] for a in arrivals)
+        places = {a[0]: hosts.Place(*a[1]) for a in arrivals}
+        metas = [a[2] for a in arrivals]
+        bad = {r: m.kind for r, m in enumerate(metas) if not isinstance(m, ArrayMeta)}
+        if bad:
+            raise InputTypeError(
+                f"this call did not wait for its inputs (they were being computed, or Dask collections), so it "
+                f"runs on the p2p engine, which takes one numpy array per rank; ranks {sorted(bad)} hold {bad}. "
+                "Wait for the inputs first (or pass method='tasks', which waits) to reduce these")
+        held = checked_array(metas, self.settings.op)
+        ranks = Ranks(LEAF, (), workers, places, held)
+        why = _p2p_refusal(ranks, self.settings)
+        if why is not None:
+            raise OptionError(f"{why}; this call did not wait for its inputs (wait for them, or pass method='tasks')")
+        route = p2p_route(None, ranks, self.settings)  # no topology= here: the hosts are the arrivals' places
+        record = CallRecord(self.token, route.plan, route.nbytes, route.predicted, workers, tuple(held.shape),
+                            held.dtype, self.input_keys, method="p2p")
+        return p2p_spec(ranks, self.settings, route), pickle.dumps(record)
+
+
+def _on_arrival(outer: TreeDef, like: Any, settings: Settings, exact: Any, how: str) -> bool:
+    """Whether a call whose inputs the client would wait for runs placed on
+    their arrival instead: one dense array per rank is all the engine takes
+    (the inputs' kind is not known yet), with its options decided without them."""
+    return (how != "tasks" and outer.is_leaf and like is None and not exact and not settings.deterministic
+            and settings.algorithm in ALGORITHMS and settings.topology is None
+            and settings.op.in_place and resolve_op(settings.op.name).func is settings.op.func
+            and not RANK_OPTIONS & set(settings.options))
 
 
 def submit(client: Client, job: Job, ranks: Ranks | None = None, timeout: float | None = None) -> list[Any]:

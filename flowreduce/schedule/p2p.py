@@ -29,8 +29,8 @@ import asyncio
 import weakref
 import logging
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import astuple, replace
 from functools import partial
 from typing import Any
 
@@ -43,11 +43,14 @@ from distributed.protocol import to_serialize
 from flowreduce.algorithms.ir import REDUCE
 from flowreduce.kernels import dense as _kernels
 from flowreduce.lower.graph import Graph
+from flowreduce.lower import p2p as _lower
 from flowreduce.lower.p2p import Program, Spec, engine_workers, lower_p2p, program
 from flowreduce.errors import InputError, WorkerLostError, refused
 from flowreduce.keys import new_token, parse
-from flowreduce.phases import BARRIER, HAND_IN, OUTPUT
+from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, OUTPUT
 from flowreduce.shm import pool as _shm_pool
+from flowreduce.schedule import hosts
+from flowreduce.schedule.inputs import meta_of
 from flowreduce.schedule.engine_log import EngineLog, now as _now, serve as _serve_engine_log
 
 logger = logging.getLogger("flowreduce")
@@ -55,6 +58,14 @@ logger = logging.getLogger("flowreduce")
 EXTENSION = "flowreduce-p2p"
 RECEIVE = "flowreduce_p2p_receive"
 FAIL = "flowreduce_p2p_fail"
+#: Worker handler: a call placed when its inputs arrived begins (its spec, from its barrier).
+START = "flowreduce_p2p_start"
+#: Scheduler handler: that barrier's call begins (its attempt, the pending outputs pinned).
+BEGIN = "flowreduce_p2p_begin"
+#: Stream message from the scheduler: such a call ended, its inputs kept since they arrived are let go.
+DROP = "flowreduce-p2p-drop"
+#: Scheduler handler: what such a call ran, once it began (for :func:`flowreduce.describe`).
+RECORD = "flowreduce_p2p_record"
 #: Reductions of at least this many bytes run on the worker's executor: a
 #: hop to a thread costs ~50 µs, about what numpy takes to add 256 KiB, and
 #: the event loop keeps moving other chunks' messages meanwhile.
@@ -139,11 +150,13 @@ class Run:
                 s = self.prog.site(c, n)
                 self._available(c, n, _kernels.split(x, s.start, s.stop, cast), here=True)
         self._drain()
+        self._maybe_done()
 
     def deliver(self, items: Sequence[Item]) -> None:
         for c, n, pieces in items:
             self._available(c, n, pieces, here=False)
         self._drain()
+        self._maybe_done()  # a worker none of whose ranks' results is wanted ends with its last value
 
     # -- the work -------------------------------------------------------------
     def _available(self, c: int, n: int, value: Any, here: bool) -> None:
@@ -418,6 +431,9 @@ class Engine:
         #: values for a worker of this host at least this big go through a shared segment
         self.shm_min_bytes = int(_shm_pool.config()["min-bytes"])
         self.shared_sends = 0  # messages whose big values went through a segment (tests read it)
+        #: call token -> rank -> its input, kept from its arrive task until the scheduler says the call ended
+        self.arrived: dict[str, dict[int, np.ndarray]] = {}
+        self._place: tuple[Any, ...] | None = None
         self.log = EngineLog(worker)  # what the runs did, for traces and the dashboard (engine_log.py)
 
     @property
@@ -442,6 +458,48 @@ class Engine:
         elif found.spec != spec:
             raise ValueError(f"run {run} is already running here with another spec")
         return found
+
+    @property
+    def place(self) -> tuple[Any, ...]:
+        """This worker's :class:`~flowreduce.schedule.hosts.Place`, as a tuple (asked once)."""
+        if self._place is None:
+            self._place = astuple(hosts.worker_place(self.worker))
+        return self._place
+
+    def start(self, run: Any = None, token: Any = None, spec: Any = None, **other: Any) -> dict[str, Any]:
+        """Handler: the barrier of call ``token`` says it begins as ``run``
+        with ``spec``: this worker's ranks' inputs, kept since they arrived,
+        are handed in (the run goes on in the background)."""
+        if other or not isinstance(run, str) or not isinstance(token, str) or not isinstance(spec, Spec):
+            return refused(START, f"bad arguments: run {type(run).__name__}, token {type(token).__name__}, "
+                                  f"spec {type(spec).__name__}, others {sorted(map(str, other))[:5]}")
+        try:
+            index = spec.addresses.index(self.address)
+            here = self.arrived.get(token, {})
+            members = spec.members(index)
+            missing = [r for r in members if r not in here]
+            if missing:
+                raise WorkerLostError(f"the inputs of ranks {_ranks(missing)} of all-reduce {token} are no longer "
+                                      f"on worker {self.address} (a worker left and the call is being re-run)")
+            found = self.run(run, spec)
+        except Exception as e:
+            return {"status": "error", "message": f"{e!r}"[:300], "error": to_serialize(e)}
+        asyncio.ensure_future(self._hand_in(found, index, [here[r] for r in members]))
+        return {"status": "OK"}
+
+    def drop_arrived(self, token: Any = None, **other: Any) -> None:
+        """Stream message from :class:`P2PSchedulerPlugin`: call ``token`` ended (or was abandoned)."""
+        if other or not isinstance(token, str):
+            logger.error("flowreduce: %s refused a stream message: token %r, others %s", DROP, type(token).__name__,
+                         sorted(other)[:5])
+            return
+        self.arrived.pop(token, None)
+
+    async def _hand_in(self, found: Run, index: int, xs: list[np.ndarray]) -> None:
+        try:
+            await found.hand_in(index, xs)
+        except Exception as e:
+            self.fail(found.id, e, tell=True)
 
     def fail(self, run: str, exc: BaseException, tell: bool) -> None:
         """Fail ``run`` here (its outputs raise ``exc``), drop its state, and
@@ -607,12 +665,16 @@ class P2PWorkerPlugin(WorkerPlugin):
             engine = worker.extensions[EXTENSION] = Engine(worker)
         worker.handlers[RECEIVE] = engine.receive
         worker.handlers[FAIL] = engine.failed_elsewhere
+        worker.handlers[START] = engine.start
         worker.stream_handlers[FAIL] = engine.scheduler_says
+        worker.stream_handlers[DROP] = engine.drop_arrived
 
     def teardown(self, worker: Any) -> None:
         worker.handlers.pop(RECEIVE, None)
+        worker.handlers.pop(START, None)
         worker.handlers.pop(FAIL, None)
         worker.stream_handlers.pop(FAIL, None)
+        worker.stream_handlers.pop(DROP, None)
         worker.extensions.pop(EXTENSION, None)
 
 
@@ -629,9 +691,18 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.active: dict[str, tuple[dict[str, list[int]], set[Hashable]]] = {}
         #: call token -> its current run id, once restarted (else attempt 0's)
         self.runs: dict[str, str] = {}
+        #: calls placed when their inputs arrived: token -> the attempts begun so far
+        self.begun: OrderedDict[str, int] = OrderedDict()
+        #: token -> what such a call ran (a pickled CallRecord, for describe)
+        self.records: OrderedDict[str, bytes] = OrderedDict()
+        self.record_waiters: dict[str, asyncio.Event] = {}
+        #: token -> the workers keeping inputs of that call since they arrived (told when it ends)
+        self.keeping: dict[str, set[str]] = {}
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        scheduler.handlers[BEGIN] = self.begin
+        scheduler.handlers[RECORD] = self.record
         _serve_engine_log(scheduler)  # the engines' steps, for the dashboard's grid
 
     def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
@@ -639,16 +710,23 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             return
         # every transition of every key passes here: no parsing but of a p2p call's barrier
         token = key[0].rpartition("-")[2]
-        if token not in self.active and finish == "waiting" and f"-{BARRIER}-" in key[0]:
+        if token not in self.active and finish == "waiting" and f"-{BARRIER}-" in key[0] and token not in self.begun:
             ts = self.scheduler.tasks[key]
             where: dict[str, list[int]] = defaultdict(list)
             for dts in ts.dependents:  # the outputs, one per rank, pinned to its worker
                 rank = parse(dts.key)["rank"]  # type: ignore[index]
                 for w in dts.worker_restrictions or ():
                     where[w].append(rank)
-            self.active[token] = (dict(where), {d.key for d in ts.dependents})
+            if where:  # else a call placed when its inputs arrive: it is followed from its begin
+                self.active[token] = (dict(where), {d.key for d in ts.dependents})
+            return
+        if f"-{ARRIVE}-" in key[0]:
+            if finish == "memory":
+                self.keeping.setdefault(token, set()).update(ws.address for ws in self.scheduler.tasks[key].who_has or ())
             return
         if token not in self.active:
+            if token in self.keeping and f"-{BARRIER}-" in key[0] and finish in ("erred", "forgotten"):
+                self._end(token)  # it failed before it began (inputs refused), or was abandoned
             return
         outputs = self.active[token][1]
         if finish == "erred" or (finish == "forgotten" and key in outputs):  # failed, or cancelled
@@ -660,8 +738,60 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             if not outputs:
                 where, _ = self.active.pop(token)
                 restarted = self.runs.pop(token, None)
-                if restarted is not None:  # a result the old run finished is not taken from the new one: drop it
+                if restarted is not None and token not in self.begun:  # a result the old run finished is not taken
                     self.tell(where, restarted, f"run {restarted} ended: every result is in memory", lost=False)
+                self._end(token)
+
+    def begin(self, token: Any = None, workers: Any = None, outputs: Any = None, record: Any = None,
+              **other: Any) -> dict[str, Any]:
+        """Handler: the barrier of a call placed when its inputs arrived
+        (:func:`begin`) says rank ``r`` arrived on ``workers[r]``. Each
+        result ``outputs[r]`` not in memory yet is pinned there, and the call
+        is followed like any p2p run. The attempt (0, then one more each time
+        the barrier runs again: a worker was lost) and those pending ranks."""
+        s = self.scheduler
+        if (other or not isinstance(token, str) or not isinstance(workers, (list, tuple))
+                or not isinstance(outputs, (list, tuple))
+                or len(workers) != len(outputs) or not all(isinstance(w, str) for w in workers)
+                or not isinstance(record, bytes)):
+            return refused(BEGIN, f"bad arguments: token {type(token).__name__}, workers {type(workers).__name__}, "
+                                  f"outputs {type(outputs).__name__}, others {sorted(map(str, other))[:5]}")
+        attempt = self.begun.pop(token, -1) + 1
+        self.begun[token] = attempt
+        while len(self.begun) > 4096:
+            self.begun.popitem(last=False)
+        outputs = [tuple(k) if isinstance(k, list) else k for k in outputs]  # msgpack made tuples lists
+        pending = [r for r, k in enumerate(outputs) if k in s.tasks and s.tasks[k].state != "memory"]
+        s.set_restrictions({outputs[r]: [workers[r]] for r in pending})
+        where: dict[str, list[int]] = defaultdict(list)
+        for r in pending:
+            where[workers[r]].append(r)
+        previous = self.active.pop(token, None)
+        if previous is not None and attempt:  # the run before this one: dropped where it still is
+            self.tell(previous[0], run_id(token, attempt - 1), f"run {run_id(token, attempt - 1)} restarts", True)
+        if pending:
+            self.active[token] = (dict(where), {outputs[r] for r in pending})
+            self.runs[token] = run_id(token, attempt)
+        self.records[token] = record
+        while len(self.records) > 4096:
+            self.records.popitem(last=False)
+        waiter = self.record_waiters.pop(token, None)
+        if waiter is not None:
+            waiter.set()
+        return {"status": "OK", "attempt": attempt, "pending": pending}
+
+    async def record(self, token: Any = None, timeout: Any = None, **other: Any) -> Any:
+        """Handler: the pickled record of call ``token`` once it began
+        (waiting up to ``timeout`` s for it), else None."""
+        if other or not isinstance(token, str) or not isinstance(timeout, (int, float)):
+            return None
+        if token not in self.records:
+            waiter = self.record_waiters.setdefault(token, asyncio.Event())
+            try:
+                await asyncio.wait_for(waiter.wait(), timeout)
+            except asyncio.TimeoutError:
+                self.record_waiters.pop(token, None)
+        return self.records.get(token)
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         """Nothing here: the guard's recovery owns what a lost worker means for
@@ -670,6 +800,14 @@ class P2PSchedulerPlugin(SchedulerPlugin):
     def _fail(self, token: str, message: str, lost: bool) -> None:
         where, _ = self.active.pop(token)
         self.tell(where, self.runs.pop(token, run_id(token)), message, lost)
+        self._end(token)
+
+    def _end(self, token: str) -> None:
+        """Tell the workers keeping inputs of call ``token`` since they arrived to let them go."""
+        for w in self.keeping.pop(token, ()):
+            bs = self.scheduler.stream_comms.get(w)
+            if bs is not None:
+                bs.send({"op": DROP, "token": token})
 
     def tell(self, workers: Iterable[str], run: str, message: str, lost: bool) -> None:
         """Tell ``workers`` that ``run`` cannot finish (their engines drop it and fail its outputs)."""
@@ -682,6 +820,38 @@ class P2PSchedulerPlugin(SchedulerPlugin):
 def is_p2p(tasks: Iterable[Any]) -> bool:
     """Whether these scheduler tasks of one call are a p2p call's (it has hand-ins)."""
     return any(f"-{HAND_IN}-" in ts.key[0] for ts in tasks)
+
+
+def placed_on_arrival(tasks: Iterable[Any]) -> bool:
+    """Whether these scheduler tasks of one call are a call placed when its inputs arrived (it has arrive tasks)."""
+    return any(f"-{ARRIVE}-" in ts.key[0] for ts in tasks)
+
+
+def restart_on_arrival(s: Any, token: str, tasks: Sequence[Any], gone: Iterable[str], stimulus_id: str) -> None:
+    """Run a call placed on arrival again after workers ``gone`` left (by
+    :func:`flowreduce.schedule.recovery.recover`): its barrier and its
+    results not in memory are released, so the ranks arrive again where
+    their inputs now are (Dask recomputes arrive tasks and lost inputs from
+    their lineage), the barrier begins the next attempt, pins the pending
+    results anew, and the old run is dropped where it still is."""
+    recs = {}
+    for ts in tasks:
+        barrier_task = f"-{BARRIER}-" in ts.key[0]
+        if (barrier_task and ts.state in ("memory", "processing", "queued", "no-worker")) or (
+                f"-{OUTPUT}-" in ts.key[0] and ts.state in ("processing", "queued", "no-worker")):
+            recs[ts.key] = "released"
+        if not barrier_task and ts.worker_restrictions and not ts.worker_restrictions.isdisjoint(gone):
+            ts.worker_restrictions = None  # the next begin pins it again
+    s.transitions(recs, stimulus_id=stimulus_id)
+    plugin = s.plugins.get(P2PSchedulerPlugin.name)
+    if plugin is not None:
+        previous = plugin.active.pop(token, None)
+        run = plugin.runs.pop(token, None)
+        if previous is not None and run is not None:
+            plugin.tell([w for w in previous[0] if w in s.workers], run, f"run {run} restarts: worker "
+                        f"{', '.join(sorted(gone))} left", lost=True)
+    logger.info("flowreduce: all-reduce %s placed on arrival runs again (worker %s left)", token,
+                ", ".join(sorted(gone)))
 
 
 def lost_output(ts: Any) -> bool:
@@ -767,6 +937,52 @@ def barrier(handed: list[Any]) -> None:
     """Task: every rank has handed its input in."""
 
 
+Arrival = tuple[str, tuple[Any, ...], Any]  # (worker, its Place as a tuple, what the rank holds: a Meta)
+
+
+def arrive(token: str, rank: int, x: Any) -> Arrival:
+    """Task of a call placed when its inputs arrive: rank ``rank``'s input
+    kept by this worker's engine (numpy arrays; anything else is only
+    described, for :func:`begin` to refuse naming the rank); where it is
+    and what it holds."""
+    engine = _engine()
+    if isinstance(x, np.generic):
+        x = np.asarray(x)
+    if isinstance(x, np.ndarray):
+        engine.arrived.setdefault(token, {})[rank] = x
+    return engine.address, engine.place, meta_of(x)
+
+
+async def begin(token: str, decide: Callable[[Sequence[Arrival]], tuple[Spec, bytes]], outputs: _lower.Named,
+                *arrivals: Arrival) -> str:
+    """Task: every rank has arrived. ``decide`` checks what they hold
+    (errors naming the ranks) and chooses the plan and its spec from where
+    they are; the scheduler pins the pending results to their ranks'
+    workers and says which attempt this is; every worker of the plan then
+    begins the run with the inputs it kept. The run's id."""
+    worker = get_worker()
+    spec, record = decide(arrivals)
+    workers = [a[0] for a in arrivals]
+    reply = await worker.scheduler.flowreduce_p2p_begin(token=token, workers=workers, outputs=list(outputs.keys),
+                                                        record=record)
+    if not isinstance(reply, dict) or reply.get("status") != "OK":
+        raise RuntimeError(f"the scheduler refused all-reduce {token}'s begin: {reply!r}"[:500])
+    run = run_id(token, reply["attempt"])
+    spec = replace(spec, outputs=tuple(reply["pending"]))
+    replies = await asyncio.gather(*(worker.rpc(a).flowreduce_p2p_start(run=run, token=token, spec=to_serialize(spec))
+                                     for a in spec.addresses), return_exceptions=True)
+    for address, got in zip(spec.addresses, replies):
+        if isinstance(got, dict) and isinstance(got.get("error"), BaseException):
+            raise got["error"]
+        if isinstance(got, BaseException):
+            ranks = [r for r in range(spec.ranks) if spec.worker(r) == address]
+            raise WorkerLostError(f"all-reduce {token}: worker {address} (ranks {_ranks(ranks)}) could not "
+                                  f"begin run {run}: {got!r}"[:500])
+        if not isinstance(got, dict) or got.get("status") != "OK":
+            raise RuntimeError(f"worker {address} refused to begin run {run}: {got!r}"[:500])
+    return run
+
+
 async def take_out(gate: Any, run: str, rank: int) -> Any:
     """Task: rank's result, once the engine has it (waits on the event loop)."""
     engine = _engine()
@@ -786,6 +1002,19 @@ def lower(spec: Spec, inputs: Sequence[Any]) -> Graph:
     token = new_token()
     return lower_p2p(spec, inputs, token=token, run=run_id(token), hand_in=hand_in, barrier=barrier,
                      take_out=take_out)
+
+
+def lower_arrivals(inputs: Sequence[Any], algorithm: str, decide: Callable[[Sequence[Arrival]], tuple[Spec, bytes]],
+                   output_keys: Sequence[Hashable] | None = None, token: str | None = None) -> Graph:
+    """A new call's graph placed when its inputs arrive: a task per rank, a barrier, an output per rank."""
+    return _lower.lower_arrivals(inputs, algorithm=algorithm, token=token or new_token(), arrive=arrive, begin=begin,
+                                 take_out=take_out, decide=decide, output_keys=output_keys)
+
+
+def arrivals_held(dask_worker: Any = None) -> dict[str, list[int]]:
+    """The ranks whose inputs an engine keeps now, per call (for tests: ``client.run(arrivals_held)``)."""
+    engine = dask_worker.extensions.get(EXTENSION)
+    return {t: sorted(rs) for t, rs in engine.arrived.items()} if engine is not None else {}
 
 
 def runs_held(dask_worker: Any = None) -> list[str]:

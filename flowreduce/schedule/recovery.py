@@ -200,6 +200,15 @@ def _rerun(guard: Any, gone: set[str], stimulus_id: str) -> None:
         for lost in sorted(gone):
             if any(ts.worker_restrictions == {lost} for ts in tasks):
                 moves[lost] = _replacement(s, tasks, lost)
+        if p2p.placed_on_arrival(tasks):  # no task pinned but its results: released, the ranks arrive again
+            if live and guard.attempt(token) > guard.attempts:
+                exc = WorkerLostError(f"all-reduce {token}: worker {', '.join(sorted(gone))} left the cluster "
+                                      f"(died or was retired) and the call cannot recover: it already recovered "
+                                      f"{guard.attempts} times (dask config flowreduce.recovery.attempts).")
+                fail(s, [ts.key for ts in live if ts.who_wants] or [ts.key for ts in live], exc, stimulus_id)
+            elif live:
+                p2p.restart_on_arrival(s, token, tasks, gone, stimulus_id)
+            continue
         # a p2p call whose result died with a worker after its run ended must run again too
         p2p_lost = p2p.is_p2p(tasks) and any(p2p.lost_output(ts) for ts in tasks)
         if live or p2p_lost:

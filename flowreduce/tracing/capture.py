@@ -44,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from flowreduce import keys as keymod
-from flowreduce.phases import HAND_IN, OTHER, TASK_PHASES, TRANSFER
+from flowreduce.phases import ARRIVE, HAND_IN, OTHER, TASK_PHASES, TRANSFER
 from flowreduce.tracing import registry
 from flowreduce.tracing.clocks import WorkerClock, choose_mode
 from flowreduce.tracing.events import KEY_PHASE, Event
@@ -384,7 +384,7 @@ class Trace:
         fallback = []
         for msg in records:  # first learn which worker holds which rank
             info = keymod.parse(msg["key"])
-            if info is not None and info["phase"] in ("split", HAND_IN):
+            if info is not None and info["phase"] in ("split", HAND_IN, ARRIVE):
                 self._worker_rank.setdefault(msg["worker"], info["rank"])
         for msg in records:
             key, w = msg["key"], msg["worker"]

@@ -1,0 +1,147 @@
+"""An all-reduce as a graph operation: the call returns at once, whatever
+state its inputs are in, and learns what it needs inside the graph.
+
+Used when the caller cannot know the inputs without waiting: futures still
+computing, and Dask collections (a list of ``Delayed``, a dask array with one
+block per rank along an axis, a list of dask arrays). The graph is the p2p
+engine's placed-on-arrival form (:func:`flowreduce.schedule.p2p.lower_arrivals`):
+each rank's *arrive* task runs where Dask puts it, next to its input; the
+barrier checks what the ranks hold (errors name the ranks, on the results)
+and chooses the plan from where they arrived (``decide``, made by the front
+door with the call's settings and the cost model); the scheduler pins each
+rank's result to its rank's worker. Nothing is asked of the scheduler or
+the workers while the call is made: the futures' graph is sent with one
+stream message, and a collection's graph waits for the user's compute.
+
+:func:`flowreduce.describe` of such a call asks the scheduler for what ran,
+once the barrier has chosen it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import dask
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from dask.task_spec import Task, TaskRef
+
+from flowreduce import keys
+from flowreduce.errors import InputError, InputTypeError
+from flowreduce.phases import ARRIVE, OUTPUT
+from flowreduce.schedule import guard
+from flowreduce.schedule import p2p as _p2p
+from flowreduce.schedule.records import CallRecord
+
+#: A barrier's decision: from the ranks' arrivals, the run's spec and the call's pickled record.
+Decide = Callable[[Sequence[_p2p.Arrival]], tuple[Any, bytes]]
+
+
+def is_collection(inputs: Any) -> bool:
+    """Whether ``inputs`` is a dask collection, or a list of them (what :func:`lower_collection` takes)."""
+    if dask.is_dask_collection(inputs):
+        return True
+    return isinstance(inputs, (list, tuple)) and bool(inputs) and all(dask.is_dask_collection(x) for x in inputs)
+
+
+def pending(futures: Sequence[Any]) -> bool:
+    """Whether any of ``futures`` is not computed yet, as the client knows it (no round trip)."""
+    return any(f.status != "finished" for f in futures)
+
+
+def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: Decide, token: str,
+                   timeout: float | None) -> list[Any]:
+    """Submit the call on ``futures`` (one per rank) without waiting for them;
+    the guard watches it as every call (its ``timeout``, lost inputs)."""
+    graph = _p2p.lower_arrivals(futures, algorithm, decide, token=token)
+    _p2p.ensure_p2p(client)
+    guard.ensure_guard(client)
+    out = client.get(_named(graph.tasks, token), graph.outputs, sync=False)
+    guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
+    return list(out)
+
+
+def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide_for: Callable[[str], Decide],
+                     token: str) -> Any:
+    """The call on Dask collections, as a collection of the same kind whose
+    graph holds the all-reduce: a list of ``Delayed`` gives a list of
+    ``Delayed``; a dask array with one block per rank along ``axis`` (other
+    axes are made one block), a dask array of the same chunks whose every
+    block is the reduced value; a list of dask arrays (each one rank's
+    input, made one block), a list of one-block dask arrays."""
+    import dask.array as da
+    from dask.delayed import Delayed
+
+    _p2p.ensure_p2p(client)  # the engine must be there when the user computes
+    decide = decide_for(token)
+    if isinstance(inputs, da.Array):
+        if not 0 <= axis < max(inputs.ndim, 1):
+            raise InputError(f"axis {axis} is not an axis of the {inputs.ndim}-d dask array")
+        whole = {a: -1 for a in range(inputs.ndim) if a != axis}
+        x = inputs.rechunk(whole) if whole else inputs
+        p = x.numblocks[axis]
+        block = [(x.name, *(r if a == axis else 0 for a in range(x.ndim))) for r in range(p)]
+        name = keys.name(algorithm, OUTPUT, token)
+        out_keys = [(name, *(r if a == axis else 0 for a in range(x.ndim))) for r in range(p)]
+        graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, output_keys=out_keys, token=token)
+        hlg = HighLevelGraph.from_collections(name, cast(Any, graph.tasks), dependencies=[cast(Any, x)])
+        return da.Array(hlg, name, x.chunks, meta=x._meta)
+    items = list(inputs)
+    bad = [r for r, v in enumerate(items) if not dask.is_dask_collection(v)]
+    if bad:
+        raise InputTypeError(f"inputs of ranks {bad} are not Dask collections while others are; pass one kind")
+    arrays = [isinstance(v, da.Array) for v in items]
+    if any(arrays) and not all(arrays):
+        raise InputTypeError(f"ranks {[r for r, a in enumerate(arrays) if not a]} hold Delayed objects and ranks "
+                             f"{[r for r, a in enumerate(arrays) if a]} dask arrays; pass one kind")
+    if all(arrays):
+        items = [v.rechunk(-1) if v.npartitions > 1 else v for v in items]
+        block = [(v.name, *(0,) * v.ndim) for v in items]
+    else:
+        block = [v.key for v in items]
+        if any(len(v.__dask_keys__()) != 1 for v in items):
+            raise InputTypeError("each rank's Delayed must be one object (one key)")
+    graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, token=token)
+    layer = keys.name(algorithm, ARRIVE, token)
+    hlg = HighLevelGraph.from_collections(layer, cast(Any, graph.tasks), dependencies=items)
+    if all(arrays):
+        out = []
+        for r, v in enumerate(items):  # each rank's result: a one-block array of its own name
+            name = f"allreduced-{token}-{r}"
+            key = (name, *(0,) * v.ndim)
+            alias = {key: Task(key, _same, TaskRef(cast(Any, graph.outputs[r])))}  # a task, not an Alias: Dask renames those
+            both = HighLevelGraph({**hlg.layers, name: MaterializedLayer(alias)},
+                                  {**hlg.dependencies, name: {layer}})
+            out.append(da.Array(both, name, tuple((n,) for n in v.shape), meta=v._meta))
+        return out
+    return [Delayed(k, hlg, layer=layer) for k in graph.outputs]
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _named(tasks: Any, token: str) -> Any:
+    try:
+        from dask._expr import LLGExpr
+    except ImportError:
+        return tasks
+    return LLGExpr(dict(tasks), _determ_token=token)
+
+
+def record_of(client: Any, token: str, futures: Sequence[Any], wait: float | None = None) -> CallRecord | None:
+    """What call ``token`` ran, asked of the scheduler once its barrier chose
+    it (waiting for that up to ``wait`` s, None: until it began or one of
+    ``futures`` failed); None if it did not begin."""
+    deadline = None if wait is None else time.monotonic() + wait
+    while True:
+        step = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+        got = client.sync(client.scheduler.flowreduce_p2p_record, token=token, timeout=step)
+        if got is not None:
+            return pickle.loads(got)
+        if any(f.status in ("error", "cancelled", "lost") for f in futures):
+            return None
+        if deadline is not None and time.monotonic() >= deadline:
+            return None

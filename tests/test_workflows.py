@@ -1,0 +1,258 @@
+"""The all-reduce as a graph operation inside Dask workflows (issue #26,
+docs/workflows.md): a call on inputs still computing returns at once and is
+placed where its inputs arrive; Dask collections in give collections out;
+input errors arrive on the results, naming the ranks; a chained loop
+submitted without waiting gives the naive loop's weights; a worker lost
+mid-call re-runs it. Each test checks values against numpy, and that no
+key, kept input or run is left behind."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+import uuid
+
+import dask
+import dask.array as da
+from dask.delayed import Delayed
+import numpy as np
+import pytest
+from distributed import Client, Event, LocalCluster, wait
+from utils import assert_clean, wait_until
+
+import flowreduce
+from flowreduce.errors import InputError, InputTypeError, OptionError
+from flowreduce.schedule import p2p as engine
+
+HANG = 60  # s: past this a wait counts as a hang; nothing here is timed
+
+
+def rank_input(r: int, n: int = 1000) -> np.ndarray:
+    return np.arange(n, dtype=np.int64) * (r + 1) - 3 * r
+
+
+def held_back(name: str, r: int, n: int = 1000) -> np.ndarray:
+    """Rank r's input once the test sets Event ``name`` (a call that waited for it fails, not hangs)."""
+    if not Event(name).wait(HANG):
+        raise TimeoutError(f"event {name} was not set")
+    return rank_input(r, n)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster) as c:
+        c.wait_for_workers(4, timeout=HANG)
+        yield c
+        gc.collect()
+        assert_clean(c)
+        assert wait_until(lambda: not any(c.run(engine.arrivals_held).values()), 10), c.run(engine.arrivals_held)
+        assert wait_until(lambda: not any(c.run(engine.runs_held).values()), 10), c.run(engine.runs_held)
+
+
+def _expected(p: int, n: int = 1000) -> np.ndarray:
+    return sum(rank_input(r, n) for r in range(p))
+
+
+@pytest.mark.parametrize("p", [1, 4, 8])
+def test_a_call_on_inputs_still_computing_returns_before_they_finish(client, p):
+    """The inputs wait on an Event the test sets only after the call
+    returned: a call that waited for them would never return (bounded by
+    the Event's timeout below). The results are right, each rank's is on the
+    worker that computed its input, and describe() tells what ran."""
+    name = f"go-{uuid.uuid4().hex}"
+    go = Event(name, client=client)
+    inputs = [client.submit(held_back, name, r, pure=False) for r in range(p)]
+    out = flowreduce.allreduce(client, inputs)
+    assert all(f.status == "pending" for f in inputs), "the call waited for its inputs"
+    go.set()
+    for x in client.gather(out):
+        np.testing.assert_array_equal(x, _expected(p))
+    where = client.who_has(inputs + out)
+    for r in range(p):
+        assert where[out[r].key] == where[inputs[r].key], f"rank {r}'s result is not where its input was computed"
+    record = flowreduce.describe(out)
+    assert record.method == "p2p" and record.workers == tuple(where[f.key][0] for f in inputs)
+    assert record.input_keys == tuple(f.key for f in inputs)
+    del out, inputs
+
+
+def test_the_graph_is_a_task_per_rank_a_barrier_and_an_output_per_rank(client):
+    name = f"go-{uuid.uuid4().hex}"
+    inputs = [client.submit(held_back, name, r, pure=False) for r in range(5)]
+    out = flowreduce.allreduce(client, inputs, algorithm="ring")
+    token = out[0].key[0].rpartition("-")[2]
+    def ours():
+        return client.run_on_scheduler(lambda dask_scheduler: [k for k in dask_scheduler.tasks if token in str(k)])
+
+    assert wait_until(lambda: len(ours()) >= 2 * 5 + 1, HANG)
+    assert len(ours()) == 2 * 5 + 1
+    Event(name, client=client).set()
+    assert flowreduce.describe(out).algorithm == "ring"
+    for x in client.gather(out):
+        np.testing.assert_array_equal(x, _expected(5))
+    del out, inputs
+
+
+def test_ranks_sharing_workers_and_every_algorithm(client):
+    """16 ranks on 4 workers (inputs submitted round robin), each dense algorithm, sums and max."""
+    ws = sorted(client.nthreads())
+    for algorithm in [a for a in flowreduce.ALGORITHMS if a != "auto"]:
+        name = f"go-{uuid.uuid4().hex}"
+        inputs = [client.submit(held_back, name, r, 1001, pure=False, workers=[ws[r % 4]]) for r in range(16)]
+        outs = {op: flowreduce.allreduce(client, inputs, algorithm=algorithm, op=op) for op in ("sum", "max")}
+        Event(name, client=client).set()
+        stack = np.stack([rank_input(r, 1001) for r in range(16)])
+        for op, want in (("sum", stack.sum(0)), ("max", stack.max(0))):
+            for r, x in enumerate(client.gather(outs[op])):
+                np.testing.assert_array_equal(x, want, err_msg=f"{algorithm} {op} rank {r}")
+        del outs, inputs
+
+
+def _step(w: np.ndarray, g: np.ndarray, lr: float) -> np.ndarray:
+    return w - lr * g
+
+
+def _gradient(w: np.ndarray, shard: np.ndarray) -> np.ndarray:
+    return shard * np.tanh(shard @ w)  # any function of the weights and the shard
+
+
+def test_thirty_chained_iterations_submitted_without_waiting_equal_the_naive_loop(client):
+    """A solver loop (gradient per worker -> all-reduce -> update per
+    worker), all 30 iterations submitted before any finishes: the weights
+    equal those of the same loop with the naive reduction (a sum task on one
+    worker), and the loop was submitted in a fraction of its run (not timed
+    here: it must not wait for any iteration, which the Event checks)."""
+    ws = sorted(client.nthreads())
+    rng = np.random.default_rng(0)
+    shards = [client.scatter(rng.standard_normal(64), workers=[w]) for w in ws]
+    name = f"go-{uuid.uuid4().hex}"
+    start = client.submit(held_back, name, 0, 64, pure=False)  # holds the first iteration back
+
+    def loop(reduce):
+        w = [client.submit(lambda x: np.zeros(64) + 0 * x[:64], start, workers=[ws[r]], pure=False) for r in range(4)]
+        for _ in range(30):
+            g = [client.submit(_gradient, w[r], shards[r], workers=[ws[r]], pure=False) for r in range(4)]
+            total = reduce(g)
+            w = [client.submit(_step, w[r], total[r], 0.01, workers=[ws[r]], pure=False) for r in range(4)]
+        return w
+
+    def naive(g):
+        s = client.submit(lambda *gs: np.sum(gs, axis=0), *g, workers=[ws[0]], pure=False)
+        return [s] * 4
+
+    ours = loop(lambda g: flowreduce.allreduce(client, g))
+    theirs = loop(naive)
+    assert all(f.status == "pending" for f in ours), "an iteration finished before the loop was submitted"
+    Event(name, client=client).set()
+    got, want = client.gather(ours), client.gather(theirs)
+    for r in range(4):
+        np.testing.assert_allclose(got[r], want[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(got[r], got[0])  # every rank holds the same bits
+    del ours, theirs, start, shards
+
+
+def test_input_errors_arrive_on_the_results_naming_the_ranks(client):
+    name = f"go-{uuid.uuid4().hex}"
+    cases = {
+        "shape": ([held_back] * 3 + [lambda n, r: np.zeros(7, np.int64)], InputError, "ranks [3]"),
+        "dtype": ([held_back, lambda n, r: np.zeros(1000, np.float32), held_back], InputError, "ranks [1]"),
+        "type": ([held_back, held_back, lambda n, r: "not an array"], InputTypeError, "ranks [2]"),
+        "error": ([held_back, lambda n, r: 1 / 0], ZeroDivisionError, ""),
+    }
+    outs = {}
+    for what, (fs, _, _) in cases.items():
+        inputs = [client.submit(f, name, r, pure=False) for r, f in enumerate(fs)]
+        outs[what] = flowreduce.allreduce(client, inputs)  # returns: the errors come on the results
+    Event(name, client=client).set()
+    for what, (_, kind, says) in cases.items():
+        wait(outs[what], timeout=HANG)
+        for r, f in enumerate(outs[what]):
+            e = f.exception()
+            assert isinstance(e, kind) and says in str(e), f"{what}, rank {r}: {e!r}"
+    assert "shapes" in str(outs["shape"][0].exception()) and "(7,)" in str(outs["shape"][0].exception())
+    del outs
+
+
+def test_options_the_engine_does_not_take_wait_for_the_inputs_as_before(client):
+    """like=, pytrees, deterministic=True, topology= and callable ops keep the call that waits (or, for
+    Dask collections, are refused saying what collections take)."""
+    x = [client.submit(rank_input, r, pure=False) for r in range(3)]
+    out = flowreduce.allreduce(client, x, op=lambda a, b: a + b)
+    assert flowreduce.describe(out).method == "tasks"
+    np.testing.assert_array_equal(out[1].result(), _expected(3))
+    with pytest.raises(OptionError, match="Dask collections"):
+        flowreduce.allreduce(client, [dask.delayed(rank_input)(r) for r in range(3)], deterministic=True)
+    del out, x
+
+
+def test_delayed_in_delayed_out_composes_with_the_users_graph(client):
+    parts = [dask.delayed(rank_input)(r, 1001) for r in range(5)]
+    out = flowreduce.allreduce(client, parts)
+    assert all(isinstance(o, Delayed) for o in out)
+    further = [dask.delayed(np.sum)(o) for o in out]  # the user's next step on each rank's result
+    got = dask.compute(*out, *further)
+    for x in got[:5]:
+        np.testing.assert_array_equal(x, _expected(5, 1001))
+    assert list(got[5:]) == [_expected(5, 1001).sum()] * 5
+    persisted = dask.persist(*out)
+    np.testing.assert_array_equal(persisted[2].compute(), _expected(5, 1001))
+    assert flowreduce.describe(out).workers  # what ran, once it ran
+    del persisted, out
+
+
+def test_a_dask_array_with_a_block_per_rank(client):
+    x = da.from_array(np.arange(4 * 6 * 3, dtype=np.int64).reshape(4 * 6, 3), chunks=(6, 3))
+    out = flowreduce.allreduce(client, x, axis=0)
+    assert isinstance(out, da.Array) and out.chunks == x.chunks
+    blocks = np.arange(4 * 6 * 3, dtype=np.int64).reshape(4, 6, 3)
+    np.testing.assert_array_equal(out.compute(), np.tile(blocks.sum(0), (4, 1)))
+    y = da.ones((5, 8), chunks=(5, 2), dtype=np.float64) * np.arange(8)  # 4 blocks along axis 1
+    got = flowreduce.allreduce(client, y, axis=1, op="max")
+    np.testing.assert_array_equal((got + 1).compute(), np.tile(np.array([6.0, 7.0]), (5, 4)) + 1)
+    with pytest.raises(InputError, match="axis 2"):
+        flowreduce.allreduce(client, x, axis=2)
+    del out, got
+
+
+def test_a_list_of_dask_arrays(client):
+    xs = [da.from_array(rank_input(r, 100), chunks=30) for r in range(3)]  # several blocks each: one per rank
+    out = flowreduce.allreduce(client, xs, op="mean")
+    assert all(isinstance(o, da.Array) and o.shape == (100,) for o in out)
+    want = np.mean(np.stack([rank_input(r, 100) for r in range(3)]), axis=0)
+    for got in dask.compute(*out):
+        np.testing.assert_allclose(got, want)
+    np.testing.assert_allclose(out[1].compute(), want)  # one rank's result alone
+    del out
+
+
+def test_a_worker_killed_mid_call_runs_it_again(client, cluster):
+    """The worker of rank 2 is SIGKILLed once the ranks arrived and before
+    the plan ran (its arrival task waits on an Event past the barrier: the
+    engine's run cannot finish without it): inputs with lineage are
+    recomputed, the call runs again where they are, every rank right."""
+    ws = sorted(client.nthreads())
+    name = f"go-{uuid.uuid4().hex}"
+    inputs = [client.submit(held_back, name, r, 10**5, pure=False, workers=[ws[r]], allow_other_workers=True)
+              for r in range(4)]
+    out = flowreduce.allreduce(client, inputs, algorithm="ring")
+    Event(name, client=client).set()
+    wait(out, timeout=HANG)
+    victim = client.who_has(out[2])[out[2].key][0]
+    os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+    assert wait_until(lambda: victim not in client.nthreads(), HANG)
+    # rank 2's result is lost with it: Dask asks for it again, and the call runs again for it
+    np.testing.assert_array_equal(out[2].result(timeout=HANG), _expected(4, 10**5))
+    for r, f in enumerate(out):
+        np.testing.assert_array_equal(f.result(timeout=HANG), _expected(4, 10**5), err_msg=f"rank {r}")
+    del out, inputs
+    client.cluster.scale(4) if hasattr(client, "cluster") and client.cluster else None
+    cluster.scale(4)
+    client.wait_for_workers(4, timeout=HANG)
