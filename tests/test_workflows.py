@@ -256,3 +256,43 @@ def test_a_worker_killed_mid_call_runs_it_again(client, cluster):
     client.cluster.scale(4) if hasattr(client, "cluster") and client.cluster else None
     cluster.scale(4)
     client.wait_for_workers(4, timeout=HANG)
+
+
+def _tensor(name: str, r: int):
+    import torch
+
+    return torch.from_numpy(held_back(name, r, 100)).to(torch.float32)
+
+
+def test_torch_tensors_still_computing_come_back_as_tensors(client):
+    torch = pytest.importorskip("torch")
+    name = f"go-{uuid.uuid4().hex}"
+    inputs = [client.submit(_tensor, name, r, pure=False) for r in range(3)]
+    out = flowreduce.allreduce(client, inputs, op="mean")
+    assert all(f.status == "pending" for f in inputs)
+    Event(name, client=client).set()
+    want = torch.stack([torch.from_numpy(rank_input(r, 100)).to(torch.float32) for r in range(3)]).mean(0)
+    for x in client.gather(out):
+        assert isinstance(x, torch.Tensor) and x.dtype == torch.float32
+        torch.testing.assert_close(x, want)
+    del out, inputs
+
+
+def _pair(name: str, r: int) -> dict:
+    return {"w": held_back(name, r, 10), "b": rank_input(r, 2)}
+
+
+def test_a_pytree_in_one_future_still_computing_fails_saying_what_to_do(client):
+    """The engine takes one array per rank; a dict in one future is found only once computed: every rank's
+    result fails naming the ranks and the two ways that reduce it (wait first, or method='tasks')."""
+    name = f"go-{uuid.uuid4().hex}"
+    inputs = [client.submit(_pair, name, r, pure=False) for r in range(2)]
+    out = flowreduce.allreduce(client, inputs)
+    Event(name, client=client).set()
+    wait(out, timeout=HANG)
+    for f in out:
+        e = f.exception()
+        assert isinstance(e, InputTypeError) and "ranks [0, 1]" in str(e) and "method='tasks'" in str(e), e
+    got = flowreduce.allreduce(client, inputs, method="tasks")  # waits for them, as before
+    assert client.gather(got)[1]["w"].tolist() == (rank_input(0, 10) + rank_input(1, 10)).tolist()
+    del out, got, inputs

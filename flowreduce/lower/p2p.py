@@ -67,10 +67,13 @@ class Spec:
     #: per worker, the memory domain it shares with the others of its host (None: values go through
     #: Dask's comm); empty: none does
     domains: tuple[Any, ...] = ()
+    #: the library the ranks' inputs came in (an :class:`~flowreduce.arrays.ArrayKind`; None: numpy), and
+    #: so the results go out in: calls placed on arrival take torch tensors and array API arrays
+    native: Any = None
 
     @classmethod
     def of(cls, plan: Plan, op: Op, dtype: np.dtype, shape: tuple[int, ...], workers: Sequence[str],
-           in_place: bool, domains: Sequence[Any] = ()) -> Spec:
+           in_place: bool, domains: Sequence[Any] = (), native: Any = None) -> Spec:
         """The run of ``plan`` (over :func:`engine_workers` of ``workers``, in that order) for ranks on ``workers``."""
         addresses = engine_workers(workers)
         if plan.ranks != len(addresses):
@@ -78,7 +81,7 @@ class Spec:
         index = {w: i for i, w in enumerate(addresses)}
         return cls(plan.algorithm, len(workers), plan.chunks, frozen_options(dict(plan.options)), op.name,
                    np.dtype(dtype).str, tuple(shape), addresses, tuple(index[w] for w in workers), in_place,
-                   domains=tuple(domains) if any(d is not None for d in domains) else ())
+                   domains=tuple(domains) if any(d is not None for d in domains) else (), native=native)
 
     def worker(self, rank: int) -> str:
         """The worker of the call's rank ``rank``."""

@@ -53,7 +53,7 @@ from flowreduce.lower.sparse import (
     sparse_call,
 )
 from flowreduce.cost import CostModel, choose, choose_sparse, model_for, tune
-from flowreduce.errors import InputError, InputTypeError, OptionError, raised_as
+from flowreduce.errors import InputError, InputStateError, InputTypeError, OptionError, raised_as
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import new_token, parse
 from flowreduce.ops import Op, resolve_op
@@ -316,10 +316,13 @@ def allreduce(
             raise OptionError("Dask collections are reduced on the p2p engine: one dense numpy array per rank, "
                               "an op by name, no like=, deterministic=, topology=, sparse algorithm or options "
                               f"naming ranks ({sorted(RANK_OPTIONS)}), and method 'auto' or 'p2p'")
-    if how == "p2p":  # the ranks described as for a dense call, then the engine
-        ranks = describe_inputs(client, outer, futures, None, replace(settings, algorithm="p2p"))
-        return submit(client, lower_p2p(client, ranks, settings), ranks, settings.timeout)  # refuses what it cannot
-    ranks = describe_inputs(client, outer, futures, like, replace(settings, algorithm="exact") if exact else settings)
+    try:
+        if how == "p2p":  # the ranks described as for a dense call, then the engine
+            ranks = describe_inputs(client, outer, futures, None, replace(settings, algorithm="p2p"))
+            return submit(client, lower_p2p(client, ranks, settings), ranks, settings.timeout)  # refuses what it cannot
+        ranks = describe_inputs(client, outer, futures, like, replace(settings, algorithm="exact") if exact else settings)
+    except (InputError, InputTypeError, InputStateError) as e:  # what the ranks hold: told on the results, as always
+        return _failed_results(client, outer, futures, e)
     _refuse_unordered_sparse(ranks, settings)
     if exact and _reproducible.applies(ranks.held, settings.op):
         def run(parts: list[Future], op: str, template: Any) -> list[Any]:  # an ordinary call, the same options
@@ -738,10 +741,11 @@ def _method(method: str | None, like: Any, algorithm: str, exact: bool) -> str:
     return "tasks" if why is not None else method
 
 
-def _p2p_refusal(ranks: Ranks, settings: Settings) -> str | None:
-    """Why the p2p engine cannot run this call (yet), or None."""
+def _p2p_refusal(ranks: Ranks, settings: Settings, converts: bool = False) -> str | None:
+    """Why the p2p engine cannot run this call (yet), or None. ``converts``:
+    its tasks convert other libraries' arrays (a call placed on arrival)."""
     held = ranks.held
-    if not isinstance(held, ArrayMeta) or held.native is not None or not ranks.outer.is_leaf:
+    if not isinstance(held, ArrayMeta) or (held.native is not None and not converts) or not ranks.outer.is_leaf:
         what = ("sparse" if isinstance(held, SparseInputs) else "torch" if isinstance(held, ArrayMeta)
                 and held.native is not None else "pytree" if isinstance(held, (ArrayMeta, Layout)) else "unseen")
         return f"method='p2p' takes one dense numpy array per rank; {what} inputs are not there yet"
@@ -787,7 +791,7 @@ def p2p_spec(ranks: Ranks, settings: Settings, route: P2PRoute) -> Any:
     domains = [None if d == _transport.IN_PROCESS else d
                for d in _transport.memory_domains(list(route.engines), ranks.places, settings.transport)]
     return _p2p.Spec.of(route.plan, settings.op, np.dtype(held.dtype), tuple(held.shape), list(ranks.workers),
-                        ranks.in_place, domains)
+                        ranks.in_place, domains, native=held.native)
 
 
 def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute | None = None) -> Job:
@@ -808,6 +812,23 @@ def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute 
     summary = ("allreduce %s (p2p over %d workers): %d ranks, %d bytes each, %d tasks", route.plan,
                len(route.engines), len(workers), route.nbytes, len(graph.tasks))
     return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
+
+
+def _failed_results(client: Client, outer: TreeDef, futures: Sequence[Sequence[Future]], exc: BaseException) -> list[Any]:
+    """Results that fail with ``exc``, in the structure of the call's (an
+    input error found before submitting comes where the errors of a call
+    that checks its inputs in its tasks come: on the results)."""
+    from dask.task_spec import Task
+
+    token = new_token()
+    keys = [(f"allreduce-input-error-{token}", r) for r in range(len(futures))]  # not flowreduce-: nothing ran
+    graph = {k: Task(k, _raise, exc) for k in keys}
+    got = client.get(graph, keys, sync=False)
+    return [got[r] if outer.is_leaf else unflatten(outer, [got[r]] * len(futures[r])) for r in range(len(futures))]
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def _default_client() -> Any:
@@ -835,11 +856,12 @@ class OnArrival:
         if bad:
             raise InputTypeError(
                 f"this call did not wait for its inputs (they were being computed, or Dask collections), so it "
-                f"runs on the p2p engine, which takes one numpy array per rank; ranks {sorted(bad)} hold {bad}. "
+                f"runs on the p2p engine, which takes one array per rank (numpy, torch, array API); ranks "
+                f"{sorted(bad)} hold {bad}. "
                 "Wait for the inputs first (or pass method='tasks', which waits) to reduce these")
-        held = checked_array(metas, self.settings.op)
+        held = replace(checked_array(metas, self.settings.op), native=cast(ArrayMeta, metas[0]).native)
         ranks = Ranks(LEAF, (), workers, places, held)
-        why = _p2p_refusal(ranks, self.settings)
+        why = _p2p_refusal(ranks, self.settings, converts=True)
         if why is not None:
             raise OptionError(f"{why}; this call did not wait for its inputs (wait for them, or pass method='tasks')")
         route = p2p_route(None, ranks, self.settings)  # no topology= here: the hosts are the arrivals' places

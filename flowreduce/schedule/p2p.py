@@ -50,7 +50,8 @@ from flowreduce.keys import new_token, parse
 from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, OUTPUT
 from flowreduce.shm import pool as _shm_pool
 from flowreduce.schedule import hosts
-from flowreduce.schedule.inputs import meta_of
+from flowreduce import arrays
+from flowreduce.schedule.inputs import ArrayMeta, OtherMeta, meta_of
 from flowreduce.schedule.engine_log import EngineLog, now as _now, serve as _serve_engine_log
 
 logger = logging.getLogger("flowreduce")
@@ -319,7 +320,7 @@ class Run:
         for i, rank in enumerate(wanted):
             mine = out if i == 0 and not any(np.may_share_memory(out, x) for x in handed) else out.copy()
             if not self.results[rank].done():  # never hand back a view of the user's input, nor one array twice
-                self.results[rank].set_result(mine)
+                self.results[rank].set_result(arrays.from_numpy(mine, self.spec.native))
 
     def _maybe_done(self) -> None:
         """Drop the run here once its outputs are taken, its nodes computed and its messages sent."""
@@ -946,11 +947,19 @@ def arrive(token: str, rank: int, x: Any) -> Arrival:
     described, for :func:`begin` to refuse naming the rank); where it is
     and what it holds."""
     engine = _engine()
+    meta = meta_of(x)
+    if arrays.is_foreign(x):  # a torch tensor, an array API array...: reduced as numpy, given back as it came
+        try:
+            meta = ArrayMeta(*arrays.describe(x))
+        except TypeError as e:
+            meta = OtherMeta(f"{type(x).__name__} ({e})")
+        else:
+            x = arrays.to_numpy(x)
     if isinstance(x, np.generic):
         x = np.asarray(x)
     if isinstance(x, np.ndarray):
         engine.arrived.setdefault(token, {})[rank] = x
-    return engine.address, engine.place, meta_of(x)
+    return engine.address, engine.place, meta
 
 
 async def begin(token: str, decide: Callable[[Sequence[Arrival]], tuple[Spec, bytes]], outputs: _lower.Named,
