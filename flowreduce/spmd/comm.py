@@ -37,6 +37,7 @@ from flowreduce.algorithms.ir import Plan
 from flowreduce.cost import choose
 from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputTypeError, OptionError, raised_as
 from flowreduce.ops import Op, resolve_op
+from flowreduce.spmd import warm
 from flowreduce.spmd.layout import Layout
 from flowreduce.spmd.mailbox import Mailbox
 from flowreduce.spmd.planrun import run_plan
@@ -250,8 +251,13 @@ class Communicator:
             return part, sent, received
 
         part, sent, received = self._collective(what, body)
-        fresh = part is not flat and part.flags.owndata and part.dtype == acc
-        out = part if fresh else np.array(part, dtype=acc, copy=True)
+        # a result is the caller's own: never the input itself nor a view of it (a plan's final may be one)
+        fresh = part.dtype == acc and part is not flat and not np.may_share_memory(part, flat)
+        if not fresh:
+            out = warm.empty(part.size, acc)
+            np.copyto(out, part, casting="unsafe")
+            part = out
+        out = part
         out = resolved.finish(out, self.size, owned=True)
         self._record("allreduce", start, a.nbytes, sent, received, plan.algorithm if plan is not None else "")
         return back(out.reshape(a.shape))

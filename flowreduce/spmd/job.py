@@ -30,7 +30,9 @@ from flowreduce.spmd.watch import SpmdSchedulerPlugin, rank_key
 
 logger = logging.getLogger("flowreduce")
 
-TRANSPORTS = ("auto", "dask")
+#: ``flowreduce.spmd.transport``: ranks of a host share memory (auto), ranks of a worker process only
+#: (worker: as if each worker were a host of its own), or none (dask: every rank alone)
+TRANSPORTS = ("auto", "worker", "dask")
 
 _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -108,7 +110,7 @@ def place(client: Any, per_rank: Sequence[Sequence[Any]], ranks: int, workers: S
 
 
 def layout_of(client: Any, job: str, attempt: int, where: Sequence[str], timeout: float | None) -> Layout:
-    """The attempt's peer table: ranks grouped by node (or each alone, ``flowreduce.spmd.transport: dask``)."""
+    """The attempt's peer table: ranks grouped by node (by worker, or each alone: ``flowreduce.spmd.transport``)."""
     from flowreduce import config
 
     transport = dask.config.get("flowreduce.spmd.transport", default="auto")
@@ -116,6 +118,9 @@ def layout_of(client: Any, job: str, attempt: int, where: Sequence[str], timeout
         raise OptionError(f"flowreduce.spmd.transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
     if transport == "dask" or not config.get("shm.enabled"):
         hosts = tuple(range(len(where)))
+    elif transport == "worker":
+        distinct = sorted(set(where))
+        hosts = tuple(distinct.index(w) for w in where)
     else:
         places = worker_places(client, sorted(set(where)))
         nodes = sorted({places[w].node for w in where})

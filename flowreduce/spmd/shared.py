@@ -48,6 +48,7 @@ import numpy as np
 
 from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, OptionError
 from flowreduce.ops import Op
+from flowreduce.spmd import warm
 from flowreduce.spmd.layout import Layout
 
 #: From this many bytes an all-reduce is a reduce-scatter and an all-gather (two steps, the work split).
@@ -57,8 +58,9 @@ SLOT = 512  # per rank: step counter (64 bytes), then three regions' records of 
 REGION = 128  # generation, bytes, meta length, meta (dtype and shape)
 META = REGION - 24
 OUT = 2  # the output region's index
-#: Polls of a counter before yielding the CPU, yields before sleeping.
-SPINS, YIELDS = 64, 256
+#: Polls of a counter before yielding the CPU, and how long to keep yielding before sleeping: the ranks
+#: of a host often outnumber its free cores, so a rank that waits gives its core away at once.
+SPINS, YIELD_SECONDS = 4, 2e-3
 #: Longest sleep between polls, and how often the external abort and the deadline are checked.
 MAX_SLEEP, CHECK_EVERY = 1e-3, 2e-3
 
@@ -107,7 +109,7 @@ def sweep(directory: str, prefix: str) -> list[str]:
 
 
 def encode_meta(dtype: np.dtype, shape: Sequence[int]) -> bytes:
-    meta = f"{dtype.str}|{','.join(map(str, shape))}".encode()
+    meta = f"{dtype.str};{','.join(map(str, shape))}".encode()
     if len(meta) > META:
         raise OptionError(f"an array of shape {tuple(shape)} has too many dimensions for the shared-memory exchange; "
                           "reshape it to fewer before the collective")
@@ -115,7 +117,7 @@ def encode_meta(dtype: np.dtype, shape: Sequence[int]) -> bytes:
 
 
 def decode_meta(meta: bytes) -> tuple[np.dtype, tuple[int, ...]]:
-    dt, _, shape = meta.decode().partition("|")
+    dt, _, shape = meta.decode().partition(";")
     return np.dtype(dt), tuple(int(s) for s in shape.split(",") if s)
 
 
@@ -198,19 +200,20 @@ class HostGroup:
         self.stamps[self.me] = target
         st, words = self.stamps, self.words
         if st.min() < target:
-            spins, sleep, checked = 0, 2e-5, time.monotonic()
+            spins, sleep = 0, 5e-5
+            begun = checked = time.monotonic()
             while st.min() < target:
                 if words[0]:
                     raise self._aborted(what)
                 spins += 1
                 if spins < SPINS:
                     continue
-                if spins < SPINS + YIELDS:
+                now = time.monotonic()
+                if now - begun < YIELD_SECONDS:
                     os.sched_yield()
                 else:
                     time.sleep(sleep)
                     sleep = min(sleep * 1.5, MAX_SLEEP)
-                now = time.monotonic()
                 if now - checked > CHECK_EVERY:
                     checked = now
                     why = self.external()
@@ -267,7 +270,7 @@ class HostGroup:
                 raise InputError(f"{what}: rank {self.local[i]} gave {nbytes} bytes of {meta.decode()!r}, rank {self.rank} "
                                  f"{x.nbytes} bytes of {x.dtype.str!r}: every rank must give the same shape and dtype")
             views.append(buf.view(x.dtype))
-        out = np.empty(size, acc)
+        out = warm.empty(size, acc)
         if x.nbytes < SPLIT_BYTES or size < self.n:
             _fold(op, views, out)
             return out
@@ -293,10 +296,10 @@ class HostGroup:
         self._arrive(what, deadline)
         if self.me == root:
             assert x is not None
-            return x.copy()
+            return warm.copy(x)
         buf, _, meta = self._peer_region(root, region)
         dtype, shape = decode_meta(meta)
-        return buf.view(dtype).reshape(shape).copy()
+        return warm.copy(buf.view(dtype).reshape(shape))
 
     def allgather(self, x: np.ndarray, what: str, deadline: float | None) -> list[np.ndarray]:
         """Every rank's array of the group, copies, in group order."""
@@ -308,11 +311,11 @@ class HostGroup:
         out = []
         for i in range(self.n):
             if i == self.me:
-                out.append(x.copy())
+                out.append(warm.copy(x))
                 continue
             buf, _, meta = self._peer_region(i, region)
             dtype, shape = decode_meta(meta)
-            out.append(buf.view(dtype).reshape(shape).copy())
+            out.append(warm.copy(buf.view(dtype).reshape(shape)))
         return out
 
     def barrier(self, what: str, deadline: float | None) -> None:

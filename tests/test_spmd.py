@@ -1,0 +1,356 @@
+"""SPMD jobs (flowreduce.spmd): every collective against numpy, on every route
+(shared memory in a host, shared memory per worker with a plan between
+workers, every rank alone over Dask's comm) and every algorithm; the
+scheduler hears nothing after the first collective; a rank that raises, a
+worker SIGKILLed and a timeout each fail every rank fast, naming the rank;
+``restarts=`` completes a job whose worker was killed; nothing is left in
+/dev/shm. Real multi-process LocalClusters: 2 single-threaded workers, so up
+to 8 ranks share workers."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import inspect
+import os
+import signal
+import time
+from collections import Counter
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+
+import flowreduce
+from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, WorkerLostError
+
+ALGORITHMS = [a for a in flowreduce.ALGORITHMS if a != "auto"] + ["auto"]
+LENGTHS = (0, 1, 1000, 1001)
+OPS = ("sum", "prod", "min", "max", "mean", "bitwise_xor")
+#: route -> the dask config value of flowreduce.spmd.transport
+ROUTES = {"shm": "auto", "shm-per-worker+dask": "worker", "dask": "dask"}
+
+
+def _segments() -> list[str]:
+    return sorted(glob.glob("/dev/shm/frspmd-*"))
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        with Client(cluster) as c:
+            yield c
+
+
+@pytest.fixture
+def fresh_client():
+    """A cluster of its own: for the tests that kill workers or wrap the scheduler's handlers."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        with Client(cluster) as c:
+            yield c
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left():
+    yield
+    deadline = time.monotonic() + 5
+    while _segments() and time.monotonic() < deadline:  # a failed job's survivors sweep as they end
+        time.sleep(0.05)
+    assert _segments() == [], "an SPMD job left shared-memory segments behind"
+
+
+def _input(rank: int, n: int) -> np.ndarray:
+    """Small integers (sums, products and xors exact), different per rank and element."""
+    return ((np.arange(n, dtype=np.int64) * (rank + 3) + rank) % 5) + 1
+
+
+def _collectives(comm, lengths, ops, algorithm):
+    out = {}
+    for n in lengths:
+        x = _input(comm.rank, n)
+        for op in ops:
+            out["allreduce", n, op] = comm.allreduce(x, op=op, algorithm=algorithm)
+        out["broadcast", n] = comm.broadcast(x if comm.rank == comm.size - 1 else None, root=comm.size - 1)
+        out["allgather", n] = comm.allgather(x[: n - comm.rank % 2] if n else x)  # shapes differ by rank
+    comm.barrier()
+    return out
+
+
+def _expected(size, lengths, ops):
+    out = {}
+    for n in lengths:
+        xs = np.stack([_input(r, n) for r in range(size)])
+        for op in ops:
+            out["allreduce", n, op] = np.mean(xs, axis=0) if op == "mean" else getattr(np, {
+                "sum": "add", "prod": "multiply", "min": "minimum", "max": "maximum"}.get(op, op)).reduce(xs, axis=0)
+        out["broadcast", n] = xs[-1]
+        out["allgather", n] = [x[: n - r % 2] if n else x for r, x in enumerate(xs)]
+    return out
+
+
+def _check(results, expected):
+    for rank, got in enumerate(results):
+        assert got.keys() == expected.keys()
+        for what, want in expected.items():
+            if what[0] == "allgather":
+                assert len(got[what]) == len(want)
+                for a, b in zip(got[what], want):
+                    np.testing.assert_array_equal(a, b, err_msg=f"rank {rank} {what}")
+            else:
+                assert got[what].dtype == want.dtype, (rank, what)
+                np.testing.assert_array_equal(got[what], want, err_msg=f"rank {rank} {what}")
+
+
+@pytest.mark.parametrize("ranks", range(1, 9))
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_collective_matches_numpy(client, route, ranks):
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        futures = flowreduce.spmd(client, _collectives, ranks=ranks, lengths=LENGTHS, ops=OPS, algorithm="auto",
+                                  timeout=30)
+        _check(client.gather(futures), _expected(ranks, LENGTHS, OPS))
+
+
+def _allreduces(comm, lengths, algorithm):
+    return {n: comm.allreduce(_input(comm.rank, n), algorithm=algorithm) for n in lengths}
+
+
+@pytest.mark.parametrize("ranks", range(1, 9))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_between_ranks(client, algorithm, ranks):
+    """Every rank alone (over Dask's comm): the plan runs over all the ranks."""
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        futures = flowreduce.spmd(client, _allreduces, ranks=ranks, lengths=LENGTHS, algorithm=algorithm, timeout=30)
+        for rank, got in enumerate(client.gather(futures)):
+            for n in LENGTHS:
+                want = np.sum([_input(r, n) for r in range(ranks)], axis=0)
+                np.testing.assert_array_equal(got[n], want, err_msg=f"{algorithm} rank {rank} n={n}")
+
+
+def _float_and_torch(comm):
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(comm.rank).standard_normal(1001)
+    t = torch.arange(7, dtype=torch.float32) * (comm.rank + 1)
+    return (comm.allreduce(x), comm.allreduce(x, op="mean"), comm.allreduce(t), comm.broadcast(t, root=0),
+            comm.allgather(t), _bfloat16(comm.allreduce(torch.ones(3, dtype=torch.bfloat16))))
+
+
+def _bfloat16(t):
+    return str(t.dtype), t.float()  # Dask's serialisation of results does not take bfloat16 tensors
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_floats_are_the_same_bits_on_every_rank_and_tensors_stay_tensors(client, route):
+    torch = pytest.importorskip("torch")
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        results = client.gather(flowreduce.spmd(client, _float_and_torch, ranks=5, timeout=30))
+    xs = [np.random.default_rng(r).standard_normal(1001) for r in range(5)]
+    for total, mean, t, b, g, bf in results:
+        np.testing.assert_allclose(total, np.sum(xs, axis=0), rtol=1e-12)
+        np.testing.assert_array_equal(total, results[0][0])  # bitwise identical across ranks
+        np.testing.assert_array_equal(mean, results[0][1])
+        assert isinstance(t, torch.Tensor) and t.dtype == torch.float32
+        assert torch.equal(t, torch.arange(7, dtype=torch.float32) * 15)
+        assert torch.equal(b, torch.arange(7, dtype=torch.float32))
+        assert [x.tolist() for x in g] == [(torch.arange(7, dtype=torch.float32) * (r + 1)).tolist() for r in range(5)]
+        assert bf[0] == "torch.bfloat16" and bf[1].tolist() == [5.0, 5.0, 5.0]
+
+
+def _subgroups(comm):
+    evens = comm.subgroup(range(0, comm.size, 2))
+    x = np.array([comm.rank])
+    within = evens.allreduce(x) if evens is not None else None
+    return comm.allreduce(x), within, evens.rank if evens is not None else None
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_subgroup(client, route):
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        results = client.gather(flowreduce.spmd(client, _subgroups, ranks=5, timeout=30))
+    for rank, (everyone, within, sub_rank) in enumerate(results):
+        assert everyone.tolist() == [10]
+        if rank % 2:
+            assert within is None and sub_rank is None
+        else:
+            assert within.tolist() == [0 + 2 + 4] and sub_rank == rank // 2
+
+
+def test_per_rank_arguments_place_ranks_where_their_futures_live(client):
+    workers = sorted(client.scheduler_info()["workers"])
+    parts = [client.submit(np.full, 3, i, workers=[workers[i % 2]], pure=False) for i in range(4)]
+
+    def fn(comm, part, scale=1):
+        from distributed import get_worker
+
+        return get_worker().address, comm.allreduce(part * scale)
+
+    results = client.gather(flowreduce.spmd(client, fn, parts, scale=2))
+    assert [w for w, _ in results] == [workers[i % 2] for i in range(4)]
+    assert all(r.tolist() == [12, 12, 12] for _, r in results)
+
+
+# -- the scheduler hears nothing per collective ---------------------------------------------------------------------
+
+_COUNTS: Counter = Counter()
+#: What the scheduler hears on a clock, whatever runs (a longer job hears more of it): the workers' and the
+#: client's heartbeats, batched streams' keepalives, the LocalCluster's polls of the scheduler (identity) and
+#: its cluster-manager info (set_metadata).
+PERIODIC = {"heartbeat_worker", "heartbeat-client", "keep-alive", "identity", "set_metadata"}
+
+
+def _count_messages(dask_scheduler=None):
+    """Wrap every handler of the scheduler, rpc and stream, to count what it receives."""
+    for table in (dask_scheduler.handlers, dask_scheduler.stream_handlers):
+        for op, handler in list(table.items()):
+            if getattr(handler, "_counted", False):
+                continue
+
+            if inspect.iscoroutinefunction(handler):
+                @functools.wraps(handler)  # distributed reads the signature (does it take comm?)
+                async def counted(*args, _op=op, _handler=handler, **kwargs):
+                    _COUNTS[_op] += 1
+                    return await _handler(*args, **kwargs)
+            else:
+                @functools.wraps(handler)
+                def counted(*args, _op=op, _handler=handler, **kwargs):
+                    _COUNTS[_op] += 1
+                    return _handler(*args, **kwargs)
+
+            counted._counted = True
+            table[op] = counted
+
+
+def _counts(dask_scheduler=None):
+    return {k: v for k, v in _COUNTS.items() if k not in PERIODIC}
+
+
+def _many(comm, calls):
+    x = np.arange(10, dtype=np.int64) + comm.rank
+    for _ in range(calls):
+        y = comm.allreduce(x)
+    comm.barrier()
+    return y
+
+
+def _messages_of_a_job(client, calls):
+    before = Counter(client.run_on_scheduler(_counts))
+    with dask.config.set({"flowreduce.spmd.transport": "worker"}):  # shared memory and Dask's comm both
+        futures = flowreduce.spmd(client, _many, ranks=4, calls=calls, timeout=30)
+        results = client.gather(futures)
+    del futures
+    after = Counter(client.run_on_scheduler(_counts))
+    return results, after - before
+
+
+def test_no_scheduler_message_after_the_first_collective(fresh_client):
+    client = fresh_client
+    client.run_on_scheduler(_count_messages)
+    _messages_of_a_job(client, 1)  # warm: plugins installed, places known
+    _, one = _messages_of_a_job(client, 1)
+    results, many = _messages_of_a_job(client, 2000)
+    assert all(r.tolist() == (np.arange(10) * 4 + 6).tolist() for r in results)
+    assert sum(one.values()) > 0, "the counter counts nothing"
+    extra = many - one
+    assert sum(extra.values()) <= 4, f"2,000 collectives sent the scheduler more than 1 did: {dict(extra)}"
+
+
+# -- failures never hang ---------------------------------------------------------------------------------------------
+
+def _forever(comm, fault, at):
+    x = np.ones(100)
+    for i in range(10**9):
+        if i == at and comm.rank == 2 and comm.attempt == 0:
+            if fault == "raise":
+                raise ValueError("rank two gives up")
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "late":
+                time.sleep(4)
+        comm.allreduce(x)
+        if fault == "kill" and comm.attempt > 0 and i == at + 5:
+            return comm.attempt, comm.allreduce(np.array([comm.rank]))
+    return None
+
+
+def _errors(client, futures, bound):
+    start = time.monotonic()
+    wait(futures, timeout=bound)
+    took = time.monotonic() - start
+    errors = [f.exception() if f.status == "error" else f.status for f in futures]
+    return errors, took
+
+
+@pytest.mark.parametrize("route", ["shm", "dask"])
+def test_a_rank_that_raises_fails_every_rank(client, route):
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        futures = flowreduce.spmd(client, _forever, ranks=4, fault="raise", at=50)
+        errors, took = _errors(client, futures, 15)
+    assert isinstance(errors[2], ValueError)
+    for rank, e in enumerate(errors):
+        assert isinstance(e, FlowreduceError if rank != 2 else ValueError), (rank, e)
+        assert "rank 2 raised ValueError: rank two gives up" in str(e) or rank == 2, str(e)
+        assert rank == 2 or "allreduce #" in str(e)
+    assert took < 10
+
+
+def test_a_killed_worker_fails_every_rank(fresh_client):
+    client = fresh_client
+    futures = flowreduce.spmd(client, _forever, ranks=4, fault="kill", at=50)  # ranks 0, 2 share a worker
+    errors, took = _errors(client, futures, 30)
+    assert all(isinstance(e, Exception) for e in errors), errors
+    assert isinstance(errors[2], WorkerLostError) and "rank 2 " in str(errors[2]), errors[2]
+    for rank in (1, 3):
+        assert "holding rank(s) [0, 2] left the cluster" in str(errors[rank]) and "allreduce #" in str(errors[rank])
+    assert took < 20
+
+
+def test_a_timeout_fails_every_rank(client):
+    futures = flowreduce.spmd(client, _forever, ranks=4, fault="late", at=20, timeout=1)
+    start = time.monotonic()
+    wait([futures[0], futures[1], futures[3]], timeout=15)
+    took = time.monotonic() - start
+    errors, _ = _errors(client, futures, 15)
+    assert took < 4, f"the ranks waiting on rank 2 took {took:.1f} s to fail with timeout=1"
+    assert any(isinstance(e, AllreduceTimeoutError) for e in errors), errors
+    for rank, e in enumerate(errors):
+        assert isinstance(e, FlowreduceError), (rank, e)
+        assert "timed out" in str(e) and "allreduce #21" in str(e), (rank, str(e))
+
+
+def test_restarts_complete_a_job_whose_worker_was_killed(fresh_client):
+    client = fresh_client
+    futures = flowreduce.spmd(client, _forever, ranks=4, fault="kill", at=20, restarts=1, timeout=30)
+    results = client.gather(futures)
+    assert [a for a, _ in results] == [1, 1, 1, 1]
+    assert all(r.tolist() == [6] for _, r in results)
+
+
+def test_options_are_checked(client):
+    with pytest.raises(ValueError, match="ranks="):
+        flowreduce.spmd(client, _many)
+    with pytest.raises(ValueError, match="one entry per rank"):
+        flowreduce.spmd(client, _many, [1, 2], [1])
+    with pytest.raises(ValueError, match="restarts"):
+        flowreduce.spmd(client, _many, ranks=2, restarts=-1)
+
+    def bad(comm):
+        return comm.allreduce(np.ones(3), algorithm="nope")
+
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'; valid: reduce-broadcast"):
+        client.gather(flowreduce.spmd(client, bad, ranks=2))
+
+
+def test_events_record_each_collective(client):
+    def fn(comm):
+        comm.allreduce(np.ones(1000))
+        comm.barrier()
+        return list(comm.events)
+
+    with dask.config.set({"flowreduce.spmd.transport": "worker"}):
+        events = client.gather(flowreduce.spmd(client, fn, ranks=4))
+    for rank, evs in enumerate(events):
+        assert [(e.collective, e.seq) for e in evs] == [("allreduce", 1), ("barrier", 2)]
+        ar = evs[0]
+        assert ar.nbytes == 8000 and ar.stop >= ar.start and ar.path == "shm+dask"
+        assert rank in (0, 1) or ar.sent == 0  # only the leaders (ranks 0, 1) talk between workers
+        assert set(ar.peers) <= set(range(4)) - {rank} and ar.peers
