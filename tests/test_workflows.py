@@ -296,3 +296,22 @@ def test_a_pytree_in_one_future_still_computing_fails_saying_what_to_do(client):
     got = flowreduce.allreduce(client, inputs, method="tasks")  # waits for them, as before
     assert client.gather(got)[1]["w"].tolist() == (rank_input(0, 10) + rank_input(1, 10)).tolist()
     del out, got, inputs
+
+
+def test_a_trace_shows_a_call_placed_on_arrival_beside_the_users_tasks(client):
+    """Nothing registers such a call on the client (describe() is not called here): the trace learns it from
+    the scheduler when it meets its tasks, and draws its tasks and engine steps with the user's input tasks."""
+    from flowreduce.tracing import summarize, trace
+
+    name = f"go-{uuid.uuid4().hex}"
+    with trace(client) as tr:
+        inputs = [client.submit(held_back, name, r, pure=False) for r in range(3)]
+        out = flowreduce.allreduce(client, inputs, algorithm="ring")
+        Event(name, client=client).set()
+        client.gather(out)
+    token = out[0].key[0].rpartition("-")[2]
+    assert token in tr.calls and tr.calls[token].algorithm == "ring"
+    phases = {e.phase for e in tr.iter_events(token)}
+    assert "transfer" in phases or "reduce" in phases, phases  # the engine's steps, not only its tasks
+    assert summarize(tr) is not None
+    del out, inputs

@@ -45,6 +45,8 @@ from typing import Any
 
 from flowreduce import keys as keymod
 from flowreduce.phases import ARRIVE, HAND_IN, OTHER, TASK_PHASES, TRANSFER
+from flowreduce.schedule import arrivals as _arrivals
+from flowreduce.schedule import records
 from flowreduce.tracing import registry
 from flowreduce.tracing.clocks import WorkerClock, choose_mode
 from flowreduce.tracing.events import KEY_PHASE, Event
@@ -216,6 +218,7 @@ class Trace:
             raise ValueError(f"max_calls must be >= 1 or None, got {max_calls}")
         choose_mode(align, True)  # validates
         self.client = client
+        self._asked: set[str] = set()  # tokens asked of the scheduler (_lookup)
         self.align = align
         self.max_calls = max_calls
         self.sample_every = sample_every
@@ -290,6 +293,22 @@ class Trace:
         self._added_since_flush += 1
         if self.flush_every and self._added_since_flush >= self.flush_every:
             self.flush()
+
+    def _lookup(self, token: str) -> Call | None:
+        """The call of ``token`` from the schedule's records, else (a call
+        placed on arrival, whose plan its barrier chose) from the scheduler,
+        asked once per token."""
+        call = registry.lookup(token)
+        if call is None and token not in self._asked:
+            self._asked.add(token)
+            try:
+                found = _arrivals.record_of(self.client, token, [], wait=0)
+            except Exception:  # a scheduler without the engine's plugin: not such a call
+                found = None
+            if found is not None:
+                records.remember(self.client, (found,))
+                call = registry.lookup(token)
+        return call
 
     def _see(self, token: str, call: Call | None) -> bool:
         """Register a token; False if sampling drops it."""
@@ -393,7 +412,7 @@ class Trace:
             base: dict[str, Any] = {"worker": w, "host": clock.host, "key": repr(key),
                                     "nbytes": int(msg.get("nbytes") or 0)}
             if info is not None:
-                if not self._see(info["token"], self.calls.get(info["token"]) or registry.lookup(info["token"])):
+                if not self._see(info["token"], self.calls.get(info["token"]) or self._lookup(info["token"])):
                     continue
                 phase, node = self._phase_of(info)
                 call = self.calls.get(info["token"])
@@ -469,7 +488,7 @@ class Trace:
                     groups.setdefault(info["token"] if info else "", []).append((k, info))
                 logged_total = sum(v or 0 for v in e["keys"].values()) or 1
                 for token, members in groups.items():
-                    if token and not self._see(token, self.calls.get(token) or registry.lookup(token)):
+                    if token and not self._see(token, self.calls.get(token) or self._lookup(token)):
                         continue
                     first = members[0][1]
                     meta: dict[str, Any] = {}
@@ -515,7 +534,7 @@ class Trace:
             for _, t0, t1, nbytes, direction, owner, key in ws["shm"]:
                 info = keymod.parse(_key_of(key)) or {}
                 token = info.get("token", "")
-                if not token or not self._see(token, self.calls.get(token) or registry.lookup(token)):
+                if not token or not self._see(token, self.calls.get(token) or self._lookup(token)):
                     continue
                 # "read": w read the owner's segment; "write": w wrote into its own
                 source = by_pid.get(owner, "") if direction == "read" else w
@@ -550,7 +569,7 @@ class Trace:
                     sends.append((w, e))
                     continue
                 token = token_of(e[1])
-                if not self._see(token, self.calls.get(token) or registry.lookup(token)):
+                if not self._see(token, self.calls.get(token) or self._lookup(token)):
                     continue
                 if kind == RECV:
                     t = clock.align_interval(e[2], e[2], shifted=False)[0]
@@ -575,7 +594,7 @@ class Trace:
             self._arrivals.clear()
         for src, (_, run, dest, t0, t1, values, nbytes, ids) in sends:
             token = token_of(run)
-            call = self.calls.get(token) or registry.lookup(token)
+            call = self.calls.get(token) or self._lookup(token)
             if not self._see(token, call) or call is None:
                 continue
             call = self.calls.get(token, call)
