@@ -315,3 +315,20 @@ def test_a_trace_shows_a_call_placed_on_arrival_beside_the_users_tasks(client):
     assert "transfer" in phases or "reduce" in phases, phases  # the engine's steps, not only its tasks
     assert summarize(tr) is not None
     del out, inputs
+
+
+def _shown(token, dask_scheduler=None):
+    call = dask_scheduler.plugins["flowreduce-dashboard"].find(token)
+    return None if call is None or call.record is None else (call.record.algorithm, call.record.ranks)
+
+
+def test_the_dashboard_draws_a_call_placed_on_arrival_once_its_plan_is_chosen(client):
+    name = f"go-{uuid.uuid4().hex}"
+    inputs = [client.submit(held_back, name, r, pure=False) for r in range(3)]
+    out = flowreduce.allreduce(client, inputs, algorithm="butterfly")
+    token = out[0].key[0].rpartition("-")[2]
+    Event(name, client=client).set()
+    wait(out, timeout=HANG)
+    assert wait_until(lambda: client.run_on_scheduler(_shown, token) is not None, HANG)
+    assert client.run_on_scheduler(_shown, token) == ("butterfly", 3)
+    del out, inputs

@@ -28,15 +28,14 @@ import dask
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.task_spec import Task, TaskRef
 
-from flowreduce import keys
+from flowreduce import dashboard, keys
 from flowreduce.errors import InputError, InputTypeError
 from flowreduce.phases import ARRIVE, OUTPUT
 from flowreduce.schedule import guard
 from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule.records import CallRecord
 
-#: A barrier's decision: from the ranks' arrivals, the run's spec and the call's pickled record.
-Decide = Callable[[Sequence[_p2p.Arrival]], tuple[Any, bytes]]
+Decide = _p2p.Decide
 
 
 def is_collection(inputs: Any) -> bool:
@@ -58,6 +57,7 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
     graph = _p2p.lower_arrivals(futures, algorithm, decide, token=token)
     _p2p.ensure_p2p(client)
     guard.ensure_guard(client)
+    dashboard.install(client)  # its record comes from the barrier, through the scheduler plugin
     out = client.get(_named(graph.tasks, token), graph.outputs, sync=False)
     guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
     return list(out)
@@ -75,6 +75,7 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
     from dask.delayed import Delayed
 
     _p2p.ensure_p2p(client)  # the engine must be there when the user computes
+    dashboard.install(client)
     decide = decide_for(token)
     if isinstance(inputs, da.Array):
         if not 0 <= axis < max(inputs.ndim, 1):

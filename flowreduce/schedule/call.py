@@ -848,7 +848,7 @@ class OnArrival:
     token: str
     input_keys: tuple[Hashable, ...]
 
-    def __call__(self, arrivals: Sequence[Any]) -> tuple[Any, bytes]:
+    def __call__(self, arrivals: Sequence[Any]) -> tuple[Any, bytes, dict[str, Any]]:
         workers = tuple(a[0] for a in arrivals)
         places = {a[0]: hosts.Place(*a[1]) for a in arrivals}
         metas = [a[2] for a in arrivals]
@@ -867,7 +867,7 @@ class OnArrival:
         route = p2p_route(None, ranks, self.settings)  # no topology= here: the hosts are the arrivals' places
         record = CallRecord(self.token, route.plan, route.nbytes, route.predicted, workers, tuple(held.shape),
                             held.dtype, self.input_keys, method="p2p")
-        return p2p_spec(ranks, self.settings, route), pickle.dumps(record)
+        return p2p_spec(ranks, self.settings, route), pickle.dumps(record), dashboard.record_of(record).message()
 
 
 def _on_arrival(outer: TreeDef, like: Any, settings: Settings, exact: Any, how: str) -> bool:

@@ -49,6 +49,7 @@ from flowreduce.errors import InputError, WorkerLostError, refused
 from flowreduce.keys import new_token, parse
 from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, OUTPUT
 from flowreduce.shm import pool as _shm_pool
+from flowreduce.dashboard.store import NAME as DASHBOARD
 from flowreduce.schedule import hosts
 from flowreduce import arrays
 from flowreduce.schedule.inputs import ArrayMeta, OtherMeta, meta_of
@@ -744,7 +745,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                 self._end(token)
 
     def begin(self, token: Any = None, workers: Any = None, outputs: Any = None, record: Any = None,
-              **other: Any) -> dict[str, Any]:
+              dashboard: Any = None, **other: Any) -> dict[str, Any]:
         """Handler: the barrier of a call placed when its inputs arrived
         (:func:`begin`) says rank ``r`` arrived on ``workers[r]``. Each
         result ``outputs[r]`` not in memory yet is pinned there, and the call
@@ -779,6 +780,9 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         waiter = self.record_waiters.pop(token, None)
         if waiter is not None:
             waiter.set()
+        shown = s.plugins.get(DASHBOARD)
+        if shown is not None and isinstance(dashboard, dict):  # the page draws the plan once it is chosen
+            shown.publish(record=dashboard)
         return {"status": "OK", "attempt": attempt, "pending": pending}
 
     async def record(self, token: Any = None, timeout: Any = None, **other: Any) -> Any:
@@ -962,7 +966,7 @@ def arrive(token: str, rank: int, x: Any) -> Arrival:
     return engine.address, engine.place, meta
 
 
-async def begin(token: str, decide: Callable[[Sequence[Arrival]], tuple[Spec, bytes]], outputs: _lower.Named,
+async def begin(token: str, decide: Decide, outputs: _lower.Named,
                 *arrivals: Arrival) -> str:
     """Task: every rank has arrived. ``decide`` checks what they hold
     (errors naming the ranks) and chooses the plan and its spec from where
@@ -970,10 +974,10 @@ async def begin(token: str, decide: Callable[[Sequence[Arrival]], tuple[Spec, by
     workers and says which attempt this is; every worker of the plan then
     begins the run with the inputs it kept. The run's id."""
     worker = get_worker()
-    spec, record = decide(arrivals)
+    spec, record, shown = decide(arrivals)
     workers = [a[0] for a in arrivals]
     reply = await worker.scheduler.flowreduce_p2p_begin(token=token, workers=workers, outputs=list(outputs.keys),
-                                                        record=record)
+                                                        record=record, dashboard=shown)
     if not isinstance(reply, dict) or reply.get("status") != "OK":
         raise RuntimeError(f"the scheduler refused all-reduce {token}'s begin: {reply!r}"[:500])
     run = run_id(token, reply["attempt"])
@@ -1013,7 +1017,12 @@ def lower(spec: Spec, inputs: Sequence[Any]) -> Graph:
                      take_out=take_out)
 
 
-def lower_arrivals(inputs: Sequence[Any], algorithm: str, decide: Callable[[Sequence[Arrival]], tuple[Spec, bytes]],
+#: A barrier's decision (:class:`flowreduce.schedule.call.OnArrival`): from the ranks' arrivals, the
+#: run's spec, the call's pickled record and its dashboard message.
+Decide = Callable[[Sequence[Arrival]], tuple[Spec, bytes, dict[str, Any]]]
+
+
+def lower_arrivals(inputs: Sequence[Any], algorithm: str, decide: Decide,
                    output_keys: Sequence[Hashable] | None = None, token: str | None = None) -> Graph:
     """A new call's graph placed when its inputs arrive: a task per rank, a barrier, an output per rank."""
     return _lower.lower_arrivals(inputs, algorithm=algorithm, token=token or new_token(), arrive=arrive, begin=begin,
