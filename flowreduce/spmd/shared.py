@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, OptionError
-from flowreduce.ops import Op
+from flowreduce.ops import FOLD_BLOCK_BYTES, Op
 from flowreduce.spmd import warm
 from flowreduce.spmd.layout import Layout
 
@@ -55,12 +55,12 @@ from flowreduce.spmd.layout import Layout
 SPLIT_BYTES = 64 << 10
 HEADER = 1024  # abort word, message length, message
 SLOT = 512  # per rank: step counter (64 bytes), then three regions' records of 128 bytes
-REGION = 128  # generation, bytes, meta length, meta (dtype and shape)
-META = REGION - 24
+REGION = 128  # generation, bytes, meta length, dtype code, meta (dtype and shape)
+META = REGION - 32
 OUT = 2  # the output region's index
 #: Polls of a counter before yielding the CPU, and how long to keep yielding before sleeping: the ranks
 #: of a host often outnumber its free cores, so a rank that waits gives its core away at once.
-SPINS, YIELD_SECONDS = 4, 2e-3
+SPINS, YIELD_SECONDS = 4, 50e-3
 #: Longest sleep between polls, and how often the external abort and the deadline are checked.
 MAX_SLEEP, CHECK_EVERY = 1e-3, 2e-3
 
@@ -108,6 +108,11 @@ def sweep(directory: str, prefix: str) -> list[str]:
     return gone
 
 
+def dtype_code(dtype: np.dtype) -> int:
+    """A dtype as one integer, the same in every process (its ``str``, e.g. ``<f8``, as 8 bytes)."""
+    return int.from_bytes(dtype.str.encode()[:8].ljust(8, b"\0"), "little", signed=True)
+
+
 def encode_meta(dtype: np.dtype, shape: Sequence[int]) -> bytes:
     meta = f"{dtype.str};{','.join(map(str, shape))}".encode()
     if len(meta) > META:
@@ -136,6 +141,11 @@ class HostGroup:
         self.words = np.frombuffer(self.ctl, dtype=np.int64)
         self.bytes = np.frombuffer(self.ctl, dtype=np.uint8)
         self.stamps = self.words[HEADER // 8::SLOT // 8][:self.n]
+        #: the same words as Python ints, read and written faster one at a time than through numpy
+        self.q = memoryview(self.ctl).cast("q")
+        self.stamp_at = tuple((HEADER + SLOT * i) // 8 for i in range(self.n))
+        #: (peer, region) -> (generation, bytes, dtype code, its bytes): a region read again is not sliced again
+        self.views: dict[tuple[int, int], tuple[int, int, int, np.ndarray]] = {}
         self.step = 0
         self.turn = 0  # which input region the next collective writes
         self.gen, self.cap = 0, 0
@@ -149,19 +159,27 @@ class HostGroup:
     def _record(self, i: int, region: int) -> int:
         return (HEADER + SLOT * i + 64 + REGION * region) // 8
 
-    def _write_record(self, region: int, nbytes: int, meta: bytes = b"") -> None:
-        w = self._record(self.me, region)
-        self.words[w] = self.gen
-        self.words[w + 1] = nbytes
-        self.words[w + 2] = len(meta)
+    def _write_record(self, region: int, nbytes: int, meta: bytes = b"", code: int = 0) -> None:
+        """My record of ``region``: its generation, bytes, meta (dtype and shape) or dtype code."""
+        w, q = self._record(self.me, region), self.q
+        q[w] = self.gen
+        q[w + 1] = nbytes
+        q[w + 2] = len(meta)
+        q[w + 3] = code
         if meta:
-            self.bytes[w * 8 + 24:w * 8 + 24 + len(meta)] = np.frombuffer(meta, np.uint8)
+            self.bytes[w * 8 + 32:w * 8 + 32 + len(meta)] = np.frombuffer(meta, np.uint8)
 
-    def _peer_region(self, i: int, region: int) -> tuple[np.ndarray, int, bytes]:
-        """Peer ``i``'s region (its bytes), the bytes written and its meta."""
+    def _peer_meta(self, i: int, region: int) -> bytes:
         w = self._record(i, region)
-        gen, nbytes, mlen = int(self.words[w]), int(self.words[w + 1]), int(self.words[w + 2])
-        meta = self.bytes[w * 8 + 24:w * 8 + 24 + mlen].tobytes()
+        return self.bytes[w * 8 + 32:w * 8 + 32 + self.q[w + 2]].tobytes()
+
+    def _peer_region(self, i: int, region: int) -> tuple[np.ndarray, int, int]:
+        """Peer ``i``'s region (its bytes), the bytes written and their dtype code."""
+        w, q = self._record(i, region), self.q
+        gen, nbytes, code = q[w], q[w + 1], q[w + 3]
+        found = self.views.get((i, region))
+        if found is not None and found[0] == gen and found[1] == nbytes:
+            return found[3], nbytes, code
         if i == self.me:
             assert self.data is not None
             buf = self.data
@@ -173,7 +191,9 @@ class HostGroup:
                 for old in [g for g in maps if g < gen - 1]:
                     del maps[old]
         cap = buf.size // 3
-        return buf[region * cap:region * cap + nbytes], nbytes, meta
+        view = buf[region * cap:region * cap + nbytes]
+        self.views[i, region] = (gen, nbytes, code, view)
+        return view, nbytes, code
 
     def _ensure(self, nbytes: int) -> None:
         """A data segment whose regions hold ``nbytes`` (a new generation if the current is smaller)."""
@@ -197,13 +217,14 @@ class HostGroup:
         """Bump my counter and wait for every peer's."""
         self.step += 1
         target = self.step
-        self.stamps[self.me] = target
-        st, words = self.stamps, self.words
-        if st.min() < target:
+        q, at = self.q, self.stamp_at
+        q[at[self.me]] = target
+        st = self.stamps
+        if not all(q[a] >= target for a in at):
             spins, sleep = 0, 5e-5
             begun = checked = time.monotonic()
-            while st.min() < target:
-                if words[0]:
+            while not all(q[a] >= target for a in at):
+                if q[0]:
                     raise self._aborted(what)
                 spins += 1
                 if spins < SPINS:
@@ -224,7 +245,7 @@ class HostGroup:
                         raise AllreduceTimeoutError(
                             f"{what} on rank {self.rank} timed out waiting for rank(s) {late} of its host "
                             f"(step {target}; they are at {[int(st[i]) for i in range(self.n) if st[i] < target]})")
-        if words[0]:
+        if q[0]:
             raise self._aborted(what)
         if not self.control_unlinked:  # every peer has mapped the control segment: its name is not needed
             _unlink(self.control_path)
@@ -260,14 +281,16 @@ class HostGroup:
         part = -(-size // self.n) * acc.itemsize
         self._ensure(max(x.nbytes, part))
         region = self._next_region()
+        code = dtype_code(x.dtype)
         np.copyto(self._region(region, x.nbytes).view(x.dtype), x)
-        self._write_record(region, x.nbytes, x.dtype.str.encode())
+        self._write_record(region, x.nbytes, code=code)
         self._arrive(what, deadline)
         views = []
         for i in range(self.n):
-            buf, nbytes, meta = self._peer_region(i, region)
-            if nbytes != x.nbytes or meta != x.dtype.str.encode():
-                raise InputError(f"{what}: rank {self.local[i]} gave {nbytes} bytes of {meta.decode()!r}, rank {self.rank} "
+            buf, nbytes, theirs = self._peer_region(i, region)
+            if nbytes != x.nbytes or theirs != code:
+                got = theirs.to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace")
+                raise InputError(f"{what}: rank {self.local[i]} gave {nbytes} bytes of {got!r}, rank {self.rank} "
                                  f"{x.nbytes} bytes of {x.dtype.str!r}: every rank must give the same shape and dtype")
             views.append(buf.view(x.dtype))
         out = warm.empty(size, acc)
@@ -297,8 +320,8 @@ class HostGroup:
         if self.me == root:
             assert x is not None
             return warm.copy(x)
-        buf, _, meta = self._peer_region(root, region)
-        dtype, shape = decode_meta(meta)
+        buf, _, _ = self._peer_region(root, region)
+        dtype, shape = decode_meta(self._peer_meta(root, region))
         return warm.copy(buf.view(dtype).reshape(shape))
 
     def allgather(self, x: np.ndarray, what: str, deadline: float | None) -> list[np.ndarray]:
@@ -313,8 +336,8 @@ class HostGroup:
             if i == self.me:
                 out.append(warm.copy(x))
                 continue
-            buf, _, meta = self._peer_region(i, region)
-            dtype, shape = decode_meta(meta)
+            buf, _, _ = self._peer_region(i, region)
+            dtype, shape = decode_meta(self._peer_meta(i, region))
             out.append(warm.copy(buf.view(dtype).reshape(shape)))
         return out
 
@@ -331,13 +354,19 @@ class HostGroup:
         if failed:
             sweep(self.dir, self.layout.prefix())
         self.peers.clear()
+        self.views.clear()
         self.data = None
 
 
 def _fold(op: Op, parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
     """``parts[0] op parts[1] op ...`` in that order, into ``out``."""
     if op.in_place:
-        return op.fold(parts, out)
+        if out.nbytes > FOLD_BLOCK_BYTES:
+            return op.fold(parts, out)
+        np.copyto(out, parts[0], casting="unsafe")  # small: no blocks (what fold adds is call overhead)
+        for p in parts[1:]:
+            op.func(out, p, out=out)
+        return out
     acc: Any = parts[0]
     for p in parts[1:]:
         acc = op.func(acc, p)
