@@ -41,8 +41,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 SYSTEMS = ("flowreduce", "gloo", "mpi")
@@ -77,8 +75,9 @@ def _rank(comm, sizes, repeat, warmup):
 
 
 def run_flowreduce(sizes: list[int], repeat: int, warmup: int) -> dict[int, tuple[list[float], bool]]:
-    import flowreduce
     from distributed import Client, LocalCluster
+
+    import flowreduce
 
     with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
