@@ -15,16 +15,20 @@ import flowreduce
 
 
 def test_mismatched_shapes_name_the_ranks(inproc_client):
+    """Input errors come on the results (whatever the route: docs/workflows.md), every rank's."""
     parts = scatter_ranks(inproc_client, [np.ones(4), np.ones(4), np.ones(5)])
-    with pytest.raises(ValueError, match=r"ranks disagree on shapes: ranks \[0, 1\]: shape \(4,\).*ranks \[2\]: shape \(5,\)"):
-        flowreduce.allreduce(inproc_client, parts)
+    out = flowreduce.allreduce(inproc_client, parts)
+    for f in out:
+        with pytest.raises(ValueError, match=r"ranks disagree on shapes: ranks \[0, 1\]: shape \(4,\).*ranks \[2\]: shape \(5,\)"):
+            f.result()
+    del out
     assert_clean(inproc_client)
 
 
 def test_mismatched_dtypes_name_the_ranks(inproc_client):
     parts = scatter_ranks(inproc_client, [np.ones(4), np.ones(4, dtype=np.float32)])
     with pytest.raises(ValueError, match=r"ranks disagree on dtypes: .*ranks \[1\]: shape \(4,\), dtype float32"):
-        flowreduce.allreduce(inproc_client, parts)
+        inproc_client.gather(flowreduce.allreduce(inproc_client, parts))
 
 
 def test_empty_input_list(inproc_client):
@@ -41,14 +45,15 @@ def test_non_future_input(inproc_client):
 def test_non_array_values_name_the_ranks(inproc_client):
     parts = [inproc_client.scatter(np.ones(3)), inproc_client.submit(list, (1, 2, 3)),
              inproc_client.submit(str, "abc")]
+    wait(parts)  # computed: the call checks them before submitting (on arrival it says the same, see below)
     with pytest.raises(TypeError, match=r"ranks \[1, 2\] hold \{1: 'list', 2: 'str'\}"):
-        flowreduce.allreduce(inproc_client, parts)
+        inproc_client.gather(flowreduce.allreduce(inproc_client, parts))
 
 
 def test_non_numeric_dtype(inproc_client):
     parts = scatter_ranks(inproc_client, [np.array(["a", "b"])] * 2)
     with pytest.raises(TypeError, match="numeric or boolean dtype"):
-        flowreduce.allreduce(inproc_client, parts)
+        inproc_client.gather(flowreduce.allreduce(inproc_client, parts))
 
 
 def test_unknown_algorithm_lists_valid(inproc_client):
@@ -68,7 +73,7 @@ def test_unknown_op_lists_valid(inproc_client):
 def test_mean_of_booleans_refused(inproc_client):
     parts = scatter_ranks(inproc_client, [np.ones(3, dtype=bool)] * 2)
     with pytest.raises(TypeError, match="mean' of boolean"):
-        flowreduce.allreduce(inproc_client, parts, op="mean")
+        inproc_client.gather(flowreduce.allreduce(inproc_client, parts, op="mean"))
 
 
 @pytest.mark.parametrize("kw,match", [({"chunks": 0}, "chunks must be a positive integer"),
@@ -124,10 +129,19 @@ def _boom(x):
 
 
 def test_errored_input_names_the_rank(inproc_client):
+    """Failed before the call: the results say which rank's input failed. Failing while the call, placed
+    on arrival, waits for it: the results raise that input's own exception, as any Dask task depending on
+    it does (docs/workflows.md)."""
     good = scatter_ranks(inproc_client, [np.ones(3)] * 2)
     bad = inproc_client.submit(_boom, 1, pure=False)
+    later = flowreduce.allreduce(inproc_client, [*good, bad])
+    wait([bad])
     with pytest.raises(RuntimeError, match="input of rank 2 failed: ZeroDivisionError"):
-        flowreduce.allreduce(inproc_client, [*good, bad])
+        inproc_client.gather(flowreduce.allreduce(inproc_client, [*good, bad]))
+    for f in later:
+        e = f.exception()
+        assert isinstance(e, ZeroDivisionError) and "rank input failed" in str(e), repr(e)
+    del later, e, f
     assert_clean(inproc_client)
 
 
@@ -136,7 +150,7 @@ def test_cancelled_input(inproc_client):
     gone = inproc_client.submit(np.ones, 3, pure=False)
     gone.cancel()
     with pytest.raises(RuntimeError, match=r"input of rank 2 was cancelled"):
-        flowreduce.allreduce(inproc_client, [*good, gone])
+        inproc_client.gather(flowreduce.allreduce(inproc_client, [*good, gone]))
     del good, gone
     assert_clean(inproc_client)
 
@@ -178,9 +192,9 @@ def test_cancelled_input_is_named_the_same_on_every_path(inproc_client):
     gone = inproc_client.submit(np.ones, 3, pure=False)
     gone.cancel()
     with pytest.raises(RuntimeError, match=r"input of rank 2 was cancelled \(key "):
-        flowreduce.allreduce(inproc_client, [*good, gone], like=np.ones(3))
+        inproc_client.gather(flowreduce.allreduce(inproc_client, [*good, gone], like=np.ones(3)))
     with pytest.raises(RuntimeError, match=r"input of rank 2 was cancelled \(key "):
-        flowreduce.allreduce(inproc_client, [[g] for g in good] + [[gone]])
+        inproc_client.gather(flowreduce.allreduce(inproc_client, [[g] for g in good] + [[gone]]))
     del good, gone
     assert_clean(inproc_client)
 
@@ -189,6 +203,7 @@ def _bad_calls(client):
     parts = scatter_ranks(client, [np.ones(4), np.ones(4), np.ones(5)])
     good = parts[:2]
     failed = client.submit(_boom, 1, pure=False)
+    wait([failed])
     return {
         "empty": (ValueError, lambda: flowreduce.allreduce(client, [])),
         "not-a-future": (TypeError, lambda: flowreduce.allreduce(client, [np.ones(3)])),
@@ -208,8 +223,8 @@ def _bad_calls(client):
                                   "planner-option", "shapes", "template", "failed-input", "topology"])
 def test_errors_are_flowreduce_errors_and_the_builtins(inproc_client, case):
     builtin, call = _bad_calls(inproc_client)[case]
-    with pytest.raises(builtin) as caught:
-        call()
+    with pytest.raises(builtin) as caught:  # option errors from the call, input errors from its results
+        inproc_client.gather(call())
     assert isinstance(caught.value, flowreduce.FlowreduceError), repr(caught.value)
     assert_clean(inproc_client)
 

@@ -46,8 +46,10 @@ def is_collection(inputs: Any) -> bool:
 
 
 def pending(futures: Sequence[Any]) -> bool:
-    """Whether any of ``futures`` is not computed yet, as the client knows it (no round trip)."""
-    return any(f.status != "finished" for f in futures)
+    """Whether any of ``futures`` is still being computed, as the client knows it (no round trip); one that
+    failed, was cancelled or lost takes the call that checks its inputs first and names it."""
+    states = {f.status for f in futures}
+    return "pending" in states and not states & {"error", "cancelled", "lost"}
 
 
 def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: Decide, token: str,
