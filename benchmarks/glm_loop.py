@@ -238,25 +238,51 @@ def trace_one_iteration(client, shards, workers, n, step, out_dir: str, variant:
     return {"dir": out_dir, "variant": variant, "size": n, "events": len(tr.events)}
 
 
+def summarise(runs: dict[str, list[dict]], variants: list[str], skipped: dict[str, str]) -> dict:
+    """One size's runs per variant: medians, losses, and naive / this (of the medians, and per repetition)."""
+    row: dict = {}
+    for v in variants:
+        if v in skipped:
+            row[v] = {"skipped": skipped[v]}
+            continue
+        rs = runs[v]
+        row[v] = {"median": {k: statistics.median(r[k] for r in rs) for k in ("submit_s", "total_s", "per_iter_ms")},
+                  "losses": [r["loss"] for r in rs], "runs": rs}
+    if "median" in row.get("naive", {}):
+        for v in variants:
+            if "median" in row[v]:
+                row[v]["naive_over_this"] = row["naive"]["median"]["per_iter_ms"] / row[v]["median"]["per_iter_ms"]
+                pairs = [a["per_iter_ms"] / b["per_iter_ms"] for a, b in zip(runs["naive"], runs[v])]
+                row[v]["paired_naive_over_this"] = {"median": statistics.median(pairs), "min": min(pairs),
+                                                    "max": max(pairs), "all": pairs}
+    return row
+
+
 def table(results: dict, sizes: list[int]) -> str:
+    """Medians per variant; naive / this of the medians, and the median (min-max) of the
+    per-repetition ratios (each repetition runs every variant back to back)."""
     lines = ["| features (gradient bytes) | variant | submit s | total s | submit / total | per iteration ms | "
-             "naive / this (per iteration) | final loss |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "naive / this: medians | naive / this: per repetition, median (min-max) | load | final loss |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for n in sizes:
         row = results[str(n)]
-        base = row.get("naive", {}).get("median", {}).get("per_iter_ms")
+        load = row.get("load_range")
+        load = f"{load[0]:g}-{load[1]:g}" if load else ""
         for v in VARIANTS:
             r = row.get(v)
             if r is None:
                 continue
             if "skipped" in r:
-                lines.append(f"| {n:.0e} ({8 * n / 1e6:g} MB) | {v} | | | | | | not run: {r['skipped']} |")
+                lines.append(f"| {n:.0e} ({8 * n / 1e6:g} MB) | {v} | | | | | | | | not run: {r['skipped']} |")
                 continue
             m = r["median"]
-            ratio = f"{base / m['per_iter_ms']:.2f}x" if base else ""
+            ratio = f"{r['naive_over_this']:.2f}x" if "naive_over_this" in r else ""
+            paired = r.get("paired_naive_over_this")
+            paired = (f"{paired['median']:.2f}x ({paired['min']:.2f}-{paired['max']:.2f})"
+                      if paired and v != "naive" else "")
             lines.append(f"| {n:.0e} ({8 * n / 1e6:g} MB) | {v} | {m['submit_s']:.3f} | {m['total_s']:.2f} | "
-                         f"{100 * m['submit_s'] / m['total_s']:.0f}% | {m['per_iter_ms']:.1f} | {ratio} | "
-                         f"{r['losses'][0]:.12g} |")
+                         f"{100 * m['submit_s'] / m['total_s']:.0f}% | {m['per_iter_ms']:.1f} | {ratio} | {paired} | "
+                         f"{load} | {r['losses'][0]:.12g} |")
     return "\n".join(lines)
 
 
@@ -275,6 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--markdown", help="write the table here")
     ap.add_argument("--trace", metavar="DIR", help="trace one futures iteration (and one naive) into DIR/futures-<size>/ "
                     "(and DIR/naive-<size>/) after the timed runs of that size")
+    ap.add_argument("--report", metavar="JSON", help="print (and --markdown) the table of a --json file, run nothing")
     ap.add_argument("--trace-sizes", default=None, help="sizes to trace (default: the largest)")
     a = ap.parse_args(argv)
     sizes = [int(float(s)) for s in a.sizes.split(",")]
@@ -283,6 +310,19 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    if a.report:
+        with open(a.report) as f:
+            done = json.load(f)
+        for row in done["results"].values():
+            keep = [v for v in VARIANTS if v in row]
+            row.update(summarise({v: row[v].get("runs", []) for v in keep}, keep,
+                                 {v: row[v]["skipped"] for v in keep if "skipped" in row[v]}))
+        md = table(done["results"], [int(n) for n in done["results"]])
+        print(md)
+        if a.markdown:
+            with open(a.markdown, "w") as f:
+                f.write(md + "\n")
+        return done
     started = datetime.now(timezone.utc)
     out: dict = {"started": started.isoformat(timespec="seconds"), "args": vars(a), "git": git_head(),
                  "versions": {"python": platform.python_version(), "dask": dask.__version__,
@@ -315,22 +355,10 @@ def main(argv: list[str] | None = None) -> dict:
                           f"{r['per_iter_ms']:8.1f} ms/iter  loss {r['loss']:.15g}  load {r['load'][0]}", flush=True)
                     if rep >= a.warmup:
                         runs[v].append(r)
-            row: dict = {}
-            all_losses = []
-            for v in variants:
-                if v == "delayed" and why_not:
-                    row[v] = {"skipped": f"flowreduce at {out['git'][:7]} refuses Delayed inputs ({why_not})"}
-                    continue
-                rs = runs[v]
-                row[v] = {"median": {k: statistics.median(r[k] for r in rs)
-                                     for k in ("submit_s", "total_s", "per_iter_ms")},
-                          "losses": [r["loss"] for r in rs], "runs": rs}
-                all_losses += row[v]["losses"]
-            if "naive" in row and "median" in row["naive"]:
-                for v in variants:
-                    if "median" in row[v]:
-                        row[v]["naive_over_this"] = row["naive"]["median"]["per_iter_ms"] / row[v]["median"]["per_iter_ms"]
+            row = summarise(runs, variants, {"delayed": f"flowreduce at {out['git'][:7]} refuses Delayed inputs "
+                                                        f"({why_not})"} if why_not else {})
             row["load_range"] = [min(loads), max(loads)] if loads else None
+            all_losses = [x for v in variants for x in row[v].get("losses", [])]
             ref = all_losses[0]
             bad = [x for x in all_losses if not math.isclose(x, ref, rel_tol=a.rtol)]
             print(f"{n:.0e}: final losses {sorted(set(all_losses))}", flush=True)
