@@ -327,11 +327,38 @@ def test_integers_min_max_are_unchanged(inproc_client):
     assert_clean(inproc_client)
 
 
-def test_p2p_refuses_float_sums(inproc_client):
-    parts = scatter_ranks(inproc_client, wide(4, 100))
-    with pytest.raises(OptionError, match="p2p"):
+@pytest.mark.parametrize("algorithm", [a for a in flowreduce.ALGORITHMS if a != "auto"])
+def test_the_p2p_engine_adds_in_the_reference_order(inproc_client, algorithm):
+    """One rank per worker: the engine's values carry the reference tree's partial sums, as the task
+    graph's do; the bits are reference_reduce's for every algorithm, chunking, dtype and op. Without
+    deterministic=, a ring's differ from it (butterflies over 3 and 4 ranks happen to add in the tree's order)."""
+    differs = False
+    for dtype, op, chunks, p in itertools.product(DTYPES, OPS, (1, 3), (3, 4)):
+        xs = [x.astype(dtype) for x in wide(p, 1001)]
+        parts = scatter_ranks(inproc_client, xs)
+        out = flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, chunks=chunks, op=op, method="p2p",
+                                   deterministic=True)
+        want = reference_reduce(xs, op, order="tree")
+        for r, got in enumerate(inproc_client.gather(out)):
+            np.testing.assert_array_equal(got, want, err_msg=f"{algorithm} {dtype.__name__} {op} chunks={chunks} "
+                                                               f"p={p} rank {r}")
+        assert flowreduce.describe(out).deterministic is True and flowreduce.describe(out).method == "p2p"
+        plain = inproc_client.gather(flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, chunks=chunks,
+                                                          op=op, method="p2p"))
+        differs |= any(not np.array_equal(x, want) for x in plain)
+        del out, parts
+    if algorithm == "ring":  # on these inputs its own order gives other bits (else this test could not fail)
+        assert differs, "ring: the default order never differed from the tree's"
+    assert_clean(inproc_client)
+
+
+def test_p2p_refuses_float_sums_of_ranks_sharing_a_worker(inproc_client):
+    parts = scatter_ranks(inproc_client, wide(8, 100))  # 8 ranks on 4 workers: combined there in rank order
+    with pytest.raises(OptionError, match="tree order"):
         flowreduce.allreduce(inproc_client, parts, deterministic=True, method="p2p")
-    del parts
+    out = flowreduce.allreduce(inproc_client, parts, deterministic=True)  # auto: the task graph keeps the order
+    np.testing.assert_array_equal(inproc_client.gather(out)[0], reference_reduce(wide(8, 100), "sum", order="tree"))
+    del parts, out
     assert_clean(inproc_client)
 
 

@@ -39,10 +39,11 @@ from dask.task_spec import List, Task, TaskRef
 from flowreduce import keys
 from flowreduce.algorithms import frozen_options
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.algorithms.ir import GATHER, Plan
+from flowreduce.algorithms.ir import GATHER, REDUCE, Plan
 from flowreduce.kernels import dense as _kernels
-from flowreduce.lower.graph import Graph, chunk_bounds, contributions, owned_inputs
+from flowreduce.lower.graph import Graph, chunk_bounds, contributions, owned_inputs, piece_layout, tree_nodes
 from flowreduce.ops import Op, resolve_op
+from flowreduce.reproducible import TreeNode, tree_root
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,16 @@ class Spec:
     #: per worker, the memory domain it shares with the others of its host (None: values go through
     #: Dask's comm); empty: none does
     domains: tuple[Any, ...] = ()
+    #: deterministic=True: values carry partial sums of the reference tree over ranks, added only as
+    #: siblings (one rank per worker: the plan's ranks are the call's)
+    ordered: bool = False
     #: the library the ranks' inputs came in (an :class:`~flowreduce.arrays.ArrayKind`; None: numpy), and
     #: so the results go out in: calls placed on arrival take torch tensors and array API arrays
     native: Any = None
 
     @classmethod
     def of(cls, plan: Plan, op: Op, dtype: np.dtype, shape: tuple[int, ...], workers: Sequence[str],
-           in_place: bool, domains: Sequence[Any] = (), native: Any = None) -> Spec:
+           in_place: bool, domains: Sequence[Any] = (), native: Any = None, ordered: bool = False) -> Spec:
         """The run of ``plan`` (over :func:`engine_workers` of ``workers``, in that order) for ranks on ``workers``."""
         addresses = engine_workers(workers)
         if plan.ranks != len(addresses):
@@ -81,7 +85,8 @@ class Spec:
         index = {w: i for i, w in enumerate(addresses)}
         return cls(plan.algorithm, len(workers), plan.chunks, frozen_options(dict(plan.options)), op.name,
                    np.dtype(dtype).str, tuple(shape), addresses, tuple(index[w] for w in workers), in_place,
-                   domains=tuple(domains) if any(d is not None for d in domains) else (), native=native)
+                   domains=tuple(domains) if any(d is not None for d in domains) else (), native=native,
+                   ordered=ordered)
 
     def worker(self, rank: int) -> str:
         """The worker of the call's rank ``rank``."""
@@ -110,6 +115,8 @@ class Site:
     start: int
     stop: int
     picks: tuple[tuple[_kernels.Pick, ...], ...]
+    #: deterministic=True, a reduce: the reference tree node of each pick (parallel to ``picks``)
+    nodes: tuple[tuple[TreeNode, ...], ...] | None = None
 
 
 class Roles:
@@ -118,7 +125,7 @@ class Roles:
     its ranks and nodes, who reads each node here, where each local node
     goes, and each node's piece layout (in segments, built when first asked)."""
 
-    def __init__(self, plan: Plan, workers: Sequence[str], address: str, in_place: bool):
+    def __init__(self, plan: Plan, workers: Sequence[str], address: str, in_place: bool, ordered: bool = False):
         self.plan = plan
         nodes = plan.nodes
         self.local_ranks = tuple(r for r in range(plan.ranks) if workers[r] == address)
@@ -139,6 +146,21 @@ class Roles:
         self.views = {r: tuple(n.id for n in nodes if here[n.id] and n.rank == r and not n.inputs)
                       for r in self.local_ranks}
         self._layouts: dict[int, list[tuple[int, int]]] = {}
+        #: deterministic=True: the reference tree node of every piece of every node (None: not ordered)
+        self.piece_nodes: list[list[TreeNode]] | None = None
+        if ordered:
+            carried = tree_nodes(plan)
+            root = (tree_root(plan.ranks),)
+            if any(carried[f] != root for f in plan.finals):
+                raise ValueError(f"{plan!r}: a rank's result does not sum every rank")
+            self._layouts = dict(enumerate(piece_layout(plan, [len(c) for c in carried])))
+            self.piece_nodes = []
+            for n in nodes:  # as flowreduce.lower.graph lowers deterministic=True
+                if n.kind == GATHER:
+                    self.piece_nodes.append([t for i in n.inputs for (a, b), t in zip(self._layouts[i],
+                                             self.piece_nodes[i]) if max(a, n.lo) < min(b, n.hi)])
+                else:
+                    self.piece_nodes.append(list(carried[n.id]))
 
     def layout(self, node: int) -> list[tuple[int, int]]:
         """The segment ranges of node's pieces: a gather's are its inputs' (as
@@ -169,9 +191,9 @@ def engine_workers(workers: Sequence[str]) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=32)
 def roles(algorithm: str, options: tuple[tuple[str, Any], ...], addresses: tuple[str, ...], in_place: bool,
-          address: str) -> Roles:
+          address: str, ordered: bool = False) -> Roles:
     plan = make_plan(algorithm, len(addresses), **dict(options))
-    return Roles(plan, addresses, address, in_place)
+    return Roles(plan, addresses, address, in_place, ordered)
 
 
 class Program:
@@ -180,7 +202,7 @@ class Program:
 
     def __init__(self, spec: Spec, address: str):
         self.spec = spec
-        self.roles = r = roles(spec.algorithm, spec.options, spec.addresses, spec.in_place, address)
+        self.roles = r = roles(spec.algorithm, spec.options, spec.addresses, spec.in_place, address, spec.ordered)
         self.plan = r.plan
         self.local_ranks, self.local_nodes, self.readers, self.sends = r.local_ranks, r.local_nodes, r.readers, r.sends
         self.received, self.final_of, self.count, self.owned, self.views = (
@@ -217,7 +239,10 @@ class Program:
                 if x < y:
                     out.append((idx, self.elem(chunk, x) - self.elem(chunk, a), self.elem(chunk, y) - self.elem(chunk, a)))
             picks.append(tuple(out))
-        return Site(self.elem(chunk, n.lo), self.elem(chunk, n.hi), tuple(picks))
+        nodes = None
+        if self.roles.piece_nodes is not None and n.kind == REDUCE:  # the tree node of each pick
+            nodes = tuple(tuple(self.roles.piece_nodes[i][idx] for idx, _, _ in pk) for i, pk in zip(n.inputs, picks))
+        return Site(self.elem(chunk, n.lo), self.elem(chunk, n.hi), tuple(picks), nodes)
 
     def expected(self, chunk: int, node: int) -> int:
         """Elements of node's value in ``chunk`` (a received message must hold exactly these)."""

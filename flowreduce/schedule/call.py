@@ -751,8 +751,10 @@ def _p2p_refusal(ranks: Ranks, settings: Settings, converts: bool = False) -> st
         return f"method='p2p' takes one dense numpy array per rank; {what} inputs are not there yet"
     if not settings.op.in_place or resolve_op(settings.op.name).func is not settings.op.func:
         return f"method='p2p' takes ops by name or numpy ufunc, not the callable {settings.op.name!r} yet"
-    if settings.deterministic and tree_ordered(settings.op.name, np.dtype(held.dtype)):  # ints, min, max: exact
-        return "method='p2p' does not follow deterministic=True's tree order yet"
+    if (settings.deterministic and tree_ordered(settings.op.name, np.dtype(held.dtype))  # ints, min, max: exact
+            and len(set(ranks.workers)) < len(ranks.workers)):
+        return ("method='p2p' combines ranks sharing a worker first, in rank order, which is not deterministic=True's "
+                "tree order")
     named = sorted(RANK_OPTIONS & set(settings.options))
     if named and len(set(ranks.workers)) < len(ranks.workers):
         return (f"method='p2p' plans over the ranks' workers, and options {named} name ranks, several of which "
@@ -790,8 +792,9 @@ def p2p_spec(ranks: Ranks, settings: Settings, route: P2PRoute) -> Any:
     # workers of one host exchange big values through shared segments (one process: by reference already)
     domains = [None if d == _transport.IN_PROCESS else d
                for d in _transport.memory_domains(list(route.engines), ranks.places, settings.transport)]
+    ordered = settings.deterministic and tree_ordered(settings.op.name, np.dtype(held.dtype))
     return _p2p.Spec.of(route.plan, settings.op, np.dtype(held.dtype), tuple(held.shape), list(ranks.workers),
-                        ranks.in_place, domains, native=held.native)
+                        ranks.in_place, domains, native=held.native, ordered=ordered)
 
 
 def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute | None = None) -> Job:
@@ -808,7 +811,8 @@ def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute 
     if spec.domains:
         ensure_shm(client)
     record = CallRecord(graph.token, route.plan, route.nbytes, route.predicted, tuple(workers), spec.shape,
-                        spec.dtype, tuple(fs[0].key for fs in ranks.futures), method="p2p")
+                        spec.dtype, tuple(fs[0].key for fs in ranks.futures), method="p2p",
+                        deterministic=spec.ordered)
     summary = ("allreduce %s (p2p over %d workers): %d ranks, %d bytes each, %d tasks", route.plan,
                len(route.engines), len(workers), route.nbytes, len(graph.tasks))
     return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)

@@ -201,8 +201,12 @@ class Run:
                     del self.uses[c, i], self.values[c, i]
             t0 = _now()
             if node.kind == REDUCE:
-                work = partial(_kernels.reduce, prog.op, self.spec.ranks, prog.count[m] == prog.plan.ranks, None,
-                               inputs, s.picks, prog.owned[m])
+                if s.nodes is not None:  # deterministic=True: partial sums of the reference tree, added as siblings
+                    work = partial(_kernels.reduce_ordered, prog.op, self.spec.ranks, prog.count[m] == prog.plan.ranks,
+                                   None, inputs, s.picks, prog.owned[m], s.nodes)
+                else:
+                    work = partial(_kernels.reduce, prog.op, self.spec.ranks, prog.count[m] == prog.plan.ranks, None,
+                                   inputs, s.picks, prog.owned[m])
                 if (s.stop - s.start) * prog.itemsize >= OFFLOAD_BYTES:
                     self.offloaded += 1
                     asyncio.ensure_future(self._offload(c, m, work))
