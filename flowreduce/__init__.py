@@ -41,11 +41,11 @@ def __getattr__(name: str) -> Any:
     ``rank_groups`` are the real functions of :mod:`flowreduce.schedule`
     (their signature and docstring), imported on first use (PEP 562) so
     that ``import flowreduce`` does not import distributed."""
-    if name == "spmd":
-        from flowreduce.spmd import job
+    if name == "spmd":  # the package, callable as its function spmd (and flowreduce.spmd.collect ...)
+        import flowreduce.spmd as package
 
-        globals()[name] = job.spmd
-        return job.spmd
+        globals()[name] = package
+        return package
     if name in _LAZY:
         from flowreduce.schedule import call, hosts, placement
 

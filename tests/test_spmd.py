@@ -344,10 +344,14 @@ def test_events_record_each_collective(client):
     def fn(comm):
         comm.allreduce(np.ones(1000))
         comm.barrier()
-        return list(comm.events)
+        return list(comm.events), comm.run
 
     with dask.config.set({"flowreduce.spmd.transport": "worker"}):
-        events = client.gather(flowreduce.spmd(client, fn, ranks=4))
+        results = client.gather(flowreduce.spmd(client, fn, ranks=4))
+    events = [evs for evs, _ in results]
+    rows = flowreduce.spmd.collect(client, results[0][1])
+    assert sorted((r["rank"], r["phase"], r["seq"]) for r in rows) == sorted(
+        (rank, phase, seq) for rank in range(4) for phase, seq in (("allreduce", 1), ("barrier", 2)))
     for rank, evs in enumerate(events):
         assert [(e.collective, e.seq) for e in evs] == [("allreduce", 1), ("barrier", 2)]
         ar = evs[0]

@@ -8,7 +8,7 @@ docs/spmd.md tells the whole story. Modules: ``layout`` (the peer table),
 ``shared`` (a host's ranks through shared memory), ``mailbox`` (between
 hosts, and failures, on the workers), ``planrun`` (a plan run by its ranks),
 ``comm`` (the communicator), ``watch`` (the scheduler's side: lost
-workers), ``job`` (the front door).
+workers), ``job`` (the front door), ``events`` (what jobs did), ``warm`` (result memory).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import types
 from typing import Any
 
 from flowreduce.spmd.comm import Communicator, Event
+from flowreduce.spmd.events import collect
 from flowreduce.spmd.job import spmd
 
-__all__ = ["Communicator", "Event", "spmd"]
+__all__ = ["Communicator", "Event", "collect", "spmd"]
 
 
 class _Callable(types.ModuleType):

@@ -190,8 +190,10 @@ class Communicator:
         peers = tuple(r for r in self.group if r != self.rank)
         if self.leader and len(self.leaders) > 1:
             peers += tuple(r for r in self.leaders if r != self.rank)
-        self.events.append(Event(name, self.seq, start, time.time(), nbytes, sent, received, peers,
-                                 path.lstrip("+") or "local", algorithm))
+        event = Event(name, self.seq, start, time.time(), nbytes, sent, received, peers, path.lstrip("+") or "local",
+                      algorithm)
+        self.events.append(event)
+        self.mailbox.log.append((self.run, self.rank, event))
 
     def _op(self, op: Any) -> Op:
         found = self._ops.get(op) if isinstance(op, (str, np.ufunc)) else None

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,6 +34,8 @@ DELIVER = "flowreduce_spmd_deliver"
 ABORT = "flowreduce_spmd_abort"
 #: Failed attempts remembered (a late message for one is dropped, a late rank fails at once).
 KEPT = 1024
+#: Collectives remembered per worker, all its ranks together (the newest; ~200 bytes each).
+LOGGED = 100_000
 
 
 class Mailbox:
@@ -46,6 +48,8 @@ class Mailbox:
         self.users: dict[str, int] = defaultdict(int)  # ranks here using each attempt's box
         self.failed: OrderedDict[str, str] = OrderedDict()
         self.ended: OrderedDict[str, None] = OrderedDict()
+        #: (run, rank, event) of every collective of the ranks here, newest last (:mod:`flowreduce.spmd.events`)
+        self.log: deque[tuple[str, int, Any]] = deque(maxlen=LOGGED)
 
     # -- ranks ------------------------------------------------------------------
     def open(self, run: str) -> None:
