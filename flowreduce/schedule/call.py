@@ -268,27 +268,31 @@ def allreduce(
 
     Raises
     ------
-    ValueError (flowreduce.errors.InputError, OptionError)
-        No inputs, unknown algorithm or op, bad chunk or bucket settings, a
-        template without the structure of the inputs' futures; ranks
-        disagreeing on structure, shape or dtype (the message names the
-        ranks) when the call checks the inputs itself (see the last entry).
+    ValueError (flowreduce.errors.OptionError, InputError)
+        Unknown algorithm or op, bad chunk or bucket settings, options a
+        Dask collection cannot take; no inputs, a template without the
+        structure of the inputs' futures.
     TypeError (flowreduce.errors.InputTypeError)
-        An input that is not a future or not a numpy array (or pytree of them).
-    RuntimeError (flowreduce.errors.InputStateError)
-        An input future that failed, was cancelled or whose data was lost.
+        An input that is not a future (nor a Dask collection).
     TimeoutError (flowreduce.errors.AllreduceTimeoutError)
-        The inputs were not ready within ``timeout`` (the results fail with
-        it when the reduction is what takes too long; a lost worker whose
-        rank cannot recover fails them with ``WorkerLostError``).
-    The same errors, from the result futures
-        Input errors that the call's tasks find are not raised by the call:
-        they fail every rank's result, and ``.result()`` or
-        ``client.gather`` raises them (the same types and messages, naming
-        the ranks). With ``like``, the first task of each rank checks its
-        input against the template (a rank whose shape, dtype or structure
-        does not match fails every rank's result); a small call that runs the ``direct``
-        plan (named, or ``auto``'s pick) checks the inputs in its task.
+        A call that waits for its inputs (pytrees of futures, ``like=``-less
+        options the engine does not take) did not see them ready within
+        ``timeout``.
+    The input errors, from the result futures
+        What the ranks hold is never raised by the call: ranks disagreeing
+        on structure, shape or dtype (``InputError``, a ``ValueError``),
+        holding no array or an array of a dtype the op cannot reduce
+        (``InputTypeError``, a ``TypeError``), an input that failed, was
+        cancelled or lost before the call (``InputStateError``, a
+        ``RuntimeError``) fail every rank's result, whose ``.result()`` or
+        ``client.gather`` raises them, naming the ranks; so do the same
+        errors found later by the call's tasks (a template's check, the
+        ``direct`` plan's, a call placed on arrival's barrier). An input that
+        fails while a call placed on arrival waits for it fails the results
+        with its own exception, as any Dask task depending on it. A result
+        whose rank cannot recover from a lost worker raises
+        ``WorkerLostError``; one that takes longer than ``timeout``,
+        ``AllreduceTimeoutError``.
         Every error raised on purpose, by the call or its results, is a
         :class:`flowreduce.FlowreduceError` and the built-in type above.
     """
