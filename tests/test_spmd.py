@@ -189,6 +189,29 @@ def test_per_rank_arguments_place_ranks_where_their_futures_live(client):
     assert all(r.tolist() == [12, 12, 12] for _, r in results)
 
 
+def _mutating(comm, algorithm):
+    x = np.arange(1001, dtype=np.int64) + comm.rank
+    y = comm.allreduce(x, algorithm=algorithm)
+    x += 10**6  # the caller reuses its input and its result at once, as a training loop does
+    y += 10**6 * (comm.rank + 1)
+    g = comm.allgather(x[:3])
+    g[0] += 7
+    comm.barrier()
+    return y, g
+
+
+@pytest.mark.parametrize("algorithm", ["reduce-broadcast", "butterfly", "recursive-doubling"])
+def test_results_are_the_callers_own(client, algorithm):
+    """Nothing a rank returns is shared with a peer or still read after the call (3 ranks on 2 workers,
+    all over Dask's comm: ranks 0 and 2 share a worker, so a value sent between them is not serialised)."""
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        results = client.gather(flowreduce.spmd(client, _mutating, ranks=3, algorithm=algorithm, timeout=30))
+    total = np.sum([np.arange(1001) + r for r in range(3)], axis=0)
+    for rank, (y, g) in enumerate(results):
+        np.testing.assert_array_equal(y, total + 10**6 * (rank + 1), err_msg=f"rank {rank}")
+        assert [a.tolist() for a in g] == [[10**6 + r + i + (7 if r == 0 else 0) for i in range(3)] for r in range(3)]
+
+
 # -- the scheduler hears nothing per collective ---------------------------------------------------------------------
 
 _COUNTS: Counter = Counter()

@@ -179,6 +179,13 @@ class Communicator:
             raise
 
     def _send(self, rank: int, key: str, value: Any) -> None:
+        """Send a copy: the value may be a view of the caller's input or the array this rank returns,
+        which the caller may change as soon as the collective returns, before the message is out (and
+        a peer on this worker would otherwise get this very array)."""
+        if isinstance(value, np.ndarray):
+            value = value.copy()
+        elif isinstance(value, list):
+            value = [v.copy() if isinstance(v, np.ndarray) else v for v in value]
         self.mailbox.send(self.layout.workers[rank], self.run, f"{key}:{self.rank}>{rank}", value)
 
     def _take(self, rank: int, key: str, what: str, deadline: float | None) -> Any:
