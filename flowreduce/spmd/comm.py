@@ -402,8 +402,8 @@ class Communicator:
         try:
             if self.host is not None and not failed:
                 what = f"finalize of job {self.run}"
-                try:
-                    self.host.barrier(what, self._deadline())
+                try:  # no deadline: a peer may still be working (saving a checkpoint...); its failure still ends this
+                    self.host.barrier(what, None)
                 except Exception:
                     failed = True
                     raise
