@@ -10,6 +10,9 @@
 * :mod:`flowreduce.torch.replica`: what runs on each rank's worker;
 * :mod:`flowreduce.torch.direct`: the gradients' average through shared
   memory when every rank shares one host (lowered into the step graph);
+* :func:`~flowreduce.torch.backend.init_process_group`: inside a rank of
+  :func:`flowreduce.spmd`, make its communicator the default
+  ``torch.distributed`` group on the ``flowreduce`` backend (unmodified DDP);
 * :mod:`flowreduce.torch.digits`: a small CNN on scikit-learn's digits
   (``flowreduce train --framework torch``, :mod:`flowreduce.cli.train_torch`).
 
@@ -26,7 +29,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised without the extra
     raise ImportError("flowreduce.torch needs PyTorch: pip install 'flowreduce[torch]'") from e
 
+from flowreduce.torch.backend import FlowreduceProcessGroup, init_process_group
 from flowreduce.torch.elastic import ElasticTrainer
 from flowreduce.torch.trainer import StepRecord, StepTiming, Trainer
 
-__all__ = ["ElasticTrainer", "StepRecord", "StepTiming", "Trainer"]
+__all__ = ["ElasticTrainer", "FlowreduceProcessGroup", "StepRecord", "StepTiming", "Trainer", "init_process_group"]
