@@ -226,8 +226,17 @@ def trace_one_iteration(client, shards, workers, n, step, out_dir: str, variant:
     w = LOOPS[variant](client, shards, w, workers, 2, step)
     wait(w)
     with flowreduce.trace(client) as tr:
-        w = LOOPS[variant](client, shards, w, workers, 1, step)
-        wait(w)
+        if variant == "futures":  # loop_futures, one iteration, keeping the call's futures for tr.add
+            grads = [client.submit(gradient, s, wk, workers=[wr], pure=False) for s, wk, wr in zip(shards, w, workers)]
+            summed = flowreduce.allreduce(client, grads)
+            w = [client.submit(update, wk, gk, step, workers=[wr], pure=False) for wk, gk, wr in zip(w, summed, workers)]
+            wait(w)
+            # a call placed on arrival is not noted by the open trace by itself (its record is made by its
+            # barrier, on a worker): tell it, so that the engine's steps and the summary are in the trace
+            tr.add(summed, grads)
+        else:
+            w = LOOPS[variant](client, shards, w, workers, 1, step)
+            wait(w)
     to_chrome(tr, os.path.join(out_dir, "trace.json"))
     if tr.calls:
         with open(os.path.join(out_dir, "summary.txt"), "w") as f:
@@ -292,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, default=4, help="rows per shard (small: the gradients dominate)")
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--step", type=float, default=10.0, help="fixed step on the summed gradient / total rows")
-    ap.add_argument("--repeat", type=int, default=5, help="timed repetitions per variant and size")
+    ap.add_argument("--repeat", default="5", help="timed repetitions per variant and size (or one per size: 5,5,5,3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--workers", type=int, default=4)
@@ -307,6 +316,10 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = [int(float(s)) for s in a.sizes.split(",")]
     variants = [v for v in a.variants.split(",") if v]
     trace_sizes = [int(float(s)) for s in a.trace_sizes.split(",")] if a.trace_sizes else [max(sizes)]
+    counts = [int(x) for x in a.repeat.split(",")]
+    if len(counts) not in (1, len(sizes)):
+        ap.error("--repeat: one count, or one per size")
+    repeats = dict(zip(sizes, counts * len(sizes) if len(counts) == 1 else counts))
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
@@ -342,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
             wait(shards)
             runs: dict[str, list[dict]] = {v: [] for v in variants}
             loads = []
-            for rep in range(a.warmup + a.repeat):
+            for rep in range(a.warmup + repeats[n]):
                 order = variants[rep % len(variants):] + variants[:rep % len(variants)]
                 for v in order:
                     if v == "delayed" and why_not:
