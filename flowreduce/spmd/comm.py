@@ -45,6 +45,8 @@ from flowreduce.spmd.shared import Aborted, HostGroup
 
 #: Events a communicator keeps (the newest).
 EVENTS = 10_000
+#: The least time the first collective waits: it also waits for the other ranks' tasks to start.
+STARTUP_SECONDS = 60.0
 
 
 class Event(NamedTuple):
@@ -140,7 +142,10 @@ class Communicator:
         return None
 
     def _deadline(self) -> float | None:
-        return None if self.layout.timeout is None else time.monotonic() + self.layout.timeout
+        if self.layout.timeout is None:
+            return None
+        # the first collective also waits for every rank's task to start, which Dask may delay on a busy worker
+        return time.monotonic() + (max(self.layout.timeout, STARTUP_SECONDS) if self.seq <= 1 else self.layout.timeout)
 
     def _shm(self) -> HostGroup | None:
         if self.host is None and len(self.group) > 1:
