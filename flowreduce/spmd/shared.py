@@ -9,7 +9,7 @@ in turn, and one output for the reduce-scatter's slice)::
 
 A collective is one or two *steps*. In a step every rank writes its region,
 then bumps its step counter; then it waits until every peer's counter
-reaches the step (spinning briefly, then yielding the CPU, then sleeping a
+reaches the step (yielding the CPU at every poll, then, after 50 ms, sleeping a
 little longer each time) and reads the peers' regions. Why no one
 overwrites what a peer still reads: collectives alternate input regions,
 and passing a step's wait means every peer has finished every earlier
@@ -58,9 +58,9 @@ SLOT = 512  # per rank: step counter (64 bytes), then three regions' records of 
 REGION = 128  # generation, bytes, meta length, dtype code, meta (dtype and shape)
 META = REGION - 32
 OUT = 2  # the output region's index
-#: Polls of a counter before yielding the CPU, and how long to keep yielding before sleeping: the ranks
-#: of a host often outnumber its free cores, so a rank that waits gives its core away at once.
-SPINS, YIELD_SECONDS = 4, 50e-3
+#: How long a waiting rank keeps yielding its core (at every poll) before it sleeps: the ranks of a host
+#: often outnumber its free cores, so a rank that waits gives its core away at once.
+YIELD_SECONDS = 50e-3
 #: Longest sleep between polls, and how often the external abort and the deadline are checked.
 MAX_SLEEP, CHECK_EVERY = 1e-3, 2e-3
 
