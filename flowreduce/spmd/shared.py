@@ -227,7 +227,7 @@ class HostGroup:
                 if q[0]:
                     raise self._aborted(what)
                 spins += 1
-                if spins & 63:  # the common case: give the core to a peer, check nothing else
+                if spins & 63 and sleep == 5e-5:  # the common case: give the core to a peer, check nothing else
                     os.sched_yield()
                     continue
                 now = time.monotonic()
