@@ -32,8 +32,8 @@ OPS = ("sum", "prod", "min", "max", "mean", "bitwise_xor")
 ROUTES = {"shm": "auto", "shm-per-worker+dask": "worker", "dask": "dask"}
 
 
-def _segments() -> list[str]:
-    return sorted(glob.glob("/dev/shm/frspmd-*"))
+def _segments(directory: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(directory, "frspmd-*")))
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +52,14 @@ def fresh_client():
 
 
 @pytest.fixture(autouse=True)
-def no_segment_left():
-    yield
+def no_segment_left(shm_dir):
+    """The jobs' segments in a directory of this module's (other sessions' jobs share /dev/shm), none left after."""
+    with dask.config.set({"flowreduce.shm.directory": shm_dir}):
+        yield
     deadline = time.monotonic() + 5
-    while _segments() and time.monotonic() < deadline:  # a failed job's survivors sweep as they end
+    while _segments(shm_dir) and time.monotonic() < deadline:  # a failed job's survivors sweep as they end
         time.sleep(0.05)
-    assert _segments() == [], "an SPMD job left shared-memory segments behind"
+    assert _segments(shm_dir) == [], "an SPMD job left shared-memory segments behind"
 
 
 def _input(rank: int, n: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from distributed import Future, get_worker, rejoin, secede, wait
 from flowreduce.errors import InputError, OptionError, WorkerLostError
 from flowreduce.schedule.hosts import worker_places
 from flowreduce.spmd.comm import Communicator
-from flowreduce.spmd.layout import Layout, round_robin
+from flowreduce.spmd.layout import Layout, prefix, round_robin
 from flowreduce.spmd.mailbox import EXTENSION, SpmdWorkerPlugin
 from flowreduce.spmd.shared import sweep
 from flowreduce.spmd.watch import SpmdSchedulerPlugin, rank_key
@@ -125,7 +125,14 @@ def layout_of(client: Any, job: str, attempt: int, where: Sequence[str], timeout
         places = worker_places(client, sorted(set(where)))
         nodes = sorted({places[w].node for w in where})
         hosts = tuple(nodes.index(places[w].node) for w in where)
-    return Layout(job, attempt, tuple(where), hosts, timeout, directory=str(config.get("shm.directory")))
+    return Layout(job, attempt, tuple(where), hosts, timeout, directory=directory())
+
+
+def directory() -> str:
+    """Where the jobs' segments live (``flowreduce.shm.directory``)."""
+    from flowreduce import config
+
+    return str(config.get("shm.directory"))
 
 
 def spmd(client: Any, fn: Callable[..., Any], *per_rank_args: Sequence[Any], ranks: int | None = None,
@@ -195,7 +202,7 @@ def spmd(client: Any, fn: Callable[..., Any], *per_rank_args: Sequence[Any], ran
         failed = next(f for f in futures if f.status != "finished")
         logger.warning("flowreduce: spmd job %s attempt %d failed (%s)%s", job, attempt, failed.exception(),
                        "; restarting" if attempt < restarts else "; no restarts left")
-        client.run(sweep, dask.config.get("flowreduce.shm.directory", default="/dev/shm"), f"frspmd-{job}-{attempt}-")
+        client.run(sweep, directory(), prefix(job, attempt))
     return futures
 
 

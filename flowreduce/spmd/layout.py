@@ -70,7 +70,12 @@ class Layout:
 
     def prefix(self) -> str:
         """The start of every shared-memory name of this attempt (what a sweep removes)."""
-        return f"frspmd-{self.job}-{self.attempt}-{self.sub}"
+        return prefix(self.job, self.attempt) + self.sub
+
+
+def prefix(job: str, attempt: int) -> str:
+    """The start of every shared-memory name of a job's attempt, its subgroups' included."""
+    return f"frspmd-{job}-{attempt}-"
 
 
 def round_robin(ranks: int, workers: Sequence[str]) -> list[str]:
