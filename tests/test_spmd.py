@@ -350,6 +350,18 @@ def test_restarts_complete_a_job_whose_worker_was_killed(fresh_client):
     assert all(r.tolist() == [6] for _, r in results)
 
 
+def test_closing_the_cluster_under_a_running_job_leaves_no_segment(shm_dir):
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        with Client(cluster) as c:
+            futures = flowreduce.spmd(c, _forever, ranks=4, fault=None, at=-1)
+            deadline = time.monotonic() + 30
+            while len(_segments(shm_dir)) < 4 and time.monotonic() < deadline:  # every rank's data segment
+                time.sleep(0.05)
+            assert len(_segments(shm_dir)) == 4
+    assert _segments(shm_dir) == []  # the workers swept them as they closed
+    del futures
+
+
 def test_options_are_checked(client):
     with pytest.raises(ValueError, match="ranks="):
         flowreduce.spmd(client, _many)

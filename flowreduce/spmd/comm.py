@@ -128,7 +128,7 @@ class Communicator:
         self._ops: dict[Any, Op] = {}
         self._subs: dict[tuple[int, ...], itertools.count] = {}
         self._children: list[Communicator] = []
-        mailbox.open(self.run)
+        mailbox.open(self.run, (layout.directory, layout.prefix()))
 
     def __repr__(self) -> str:
         return f"<flowreduce.spmd.Communicator rank {self.rank} of {self.size}, job {self.run}>"

@@ -25,7 +25,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
 from flowreduce.errors import AllreduceTimeoutError, refused
-from flowreduce.spmd.shared import Aborted
+from flowreduce.spmd.shared import Aborted, sweep
 
 logger = logging.getLogger("flowreduce")
 
@@ -46,21 +46,26 @@ class Mailbox:
         self.cond = threading.Condition()
         self.boxes: dict[str, dict[str, Any]] = defaultdict(dict)
         self.users: dict[str, int] = defaultdict(int)  # ranks here using each attempt's box
+        self.segments: dict[str, tuple[str, str]] = {}  # run -> (directory, prefix) of its shared memory
         self.failed: OrderedDict[str, str] = OrderedDict()
         self.ended: OrderedDict[str, None] = OrderedDict()
         #: (run, rank, event) of every collective of the ranks here, newest last (:mod:`flowreduce.spmd.events`)
         self.log: deque[tuple[str, int, Any]] = deque(maxlen=LOGGED)
 
     # -- ranks ------------------------------------------------------------------
-    def open(self, run: str) -> None:
+    def open(self, run: str, segments: tuple[str, str] | None = None) -> None:
+        """A rank here uses ``run``; ``segments``: the directory and name prefix of its shared memory."""
         with self.cond:
             self.users[run] += 1
+            if segments is not None:
+                self.segments[run] = segments
 
     def close(self, run: str) -> None:
         with self.cond:
             self.users[run] -= 1
             if self.users[run] <= 0:
                 self.users.pop(run, None)
+                self.segments.pop(run, None)
                 self.boxes.pop(run, None)
                 self.ended[run] = None
                 while len(self.ended) > KEPT:
@@ -163,6 +168,10 @@ class SpmdWorkerPlugin(WorkerPlugin):
         worker.stream_handlers[ABORT] = box.scheduler_says
 
     def teardown(self, worker: Any) -> None:
+        box = worker.extensions.get(EXTENSION)
+        if box is not None:  # the worker closes under running ranks: their jobs' segments go with it
+            for directory, prefix in list(box.segments.values()):
+                sweep(directory, prefix)
         worker.handlers.pop(DELIVER, None)
         worker.handlers.pop(ABORT, None)
         worker.stream_handlers.pop(ABORT, None)
