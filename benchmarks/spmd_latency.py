@@ -15,6 +15,9 @@ gives the median over all repetitions and checks every result.
   one step below 64 KiB, else reduce-scatter + all-gather); the per-rank
   times are kept in the job and maxed at its end (no collective between
   repetitions but the barrier).
+* ``flowreduce-dask`` (optional, ``--systems``): the same with every rank alone
+  (``flowreduce.spmd.transport: dask``), each collective a plan over Dask's
+  comm between the worker processes: the route between hosts, on one host.
 * ``gloo``: ``benchmarks/peers/gloo_allreduce.py`` (torch.distributed, 4 processes).
 * ``mpi``: ``mpirun -np 4 benchmarks/peers/mpi_allreduce.py`` (Open MPI's shared-memory transport).
 
@@ -43,6 +46,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
+#: flowreduce-dask and flowreduce-worker (the dask config flowreduce.spmd.transport) may be added: the
+#: route between hosts, measured on one host
 SYSTEMS = ("flowreduce", "gloo", "mpi")
 
 
@@ -74,12 +79,15 @@ def _rank(comm, sizes, repeat, warmup):
     return out
 
 
-def run_flowreduce(sizes: list[int], repeat: int, warmup: int) -> dict[int, tuple[list[float], bool]]:
+def run_flowreduce(sizes: list[int], repeat: int, warmup: int,
+                   transport: str = "auto") -> dict[int, tuple[list[float], bool]]:
+    import dask
     from distributed import Client, LocalCluster
 
     import flowreduce
 
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+    with dask.config.set({"flowreduce.spmd.transport": transport}), \
+            LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
         futures = flowreduce.spmd(client, _rank, ranks=4, sizes=sizes, repeat=repeat, warmup=warmup)
         return client.gather(futures)[0]
@@ -125,8 +133,10 @@ def measure(systems: list[str], sizes: list[int], repeat: int, warmup: int, roun
     for r in range(rounds):
         order = systems if r % 2 == 0 else systems[::-1]
         for system in order:
-            got = run_flowreduce(sizes, per_round, warmup) if system == "flowreduce" else \
-                run_peer(system, sizes, per_round, warmup)
+            if system.startswith("flowreduce"):  # flowreduce-dask: every rank alone, all over Dask's comm
+                got = run_flowreduce(sizes, per_round, warmup, system.partition("-")[2] or "auto")
+            else:
+                got = run_peer(system, sizes, per_round, warmup)
             for n in sizes:
                 times[system][n].extend(got[n][0])
                 correct[system][n] = correct[system][n] and got[n][1]
