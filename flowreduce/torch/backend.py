@@ -37,8 +37,10 @@ PREMUL_SUM), ``all_reduce_coalesced``, ``broadcast``, ``all_gather``,
 ``all_gather_into_tensor``, their coalesced forms, ``reduce_scatter``,
 ``reduce_scatter_tensor``, ``barrier``, ``new_group``; CPU tensors.
 Not: ``send``/``recv`` (the communicator has no point-to-point),
-``all_to_all``, and groups formed from a c10d store in processes that are
-not ranks of an SPMD job (docs/training.md says why).
+``all_to_all``. In processes that are not ranks of an SPMD job (torchrun,
+``torch.multiprocessing``), ``dist.init_process_group("flowreduce", ...)``
+runs the group on the c10d store it is given
+(:class:`~flowreduce.torch.storecomm.StoreComm`: correct, not fast).
 """
 
 from __future__ import annotations
@@ -124,13 +126,20 @@ class _ThreadWorlds:
         setattr(self._get(), name, value)
 
 
+def register() -> None:
+    """Register the ``flowreduce`` backend with ``torch.distributed`` (once per process; done when
+    :mod:`flowreduce.torch` is imported)."""
+    with _install_lock:
+        if BACKEND.upper() not in dist.Backend._plugins:
+            dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
 def _install() -> _ThreadWorlds:
     """Once per process: register the backend, give rank threads worlds of their own."""
     global _installed
+    register()
     with _install_lock:
         if not _installed:
-            if BACKEND.upper() not in dist.Backend._plugins:
-                dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
             if not isinstance(c10d._world, _ThreadWorlds):
                 c10d._world = _ThreadWorlds(c10d._world)  # type: ignore[assignment]
             _C10D._set_thread_isolation_mode(True)
@@ -141,14 +150,14 @@ def _install() -> _ThreadWorlds:
 
 def _create(options: Any, backend_options: Any = None) -> FlowreduceProcessGroup:
     """The backend's creator (``extended_api``): the group of the calling rank's communicator
-    over ``options.global_ranks_in_group`` (all: the communicator itself)."""
+    over ``options.global_ranks_in_group`` (all: the communicator itself); on a thread that is
+    not a rank of an SPMD job, a :class:`~flowreduce.torch.storecomm.StoreComm` on the group's
+    c10d store (torchrun, ``torch.multiprocessing``: correct, not fast)."""
     comm = getattr(_local, "comm", None)
     if comm is None:
-        raise RuntimeError(
-            "the flowreduce torch.distributed backend forms its groups from an SPMD job's communicator: call "
-            "flowreduce.torch.init_process_group(comm) inside flowreduce.spmd(client, fn, ...); "
-            "init_process_group(backend='flowreduce') from a process that is not a rank of an SPMD job "
-            "(torchrun, torch.multiprocessing) is not supported")
+        from flowreduce.torch.storecomm import StoreComm
+
+        return FlowreduceProcessGroup(StoreComm(options.store, options.group_rank, options.group_size))
     ranks = [int(r) for r in (options.global_ranks_in_group or ())]
     if ranks and ranks != list(range(comm.size)):
         sub = comm.subgroup(ranks)
@@ -355,3 +364,6 @@ def init_process_group(comm: Any, timeout: timedelta | None = None) -> dist.Proc
         raise
     _destroy_on_close(comm)
     return c10d._get_default_group()
+
+
+register()
