@@ -350,6 +350,27 @@ def test_restarts_complete_a_job_whose_worker_was_killed(fresh_client):
     assert all(r.tolist() == [6] for _, r in results)
 
 
+def _fails_in_subgroup(comm):
+    evens, odds = comm.subgroup([0, 2]), comm.subgroup([1, 3])
+    mine, x = evens or odds, np.ones(10)
+    for i in range(10**9):
+        if comm.rank == 2 and i == 30:
+            raise ValueError("rank two gives up")
+        mine.allreduce(x)  # ranks 1 and 3 never exchange with rank 2: the job's failure reaches them
+
+
+@pytest.mark.parametrize("route", ["shm", "dask"])
+def test_a_failure_in_a_subgroup_fails_the_job(client, route):
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        futures = flowreduce.spmd(client, _fails_in_subgroup, ranks=4)
+        errors, took = _errors(client, futures, 15)
+    assert isinstance(errors[2], ValueError)
+    for rank in (0, 1, 3):
+        assert isinstance(errors[rank], FlowreduceError), (rank, errors[rank])
+        assert "rank 2 raised ValueError: rank two gives up" in str(errors[rank]), str(errors[rank])
+    assert took < 10
+
+
 def test_closing_the_cluster_under_a_running_job_leaves_no_segment(shm_dir):
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
         with Client(cluster) as c:

@@ -35,7 +35,7 @@ from flowreduce.algorithms import ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.cost import choose
-from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputTypeError, OptionError, raised_as
+from flowreduce.errors import FlowreduceError, InputTypeError, OptionError, raised_as
 from flowreduce.ops import Op, resolve_op
 from flowreduce.spmd import warm
 from flowreduce.spmd.layout import Layout
@@ -164,14 +164,11 @@ class Communicator:
 
     def _fail(self, why: str) -> None:
         """Fail the job: every rank's pending and next collective raises ``why``."""
-        self.failed = True
-        if self.host is not None:
-            self.host.abort(why)
-        for p in self.parents:
-            if p.host is not None:
-                p.host.abort(why)
-        for run in self.runs:
-            self.mailbox.tell(self.layout.workers, run, why)
+        for c in (self, *self.parents):  # a subgroup's failure is its job's: tell every worker of the job too
+            c.failed = True
+            if c.host is not None:
+                c.host.abort(why)
+            c.mailbox.tell(c.layout.workers, c.run, why)
 
     def _collective(self, what: str, body: Callable[[], Any]) -> Any:
         try:
@@ -179,7 +176,7 @@ class Communicator:
         except Aborted:
             self.failed = True
             raise
-        except (AllreduceTimeoutError, FlowreduceError, Exception) as e:  # ours: tell the others, then raise
+        except Exception as e:  # ours (a timeout, inputs that disagree...): tell the others, then raise
             self._fail(f"rank {self.rank} failed in {what}: {type(e).__name__}: {e}")
             raise
 
