@@ -22,15 +22,18 @@ the clock covers submitting the ``--iterations`` iterations and waiting for
 the final weights. The final loss (the full data set's mean log-loss at
 each variant's final weights, computed after the clock) must agree between
 the variants within rounding: the script asserts it. ``client.who_has``
-checks, before and after each run, that each shard is held by its own
-worker only.
+checks, before and after each run, that each shard (and, after it, each
+worker's final weights) is held by its own worker only.
 
 Variants are interleaved (rotating order) within each repetition, so they
 share the machine's state; the first ``--warmup`` repetitions are not kept.
 
     python benchmarks/warm_memory.py --gib 12
-    python benchmarks/glm_loop.py --sizes 1e3,1e5,1e6,1e7 --repeat 5 \\
-        --json benchmarks/results/glm_loop_<date>.json --markdown benchmarks/results/glm_loop_<date>.md
+    python benchmarks/glm_loop.py --sizes 1e3,1e5,1e6,1e7 --repeat 5,5,5,3 --warmup 1 \\
+        --json glm.json --markdown glm.md --trace glm-traces --trace-sizes 1e5,1e6
+    python benchmarks/glm_loop.py --report glm.json      # the table again, from the JSON
+
+Measured and discussed in docs/workflows.md.
 
 ``--trace DIR`` then traces one more iteration of the ``futures`` and of the
 ``naive`` loop at the largest size (``--trace-sizes`` to choose), after two
