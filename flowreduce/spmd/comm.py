@@ -192,7 +192,7 @@ class Communicator:
 
     def _take(self, rank: int, key: str, what: str, deadline: float | None) -> Any:
         return self.mailbox.take(self.run, f"{key}:{rank}>{self.rank}", deadline=deadline, what=what, rank=self.rank,
-                                 source=rank)
+                                 source=rank, also=self.runs[1:])
 
     def _record(self, name: str, start: float, nbytes: int, sent: int, received: int, algorithm: str = "") -> None:
         path = ("shm" if len(self.group) > 1 else "") + ("+dask" if len(self.leaders) > 1 else "")

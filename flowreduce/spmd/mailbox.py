@@ -75,14 +75,16 @@ class Mailbox:
         """Why ``run`` failed, if some worker said so."""
         return self.failed.get(run)
 
-    def take(self, run: str, key: str, *, deadline: float | None, what: str, rank: int, source: int) -> Any:
-        """The value sent for ``key``, waiting for it until the deadline or the attempt's failure."""
+    def take(self, run: str, key: str, *, deadline: float | None, what: str, rank: int, source: int,
+             also: tuple[str, ...] = ()) -> Any:
+        """The value sent for ``key``, waiting for it until the deadline or the failure of ``run``
+        (or of a run in ``also``: a subgroup's job)."""
         with self.cond:
             while True:
                 box = self.boxes.get(run)
                 if box is not None and key in box:
                     return box.pop(key)
-                why = self.failed.get(run)
+                why = next((self.failed[r] for r in (run, *also) if r in self.failed), None)
                 if why is not None:
                     raise Aborted(f"{what} on rank {rank}: {why}")
                 left = None if deadline is None else deadline - time.monotonic()
