@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import gc
+import re
 
 import numpy as np
 import pytest
@@ -173,6 +174,7 @@ def test_fused_and_unfused_identical(inproc_client, algorithm):
     ws = workers_of(inproc_client)
     options = ALGORITHM_OPTIONS.get(algorithm, {})
     parts = [inproc_client.submit(rank_tree, "nested", r, workers=[ws[r]], pure=False) for r in range(3)]
+    wait(parts)  # computed: the pytree path (still computing, auto gathers them: tests/test_workflows.py)
     fused = flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, bucket_bytes=1 << 20, **options)
     alone = flowreduce.allreduce(inproc_client, parts, algorithm=algorithm, bucket_bytes=0, **options)
     infos = [flowreduce.describe(fused), flowreduce.describe(alone)]
@@ -266,16 +268,23 @@ def test_ranks_disagreeing_on_structure_are_named(inproc_client):
     parts = [put(inproc_client, {"W": np.ones(2), "b": np.ones(1)}),
              put(inproc_client, {"W": np.ones(2), "b": np.ones(1)}),
              put(inproc_client, {"W": np.ones(2)})]
-    with pytest.raises(ValueError, match=r"ranks disagree on structure: ranks \[0, 1\]: .*ranks \[2\]"):
-        flowreduce.allreduce(inproc_client, parts)
+    out = flowreduce.allreduce(inproc_client, parts)  # input errors come on the results, every rank's
+    for f in out:
+        e = f.exception(timeout=60)
+        assert isinstance(e, ValueError) and re.search(r"ranks disagree on structure: ranks \[0, 1\]: .*ranks \[2\]",
+                                                       str(e)), repr(e)
+    del out, f, e
     assert_clean(inproc_client)
 
 
 def test_ranks_disagreeing_on_a_tensor_are_named(inproc_client):
     parts = [put(inproc_client, {"W": np.ones(2), "b": np.ones(n)}) for n in (1, 1, 2)]
-    with pytest.raises(ValueError, match=r"disagree on shapes of tensor \['b'\]: ranks \[0, 1\]: shape \(1,\).*"
-                                         r"ranks \[2\]: shape \(2,\)"):
-        flowreduce.allreduce(inproc_client, parts)
+    out = flowreduce.allreduce(inproc_client, parts)
+    e = out[2].exception(timeout=60)
+    assert isinstance(e, ValueError) and re.search(r"disagree on shapes of tensor \['b'\]: ranks \[0, 1\]: "
+                                                   r"shape \(1,\).*ranks \[2\]: shape \(2,\)", str(e)), repr(e)
+    del out, e
+    assert_clean(inproc_client)
 
 
 def test_futures_arranged_differently_are_named(inproc_client):

@@ -14,7 +14,6 @@ from utils import assert_clean, scatter_ranks, workers_of
 import flowreduce
 from flowreduce.keys import parse
 
-
 # These tests are about where each task of the task graph runs: method='tasks' (tests/test_p2p.py covers the engine)
 pytestmark = pytest.mark.usefixtures("method_tasks")
 

@@ -14,10 +14,10 @@ from dask.sizeof import sizeof
 import flowreduce
 from flowreduce.algorithms import SPARSE_ALGORITHMS
 from flowreduce.algorithms.sparse import INT8_BUCKET, quantisation_bound, switch_density
+from flowreduce.cost import choose_sparse
 from flowreduce.kernels import blocks
 from flowreduce.kernels import sparse as sparse_kernels
 from flowreduce.kernels.sparse_payload import BlockPack, Encoded, Wire, decode_piece, encode_piece, quantize
-from flowreduce.cost import choose_sparse
 from flowreduce.ops import resolve_op
 
 # -- plans ---------------------------------------------------------------------------------

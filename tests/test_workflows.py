@@ -11,14 +11,13 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import time
 import uuid
 
 import dask
 import dask.array as da
-from dask.delayed import Delayed
 import numpy as np
 import pytest
+from dask.delayed import Delayed
 from distributed import Client, Event, LocalCluster, wait
 from utils import assert_clean, wait_until
 
@@ -156,7 +155,7 @@ def test_thirty_chained_iterations_submitted_without_waiting_equal_the_naive_loo
     for r in range(4):
         np.testing.assert_allclose(got[r], want[0], rtol=1e-12, atol=1e-12)
         np.testing.assert_array_equal(got[r], got[0])  # every rank holds the same bits
-    del ours, theirs, start, shards
+    ours = theirs = start = shards = None
 
 
 def test_input_errors_arrive_on_the_results_naming_the_ranks(client):
@@ -282,39 +281,33 @@ def _pair(name: str, r: int) -> dict:
     return {"w": held_back(name, r, 10), "b": rank_input(r, 2)}
 
 
-def test_a_pytree_in_one_future_still_computing_fails_saying_what_to_do(client):
-    """The engine takes one array per rank; a dict in one future is found only once computed: every rank's
-    result fails naming the ranks and the two ways that reduce it (wait first, or method='tasks')."""
+def test_pytrees_in_one_future_still_computing_are_gathered_and_reduced(client):
+    """The engine's plans move one array; a dict of arrays in one future is found only once computed: it is
+    checked as any pytree (errors naming the ranks), gathered on the first rank's worker, reduced leaf by
+    leaf (an integer mean is float64, as the task path's) and sent back, each rank its own copy."""
+    ws = sorted(client.nthreads())
     name = f"go-{uuid.uuid4().hex}"
-    inputs = [client.submit(_pair, name, r, pure=False) for r in range(2)]
+    inputs = [client.submit(_pair, name, r, pure=False, workers=[ws[r % 4]]) for r in range(6)]
     out = flowreduce.allreduce(client, inputs)
+    mean = flowreduce.allreduce(client, inputs, op="mean")
     Event(name, client=client).set()
-    wait(out, timeout=HANG)
-    for f in out:
-        e = f.exception()
-        assert isinstance(e, InputTypeError) and "ranks [0, 1]" in str(e) and "method='tasks'" in str(e), e
-    got = flowreduce.allreduce(client, inputs, method="tasks")  # waits for them, as before
-    assert client.gather(got)[1]["w"].tolist() == (rank_input(0, 10) + rank_input(1, 10)).tolist()
-    del out, got, inputs
-
-
-def test_a_trace_shows_a_call_placed_on_arrival_beside_the_users_tasks(client):
-    """Nothing registers such a call on the client (describe() is not called here): the trace learns it from
-    the scheduler when it meets its tasks, and draws its tasks and engine steps with the user's input tasks."""
-    from flowreduce.tracing import summarize, trace
-
-    name = f"go-{uuid.uuid4().hex}"
-    with trace(client) as tr:
-        inputs = [client.submit(held_back, name, r, pure=False) for r in range(3)]
-        out = flowreduce.allreduce(client, inputs, algorithm="ring")
-        Event(name, client=client).set()
-        client.gather(out)
-    token = out[0].key[0].rpartition("-")[2]
-    assert token in tr.calls and tr.calls[token].algorithm == "ring"
-    phases = {e.phase for e in tr.iter_events(token)}
-    assert "transfer" in phases or "reduce" in phases, phases  # the engine's steps, not only its tasks
-    assert summarize(tr) is not None
-    del out, inputs
+    want = {"w": sum(rank_input(r, 10) for r in range(6)), "b": sum(rank_input(r, 2) for r in range(6))}
+    got = client.gather(out)
+    for r, x in enumerate(got):
+        assert set(x) == {"w", "b"} and x["w"].dtype == np.int64, r
+        np.testing.assert_array_equal(x["w"], want["w"])
+        np.testing.assert_array_equal(x["b"], want["b"])
+    assert not np.shares_memory(got[0]["w"], got[4]["w"])  # ranks 0 and 4 share a worker
+    for x in client.gather(mean):
+        assert x["w"].dtype == np.float64
+        np.testing.assert_allclose(x["w"], want["w"] / 6)
+    assert flowreduce.describe(out).algorithm == "reduce-broadcast"
+    bad = [client.submit(_pair, name, r, pure=False) for r in range(2)] + [client.submit(lambda: {"w": np.zeros(3)})]
+    refused = flowreduce.allreduce(client, bad)
+    wait(refused, timeout=HANG)
+    e = refused[0].exception()
+    assert isinstance(e, (InputError, InputTypeError)) and "rank" in str(e), repr(e)
+    del out, mean, got, inputs, bad, refused, e
 
 
 def _shown(token, dask_scheduler=None):

@@ -133,3 +133,16 @@ def task_levels(graph) -> dict:
 def graph_depth(graph) -> int:
     """How many dependent levels a built graph has."""
     return max(task_levels(graph).values())
+
+
+def error_of(call) -> BaseException | None:
+    """The error of an all-reduce call: raised by the call (an option) or by
+    its first result (an input: they come on the results). None if neither."""
+    try:
+        out = call()
+    except Exception as e:
+        return e
+    first = out[0] if isinstance(out, list) else out
+    e = first.exception(timeout=60)
+    del out, first
+    return e

@@ -37,9 +37,9 @@ import numpy.typing as npt
 from dask.sizeof import sizeof
 
 from flowreduce.kernels import dense as kernels
-from flowreduce.shm import result_buffers
-from flowreduce.shm import pool as shm_pool
 from flowreduce.ops import Op
+from flowreduce.shm import pool as shm_pool
+from flowreduce.shm import result_buffers
 
 #: Copies through shared memory in this process, for traces: (seq, start,
 #: stop, bytes, direction "write"/"read", the segment owner's pid, repr of

@@ -36,12 +36,12 @@ from dask.task_spec import List, Task
 
 from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
-from flowreduce.shm import result_buffers
+from flowreduce.kernels.dense import tree_fold
 from flowreduce.lower.graph import Graph
 from flowreduce.lower.shm_direct import worker_groups
 from flowreduce.ops import Op
-from flowreduce.kernels.dense import tree_fold
 from flowreduce.reproducible import tree_ordered
+from flowreduce.shm import result_buffers
 
 #: Above this many bytes a task reduces off its worker's event loop (and a peer its ranks).
 OFF_LOOP_BYTES = 4 << 20

@@ -12,8 +12,8 @@ from dask.task_spec import Task
 
 from flowreduce import keys
 from flowreduce.algorithms.ir import Plan
-from flowreduce.lower.graph import Graph
 from flowreduce.kernels.shm import Publish
+from flowreduce.lower.graph import Graph
 
 
 def published_nodes(plan: Plan, workers: Sequence[str], domains: Sequence[object | None]) -> set[int]:

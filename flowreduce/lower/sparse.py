@@ -27,8 +27,8 @@ from flowreduce.algorithms.ir import REDUCE, VIEW
 from flowreduce.algorithms.sparse import CODECS, SparsePlan
 from flowreduce.kernels import blocks as _blocks
 from flowreduce.kernels import sparse as _kernels
-from flowreduce.lower.graph import Graph, Site, contributions, lower, owned_inputs
 from flowreduce.kernels.sparse_payload import Wire
+from flowreduce.lower.graph import Graph, Site, contributions, lower, owned_inputs
 from flowreduce.ops import Op
 
 #: ``allreduce`` options of the sparse algorithms (beside the planners' own).

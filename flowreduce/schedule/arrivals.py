@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -31,11 +32,27 @@ from dask.task_spec import Task, TaskRef
 from flowreduce import dashboard, keys
 from flowreduce.errors import InputError, InputTypeError
 from flowreduce.phases import ARRIVE, OUTPUT
-from flowreduce.schedule import guard
+from flowreduce.schedule import guard, records
 from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule.records import CallRecord
+from flowreduce.schedule.shm_plugin import ensure_shm
 
 Decide = _p2p.Decide
+
+
+#: Tokens of the calls placed on arrival made here, newest last (describe() asks the scheduler for those only).
+_PLACED: OrderedDict[str, None] = OrderedDict()
+
+
+def placed(token: str) -> None:
+    _PLACED[token] = None
+    while len(_PLACED) > records.MAX_CALLS:
+        _PLACED.popitem(last=False)
+
+
+def was_placed(token: str) -> bool:
+    """Whether call ``token`` was made here as a call placed on arrival."""
+    return token in _PLACED
 
 
 def is_collection(inputs: Any) -> bool:
@@ -57,9 +74,11 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
     """Submit the call on ``futures`` (one per rank) without waiting for them;
     the guard watches it as every call (its ``timeout``, lost inputs)."""
     graph = _p2p.lower_arrivals(futures, algorithm, decide, token=token)
+    placed(token)
     _p2p.ensure_p2p(client)
     guard.ensure_guard(client)
     dashboard.install(client)  # its record comes from the barrier, through the scheduler plugin
+    ensure_shm(client)  # big values between workers of a host go through shared segments
     out = client.get(_named(graph.tasks, token), graph.outputs, sync=False)
     guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
     return list(out)
@@ -76,8 +95,10 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
     import dask.array as da
     from dask.delayed import Delayed
 
+    placed(token)
     _p2p.ensure_p2p(client)  # the engine must be there when the user computes
     dashboard.install(client)
+    ensure_shm(client)
     decide = decide_for(token)
     if isinstance(inputs, da.Array):
         if not 0 <= axis < max(inputs.ndim, 1):
@@ -144,7 +165,8 @@ def record_of(client: Any, token: str, futures: Sequence[Any], wait: float | Non
         got = client.sync(client.scheduler.flowreduce_p2p_record, token=token, timeout=step)
         if got is not None:
             return pickle.loads(got)
-        if any(f.status in ("error", "cancelled", "lost") for f in futures):
+        if any(f.status in ("error", "cancelled", "lost") for f in futures) or (
+                futures and all(f.status == "finished" for f in futures)):  # failed, or began and forgotten
             return None
         if deadline is not None and time.monotonic() >= deadline:
             return None

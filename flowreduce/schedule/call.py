@@ -40,9 +40,14 @@ from flowreduce.algorithms import direct as _direct
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.algorithms.sparse import SparsePlan
+from flowreduce.cost import CostModel, choose, choose_sparse, model_for, tune
+from flowreduce.errors import InputError, InputStateError, InputTypeError, OptionError, raised_as
+from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
+from flowreduce.keys import new_token, parse
 from flowreduce.lower.buckets import build_pytree_graph
 from flowreduce.lower.direct import build_direct
 from flowreduce.lower.graph import Graph
+from flowreduce.lower.p2p import engine_workers
 from flowreduce.lower.sparse import (
     BlockCall,
     SparseCall,
@@ -52,15 +57,11 @@ from flowreduce.lower.sparse import (
     lower_sparse,
     sparse_call,
 )
-from flowreduce.cost import CostModel, choose, choose_sparse, model_for, tune
-from flowreduce.errors import InputError, InputStateError, InputTypeError, OptionError, raised_as
-from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
-from flowreduce.keys import new_token, parse
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import LEAF, TreeDef, flatten, unflatten
 from flowreduce.reproducible import tree_ordered
-from flowreduce.schedule import guard, hosts, placement, records
 from flowreduce.schedule import arrivals as _arrivals
+from flowreduce.schedule import guard, hosts, placement, records
 from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule import transport as _transport
@@ -94,11 +95,11 @@ def describe(futures: Sequence[Any]) -> CallRecord | PytreeRecord:
     leaves = flatten(futures)[0]
     info = parse(leaves[0].key) if leaves and hasattr(leaves[0], "key") else None
     found = records.find(info["token"]) if info is not None else None
-    if found is None and info is not None and info["algorithm"] in ALGORITHMS:
+    if found is None and info is not None and _arrivals.was_placed(info["token"]):
         # a call that did not wait for its inputs: what it runs is known once they arrived (on the scheduler)
         futures_ = [f for f in leaves if isinstance(f, Future)]  # or Delayed, whose attributes are all Delayed
         client = futures_[0].client if futures_ else _default_client()
-        call = _arrivals.record_of(client, info["token"], futures_)
+        call = _arrivals.record_of(client, info["token"], futures_, wait=None if futures_ else DESCRIBE_WAIT)
         if call is not None:
             records.remember(client, (call,))
             found = call
@@ -782,7 +783,7 @@ def p2p_route(client: Client | None, ranks: Ranks, settings: Settings) -> P2PRou
     workers, and its price (:meth:`CostModel.p2p_time`)."""
     held = cast(ArrayMeta, ranks.held)
     workers = list(ranks.workers)
-    engines = _p2p.engine_workers(workers)  # the plan runs over these: a worker's ranks are combined there
+    engines = engine_workers(workers)  # the plan runs over these: a worker's ranks are combined there
     model = model_for(settings.model, hosts.shared_cores(engines, ranks.places))
     levels = hosts.rank_levels(client, engines, ranks.places, settings.topology)
     nbytes = math.prod(held.shape) * np.dtype(held.dtype).itemsize
@@ -839,6 +840,11 @@ def _raise(exc: BaseException) -> None:
     raise exc
 
 
+#: Seconds describe() waits for a call on Dask collections to begin (nothing says it ever will: they
+#: may not be computed); on futures it waits until the call began or failed.
+DESCRIBE_WAIT = 60.0
+
+
 def _default_client() -> Any:
     from distributed import get_client
 
@@ -860,6 +866,8 @@ class OnArrival:
         workers = tuple(a[0] for a in arrivals)
         places = {a[0]: hosts.Place(*a[1]) for a in arrivals}
         metas = [a[2] for a in arrivals]
+        if any(isinstance(m, (TreeMeta, SparseMeta)) for m in metas):  # gathered, reduced, sent back
+            return self._gathered(workers, metas)
         bad = {r: m.kind for r, m in enumerate(metas) if not isinstance(m, ArrayMeta)}
         if bad:
             raise InputTypeError(
@@ -876,6 +884,25 @@ class OnArrival:
         record = CallRecord(self.token, route.plan, route.nbytes, route.predicted, workers, tuple(held.shape),
                             held.dtype, self.input_keys, method="p2p")
         return p2p_spec(ranks, self.settings, route), pickle.dumps(record), dashboard.record_of(record).message()
+
+
+    def _gathered(self, workers: tuple[str, ...], metas: Sequence[Any]) -> tuple[Any, bytes, dict[str, Any]]:
+        """Ranks holding pytrees or scipy.sparse matrices: checked as any such call's (errors naming the
+        ranks and the tensor), reduced on the first rank's worker (:class:`~flowreduce.schedule.p2p.GatherSpec`)."""
+        if any(isinstance(m, SparseMeta) for m in metas):
+            held = common_sparse(metas)
+            nbytes = held.size * np.dtype(held.dtype).itemsize
+        else:
+            layout = common_layout(LEAF, [[m] for m in metas], self.settings.op)
+            nbytes = sum(math.prod(t.spec.shape) * np.dtype(t.spec.dtype).itemsize for t in layout.tensors)
+        engines = engine_workers(workers)
+        index = {w: i for i, w in enumerate(engines)}
+        spec = _p2p.GatherSpec(self.settings.op.name, len(workers), engines, tuple(index[w] for w in workers))
+        plan = make_plan("reduce-broadcast", len(engines))
+        model = model_for(self.settings.model, None)
+        record = CallRecord(self.token, plan, nbytes, model.predict(plan, nbytes), workers, (), "", self.input_keys,
+                            method="p2p")
+        return spec, pickle.dumps(record), dashboard.record_of(record).message()
 
 
 def _on_arrival(outer: TreeDef, like: Any, settings: Settings, exact: Any, how: str) -> bool:

@@ -21,9 +21,9 @@ import numpy as np
 
 from flowreduce import arrays
 from flowreduce.arrays import ArrayKind
-from flowreduce.lower.sparse import SparseInputs
 from flowreduce.errors import InputError, InputTypeError
 from flowreduce.fusion import Layout
+from flowreduce.lower.sparse import SparseInputs
 from flowreduce.ops import Op
 from flowreduce.pytree import LEAF, TensorSpec, TreeDef, flatten, is_node, leaves_as, paths, same_structure
 

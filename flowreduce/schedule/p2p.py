@@ -26,34 +26,39 @@ the graph). docs/p2p.md tells the whole story.
 from __future__ import annotations
 
 import asyncio
-import weakref
+import copy
 import logging
+import weakref
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import astuple, replace
+from dataclasses import astuple, dataclass, replace
 from functools import partial
 from typing import Any
 
 import numpy as np
+from dask.task_spec import Task
 from distributed import get_worker
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
-from dask.task_spec import Task
 from distributed.protocol import to_serialize
 
-from flowreduce.algorithms.ir import REDUCE
-from flowreduce.kernels import dense as _kernels
-from flowreduce.lower.graph import Graph
-from flowreduce.lower import p2p as _lower
-from flowreduce.lower.p2p import Program, Spec, engine_workers, lower_p2p, program
-from flowreduce.errors import InputError, WorkerLostError, refused
-from flowreduce.keys import new_token, parse
-from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, OUTPUT
-from flowreduce.shm import pool as _shm_pool
-from flowreduce.dashboard.store import NAME as DASHBOARD
-from flowreduce.schedule import hosts
 from flowreduce import arrays
+from flowreduce.algorithms.ir import REDUCE
+from flowreduce.dashboard.store import NAME as DASHBOARD
+from flowreduce.errors import InputError, InputTypeError, WorkerLostError, refused
+from flowreduce.kernels import dense as _kernels
+from flowreduce.keys import new_token, parse
+from flowreduce.lower import p2p as _lower
+from flowreduce.lower.graph import Graph
+from flowreduce.lower.p2p import Program, Spec, lower_p2p, program
+from flowreduce.ops import resolve_op
+from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, OUTPUT
+from flowreduce.pytree import flatten, leaves_as, unflatten
+from flowreduce.schedule import hosts
+from flowreduce.schedule.engine_log import EngineLog
+from flowreduce.schedule.engine_log import now as _now
+from flowreduce.schedule.engine_log import serve as _serve_engine_log
 from flowreduce.schedule.inputs import ArrayMeta, OtherMeta, meta_of
-from flowreduce.schedule.engine_log import EngineLog, now as _now, serve as _serve_engine_log
+from flowreduce.shm import pool as _shm_pool
 
 logger = logging.getLogger("flowreduce")
 
@@ -62,6 +67,8 @@ RECEIVE = "flowreduce_p2p_receive"
 FAIL = "flowreduce_p2p_fail"
 #: Worker handler: a call placed when its inputs arrived begins (its spec, from its barrier).
 START = "flowreduce_p2p_start"
+#: Worker handler: a GatherRun's values for its first worker, or its result from there.
+OBJECTS = "flowreduce_p2p_objects"
 #: Scheduler handler: that barrier's call begins (its attempt, the pending outputs pinned).
 BEGIN = "flowreduce_p2p_begin"
 #: Stream message from the scheduler: such a call ended, its inputs kept since they arrived are let go.
@@ -347,6 +354,139 @@ class Run:
         self.outbox.clear()
 
 
+@dataclass(frozen=True)
+class GatherSpec:
+    """A call placed on arrival whose ranks hold pytrees (of numpy arrays or
+    tensors, one future each): the engine's plans move one array, so every
+    worker sends its ranks' values to the first worker, which reduces them
+    leaf by leaf in rank order (the task path's kernels: accumulating dtype,
+    the mean's division) and sends the result back to every worker."""
+
+    op: str
+    ranks: int
+    addresses: tuple[str, ...]
+    where: tuple[int, ...]
+    outputs: tuple[int, ...] | None = None
+
+    def members(self, index: int) -> tuple[int, ...]:
+        return tuple(r for r, i in enumerate(self.where) if i == index)
+
+    def worker(self, rank: int) -> str:
+        return self.addresses[self.where[rank]]
+
+
+class GatherRun:
+    """One :class:`GatherSpec` run on one worker (the same face as :class:`Run` to the tasks and the engine)."""
+
+    def __init__(self, engine: Engine, run: str, spec: GatherSpec):
+        self.engine, self.id, self.spec = engine, run, spec
+        loop = asyncio.get_running_loop()
+        mine = spec.members(spec.addresses.index(engine.address))
+        self.results: dict[int, asyncio.Future] = {r: loop.create_future() for r in mine
+                                                    if spec.outputs is None or r in spec.outputs}
+        self.root = spec.addresses[0] == engine.address
+        self.values: dict[int, Any] = {}
+        self.taken: set[int] = set()
+        self.sent = not self.root  # the first worker is done once every worker has the result
+
+    async def hand_in(self, index: int, xs: Sequence[Any]) -> None:
+        values = dict(zip(self.spec.members(index), xs))
+        if self.root:
+            self.deliver_values(values)
+            return
+        reply = await self.engine.worker.rpc(self.spec.addresses[0]).flowreduce_p2p_objects(
+            run=self.id, spec=to_serialize(self.spec), values=to_serialize(values))
+        _check_reply(reply, self.spec.addresses[0], self.id)
+
+    def deliver_values(self, values: Mapping[int, Any]) -> None:
+        if not self.root:
+            raise ValueError(f"run {self.id}'s values go to {self.spec.addresses[0]}, not {self.engine.address}")
+        self.values.update(values)
+        if len(self.values) == self.spec.ranks:
+            asyncio.ensure_future(self._reduce_and_send())
+
+    async def _reduce_and_send(self) -> None:
+        try:
+            ordered = [self.values.pop(r) for r in range(self.spec.ranks)]
+            total = await asyncio.get_running_loop().run_in_executor(
+                self.engine.executor, reduce_trees, self.spec.op, ordered)
+            others = [a for a in self.spec.addresses if a != self.engine.address]
+            replies = await asyncio.gather(*(self.engine.worker.rpc(a).flowreduce_p2p_objects(
+                run=self.id, spec=to_serialize(self.spec), result=to_serialize(total)) for a in others))
+            for a, reply in zip(others, replies):
+                _check_reply(reply, a, self.id)
+            self.deliver_result(total)
+        except _Failed as e:
+            self.engine.fail(self.id, e.error, tell=False)
+            return
+        except Exception as e:
+            self.engine.fail(self.id, e, tell=True)
+            return
+        self.sent = True
+        self._maybe_done()
+
+    def deliver_result(self, total: Any) -> None:
+        for i, rank in enumerate(sorted(self.results)):  # each rank its own copy
+            if not self.results[rank].done():
+                self.results[rank].set_result(total if i == 0 else copy.deepcopy(total))
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if len(self.taken) == len(self.results) and self.sent and self.engine.runs.get(self.id) is self:
+            del self.engine.runs[self.id]
+            self.engine.done[self.id] = None
+            while len(self.engine.done) > FAILED_KEPT:
+                self.engine.done.popitem(last=False)
+
+    def fail(self, exc: BaseException) -> None:
+        for fut in self.results.values():
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.add_done_callback(_retrieved)
+        self.values.clear()
+
+
+def _check_reply(reply: Any, address: str, run: str) -> None:
+    if isinstance(reply, dict) and isinstance(reply.get("error"), BaseException):
+        raise _Failed(reply["error"])
+    if not isinstance(reply, dict) or reply.get("status") != "OK":
+        raise RuntimeError(f"worker {address} refused run {run}'s values: {reply!r}"[:300])
+
+
+def reduce_trees(op_name: str, values: Sequence[Any]) -> Any:
+    """The ranks' pytrees (in rank order) reduced leaf by leaf as the task path's kernels reduce one
+    array: in the op's accumulating dtype, then its finish (a mean's division); each leaf given back in
+    its library."""
+    op = resolve_op(op_name)
+    if type(values[0]).__module__.startswith("scipy.sparse"):
+        return _reduce_sparse(op_name, values)
+    tree = flatten(values[0])[1]
+    flats = [leaves_as(v, tree) for v in values]  # dicts built in another order agree, leaf by leaf
+    out = []
+    for i, first in enumerate(flats[0]):
+        xs = [arrays.to_numpy(f[i]) for f in flats]
+        shape = np.shape(xs[0])
+        acc = _combine(op, xs, op.accumulator(xs[0].dtype))
+        acc = op.finish(acc, len(xs), owned=True).reshape(shape)
+        out.append(arrays.from_numpy(acc, arrays.describe(first)[2]))
+    return unflatten(tree, out)
+
+
+def _reduce_sparse(op_name: str, values: Sequence[Any]) -> Any:
+    """scipy.sparse inputs (one format and container, checked) reduced in rank order, in the first's format."""
+    combine = {"sum": lambda a, b: a + b, "mean": lambda a, b: a + b, "max": lambda a, b: a.maximum(b),
+               "min": lambda a, b: a.minimum(b), "prod": lambda a, b: a.multiply(b)}.get(op_name)
+    if combine is None:
+        raise InputTypeError(f"op {op_name!r} on scipy.sparse inputs that a call placed on arrival gathers: "
+                             "sum, mean, max, min or prod (wait for the inputs to use the sparse algorithms)")
+    total = values[0]
+    for v in values[1:]:
+        total = combine(total, v)
+    if op_name == "mean":
+        total = total / len(values)
+    return total.asformat(values[0].format)
+
+
 class _Failed(Exception):
     """A peer's reply: the run failed there, with ``error``."""
 
@@ -430,7 +570,7 @@ class Engine:
 
     def __init__(self, worker: Any):
         self.worker = worker
-        self.runs: dict[str, Run] = {}
+        self.runs: dict[str, Any] = {}  # Run or GatherRun
         self.failed: OrderedDict[str, BaseException] = OrderedDict()
         #: runs that ended here (FAILED_KEPT at most): a task of one that Dask runs again does nothing
         self.done: OrderedDict[str, None] = OrderedDict()
@@ -450,7 +590,7 @@ class Engine:
     def executor(self) -> Any:
         return self.worker.executors.get("default")
 
-    def run(self, run: str, spec: Spec) -> Run:
+    def run(self, run: str, spec: Spec | GatherSpec) -> Any:
         """The run ``run`` here, started if new (a peer's message may start it before the rank's hand-in)."""
         if run in self.failed:
             raise self.failed[run].with_traceback(None)
@@ -460,7 +600,7 @@ class Engine:
         if found is None:
             if self.address not in spec.addresses:
                 raise ValueError(f"run {run} has no rank on worker {self.address}")
-            found = self.runs[run] = Run(self, run, spec)
+            found = self.runs[run] = Run(self, run, spec) if isinstance(spec, Spec) else GatherRun(self, run, spec)
         elif found.spec != spec:
             raise ValueError(f"run {run} is already running here with another spec")
         return found
@@ -476,7 +616,7 @@ class Engine:
         """Handler: the barrier of call ``token`` says it begins as ``run``
         with ``spec``: this worker's ranks' inputs, kept since they arrived,
         are handed in (the run goes on in the background)."""
-        if other or not isinstance(run, str) or not isinstance(token, str) or not isinstance(spec, Spec):
+        if other or not isinstance(run, str) or not isinstance(token, str) or not isinstance(spec, (Spec, GatherSpec)):
             return refused(START, f"bad arguments: run {type(run).__name__}, token {type(token).__name__}, "
                                   f"spec {type(spec).__name__}, others {sorted(map(str, other))[:5]}")
         try:
@@ -493,6 +633,28 @@ class Engine:
         asyncio.ensure_future(self._hand_in(found, index, [here[r] for r in members]))
         return {"status": "OK"}
 
+    async def objects(self, run: Any = None, spec: Any = None, values: Any = None, result: Any = None,
+                      **other: Any) -> dict[str, Any]:
+        """Handler: a :class:`GatherRun`'s ranks' values (``{rank: value}``,
+        for the run's first worker) or its result (from there)."""
+        if (other or not isinstance(run, str) or not isinstance(spec, GatherSpec)
+                or (values is None) == (result is None) or (values is not None and not (
+                    isinstance(values, dict) and all(type(r) is int and 0 <= r < spec.ranks for r in values)))):
+            return refused(OBJECTS, f"bad arguments: run {type(run).__name__}, spec {type(spec).__name__}, "
+                                    f"values {type(values).__name__}, others {sorted(map(str, other))[:5]}")
+        if run in self.failed:
+            return {"status": "error", "message": "failed", "error": to_serialize(self.failed[run])}
+        try:
+            found = self.runs.get(run) or self.run(run, spec)
+            if values is not None:
+                found.deliver_values(values)
+            else:
+                found.deliver_result(result)
+        except Exception as e:
+            self.fail(run, e, tell=True)
+            return {"status": "error", "message": f"{e!r}"[:300]}
+        return {"status": "OK"}
+
     def drop_arrived(self, token: Any = None, **other: Any) -> None:
         """Stream message from :class:`P2PSchedulerPlugin`: call ``token`` ended (or was abandoned)."""
         if other or not isinstance(token, str):
@@ -501,9 +663,11 @@ class Engine:
             return
         self.arrived.pop(token, None)
 
-    async def _hand_in(self, found: Run, index: int, xs: list[np.ndarray]) -> None:
+    async def _hand_in(self, found: Any, index: int, xs: list[Any]) -> None:
         try:
             await found.hand_in(index, xs)
+        except _Failed as e:  # it failed there first: fail here with its error
+            self.fail(found.id, e.error, tell=False)
         except Exception as e:
             self.fail(found.id, e, tell=True)
 
@@ -672,12 +836,14 @@ class P2PWorkerPlugin(WorkerPlugin):
         worker.handlers[RECEIVE] = engine.receive
         worker.handlers[FAIL] = engine.failed_elsewhere
         worker.handlers[START] = engine.start
+        worker.handlers[OBJECTS] = engine.objects
         worker.stream_handlers[FAIL] = engine.scheduler_says
         worker.stream_handlers[DROP] = engine.drop_arrived
 
     def teardown(self, worker: Any) -> None:
         worker.handlers.pop(RECEIVE, None)
         worker.handlers.pop(START, None)
+        worker.handlers.pop(OBJECTS, None)
         worker.handlers.pop(FAIL, None)
         worker.stream_handlers.pop(FAIL, None)
         worker.stream_handlers.pop(DROP, None)
@@ -963,10 +1129,13 @@ async def arrive(token: str, rank: int, x: Any) -> Arrival:
         except TypeError as e:
             meta = OtherMeta(f"{type(x).__name__} ({e})")
         else:
-            x = arrays.to_numpy(x)
+            try:
+                x = arrays.to_numpy(x)
+            except Exception:  # no data here (a meta tensor): described, for the barrier to name it, not kept
+                x = None
     if isinstance(x, np.generic):
         x = np.asarray(x)
-    if isinstance(x, np.ndarray):
+    if x is not None and not isinstance(meta, OtherMeta):  # arrays, and the pytrees a GatherRun reduces
         engine.arrived.setdefault(token, {})[rank] = x
     return engine.address, engine.place, meta
 
@@ -1024,7 +1193,7 @@ def lower(spec: Spec, inputs: Sequence[Any]) -> Graph:
 
 #: A barrier's decision (:class:`flowreduce.schedule.call.OnArrival`): from the ranks' arrivals, the
 #: run's spec, the call's pickled record and its dashboard message.
-Decide = Callable[[Sequence[Arrival]], tuple[Spec, bytes, dict[str, Any]]]
+Decide = Callable[[Sequence[Arrival]], tuple["Spec | GatherSpec", bytes, dict[str, Any]]]
 
 
 def lower_arrivals(inputs: Sequence[Any], algorithm: str, decide: Decide,

@@ -37,8 +37,8 @@ from flowreduce.errors import OptionError
 from flowreduce.fusion import Layout
 from flowreduce.keys import new_token, pack_key, parse, unpack_key
 from flowreduce.ops import Op
-from flowreduce.reproducible import ORDERLESS
 from flowreduce.pytree import spec
+from flowreduce.reproducible import ORDERLESS
 from flowreduce.schedule import records
 from flowreduce.schedule.inputs import ArrayMeta
 

@@ -23,8 +23,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.worker_state_machine import TaskStateState
 
 from flowreduce import keys
-from flowreduce.shm import result_buffers
 from flowreduce.shm import pool as shm_pool
+from flowreduce.shm import result_buffers
 
 logger = logging.getLogger("flowreduce")
 

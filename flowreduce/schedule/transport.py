@@ -25,13 +25,11 @@ import numpy as np
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.hierarchical import DIRECT as DIRECT_INNER
 from flowreduce.algorithms.ir import Plan
-from flowreduce.lower import shm_direct
-from flowreduce.lower import shm_edges
-from flowreduce.lower import shm_hierarchical
-from flowreduce.shm import pool as shm_pool
-from flowreduce.lower.graph import Graph, build_graph
 from flowreduce.cost import CostModel, tune
+from flowreduce.lower import shm_direct, shm_edges, shm_hierarchical
+from flowreduce.lower.graph import Graph, build_graph
 from flowreduce.ops import Op
+from flowreduce.shm import pool as shm_pool
 
 TRANSPORTS = ("auto", "shm", "dask")
 DIRECT = "shm-direct"
