@@ -45,7 +45,6 @@ from typing import Any
 
 from flowreduce import keys as keymod
 from flowreduce.phases import ARRIVE, HAND_IN, OTHER, TASK_PHASES, TRANSFER
-from flowreduce.schedule import arrivals as _arrivals
 from flowreduce.schedule import records
 from flowreduce.tracing import registry
 from flowreduce.tracing.clocks import WorkerClock, choose_mode
@@ -301,8 +300,10 @@ class Trace:
         call = registry.lookup(token)
         if call is None and token not in self._asked:
             self._asked.add(token)
+            from flowreduce.schedule import arrivals  # here: `import flowreduce` imports no distributed
+
             try:
-                found = _arrivals.record_of(self.client, token, [], wait=0)
+                found = arrivals.record_of(self.client, token, [], wait=0)
             except Exception:  # a scheduler without the engine's plugin: not such a call
                 found = None
             if found is not None:
