@@ -16,7 +16,7 @@ import dask
 import faults
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 from utils import assert_clean, scatter_ranks, wait_until, workers_of
 
 import flowreduce
@@ -308,6 +308,7 @@ def test_a_worker_lost_mid_run_restarts_it_on_the_survivors(killable, algorithm,
     futures = [killable.submit(np.arange, 1000 * r, 1000 * (r + 1), workers=[workers[r % 3]],
                                allow_other_workers=True, pure=False) for r in range(p)]
     faults.fail_at(killable, rank=rank, step=step, action=action, algorithm=algorithm)
+    wait(futures)  # computed: the hand-in route these faults are placed in (on arrival: test_workflows)
     out = flowreduce.allreduce(killable, futures, algorithm=algorithm, chunks=2, method="p2p")
     want = np.arange(1000 * p).reshape(p, 1000).sum(0)
     for f in out:
@@ -328,6 +329,7 @@ def test_two_workers_lost_in_one_call_leave_one_worker_to_finish_it(killable):
     futures = [killable.submit(np.arange, 1000 * r, 1000 * (r + 1), workers=[workers[r % 3]],
                                allow_other_workers=True, pure=False) for r in range(p)]
     faults.fail_at(killable, rank=1, step=0, action="kill", algorithm="butterfly", more=((2, 0),))
+    wait(futures)  # computed: the hand-in route these faults are placed in (on arrival: test_workflows)
     out = flowreduce.allreduce(killable, futures, algorithm="butterfly", method="p2p")
     want = np.arange(1000 * p).reshape(p, 1000).sum(0)
     for f in out:
@@ -343,6 +345,7 @@ def test_a_lost_scattered_input_fails_every_rank_naming_it(killable):
     arrays = _inputs(p, 100, "sum")
     futures = [killable.scatter(x, workers=[workers[r % 3]], hash=False) for r, x in enumerate(arrays)]
     faults.fail_at(killable, rank=1, step=0, action="kill", algorithm="butterfly")
+    wait(futures)  # computed: the hand-in route these faults are placed in (on arrival: test_workflows)
     out = flowreduce.allreduce(killable, futures, algorithm="butterfly", method="p2p")
     for f in out:
         with pytest.raises(WorkerLostError, match="rank") as caught:
@@ -497,6 +500,7 @@ def test_a_worker_killed_between_engine_steps_restarts_the_run(killable, algorit
                                allow_other_workers=True, pure=False) for r in range(p)]
     engine.ensure_p2p(killable)
     killable.run(_die_at_first_message, workers=[workers[1]])
+    wait(futures)  # computed: the hand-in route these faults are placed in (on arrival: test_workflows)
     out = flowreduce.allreduce(killable, futures, algorithm=algorithm, chunks=2, method="p2p")
     want = np.arange(1000 * p).reshape(p, 1000).sum(0)
     for f in out:

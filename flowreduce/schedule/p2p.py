@@ -336,18 +336,11 @@ class Run:
 
     def _maybe_done(self) -> None:
         """Drop the run here once its outputs are taken, its nodes computed and its messages sent."""
-        if (len(self.taken) == len(self.results) and not self.left and not self.offloaded and not self.sending
-                and self.engine.runs.get(self.id) is self):
-            del self.engine.runs[self.id]
-            self.engine.done[self.id] = None
-            while len(self.engine.done) > FAILED_KEPT:
-                self.engine.done.popitem(last=False)
+        if len(self.taken) == len(self.results) and not self.left and not self.offloaded and not self.sending:
+            self.engine.ended(self)
 
     def fail(self, exc: BaseException) -> None:
-        for fut in self.results.values():
-            if not fut.done():
-                fut.set_exception(exc)
-                fut.add_done_callback(_retrieved)
+        _fail_all(self.results, exc)
         self.values.clear()
         self.inputs.clear()
         self.handed.clear()
@@ -432,17 +425,11 @@ class GatherRun:
         self._maybe_done()
 
     def _maybe_done(self) -> None:
-        if len(self.taken) == len(self.results) and self.sent and self.engine.runs.get(self.id) is self:
-            del self.engine.runs[self.id]
-            self.engine.done[self.id] = None
-            while len(self.engine.done) > FAILED_KEPT:
-                self.engine.done.popitem(last=False)
+        if len(self.taken) == len(self.results) and self.sent:
+            self.engine.ended(self)
 
     def fail(self, exc: BaseException) -> None:
-        for fut in self.results.values():
-            if not fut.done():
-                fut.set_exception(exc)
-                fut.add_done_callback(_retrieved)
+        _fail_all(self.results, exc)
         self.values.clear()
 
 
@@ -555,6 +542,14 @@ def _combine(op: Any, xs: Sequence[np.ndarray], dtype: np.dtype | None) -> np.nd
     for x in xs[1:]:
         op.combine(acc, x.reshape(-1), out=acc)
     return acc
+
+
+def _fail_all(results: Mapping[int, asyncio.Future], exc: BaseException) -> None:
+    """Every result not set yet raises ``exc``."""
+    for fut in results.values():
+        if not fut.done():
+            fut.set_exception(exc)
+            fut.add_done_callback(_retrieved)
 
 
 def _retrieved(fut: asyncio.Future) -> None:
@@ -670,6 +665,16 @@ class Engine:
             self.fail(found.id, e.error, tell=False)
         except Exception as e:
             self.fail(found.id, e, tell=True)
+
+    def ended(self, found: Any) -> None:
+        """Drop run ``found`` (a :class:`Run` or :class:`GatherRun`) here: it
+        ended; a task of it that Dask runs again does nothing."""
+        run = found.id
+        if self.runs.get(run) is found:
+            del self.runs[run]
+            self.done[run] = None
+            while len(self.done) > FAILED_KEPT:
+                self.done.popitem(last=False)
 
     def fail(self, run: str, exc: BaseException, tell: bool) -> None:
         """Fail ``run`` here (its outputs raise ``exc``), drop its state, and
@@ -1140,6 +1145,17 @@ async def arrive(token: str, rank: int, x: Any) -> Arrival:
     return engine.address, engine.place, meta
 
 
+async def _start(worker: Any, address: str, run: str, token: str, spec: Any) -> Any:
+    """Begin ``run`` on the worker at ``address``; a worker just (re)started may not have the engine's
+    handlers yet (its plugins are set up after it registered): asked again for a few seconds."""
+    for delay in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 0.0):
+        reply = await worker.rpc(address).flowreduce_p2p_start(run=run, token=token, spec=to_serialize(spec))
+        if reply is not None or not delay:
+            return reply
+        await asyncio.sleep(delay)
+    return None
+
+
 async def begin(token: str, decide: Decide, outputs: _lower.Named,
                 *arrivals: Arrival) -> str:
     """Task: every rank has arrived. ``decide`` checks what they hold
@@ -1156,8 +1172,8 @@ async def begin(token: str, decide: Decide, outputs: _lower.Named,
         raise RuntimeError(f"the scheduler refused all-reduce {token}'s begin: {reply!r}"[:500])
     run = run_id(token, reply["attempt"])
     spec = replace(spec, outputs=tuple(reply["pending"]))
-    replies = await asyncio.gather(*(worker.rpc(a).flowreduce_p2p_start(run=run, token=token, spec=to_serialize(spec))
-                                     for a in spec.addresses), return_exceptions=True)
+    replies = await asyncio.gather(*(_start(worker, a, run, token, spec) for a in spec.addresses),
+                                   return_exceptions=True)
     for address, got in zip(spec.addresses, replies):
         if isinstance(got, dict) and isinstance(got.get("error"), BaseException):
             raise got["error"]
