@@ -289,9 +289,10 @@ def test_front_door_in_process(inproc_client, p):
 
 
 @pytest.mark.parametrize("p,n", [(4, 1001), (4, 300_000), (6, 300_000), (8, 1)])
-def test_front_door_processes_and_shared_memory(proc_client, p, n):
-    """Worker processes on one host: the shared-memory routes (shm-direct's segments, direct's posts,
-    published edges) and transport='dask'; ranks 4..7 share workers 0..3."""
+def test_front_door_processes_and_shared_memory(proc_client, p, n, method_tasks):
+    """Worker processes on one host: the shared-memory routes of the task graph (shm-direct's segments,
+    direct's posts, published edges) and transport='dask'; ranks 4..7 share workers 0..3. (The p2p
+    engine's order: test_the_p2p_engine_adds_in_the_reference_order.)"""
     how = _check_front_door(proc_client, p, n, np.float64, "sum", CLUSTER_ALGORITHMS)
     if n > 1:  # the routes through shared memory did run
         assert how["shm-direct", "auto"] == "shared memory" and how["direct", "auto"] == "shared memory", how
@@ -393,8 +394,9 @@ def nanny_client():
 
 
 @pytest.mark.parametrize("algorithm,step", [("ring", 3), ("butterfly", 1), ("shm-direct", 2)])
-def test_worker_lost_mid_call_gives_the_reference_bits(nanny_client, algorithm, step):
-    """As tests/test_failures.py kills a rank's worker when a plan step starts there."""
+def test_worker_lost_mid_call_gives_the_reference_bits(nanny_client, algorithm, step, method_tasks):
+    """As tests/test_failures.py kills a rank's worker when a plan step starts there (a task per step:
+    method='tasks')."""
     cluster, client = nanny_client
     # four running workers (a killed one's nanny restarts it), nothing of the last test left
     assert wait_until(lambda: all(w.status.name == "running" for w in cluster.workers.values()), 60)
