@@ -663,9 +663,10 @@ def test_p2p_engine_steps_in_the_exported_json(client, tmp_path):
                for e in messages)
     assert made and sum(e["ph"] == "f" for e in doc["traceEvents"]) >= made
 
-    # all inside the call's span: its hand-in, barrier and output tasks
+    # all inside the call's span: its arrive (rank 2's input was late: the call was placed on arrival,
+    # docs/p2p.md), barrier and output tasks
     tasks = [e for e in evs if e["args"].get("detail") == "compute"]
-    assert {keymod.parse(ast.literal_eval(e["args"]["key"]))["phase"] for e in tasks} == {"hand-in", "barrier",
+    assert {keymod.parse(ast.literal_eval(e["args"]["key"]))["phase"] for e in tasks} == {"arrive", "barrier",
                                                                                           "output"}
     slack = doc["metadata"]["clock_alignment"]["max_uncertainty_s"] * 1e6 + 1000  # µs
     t0, t1 = min(e["ts"] for e in tasks), max(e["ts"] + e["dur"] for e in tasks)
