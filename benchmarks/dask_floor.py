@@ -59,7 +59,7 @@ from distributed import wait
 import flowreduce
 from flowreduce.cli.bench import make_input, run_baseline
 from flowreduce.launch import cluster
-from flowreduce.schedule.call import named_graph
+from flowreduce.lower.graph import named_graph
 
 
 def _first(*xs):

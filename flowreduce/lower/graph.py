@@ -8,7 +8,7 @@ slicing is decided here, statically, from the element boundaries of every
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,18 @@ class Graph:
     outputs: list[Hashable]
     placement: dict[Hashable, str]
     token: str
+
+
+def named_graph(tasks: Mapping[Hashable, Any], token: str) -> Any:
+    """The graph as dask's low-level-graph expression, named by the call's
+    token: handed a plain dict, dask hashes every task to name it (~10 ms
+    for a few hundred tasks, growing with the graph) although our keys are
+    already unique."""
+    try:
+        from dask._expr import LLGExpr
+    except ImportError:  # a dask without expressions takes the dict as it is
+        return tasks
+    return LLGExpr(dict(tasks), _determ_token=token)
 
 
 def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:

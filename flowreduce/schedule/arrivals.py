@@ -31,6 +31,7 @@ from dask.task_spec import Task, TaskRef
 
 from flowreduce import dashboard, keys
 from flowreduce.errors import InputError, InputTypeError
+from flowreduce.lower.graph import named_graph
 from flowreduce.phases import ARRIVE, OUTPUT
 from flowreduce.schedule import guard, records
 from flowreduce.schedule import p2p as _p2p
@@ -79,7 +80,7 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
     guard.ensure_guard(client)
     dashboard.install(client)  # its record comes from the barrier, through the scheduler plugin
     ensure_shm(client)  # big values between workers of a host go through shared segments
-    out = client.get(_named(graph.tasks, token), graph.outputs, sync=False)
+    out = client.get(named_graph(graph.tasks, token), graph.outputs, sync=False)
     guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
     return list(out)
 
@@ -145,14 +146,6 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
 
 def _same(x: Any) -> Any:
     return x
-
-
-def _named(tasks: Any, token: str) -> Any:
-    try:
-        from dask._expr import LLGExpr
-    except ImportError:
-        return tasks
-    return LLGExpr(dict(tasks), _determ_token=token)
 
 
 def record_of(client: Any, token: str, futures: Sequence[Any], wait: float | None = None) -> CallRecord | None:

@@ -46,7 +46,7 @@ from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import new_token, parse
 from flowreduce.lower.buckets import build_pytree_graph
 from flowreduce.lower.direct import build_direct
-from flowreduce.lower.graph import Graph
+from flowreduce.lower.graph import Graph, named_graph
 from flowreduce.lower.p2p import engine_workers
 from flowreduce.lower.sparse import (
     BlockCall,
@@ -746,6 +746,11 @@ def _method(method: str | None, like: Any, algorithm: str, exact: bool) -> str:
     return "tasks" if why is not None else method
 
 
+def _by_name(op: Op) -> bool:
+    """Whether ``op`` is one the engine runs: an in-place op given by name or numpy ufunc (it travels by name)."""
+    return op.in_place and resolve_op(op.name).func is op.func
+
+
 def _p2p_refusal(ranks: Ranks, settings: Settings, converts: bool = False) -> str | None:
     """Why the p2p engine cannot run this call (yet), or None. ``converts``:
     its tasks convert other libraries' arrays (a call placed on arrival)."""
@@ -754,7 +759,7 @@ def _p2p_refusal(ranks: Ranks, settings: Settings, converts: bool = False) -> st
         what = ("sparse" if isinstance(held, SparseInputs) else "torch" if isinstance(held, ArrayMeta)
                 and held.native is not None else "pytree" if isinstance(held, (ArrayMeta, Layout)) else "unseen")
         return f"method='p2p' takes one dense numpy array per rank; {what} inputs are not there yet"
-    if not settings.op.in_place or resolve_op(settings.op.name).func is not settings.op.func:
+    if not _by_name(settings.op):
         return f"method='p2p' takes ops by name or numpy ufunc, not the callable {settings.op.name!r} yet"
     if (settings.deterministic and tree_ordered(settings.op.name, np.dtype(held.dtype))  # ints, min, max: exact
             and len(set(ranks.workers)) < len(ranks.workers)):
@@ -911,7 +916,7 @@ def _on_arrival(outer: TreeDef, like: Any, settings: Settings, exact: Any, how: 
     (the inputs' kind is not known yet), with its options decided without them."""
     return (how != "tasks" and outer.is_leaf and like is None and not exact and not settings.deterministic
             and settings.algorithm in ALGORITHMS and settings.topology is None
-            and settings.op.in_place and resolve_op(settings.op.name).func is settings.op.func
+            and _by_name(settings.op)
             and not RANK_OPTIONS & set(settings.options))
 
 
@@ -927,18 +932,6 @@ def submit(client: Client, job: Job, ranks: Ranks | None = None, timeout: float 
     dashboard.publish(client, job.calls, group=job.token)
     logger.info(*job.summary)
     return job.arrange(futures)
-
-
-def named_graph(tasks: Mapping[Hashable, Any], token: str) -> Any:
-    """The graph as dask's low-level-graph expression, named by the call's
-    token: handed a plain dict, dask hashes every task to name it (~10 ms
-    for a few hundred tasks, growing with the graph) although our keys are
-    already unique."""
-    try:
-        from dask._expr import LLGExpr
-    except ImportError:  # a dask without expressions takes the dict as it is
-        return tasks
-    return LLGExpr(dict(tasks), _determ_token=token)
 
 
 def _aggregators(client: Client, option: Any) -> list[str]:
