@@ -873,8 +873,9 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         #: token -> what such a call ran (a pickled CallRecord, for describe)
         self.records: OrderedDict[str, bytes] = OrderedDict()
         self.record_waiters: dict[str, asyncio.Event] = {}
-        #: token -> the workers keeping inputs of that call since they arrived (told when it ends)
-        self.keeping: dict[str, set[str]] = {}
+        #: calls placed on arrival some of whose ranks arrived: every worker is told when one ends (a
+        #: rank's arrive task may have run, and kept its input, on a worker its key no longer lists)
+        self.keeping: set[str] = set()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -899,7 +900,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             return
         if f"-{ARRIVE}-" in key[0]:
             if finish == "memory":
-                self.keeping.setdefault(token, set()).update(ws.address for ws in self.scheduler.tasks[key].who_has or ())
+                self.keeping.add(token)
             return
         if token not in self.active:
             if token in self.keeping and f"-{BARRIER}-" in key[0] and finish in ("erred", "forgotten"):
@@ -983,11 +984,12 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self._end(token)
 
     def _end(self, token: str) -> None:
-        """Tell the workers keeping inputs of call ``token`` since they arrived to let them go."""
-        for w in self.keeping.pop(token, ()):
-            bs = self.scheduler.stream_comms.get(w)
-            if bs is not None:
-                bs.send({"op": DROP, "token": token})
+        """Tell the workers to let go of the inputs of call ``token`` kept since they arrived."""
+        if token not in self.keeping:
+            return
+        self.keeping.discard(token)
+        for bs in self.scheduler.stream_comms.values():
+            bs.send({"op": DROP, "token": token})
 
     def tell(self, workers: Iterable[str], run: str, message: str, lost: bool) -> None:
         """Tell ``workers`` that ``run`` cannot finish (their engines drop it and fail its outputs)."""
