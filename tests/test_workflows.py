@@ -100,6 +100,38 @@ def test_the_graph_is_a_task_per_rank_a_barrier_and_an_output_per_rank(client):
     del out, inputs
 
 
+def _after(gate: int, r: int) -> np.ndarray:
+    return rank_input(r)
+
+
+def test_a_result_waits_where_its_rank_arrived_without_holding_the_thread(client):
+    """A rank's result depends on its own arrival alone (rank 0's also on
+    the barrier, on its worker): it is sent there as soon as the rank
+    arrived and waits for the others without holding the worker's only
+    thread, which the next rank's input on that worker needs."""
+    w, other = sorted(client.nthreads())[:2]
+    name = f"go-{uuid.uuid4().hex}"
+    gate = client.submit(held_back, name, 0, 1, workers=[other], pure=False)  # holds the other worker's thread
+    first = client.submit(rank_input, 0, workers=[w], pure=False)
+    later = client.submit(_after, gate, 1, workers=[w], pure=False)
+    out = flowreduce.allreduce(client, [first, later])
+
+    def tasks(dask_scheduler=None):
+        return {str(ts.key): (ts.state, sorted(str(d.key) for d in ts.dependencies))
+                for ts in dask_scheduler.tasks.values() if "flowreduce" in str(ts.key)}
+
+    assert wait_until(lambda: client.run_on_scheduler(tasks).get(str(out[0].key), ("",))[0] == "processing", HANG)
+    got = client.run_on_scheduler(tasks)
+    assert [d.split(",")[0] for d in got[str(out[0].key)][1]] == [f"('flowreduce-auto-arrive-{out[0].key[0][-32:]}'",
+                                                                   f"('flowreduce-auto-barrier-{out[0].key[0][-32:]}'"]
+    assert got[str(out[1].key)][1] == [str(("flowreduce-auto-arrive-" + out[0].key[0][-32:], 1))]
+    Event(name, client=client).set()
+    wait(out, timeout=HANG)
+    for x in client.gather(out):
+        np.testing.assert_array_equal(x, _expected(2))
+    del out, first, later, gate
+
+
 def test_ranks_sharing_workers_and_every_algorithm(client):
     """16 ranks on 4 workers (inputs submitted round robin), each dense algorithm, sums and max."""
     ws = sorted(client.nthreads())

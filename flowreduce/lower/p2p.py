@@ -303,14 +303,23 @@ def lower_p2p(spec: Spec, inputs: Sequence[Any], *, token: str, run: str,
 
 def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive: Callable[..., Any],
                    begin: Callable[..., Any], take_out: Callable[..., Any], decide: Any,
-                   output_keys: Sequence[Hashable] | None = None) -> Graph:
+                   output_keys: Sequence[Hashable] | None = None, some: bool = False) -> Graph:
     """The graph of a p2p call placed when its inputs arrive: per rank
     ``arrive(token, rank, x)`` (not pinned: Dask runs it next to its input),
-    once ``begin(token, decide, outputs, *arrivals)`` (chooses the plan from
-    the arrivals, pins the outputs, starts the run; its value is the run
-    id), per rank ``take_out(run, run, rank)``. ``2 * ranks + 1`` tasks;
-    ``output_keys``: the results' keys (default :func:`keys.output_key`),
-    e.g. a dask array's block keys."""
+    a barrier ``begin(token, decide, outputs, *arrivals)`` that carries the
+    call's decision for the scheduler, which begins the call when the last
+    rank arrived, and per rank ``take_out(arrival, token, rank, key, ...)``.
+    A result depends on its rank's arrival, not on every rank's: it is sent
+    to its worker as soon as its rank arrived and waits there for the run
+    (a barrier over every arrival would be a task more between the last
+    arrival and the run, and every result but one would fetch its value
+    from another worker). Rank 0's result also depends on the barrier, on
+    rank 0's worker, which keeps it in the graph Dask culls from the
+    results. When ``some`` of the results may be computed alone (those of a
+    collection), every result depends on the barrier and the barrier on
+    every arrival: Dask's culling then keeps every rank's input.
+    ``2 * ranks + 1`` tasks; ``output_keys``: the results' keys (default
+    :func:`keys.output_key`), e.g. a dask array's block keys."""
     tasks: dict[Hashable, Task] = {}
     arrived = []
     for r, x in enumerate(inputs):
@@ -320,7 +329,8 @@ def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive:
     outputs = list(output_keys) if output_keys is not None else [keys.output_key(algorithm, token, r)
                                                                   for r in range(len(inputs))]
     gate = keys.barrier_key(algorithm, token)
-    tasks[gate] = EngineTask(gate, begin, token, decide, Named(tuple(outputs)), *arrived)
+    tasks[gate] = EngineTask(gate, begin, token, decide, Named(tuple(outputs)), *(arrived if some else arrived[:1]))
     for r, key in enumerate(outputs):
-        tasks[key] = EngineTask(key, take_out, TaskRef(gate), TaskRef(gate), r)
+        tasks[key] = EngineTask(key, take_out, arrived[r], token, r, Named((key,)),
+                                *([TaskRef(gate)] if r == 0 or some else []))
     return Graph(tasks, outputs, {}, token)

@@ -110,7 +110,8 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
         block = [(x.name, *(r if a == axis else 0 for a in range(x.ndim))) for r in range(p)]
         name = keys.name(algorithm, OUTPUT, token)
         out_keys = [(name, *(r if a == axis else 0 for a in range(x.ndim))) for r in range(p)]
-        graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, output_keys=out_keys, token=token)
+        graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, output_keys=out_keys, token=token,
+                                     some=True)
         hlg = HighLevelGraph.from_collections(name, cast(Any, graph.tasks), dependencies=[cast(Any, x)])
         return da.Array(hlg, name, x.chunks, meta=x._meta)
     items = list(inputs)
@@ -128,7 +129,7 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
         block = [v.key for v in items]
         if any(len(v.__dask_keys__()) != 1 for v in items):
             raise InputTypeError("each rank's Delayed must be one object (one key)")
-    graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, token=token)
+    graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, token=token, some=True)
     layer = keys.name(algorithm, ARRIVE, token)
     hlg = HighLevelGraph.from_collections(layer, cast(Any, graph.tasks), dependencies=items)
     if all(arrays):

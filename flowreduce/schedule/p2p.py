@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import pickle
 import weakref
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -58,6 +59,7 @@ from flowreduce.schedule.engine_log import EngineLog
 from flowreduce.schedule.engine_log import now as _now
 from flowreduce.schedule.engine_log import serve as _serve_engine_log
 from flowreduce.schedule.inputs import ArrayMeta, OtherMeta, meta_of
+from flowreduce.schedule.peer_reads import leave_slot
 from flowreduce.shm import pool as _shm_pool
 
 logger = logging.getLogger("flowreduce")
@@ -65,12 +67,13 @@ logger = logging.getLogger("flowreduce")
 EXTENSION = "flowreduce-p2p"
 RECEIVE = "flowreduce_p2p_receive"
 FAIL = "flowreduce_p2p_fail"
-#: Worker handler: a call placed when its inputs arrived begins (its spec, from its barrier).
-START = "flowreduce_p2p_start"
 #: Worker handler: a GatherRun's values for its first worker, or its result from there.
 OBJECTS = "flowreduce_p2p_objects"
-#: Scheduler handler: that barrier's call begins (its attempt, the pending outputs pinned).
-BEGIN = "flowreduce_p2p_begin"
+#: Stream message from an arrive task to the scheduler: where its rank arrived and what it holds.
+ARRIVED = "flowreduce-p2p-arrived"
+#: Stream message from the scheduler: a call placed on arrival begins as a run (the scheduler chose its plan
+#: when its last rank arrived).
+BEGUN = "flowreduce-p2p-begun"
 #: Stream message from the scheduler: such a call ended, its inputs kept since they arrived are let go.
 DROP = "flowreduce-p2p-drop"
 #: Scheduler handler: what such a call ran, once it began (for :func:`flowreduce.describe`).
@@ -574,6 +577,11 @@ class Engine:
         self.shared_sends = 0  # messages whose big values went through a segment (tests read it)
         #: call token -> rank -> its input, kept from its arrive task until the scheduler says the call ended
         self.arrived: dict[str, dict[int, np.ndarray]] = {}
+        #: call token -> its latest run here, for its results waiting since their rank arrived
+        self.begun: dict[str, Begun] = {}
+        #: calls placed on arrival refused or failed before they began (FAILED_KEPT at most): a result of
+        #: one that starts late raises this (until a rank of it arrives again: computed again)
+        self.ended_calls: OrderedDict[str, BaseException] = OrderedDict()
         self._place: tuple[Any, ...] | None = None
         self.log = EngineLog(worker)  # what the runs did, for traces and the dashboard (engine_log.py)
 
@@ -607,13 +615,16 @@ class Engine:
             self._place = astuple(hosts.worker_place(self.worker))
         return self._place
 
-    def start(self, run: Any = None, token: Any = None, spec: Any = None, **other: Any) -> dict[str, Any]:
-        """Handler: the barrier of call ``token`` says it begins as ``run``
-        with ``spec``: this worker's ranks' inputs, kept since they arrived,
-        are handed in (the run goes on in the background)."""
+    def begun_by_scheduler(self, run: Any = None, token: Any = None, spec: Any = None, **other: Any) -> None:
+        """Stream message from :class:`P2PSchedulerPlugin`: call ``token``
+        begins as ``run`` with ``spec``: this worker's ranks' inputs, kept
+        since they arrived, are handed in (the run goes on in the
+        background). A worker that cannot begin fails the run on every
+        worker of it."""
         if other or not isinstance(run, str) or not isinstance(token, str) or not isinstance(spec, (Spec, GatherSpec)):
-            return refused(START, f"bad arguments: run {type(run).__name__}, token {type(token).__name__}, "
-                                  f"spec {type(spec).__name__}, others {sorted(map(str, other))[:5]}")
+            logger.error("flowreduce: %s refused a stream message: run %r, token %r, spec %r, others %s", BEGUN,
+                         type(run).__name__, type(token).__name__, type(spec).__name__, sorted(other)[:5])
+            return
         try:
             index = spec.addresses.index(self.address)
             here = self.arrived.get(token, {})
@@ -621,12 +632,19 @@ class Engine:
             missing = [r for r in members if r not in here]
             if missing:
                 raise WorkerLostError(f"the inputs of ranks {_ranks(missing)} of all-reduce {token} are no longer "
-                                      f"on worker {self.address} (a worker left and the call is being re-run)")
+                                      f"on worker {self.address}")
             found = self.run(run, spec)
         except Exception as e:
-            return {"status": "error", "message": f"{e!r}"[:300], "error": to_serialize(e)}
+            exc = RuntimeError(f"all-reduce {token}: worker {self.address} could not begin run {run}: {e!r}"[:500])
+            logger.warning("flowreduce: %s", exc)
+            self.failed[run] = exc
+            self.begun.setdefault(token, Begun()).set(run=run)  # its results here raise
+            for address in spec.addresses:
+                if address != self.address:
+                    asyncio.ensure_future(self._tell(address, run, exc))
+            return
+        self.begun.setdefault(token, Begun()).set(run=run)
         asyncio.ensure_future(self._hand_in(found, index, [here[r] for r in members]))
-        return {"status": "OK"}
 
     async def objects(self, run: Any = None, spec: Any = None, values: Any = None, result: Any = None,
                       **other: Any) -> dict[str, Any]:
@@ -650,13 +668,24 @@ class Engine:
             return {"status": "error", "message": f"{e!r}"[:300]}
         return {"status": "OK"}
 
-    def drop_arrived(self, token: Any = None, **other: Any) -> None:
-        """Stream message from :class:`P2PSchedulerPlugin`: call ``token`` ended (or was abandoned)."""
+    def drop_arrived(self, token: Any = None, error: Any = None, **other: Any) -> None:
+        """Stream message from :class:`P2PSchedulerPlugin`: call ``token``
+        ended, or was abandoned, or its barrier failed with ``error`` (its
+        results still waiting here raise it)."""
         if other or not isinstance(token, str):
             logger.error("flowreduce: %s refused a stream message: token %r, others %s", DROP, type(token).__name__,
                          sorted(other)[:5])
             return
         self.arrived.pop(token, None)
+        exc = _exception(error) if error is not None else RuntimeError(
+            f"all-reduce {token} ended before this rank's result was taken")
+        if error is not None:  # a result that starts after this raises it too
+            self.ended_calls[token] = exc
+            while len(self.ended_calls) > FAILED_KEPT:
+                self.ended_calls.popitem(last=False)
+        begun = self.begun.pop(token, None)
+        if begun is not None:
+            begun.set(error=exc)
 
     async def _hand_in(self, found: Any, index: int, xs: list[Any]) -> None:
         try:
@@ -840,18 +869,18 @@ class P2PWorkerPlugin(WorkerPlugin):
             engine = worker.extensions[EXTENSION] = Engine(worker)
         worker.handlers[RECEIVE] = engine.receive
         worker.handlers[FAIL] = engine.failed_elsewhere
-        worker.handlers[START] = engine.start
         worker.handlers[OBJECTS] = engine.objects
         worker.stream_handlers[FAIL] = engine.scheduler_says
         worker.stream_handlers[DROP] = engine.drop_arrived
+        worker.stream_handlers[BEGUN] = engine.begun_by_scheduler
 
     def teardown(self, worker: Any) -> None:
         worker.handlers.pop(RECEIVE, None)
-        worker.handlers.pop(START, None)
         worker.handlers.pop(OBJECTS, None)
         worker.handlers.pop(FAIL, None)
         worker.stream_handlers.pop(FAIL, None)
         worker.stream_handlers.pop(DROP, None)
+        worker.stream_handlers.pop(BEGUN, None)
         worker.extensions.pop(EXTENSION, None)
 
 
@@ -876,10 +905,19 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         #: calls placed on arrival some of whose ranks arrived: every worker is told when one ends (a
         #: rank's arrive task may have run, and kept its input, on a worker its key no longer lists)
         self.keeping: set[str] = set()
+        #: call token -> rank -> where it arrived and what it holds (pickled), until the call begins
+        self.arrivals: OrderedDict[str, dict[int, bytes]] = OrderedDict()
+        #: calls placed on arrival begun (or refused) and not ended: their ranks arriving again change nothing
+        self.started: set[str] = set()
+        #: calls placed on arrival that lost a worker: they begin again when every rank has arrived again
+        self.restarting: set[str] = set()
+        #: calls placed on arrival that failed before they began (an input failed, or was refused): token ->
+        #: the error their results raise, until they are forgotten
+        self.doomed: OrderedDict[str, Any] = OrderedDict()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        scheduler.handlers[BEGIN] = self.begin
+        scheduler.stream_handlers[ARRIVED] = self.arrived
         scheduler.handlers[RECORD] = self.record
         _serve_engine_log(scheduler)  # the engines' steps, for the dashboard's grid
 
@@ -899,18 +937,32 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                 self.active[token] = (dict(where), {d.key for d in ts.dependents})
             return
         if f"-{ARRIVE}-" in key[0]:
-            if finish == "memory":
+            if finish == "memory" and token in self.doomed:  # its result, sent there next, raises the error
+                bs = self.scheduler.stream_comms.get(next(iter(self.scheduler.tasks[key].who_has)).address)
+                if bs is not None:
+                    bs.send({"op": DROP, "token": token, "error": self.doomed[token]})
+            elif finish == "memory":
                 self.keeping.add(token)
+                self._pin_result(key)
+                self._begin_if_arrived(token, key[0].replace(f"-{ARRIVE}-", f"-{BARRIER}-"))
             return
         if token not in self.active:
-            if token in self.keeping and f"-{BARRIER}-" in key[0] and finish in ("erred", "forgotten"):
-                self._end(token)  # it failed before it began (inputs refused), or was abandoned
+            if not self._placed_on_arrival(key):
+                return
+            if finish == "erred" and token not in self.started and token not in self.doomed:
+                ts = self.scheduler.tasks.get(key)  # an input failed before the call began
+                self._doom(token, getattr((ts.exception_blame or ts) if ts is not None else None, "exception", None))
+            elif finish == "forgotten" and (f"-{BARRIER}-" in key[0] or f"-{OUTPUT}-" in key[0]):
+                self.doomed.pop(token, None)
+                self._end(token)  # abandoned
             return
         outputs = self.active[token][1]
         if finish == "erred" or (finish == "forgotten" and key in outputs):  # failed, or cancelled
             what = "erred" if finish == "erred" else "was cancelled"
-            self._fail(token, f"all-reduce {token}: task {key!r} {what} before every rank's result was computed",
-                       lost=False)
+            ts = self.scheduler.tasks.get(key)
+            why = f" ({(ts.exception_blame or ts).exception_text})" if finish == "erred" and ts is not None else ""
+            self._fail(token, f"all-reduce {token}: task {key!r} {what} before every rank's result was "
+                              f"computed{why}"[:2000], lost=False)
         elif finish == "memory" and key in outputs:
             outputs.discard(key)
             if not outputs:
@@ -920,20 +972,61 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                     self.tell(where, restarted, f"run {restarted} ended: every result is in memory", lost=False)
                 self._end(token)
 
-    def begin(self, token: Any = None, workers: Any = None, outputs: Any = None, record: Any = None,
-              dashboard: Any = None, **other: Any) -> dict[str, Any]:
-        """Handler: the barrier of a call placed when its inputs arrived
-        (:func:`begin`) says rank ``r`` arrived on ``workers[r]``. Each
-        result ``outputs[r]`` not in memory yet is pinned there, and the call
-        is followed like any p2p run. The attempt (0, then one more each time
-        the barrier runs again: a worker was lost) and those pending ranks."""
+    def arrived(self, token: Any = None, rank: Any = None, arrival: Any = None, worker: Any = None,
+                **other: Any) -> None:
+        """Stream message from an arrive task (:func:`arrive`): rank ``rank`` of call ``token`` arrived."""
+        if other or not isinstance(token, str) or type(rank) is not int or not isinstance(arrival, bytes):
+            logger.error("flowreduce: %s refused a stream message: token %r, rank %r, others %s", ARRIVED,
+                         type(token).__name__, type(rank).__name__, sorted(other)[:5])
+            return
+        self.arrivals.setdefault(token, {})[rank] = arrival
+        while len(self.arrivals) > 4096:
+            self.arrivals.popitem(last=False)
+
+    def _begin_if_arrived(self, token: str, gate_name: str) -> None:
+        """Call ``token`` begins (or begins again after a lost worker) as
+        soon as its last rank arrived, here: its decision (``decide``, made
+        by the front door with the call's settings and the cost model, the
+        argument of its barrier task ``gate_name``) checks what the ranks
+        hold and chooses the plan from where they arrived; the results are
+        pinned and the workers told by stream. No task and no round trip
+        lie between the arrivals and the run. A refused call's results
+        raise the decision's error (naming the ranks)."""
+        if token in self.started and token not in self.restarting:
+            return
         s = self.scheduler
-        if (other or not isinstance(token, str) or not isinstance(workers, (list, tuple))
-                or not isinstance(outputs, (list, tuple))
-                or len(workers) != len(outputs) or not all(isinstance(w, str) for w in workers)
-                or not isinstance(record, bytes)):
-            return refused(BEGIN, f"bad arguments: token {type(token).__name__}, workers {type(workers).__name__}, "
-                                  f"outputs {type(outputs).__name__}, others {sorted(map(str, other))[:5]}")
+        gate = s.tasks.get((gate_name, 0))
+        found = self.arrivals.get(token, {})
+        if gate is None or gate.run_spec is None:
+            return
+        _, decide, named, *_ = gate.run_spec.args
+        ranks = range(len(named.keys))
+        if any(r not in found for r in ranks):
+            return
+        try:
+            arrivals = [pickle.loads(found[r]) for r in ranks]
+            spec, record, shown = decide(arrivals)
+        except Exception as e:  # noqa: BLE001 - the call's own error (an input refused), for its results
+            self._doom(token, to_serialize(e))
+            return
+        self.restarting.discard(token)
+        self.started.add(token)
+        reply = self._begin(token, [a[0] for a in arrivals], list(named.keys), record, shown)
+        message = {"op": BEGUN, "run": run_id(token, reply["attempt"]), "token": token,
+                   "spec": to_serialize(replace(spec, outputs=tuple(reply["pending"])))}
+        for address in spec.addresses:
+            bs = s.stream_comms.get(address)
+            if bs is not None:
+                bs.send(message)
+
+    def _begin(self, token: str, workers: Sequence[str], outputs: Sequence[Any], record: bytes,
+               dashboard: Any) -> dict[str, Any]:
+        """Call ``token`` begins its next attempt, rank ``r`` on
+        ``workers[r]``: each result ``outputs[r]`` not in memory yet is
+        pinned there, and the call is followed like any p2p run. The attempt
+        (0, then one more each time it begins again: a worker was lost) and
+        those pending ranks."""
+        s = self.scheduler
         attempt = self.begun.pop(token, -1) + 1
         self.begun[token] = attempt
         while len(self.begun) > 4096:
@@ -983,13 +1076,49 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.tell(where, self.runs.pop(token, run_id(token)), message, lost)
         self._end(token)
 
-    def _end(self, token: str) -> None:
-        """Tell the workers to let go of the inputs of call ``token`` kept since they arrived."""
+    def _placed_on_arrival(self, key: Hashable) -> bool:
+        """Whether task ``key`` is an arrive task, or a barrier or result of a call placed on arrival."""
+        ts = self.scheduler.tasks.get(key)
+        return f"-{ARRIVE}-" in key[0] or (  # type: ignore[index]
+            ts is not None and any(f"-{ARRIVE}-" in d.key[0] for d in ts.dependencies))
+
+    def _pin_result(self, key: Hashable) -> None:
+        """Rank's arrive task ``key`` is in memory: its result, which depends
+        on it alone, is pinned to the worker it arrived on, before Dask
+        places it (the hook runs before the transition's consequences)."""
+        ts = self.scheduler.tasks.get(key)
+        if ts is None or not ts.who_has:
+            return
+        where = sorted(ws.address for ws in ts.who_has)[:1]
+        rank0 = any(f"-{OUTPUT}-" in dts.key[0] and any(f"-{BARRIER}-" in d.key[0] for d in dts.dependencies)
+                    for dts in ts.dependents)
+        for dts in ts.dependents:  # rank 0's barrier too: its result reads the barrier's value in place
+            if dts.state in ("released", "waiting") and (
+                    f"-{OUTPUT}-" in dts.key[0] or (rank0 and f"-{BARRIER}-" in dts.key[0])):
+                dts.worker_restrictions, dts.loose_restrictions = set(where), False
+
+    def _doom(self, token: str, error: Any) -> None:
+        """Call ``token`` failed before it began: every worker lets go of
+        its inputs, and its results there raise ``error`` (those that start
+        later too: a rank arriving later is told again)."""
+        self.doomed[token] = error
+        while len(self.doomed) > 4096:
+            self.doomed.popitem(last=False)
+        self.keeping.add(token)
+        self._end(token, error=error)
+
+    def _end(self, token: str, error: Any = None) -> None:
+        """Tell the workers to let go of the inputs of call ``token`` kept
+        since they arrived (and its results waiting there to raise ``error``)."""
+        self.arrivals.pop(token, None)
+        self.restarting.discard(token)
+        self.started.discard(token)
         if token not in self.keeping:
             return
         self.keeping.discard(token)
+        message = {"op": DROP, "token": token} if error is None else {"op": DROP, "token": token, "error": error}
         for bs in self.scheduler.stream_comms.values():
-            bs.send({"op": DROP, "token": token})
+            bs.send(message)
 
     def tell(self, workers: Iterable[str], run: str, message: str, lost: bool) -> None:
         """Tell ``workers`` that ``run`` cannot finish (their engines drop it and fail its outputs)."""
@@ -1011,29 +1140,36 @@ def placed_on_arrival(tasks: Iterable[Any]) -> bool:
 
 def restart_on_arrival(s: Any, token: str, tasks: Sequence[Any], gone: Iterable[str], stimulus_id: str) -> None:
     """Run a call placed on arrival again after workers ``gone`` left (by
-    :func:`flowreduce.schedule.recovery.recover`): its barrier and its
-    results not in memory are released, so the ranks arrive again where
-    their inputs now are (Dask recomputes arrive tasks and lost inputs from
-    their lineage), the barrier begins the next attempt, pins the pending
-    results anew, and the old run is dropped where it still is."""
-    recs = {}
+    :func:`flowreduce.schedule.recovery.recover`): the old run is dropped
+    where it still is; the ranks that were on ``gone`` arrive again where
+    their inputs now are (Dask recomputes their arrive tasks and lost inputs
+    from their lineage), and when the last has, the next attempt begins
+    (:meth:`P2PSchedulerPlugin._begin_if_arrived`), pinning the pending
+    results anew. The results still waiting on other workers wait for it."""
     for ts in tasks:
-        barrier_task = f"-{BARRIER}-" in ts.key[0]
-        if (barrier_task and ts.state in ("memory", "processing", "queued", "no-worker")) or (
-                f"-{OUTPUT}-" in ts.key[0] and ts.state in ("processing", "queued", "no-worker")):
-            recs[ts.key] = "released"
-        if not barrier_task and ts.worker_restrictions and not ts.worker_restrictions.isdisjoint(gone):
-            ts.worker_restrictions = None  # the next begin pins it again
-    s.transitions(recs, stimulus_id=stimulus_id)
+        if ts.worker_restrictions and not ts.worker_restrictions.isdisjoint(gone):
+            ts.worker_restrictions = None  # pinned again when its rank arrives again
     plugin = s.plugins.get(P2PSchedulerPlugin.name)
-    if plugin is not None:
-        previous = plugin.active.pop(token, None)
-        run = plugin.runs.pop(token, None)
-        if previous is not None and run is not None:
-            plugin.tell([w for w in previous[0] if w in s.workers], run, f"run {run} restarts: worker "
-                        f"{', '.join(sorted(gone))} left", lost=True)
+    if plugin is None:
+        return
+    plugin.restarting.add(token)
+    if token not in plugin.started:  # it had ended, and the engines let go of its inputs: every rank arrives again
+        plugin.arrivals.pop(token, None)
+        s.transitions({ts.key: "waiting" for ts in tasks if f"-{ARRIVE}-" in ts.key[0] and ts.state == "released"},
+                      stimulus_id=stimulus_id)
+    arrived = plugin.arrivals.get(token, {})
+    for r in [r for r, a in arrived.items() if pickle.loads(a)[0] in gone]:
+        del arrived[r]
+    previous = plugin.active.pop(token, None)
+    run = plugin.runs.pop(token, None)
+    if previous is not None and run is not None:
+        plugin.tell([w for w in previous[0] if w in s.workers], run, f"run {run} restarts: worker "
+                    f"{', '.join(sorted(gone))} left", lost=True)
     logger.info("flowreduce: all-reduce %s placed on arrival runs again (worker %s left)", token,
                 ", ".join(sorted(gone)))
+    gate = next((ts.key[0] for ts in tasks if f"-{BARRIER}-" in ts.key[0]), None)
+    if gate is not None:  # no rank was on the workers that left: it begins again now
+        plugin._begin_if_arrived(token, gate)
 
 
 def lost_output(ts: Any) -> bool:
@@ -1142,50 +1278,24 @@ async def arrive(token: str, rank: int, x: Any) -> Arrival:
                 x = None
     if isinstance(x, np.generic):
         x = np.asarray(x)
+    engine.ended_calls.pop(token, None)  # a collection computed again: a new call of the same keys
     if x is not None and not isinstance(meta, OtherMeta):  # arrays, and the pytrees a GatherRun reduces
         engine.arrived.setdefault(token, {})[rank] = x
-    return engine.address, engine.place, meta
+    arrival = (engine.address, engine.place, meta)
+    # before the task's own message on the same stream: the scheduler has it when the task is in memory
+    engine.worker.batched_stream.send({"op": ARRIVED, "token": token, "rank": rank, "arrival": pickle.dumps(arrival)})
+    return arrival
 
 
-async def _start(worker: Any, address: str, run: str, token: str, spec: Any) -> Any:
-    """Begin ``run`` on the worker at ``address``; a worker just (re)started may not have the engine's
-    handlers yet (its plugins are set up after it registered): asked again for a few seconds."""
-    for delay in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 0.0):
-        reply = await worker.rpc(address).flowreduce_p2p_start(run=run, token=token, spec=to_serialize(spec))
-        if reply is not None or not delay:
-            return reply
-        await asyncio.sleep(delay)
-    return None
-
-
-async def begin(token: str, decide: Decide, outputs: _lower.Named,
-                *arrivals: Arrival) -> str:
-    """Task: every rank has arrived. ``decide`` checks what they hold
-    (errors naming the ranks) and chooses the plan and its spec from where
-    they are; the scheduler pins the pending results to their ranks'
-    workers and says which attempt this is; every worker of the plan then
-    begins the run with the inputs it kept. The run's id."""
-    worker = get_worker()
-    spec, record, shown = decide(arrivals)
-    workers = [a[0] for a in arrivals]
-    reply = await worker.scheduler.flowreduce_p2p_begin(token=token, workers=workers, outputs=list(outputs.keys),
-                                                        record=record, dashboard=shown)
-    if not isinstance(reply, dict) or reply.get("status") != "OK":
-        raise RuntimeError(f"the scheduler refused all-reduce {token}'s begin: {reply!r}"[:500])
-    run = run_id(token, reply["attempt"])
-    spec = replace(spec, outputs=tuple(reply["pending"]))
-    replies = await asyncio.gather(*(_start(worker, a, run, token, spec) for a in spec.addresses),
-                                   return_exceptions=True)
-    for address, got in zip(spec.addresses, replies):
-        if isinstance(got, dict) and isinstance(got.get("error"), BaseException):
-            raise got["error"]
-        if isinstance(got, BaseException):
-            ranks = [r for r in range(spec.ranks) if spec.worker(r) == address]
-            raise WorkerLostError(f"all-reduce {token}: worker {address} (ranks {_ranks(ranks)}) could not "
-                                  f"begin run {run}: {got!r}"[:500])
-        if not isinstance(got, dict) or got.get("status") != "OK":
-            raise RuntimeError(f"worker {address} refused to begin run {run}: {got!r}"[:500])
-    return run
+def hold_decision(token: str, decide: Decide, outputs: _lower.Named, *arrivals: Arrival) -> str:
+    """Task, the barrier of a call placed on arrival: it only carries the
+    call's decision (``decide``, with the results' keys) in its arguments,
+    for the scheduler plugin, which begins the call when its last rank
+    arrived (:meth:`P2PSchedulerPlugin._begin_if_arrived`). It runs on rank
+    0's worker when rank 0 arrived (or every rank, for a collection's call),
+    and rank 0's result reads it there (it keeps the barrier in the graph
+    Dask culls from the results)."""
+    return token
 
 
 async def take_out(gate: Any, run: str, rank: int) -> Any:
@@ -1202,6 +1312,75 @@ async def take_out(gate: Any, run: str, rank: int) -> Any:
     return value
 
 
+async def take_out_begun(arrival: Any, token: str, rank: int, named: _lower.Named, *barrier: Any) -> Any:
+    """Task of a call placed on arrival: rank's result, waiting (on the
+    event loop, not counted against the worker's threads: the other ranks'
+    inputs may need them) from the moment the rank arrived until the call
+    began here and the run has the result. A run dropped because a worker
+    left is followed by the next attempt's."""
+    engine = _engine()
+    if token in engine.ended_calls:
+        raise engine.ended_calls[token].with_traceback(None)
+    begun = engine.begun.setdefault(token, Begun())
+    task = engine.worker.state.tasks.get(named.keys[0])
+    if begun.run is None and task is not None and task.state == "executing":  # not already long-running
+        leave_slot(engine.worker, named.keys[0])
+    after = None
+    while True:
+        run = await begun.next(after)
+        after = run
+        if run in engine.failed:
+            if isinstance(engine.failed[run], WorkerLostError):
+                continue
+            raise engine.failed[run].with_traceback(None)
+        found = engine.runs.get(run)
+        if found is None or rank not in found.results:
+            raise RuntimeError(f"rank {rank} of run {run} is not running on worker {engine.address}")
+        try:
+            value = await asyncio.shield(found.results[rank])
+        except WorkerLostError:
+            continue  # the run restarts: the next attempt's result
+        found.taken.add(rank)
+        found._maybe_done()
+        return value
+
+
+class Begun:
+    """What an engine knows of a call placed on arrival: its latest run here, or why it ended."""
+
+    def __init__(self) -> None:
+        self.run: str | None = None
+        self.error: BaseException | None = None
+        self._changed = asyncio.Event()
+
+    def set(self, run: str | None = None, error: BaseException | None = None) -> None:
+        self.run, self.error = run or self.run, error
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def next(self, after: str | None) -> str:
+        """A run other than ``after`` (waiting for it), or the call's error."""
+        while self.error is None and self.run in (None, after):
+            await self._changed.wait()
+        if self.error is not None:
+            raise self.error.with_traceback(None)
+        assert self.run is not None
+        return self.run
+
+
+def _exception(error: Any) -> BaseException:
+    """An exception forwarded by the scheduler, as the worker received it."""
+    if isinstance(error, BaseException):
+        return error
+    try:
+        from distributed.protocol import deserialize
+
+        got = deserialize(error.header, error.frames) if hasattr(error, "frames") else pickle.loads(error)
+    except Exception as e:  # noqa: BLE001 - whatever came, the results must raise something that says so
+        return RuntimeError(f"the all-reduce's barrier failed (its error could not be read here: {e!r})")
+    return got if isinstance(got, BaseException) else RuntimeError(f"the all-reduce's barrier failed: {got!r}")
+
+
 def lower(spec: Spec, inputs: Sequence[Any]) -> Graph:
     """A new call's graph: 2 tasks per rank and a barrier."""
     token = new_token()
@@ -1215,10 +1394,12 @@ Decide = Callable[[Sequence[Arrival]], tuple["Spec | GatherSpec", bytes, dict[st
 
 
 def lower_arrivals(inputs: Sequence[Any], algorithm: str, decide: Decide,
-                   output_keys: Sequence[Hashable] | None = None, token: str | None = None) -> Graph:
+                   output_keys: Sequence[Hashable] | None = None, token: str | None = None,
+                   some: bool = False) -> Graph:
     """A new call's graph placed when its inputs arrive: a task per rank, a barrier, an output per rank."""
-    return _lower.lower_arrivals(inputs, algorithm=algorithm, token=token or new_token(), arrive=arrive, begin=begin,
-                                 take_out=take_out, decide=decide, output_keys=output_keys)
+    return _lower.lower_arrivals(inputs, algorithm=algorithm, token=token or new_token(), arrive=arrive,
+                                 begin=hold_decision,
+                                 take_out=take_out_begun, decide=decide, output_keys=output_keys, some=some)
 
 
 def arrivals_held(dask_worker: Any = None) -> dict[str, list[int]]:

@@ -92,7 +92,7 @@ async def read_peers(peers: Sequence[tuple[int, str, Hashable]], op: Op | None =
         try:
             return await read_all(False)
         except _Absent:  # an input no worker holds now: wait for Dask to recompute it
-            _leave_slot(worker, key)  # the recomputation may need this worker's slot (all readers waiting: a deadlock)
+            leave_slot(worker, key)  # the recomputation may need this worker's slot (all readers waiting: a deadlock)
             return await read_all(True)
 
     # the sums asked of peers holding several ranks and the other peers' values, at once
@@ -109,7 +109,7 @@ async def read_peers(peers: Sequence[tuple[int, str, Hashable]], op: Op | None =
     return out, partials
 
 
-def _leave_slot(worker: Any, key: Hashable) -> None:
+def leave_slot(worker: Any, key: Hashable) -> None:
     """What :func:`distributed.secede` does for a task in a thread, for the
     task ``key`` running on the event loop: it stops counting against the
     worker's threads (long-running), so another task can run meanwhile."""
@@ -412,7 +412,7 @@ async def _collect(worker: Any, pool: Any, token: str, first: dict[str, int], ke
         if not pending or waited > POST_WAIT:
             return found
         if waited > POST_PATIENCE and not left:
-            _leave_slot(worker, key)
+            leave_slot(worker, key)
             left = True
         await asyncio.sleep(pause)
         pause = min(2 * pause, 0.002)
