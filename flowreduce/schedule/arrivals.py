@@ -5,16 +5,17 @@ Used when the caller cannot know the inputs without waiting: futures still
 computing, and Dask collections (a list of ``Delayed``, a dask array with one
 block per rank along an axis, a list of dask arrays). The graph is the p2p
 engine's placed-on-arrival form (:func:`flowreduce.schedule.p2p.lower_arrivals`):
-each rank's *arrive* task runs where Dask puts it, next to its input; the
-barrier checks what the ranks hold (errors name the ranks, on the results)
-and chooses the plan from where they arrived (``decide``, made by the front
-door with the call's settings and the cost model); the scheduler pins each
-rank's result to its rank's worker. Nothing is asked of the scheduler or
-the workers while the call is made: the futures' graph is sent with one
-stream message, and a collection's graph waits for the user's compute.
+each rank's *arrive* task runs where Dask puts it, next to its input; when
+the last has arrived, the scheduler checks what the ranks hold (errors name
+the ranks, on the results) and chooses the plan from where they arrived
+(``decide``, made by the front door with the call's settings and the cost
+model, carried by the barrier task) and pins each rank's result to its
+rank's worker. Nothing is asked of the scheduler or the workers while the
+call is made: the futures' graph is sent with one stream message, and a
+collection's graph waits for the user's compute.
 
 :func:`flowreduce.describe` of such a call asks the scheduler for what ran,
-once the barrier has chosen it.
+once it is chosen.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
     placed(token)
     _p2p.ensure_p2p(client)
     guard.ensure_guard(client)
-    dashboard.install(client)  # its record comes from the barrier, through the scheduler plugin
+    dashboard.install(client)  # its record comes from the scheduler plugin once the call begins
     ensure_shm(client)  # big values between workers of a host go through shared segments
     out = client.get(named_graph(graph.tasks, token), graph.outputs, sync=False)
     guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
@@ -150,7 +151,7 @@ def _same(x: Any) -> Any:
 
 
 def record_of(client: Any, token: str, futures: Sequence[Any], wait: float | None = None) -> CallRecord | None:
-    """What call ``token`` ran, asked of the scheduler once its barrier chose
+    """What call ``token`` ran, asked of the scheduler once it chose
     it (waiting for that up to ``wait`` s, None: until it began or one of
     ``futures`` failed); None if it did not begin."""
     deadline = None if wait is None else time.monotonic() + wait

@@ -288,7 +288,7 @@ def allreduce(
         ``RuntimeError``) fail every rank's result, whose ``.result()`` or
         ``client.gather`` raises them, naming the ranks; so do the same
         errors found later by the call's tasks (a template's check, the
-        ``direct`` plan's, a call placed on arrival's barrier). An input that
+        ``direct`` plan's, a call placed on arrival's decision). An input that
         fails while a call placed on arrival waits for it fails the results
         with its own exception, as any Dask task depending on it. A result
         whose rank cannot recover from a lost worker raises
@@ -858,10 +858,11 @@ def _default_client() -> Any:
 
 @dataclass(frozen=True)
 class OnArrival:
-    """The decision of a call that did not wait for its inputs, made by its
-    barrier (:func:`flowreduce.schedule.p2p.begin`) from where the ranks
-    arrived and what they hold: the same checks (errors naming the ranks),
-    the same plan choice and price as :func:`lower_p2p`."""
+    """The decision of a call that did not wait for its inputs, made on the
+    scheduler when its last rank arrived
+    (:meth:`flowreduce.schedule.p2p.P2PSchedulerPlugin._begin_if_arrived`)
+    from where the ranks arrived and what they hold: the same checks (errors
+    naming the ranks), the same plan choice and price as :func:`lower_p2p`."""
 
     settings: Settings
     token: str
