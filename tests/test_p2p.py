@@ -475,6 +475,22 @@ def test_workers_of_one_host_exchange_big_values_through_shared_segments(proc_cl
     assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
 
 
+def test_a_value_broadcast_to_workers_of_one_host_is_written_once(proc_client):
+    """reduce-broadcast over 4 workers of one host: the three values sent to the root are three
+    segments, and the root's result, sent to the three others, is one segment that each copies out
+    (given back after the last): 4 writes, not 6. The same result as through Dask's comm."""
+    arrays = _inputs(4, 200_000, "sum")
+    futures = scatter_ranks(proc_client, arrays)
+    engine.ensure_p2p(proc_client)
+    before = sum(proc_client.run(_shared_sends).values())
+    out = flowreduce.allreduce(proc_client, futures, algorithm="reduce-broadcast", method="p2p")
+    for f in out:
+        np.testing.assert_array_equal(f.result(timeout=60), _expected(arrays, "sum"))
+    assert sum(proc_client.run(_shared_sends).values()) - before == 4
+    assert wait_until(lambda: not any(proc_client.run(_leased).values()), 10)
+    del out, futures
+
+
 def _die_at_first_message(dask_worker=None):
     """Arm this worker to SIGKILL itself when its engine receives a run's first values (mid-run: the
     peers have computed and sent a step, this worker has handed in)."""

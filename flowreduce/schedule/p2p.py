@@ -124,6 +124,9 @@ class Run:
         self.sending: dict[str, asyncio.Task] = {}
         self.told: set[str] = set()  # workers sent the spec already
         self.taken: set[int] = set()
+        #: the big values of a message written into a segment, by their (chunk, node)s, while peers of this
+        #: host read them: the same values for several peers (a broadcast) are written once
+        self.written: dict[tuple[tuple[int, int], ...], Written] = {}
 
     # -- data in --------------------------------------------------------------
     async def hand_in(self, index: int, xs: Sequence[Any]) -> None:
@@ -245,7 +248,7 @@ class Run:
     async def _send(self, dest: str) -> None:
         """Send what waits for ``dest``, one message at a time: whatever became
         ready during a send goes in the next one."""
-        lease: Lease | None = None
+        lease: Written | None = None
         try:
             while self.outbox.get(dest):
                 index, packed, large = _pack(self.outbox.pop(dest))
@@ -259,7 +262,7 @@ class Run:
                     run=self.id, index=index, packed=to_serialize(packed), items=to_serialize(large), spec=spec,
                     shared=shared)
                 if lease is not None:  # the peer copied its values out before answering
-                    lease[0].give_back(lease[1], lease[2])
+                    lease.release(failed=False)
                     lease = None
                 self.engine.log.send(self.id, dest, t0, index, packed, sent)
                 if isinstance(reply, dict) and isinstance(reply.get("error"), BaseException):
@@ -278,7 +281,7 @@ class Run:
         finally:
             self.sending.pop(dest, None)
             if lease is not None:  # the send failed: the peer may still be reading it, so it is not reused
-                lease[0].discard(lease[1], lease[2])
+                lease.release(failed=True)
         self._maybe_done()
 
     def _same_host(self, dest: str) -> bool:
@@ -289,13 +292,34 @@ class Run:
         mine = domains[self.spec.addresses.index(self.engine.address)]
         return mine is not None and mine == domains[self.spec.addresses.index(dest)]
 
-    async def _into_segment(self, items: list[Item]) -> tuple[Lease | None, dict[str, Any] | None, list[Item]]:
+    async def _into_segment(self, items: list[Item]) -> tuple[Written | None, dict[str, Any] | None, list[Item]]:
         """The values of at least ``flowreduce.shm.min-bytes`` written into one leased segment of
         this worker's pool, and the handle a peer maps to read them; the rest stay as they are
-        (all of them when no segment can be had: shared memory off, full or at its bound)."""
+        (all of them when no segment can be had: shared memory off, full or at its bound). Values
+        already written for another peer that is still reading them are not written again."""
         big = [it for it in items if sum(a.nbytes for a in it[2]) >= self.engine.shm_min_bytes]
         if not big:
             return None, None, items
+        rest = [it for it in items if sum(a.nbytes for a in it[2]) < self.engine.shm_min_bytes]
+        which = tuple((c, n) for c, n, _ in big)
+        written = self.written.get(which)
+        if written is None:
+            written = self.written[which] = Written(self, which)
+            try:
+                await written.write(big)
+            except BaseException:
+                written.ready.set()
+                raise
+        else:
+            written.readers += 1
+            await written.ready.wait()
+        if written.lease is None:  # no segment could be had
+            written.release(failed=False)
+            return None, None, items
+        return written, written.handle, rest
+
+    async def _write(self, big: list[Item]) -> tuple[Lease | None, dict[str, Any] | None]:
+        """``big`` written into one leased segment, and its handle (None, None: no segment to be had)."""
         layout: list[list[Any]] = []
         at = 0
         for c, n, pieces in big:
@@ -308,7 +332,7 @@ class Run:
             pool = _shm_pool.pool()
             seg = pool.lease(at, owner=self.id)
         except _shm_pool.Unavailable:
-            return None, None, items
+            return None, None
         generation = seg.generation
 
         def write() -> None:
@@ -320,10 +344,9 @@ class Run:
             await asyncio.get_running_loop().run_in_executor(self.engine.executor, write)
         else:
             write()
-        rest = [it for it in items if sum(a.nbytes for a in it[2]) < self.engine.shm_min_bytes]
         self.engine.shared_sends += 1
         handle = {"name": seg.name, "size": seg.size, "generation": generation, "values": layout}
-        return (pool, seg, generation), handle, rest
+        return (pool, seg, generation), handle
 
     def _finish(self, index: int) -> None:
         """The plan rank ``index`` has its result: each member rank gets its own array."""
@@ -348,6 +371,35 @@ class Run:
         self.inputs.clear()
         self.handed.clear()
         self.outbox.clear()
+
+
+class Written:
+    """A message's big values in one leased segment, read by one peer of the
+    host or, when several are sent the same values, by each of them: the
+    segment goes back to the pool when the last has copied them out, and
+    is discarded (never reused) if a send failed while a peer may read it."""
+
+    def __init__(self, run: Run, which: tuple[tuple[int, int], ...]):
+        self.run, self.which = run, which
+        self.readers, self.failed = 1, False
+        self.lease: Lease | None = None
+        self.handle: dict[str, Any] | None = None
+        self.ready = asyncio.Event()
+
+    async def write(self, big: list[Item]) -> None:
+        self.lease, self.handle = await self.run._write(big)
+        self.ready.set()
+
+    def release(self, failed: bool) -> None:
+        self.readers -= 1
+        self.failed |= failed
+        if self.readers:
+            return
+        if self.run.written.get(self.which) is self:
+            del self.run.written[self.which]
+        if self.lease is not None:
+            pool, seg, generation = self.lease
+            (pool.discard if self.failed else pool.give_back)(seg, generation)
 
 
 @dataclass(frozen=True)
