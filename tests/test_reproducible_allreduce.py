@@ -13,7 +13,7 @@ import pytest
 from utils import assert_clean, error_of, scatter_ranks, workers_of
 
 import flowreduce
-from flowreduce.errors import OptionError
+from flowreduce.errors import InputError, InputStateError, OptionError
 from flowreduce.schedule import reproducible
 
 RANKS = [1, 2, 3, 5, 8, 16]
@@ -168,11 +168,128 @@ def test_refusals(inproc_client, kw, match):
         flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, wide(2)), **kw)
 
 
-def test_pytrees_are_refused_for_now(inproc_client):
-    parts = [{"a": x, "b": x} for x in wide(2)]
-    e = error_of(lambda: flowreduce.allreduce(inproc_client, [inproc_client.scatter(t) for t in parts],
-                                              deterministic="exact"))  # from the call or its results
-    assert isinstance(e, ValueError) and "one numpy array" in str(e), repr(e)
+def same(a, b) -> bool:
+    """The same type, dtype, shape and bits (numpy arrays and torch tensors)."""
+    if type(a) is not type(b) or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    return np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("p", [1, 3, 5])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_exact_torch_tensors(inproc_client, dtype, p):
+    torch = pytest.importorskip("torch")
+    xs = wide(p, np.dtype(dtype), seed=9)
+    want = flowreduce.reference_reduce(xs, "sum")  # float64: fsum; float32: the exact sum rounded once
+    if dtype == "float64":
+        assert want.tobytes() == fsum(xs).tobytes()
+    got = results(inproc_client, [torch.from_numpy(x) for x in xs], algorithm="ring" if p % 2 else "butterfly",
+                  chunks=2, deterministic="exact")
+    for g in got:
+        assert isinstance(g, torch.Tensor) and g.dtype == getattr(torch, dtype) and tuple(g.shape) == xs[0].shape
+        assert g.numpy().tobytes() == want.tobytes()
+    if p == 3:
+        assert got[0][:2].tolist() == [1.0, 1.0]  # 1e16 + 1 - 1e16
+
+
+def scatter_trees(client, parts) -> list:
+    """One future per rank holding its pytree (``client.scatter`` of a dict scatters its values under
+    its keys instead: the same keys for every rank)."""
+    ws = workers_of(client)
+    return [client.scatter([t], workers=[ws[r % len(ws)]], hash=False)[0] for r, t in enumerate(parts)]
+
+
+def tree_results(client, parts, **kw) -> list:
+    return client.gather(flowreduce.allreduce(client, scatter_trees(client, parts), **kw))
+
+
+def trees(p: int, seed: int, zeros: int = 0) -> list[dict]:
+    """Rank r's {"w": float64 array, "b": [float32 tensor, int64 array]}; ``zeros`` more ranks of zeros."""
+    torch = pytest.importorskip("torch")
+    w, b = wide(p, seed=seed), wide(p, np.float32, size=17, seed=seed + 1)
+    out = [{"w": w[r], "b": [torch.from_numpy(b[r]), np.arange(6, dtype=np.int64) * (r + 1) - 2 ** 40]}
+           for r in range(p)]
+    return out + [{"w": np.zeros(64), "b": [torch.zeros(17), np.zeros(6, np.int64)]} for _ in range(zeros)]
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_exact_pytrees(inproc_client, op):
+    torch = pytest.importorskip("torch")
+    parts = trees(3, seed=10)
+    ws, bs, ints = [t["w"] for t in parts], [t["b"][0].numpy() for t in parts], [t["b"][1] for t in parts]
+    got = tree_results(inproc_client, parts, op=op, algorithm="ring", deterministic="exact")
+    want_w = fsum(ws) if op == "sum" else fsum(ws) / 3
+    assert want_w.tobytes() == flowreduce.reference_reduce(ws, op).tobytes()
+    want_b = flowreduce.reference_reduce(bs, op)
+    want_i = np.sum(ints, axis=0) if op == "sum" else np.sum(ints, axis=0) / 3
+    for g in got:
+        assert list(g) == ["w", "b"] and isinstance(g["b"], list) and len(g["b"]) == 2
+        assert same(g["w"], want_w), np.flatnonzero(g["w"] != want_w)
+        assert same(g["b"][0], torch.from_numpy(want_b)), (g["b"][0], want_b)
+        assert same(g["b"][1], want_i)  # integers: exact already, as the ordinary call gives them
+    if op == "sum":
+        assert got[0]["w"][:2].tolist() == [1.0, 1.0]
+
+
+def test_exact_pytrees_are_the_same_bits_for_any_algorithm_and_rank_count(inproc_client):
+    # 3 ranks by ring and by butterfly, and the same values over 5 ranks of which 2 hold zeros
+    parts = trees(3, seed=11)
+    ring = tree_results(inproc_client, parts, algorithm="ring", deterministic="exact")[0]
+    butterfly = tree_results(inproc_client, parts, algorithm="butterfly", chunks=3, deterministic="exact")[2]
+    five = tree_results(inproc_client, trees(3, seed=11, zeros=2), algorithm="tree", deterministic="exact")[4]
+    for got in (butterfly, five):
+        assert same(got["w"], ring["w"]) and same(got["b"][0], ring["b"][0]) and same(got["b"][1], ring["b"][1])
+    assert ring["w"].tobytes() == fsum([t["w"] for t in parts]).tobytes()
+    default = tree_results(inproc_client, parts, algorithm="tree")[0]["w"]
+    assert default.tobytes() != ring["w"].tobytes()  # else this could not tell the exact sum from an order's
+
+
+def test_exact_with_several_futures_per_rank(inproc_client):
+    parts = trees(3, seed=12)
+    futures = [scatter_trees(inproc_client, [t["w"], t["b"]]) for t in parts]
+    out = flowreduce.allreduce(inproc_client, futures, algorithm="butterfly", deterministic="exact")
+    assert all(isinstance(o, list) and len(o) == 2 for o in out)
+    got = inproc_client.gather(out)
+    whole = tree_results(inproc_client, parts, algorithm="butterfly", deterministic="exact")
+    assert got[0][0].tobytes() == fsum([t["w"] for t in parts]).tobytes()
+    for g, w in zip(got, whole):
+        assert same(g[0], w["w"]) and same(g[1][0], w["b"][0]) and same(g[1][1], w["b"][1])
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_exact_pytrees_that_disagree_name_the_rank(inproc_client, template):
+    parts = trees(3, seed=13)
+    parts[2]["w"] = parts[2]["w"].astype(np.float32)  # rank 2's float64 leaf is a float32 one
+    like = trees(1, seed=13)[0] if template else None
+    e = error_of(lambda: flowreduce.allreduce(inproc_client, scatter_trees(inproc_client, parts), like=like,
+                                              deterministic="exact"))
+    if not template:  # the call checked the ranks' inputs: told on the results
+        assert isinstance(e, InputError) and "ranks [2]: shape (64,), dtype float32" in str(e), repr(e)
+        return
+    # rank 2's pack task checks it against the template; an inner all-reduce placed after that task
+    # failed passes its error on wrapped (InputStateError) instead of as it is
+    assert isinstance(e, (ValueError, InputStateError)), repr(e)
+    assert "rank 2: input ['w'] does not match like=" in str(e), str(e)
+
+
+def test_exact_pytree_helper_tasks_are_released(inproc_client):
+    futures = flowreduce.allreduce(inproc_client, scatter_trees(inproc_client, trees(3, seed=14)),
+                                   op="mean", deterministic="exact")
+    assert all("flowreduce-exact-unpack-" in str(f.key) for f in futures)
+    described = flowreduce.describe(futures[0])
+    assert [b.deterministic for b in described.buckets] == [False, "exact", "exact"]  # int64, float32, float64
+    inproc_client.gather(futures)
+    del futures
+    assert_clean(inproc_client)
+
+
+@pytest.mark.parametrize("value, match", [("bfloat16", "bfloat16"), ("float16", "float16"), ("complex", "complex")])
+def test_exact_refuses_what_it_cannot_round_once(inproc_client, value, match):
+    torch = pytest.importorskip("torch")
+    x = {"bfloat16": torch.ones(4, dtype=torch.bfloat16), "float16": np.ones(4, np.float16),
+         "complex": np.ones(4, np.complex128)}[value]
+    e = error_of(lambda: flowreduce.allreduce(inproc_client, scatter_trees(inproc_client, [{"a": x, "w": np.ones(3)}] * 2), deterministic="exact"))
+    assert isinstance(e, OptionError) and match in str(e), repr(e)
 
 
 @pytest.mark.parametrize("transport", ["auto", "dask"])

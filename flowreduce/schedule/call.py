@@ -334,8 +334,8 @@ def allreduce(
             return allreduce(client, parts, op=op, algorithm=algorithm, chunks=chunks, chunk_bytes=chunk_bytes,
                              model=model, topology=topology, like=template, timeout=timeout, transport=transport,
                              deterministic=False, **options)
-        return _reproducible.allreduce(client, [fs[0] for fs in ranks.futures], ranks.workers, ranks.held,
-                                       settings.op, run)
+        return _reproducible.allreduce(client, ranks.futures, ranks.workers, ranks.held, settings.op, run,
+                                       check=ranks.check)
     return submit(client, lower(client, ranks, settings, may_p2p=how == "auto"), ranks, settings.timeout)
 
 

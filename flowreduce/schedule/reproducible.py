@@ -19,6 +19,15 @@ change the bits, and the lowerings stay as they are:
 
 Integer and boolean inputs, and ``min``/``max`` of any dtype, are exact
 already: they pass through to the ordinary call.
+
+Pytrees, several futures per rank and tensors of other libraries (torch):
+per rank, a ``pack`` task per dtype copies the rank's tensors of that dtype
+into one flat buffer (:func:`flowreduce.kernels.fusion.pack`, the tensor
+fusion's, reading tensors as numpy through :mod:`flowreduce.arrays`); each
+float32/float64 buffer takes the steps above, each integer or boolean buffer
+the ordinary all-reduce (exact already); per rank and input future, an
+``unpack`` task cuts the results back into the rank's structure and kinds
+(:func:`flowreduce.kernels.fusion.unpack`).
 """
 
 from __future__ import annotations
@@ -34,13 +43,15 @@ from distributed import Client, Future
 
 from flowreduce import reproducible
 from flowreduce.errors import OptionError
-from flowreduce.fusion import Layout
+from flowreduce.fusion import Bucket, Layout, make_buckets
+from flowreduce.kernels import fusion as _fusion_kernels
 from flowreduce.keys import new_token, pack_key, parse, unpack_key
 from flowreduce.ops import Op
-from flowreduce.pytree import spec
+from flowreduce.pytree import paths, spec, unflatten
 from flowreduce.reproducible import ORDERLESS
 from flowreduce.schedule import records
 from flowreduce.schedule.inputs import ArrayMeta
+from flowreduce.schedule.records import CallRecord, PytreeRecord
 
 #: The values of ``deterministic`` (and of the dask config key ``flowreduce.deterministic``).
 MODES = (False, True, "exact")
@@ -70,7 +81,7 @@ def applies(held: Any, op: Op) -> bool:
     sums and means. False where the result is exact already (integers,
     booleans, min, max...); an :class:`~flowreduce.errors.OptionError` for
     float ops it cannot make exact (prod, callables) and for inputs it does
-    not take yet (pytrees, several futures per rank, sparse)."""
+    not take (other float dtypes, bfloat16 tensors, sparse)."""
     dtypes = _dtypes(held)
     floats = [d for d in dtypes if d.kind in "fc"]
     if not floats or op.name in ORDERLESS:
@@ -78,32 +89,60 @@ def applies(held: Any, op: Op) -> bool:
     if op.name not in ("sum", "mean"):
         raise OptionError(f"deterministic='exact' makes float sums and means exact; op {op.name!r} on {floats[0]} "
                           "has no exact form (pass deterministic=False)")
-    if not _single_numpy(held) or not all(reproducible.supported(d) for d in floats):
-        raise OptionError("deterministic='exact' takes one numpy array of float32 or float64 per rank for now; got "
-                          f"{_describe(held)} (pytrees and other dtypes: reduce them one array at a time, or pass "
+    refused = _refused(held)
+    if refused is not None:
+        raise OptionError(f"deterministic='exact' takes numpy arrays and torch tensors of float32 or float64 (and "
+                          f"integers, booleans), one per rank or in pytrees; got {refused} (pass "
                           "deterministic=False)")
     return True
 
 
-def allreduce(client: Client, inputs: Sequence[Future], workers: Sequence[str], held: Any, op: Op,
-              run: Callable[[list[Future], str, Any], list[Future]]) -> list[Future]:
-    """The exact sum (or mean) of ``inputs`` (rank ``r``'s array on
-    ``workers[r]``, all ``held``), through ``run(futures, op, like)``: the
-    ordinary all-reduce with the call's other options. Nothing is waited
-    for: the helper tasks are pinned, and each all-reduce is given the
-    template of what they return (``like``)."""
-    p = len(inputs)
+def _refused(held: Any) -> str | None:
+    """What of ``held`` the exact path does not take, or None."""
+    if isinstance(held, ArrayMeta):
+        return None if reproducible.supported(held.dtype) and held.native is None else _describe(held)
+    if not isinstance(held, Layout):
+        return _describe(held)
+    for t in held.tensors:
+        dtype = np.dtype(t.spec.dtype)
+        if dtype.kind not in "fc":
+            continue
+        native = t.spec.native
+        # a float reduced in another dtype than its own (torch bfloat16 as float32) would be rounded twice
+        if not reproducible.supported(dtype) or (native is not None and native.dtype != dtype.name):
+            return f"{t.spec} at {t.path or 'the input'}"
+    return None
+
+
+def allreduce(client: Client, futures: Sequence[Sequence[Future]], workers: Sequence[str], held: Any, op: Op,
+              run: Callable[[list[Future], str, Any], list[Any]], check: bool = False) -> list[Any]:
+    """The exact sum (or mean) of the ranks' inputs (rank ``r``'s futures
+    ``futures[r]`` on ``workers[r]``, all ``held``: one array, or the
+    tensors of a :class:`~flowreduce.fusion.Layout`), through
+    ``run(futures, op, like)``: the ordinary all-reduce with the call's
+    other options. ``check``: the ranks' inputs were not seen (a template):
+    the pack tasks check them against ``held``, naming the rank. Nothing is
+    waited for: the helper tasks are pinned, and each all-reduce is given
+    the template of what they return (``like``)."""
+    p = len(futures)
     if p > reproducible.MAX_RANKS:
         raise OptionError(f"deterministic='exact' sums at most {reproducible.MAX_RANKS} ranks exactly (int64 "
                           f"headroom of its limbs); got {p}")
-    dtype = _dtypes(held)[0]
+    if _single_numpy(held):
+        return _exact(client, [fs[0] for fs in futures], workers, _shape(held), _dtypes(held)[0], op, run)
+    return _tensors(client, futures, workers, held, op, run, check)
+
+
+def _exact(client: Client, inputs: Sequence[Future], workers: Sequence[str], shape: tuple[int, ...],
+           dtype: np.dtype, op: Op, run: Callable[[list[Future], str, Any], list[Any]]) -> list[Future]:
+    """Steps 1-5 for one float32/float64 array per rank (``inputs``)."""
+    p = len(inputs)
     token = new_token()
 
     def per_rank(func: Callable[..., Any], key: Callable[[int], Any], *args: Sequence[Any]) -> list[Future]:
         return [client.submit(func, *(a[r] for a in args), key=key(r), workers=[workers[r]],
                               allow_other_workers=False, pure=False) for r in range(p)]
 
-    shape = _shape(held)
     exps = per_rank(reproducible.exponents, lambda r: pack_key(EXPONENTS, token, r), inputs)
     shared = run(exps, "max", spec(shape, reproducible.EXPONENT_DTYPE))
     limbs = per_rank(reproducible.encode, lambda r: pack_key(LIMBS, token, r), inputs, shared)
@@ -118,6 +157,77 @@ def allreduce(client: Client, inputs: Sequence[Future], workers: Sequence[str], 
         out = run(shares, "sum", spec(shape, dtype))
     _describe_as_one(token, inputs, sums, out, shape, dtype)
     return out
+
+
+def _tensors(client: Client, futures: Sequence[Sequence[Future]], workers: Sequence[str], layout: Layout, op: Op,
+             run: Callable[[list[Future], str, Any], list[Any]], check: bool) -> list[Any]:
+    """The tensors of ``layout`` (pytrees, several futures per rank, torch
+    tensors) reduced one dtype at a time: per rank, each dtype's tensors
+    packed into one flat buffer; float buffers summed exactly
+    (:func:`_exact`), the others by the ordinary all-reduce (exact already);
+    per rank and input future, the results cut back into its structure."""
+    p = len(futures)
+    token = new_token()
+    specs = [t.spec for t in layout.tensors]
+    # one buffer per dtype: fusion's buckets, none ever full
+    buckets = make_buckets(specs, max(sum(s.nbytes for s in specs), 1))
+    opaths = paths(layout.outer)
+    specs_of = [tuple(specs[i] for i in layout.tensors_of(j)) for j in range(len(layout.inner))]
+    reduced: list[list[Any]] = []  # per bucket, per rank: the reduced buffer
+    parts: list[CallRecord] = []
+    for bucket in buckets:
+        btoken = new_token()
+        outers = sorted({layout.tensors[i].outer for i in bucket.tensors})
+        slot = {j: v for v, j in enumerate(outers)}
+        picks = tuple((slot[layout.tensors[i].outer], layout.tensors[i].inner, off, specs[i].size)
+                      for i, off in zip(bucket.tensors, bucket.offsets))
+        sources = tuple((layout.inner[j], specs_of[j] if check else None, opaths[j]) for j in outers)
+        packed = [client.submit(_fusion_kernels.pack, bucket.dtype, bucket.size, [futures[r][j] for j in outers],
+                                picks, sources, r, key=pack_key(NAME, btoken, r), workers=[workers[r]],
+                                allow_other_workers=False, pure=False) for r in range(p)]
+        dtype = np.dtype(bucket.dtype)
+        if dtype.kind == "f":  # float32 or float64: applies() refused the others
+            out = _exact(client, packed, workers, (bucket.size,), dtype, op, run)
+        else:
+            out = run(packed, op.name, spec((bucket.size,), dtype))
+        reduced.append(out)
+        part = _record_of(out[0])
+        if part is not None:
+            parts.append(part)
+    located = {i: (b, off) for b, bucket in enumerate(buckets) for i, off in zip(bucket.tensors, bucket.offsets)}
+    results = []
+    for r in range(p):
+        outs = []
+        for j, structure in enumerate(layout.inner):
+            mine = layout.tensors_of(j)
+            used = sorted({located[i][0] for i in mine})
+            where = {b: v for v, b in enumerate(used)}
+            cuts = tuple((where[located[i][0]], located[i][1], specs[i].size, specs[i].shape, specs[i].native)
+                         for i in mine)
+            outs.append(client.submit(_fusion_kernels.unpack, structure, [reduced[b][r] for b in used], cuts,
+                                      key=unpack_key(NAME, token, r, j), workers=[workers[r]],
+                                      allow_other_workers=False, pure=False))
+        results.append(unflatten(layout.outer, outs))
+    if len(parts) == len(buckets):  # else forgotten already: nothing to describe
+        records.describe_as((token,), _pytree_record(layout, buckets, parts, workers))
+    return results
+
+
+def _record_of(future: Any) -> CallRecord | None:
+    """The record describe() answers for a bucket's reduced buffer."""
+    info = parse(future.key)
+    found = records.find(info["token"]) if info is not None else None
+    return found if isinstance(found, CallRecord) else None
+
+
+def _pytree_record(layout: Layout, buckets: Sequence[Bucket], parts: Sequence[CallRecord],
+                   workers: Sequence[str]) -> PytreeRecord:
+    bucket_of = [0] * len(layout.tensors)
+    for b, bucket in enumerate(buckets):
+        for i in bucket.tensors:
+            bucket_of[i] = b
+    tensors = tuple((t.path, t.spec.shape, t.spec.dtype) for t in layout.tensors)
+    return PytreeRecord(tuple(parts), tensors, tuple(bucket_of), None, tuple(workers))
 
 
 def _describe_as_one(token: str, inputs: Sequence[Future], sums: Sequence[Future], out: Sequence[Future],
@@ -168,6 +278,6 @@ def _single_numpy(held: Any) -> bool:
 
 
 def _describe(held: Any) -> str:
-    if isinstance(held, Layout):
-        return f"{len(held.tensors)} tensors" if not held.single_array else f"a {held.tensors[0].spec}"
+    if isinstance(held, ArrayMeta):
+        return f"an array of {np.dtype(held.dtype)}"
     return type(held).__name__
