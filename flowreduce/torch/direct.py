@@ -23,6 +23,14 @@ everything (a segment is given back to the pool once no value refers to it).
 Buckets follow DDP (:func:`flowreduce.fusion.make_buckets`: last layers
 first, ``bucket_bytes`` each); the flags saying which parameters a rank used
 travel in the first bucket (one reduction per step for both).
+
+With ``deterministic=True`` (:attr:`Flat.ordered`) every sum over ranks,
+on every route here (averaged in the step tasks, by a reduce level, or in
+fused steps' mailboxes), is the reference tree's
+(:func:`flowreduce.kernels.dense.tree_fold`), divided by the rank count as
+``flowreduce.reference_reduce(..., "mean", order="tree")`` does; otherwise
+ranks are added one after the other (the reduce level: its own worker's
+segment first).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch
 
 from flowreduce.fusion import Bucket, make_buckets
 from flowreduce.kernels import shm as shm_kernels
+from flowreduce.kernels.dense import tree_fold
 from flowreduce.lower.graph import chunk_bounds
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import TensorSpec
@@ -67,12 +76,16 @@ class Flat:
     share: bool  # through shared memory (False: one process, values handed over by reference)
     #: per bucket, 1: every rank averages it itself; 2: one reduce task per worker, then a gather
     levels: tuple[int, ...]
+    #: ``deterministic=True``: every element the reference tree's sum over ranks divided by their count
+    #: (:func:`flowreduce.kernels.dense.tree_fold`, the bits of ``reference_reduce(..., "mean", order="tree")``)
+    ordered: bool = False
 
     @classmethod
-    def of(cls, specs: Sequence[TensorSpec], bucket_bytes: int | None, workers: int, share: bool) -> Flat:
+    def of(cls, specs: Sequence[TensorSpec], bucket_bytes: int | None, workers: int, share: bool,
+           ordered: bool = False) -> Flat:
         buckets = tuple(make_buckets(specs, bucket_bytes))
         return cls(tuple(specs), buckets, specs[0].dtype, workers, share,
-                   tuple(1 if (workers - 1) * b.nbytes <= READ_ALL_BYTES else 2 for b in buckets))
+                   tuple(1 if (workers - 1) * b.nbytes <= READ_ALL_BYTES else 2 for b in buckets), ordered)
 
     @property
     def scattered(self) -> list[int]:
@@ -140,6 +153,15 @@ def reduce_bucket(ranks: int, bucket: int, lo: int, hi: int, written: Sequence[t
     return shm_kernels.reduce_slice(MEAN, ranks, lo, hi, [w[bucket] for w in written], key)
 
 
+def reduce_bucket_ordered(ranks: int, bucket: int, lo: int, hi: int, written: Sequence[tuple], own: int,
+                          key: str = "") -> Any:
+    """:func:`reduce_bucket` with ``deterministic=True`` (:attr:`Flat.ordered`):
+    ``written`` in rank order, ``own`` this worker's rank; elements [lo, hi)
+    summed in the reference tree's order, then divided by the rank count
+    (:func:`flowreduce.kernels.shm.reduce_slice_ordered`)."""
+    return shm_kernels.reduce_slice_ordered(MEAN, ranks, lo, hi, [w[bucket] for w in written], own, key)
+
+
 def _whole(value: Any) -> tuple[np.ndarray, Any]:
     """A worker's bucket: a Block here, a peer's read in place (and what to
     check once read), or a plain array (sent by Dask)."""
@@ -156,7 +178,8 @@ def average(flat: Flat, written: Sequence[Sequence[Any]], slices: Sequence[Seque
     """Every tensor (the ``used`` flags last) as a view of a fresh vector
     per bucket: a one-level bucket averaged here over every rank's
     :func:`write` (``written``, in rank order: every rank adds in the same
-    order, so every rank gets the same bits); a two-level one copied from
+    order, so every rank gets the same bits; the reference tree's with
+    :attr:`Flat.ordered`); a two-level one copied from
     every worker's reduced slice (``slices[j]``: the ``j``-th of
     :attr:`Flat.scattered`, in worker order)."""
     out: list[Any] = [None] * len(flat.specs)
@@ -165,12 +188,14 @@ def average(flat: Flat, written: Sequence[Sequence[Any]], slices: Sequence[Seque
         if b in scattered:
             vec = shm_kernels.gather(MEAN, len(written), (bucket.size,), flat.dtype, slices[scattered[b]], key)
         else:
-            vec = _mean_of([w[b] for w in written])
+            vec = _mean_of([w[b] for w in written], flat.ordered)
         _unpack(flat, bucket, vec, out)
     return out
 
 
-def _mean_of(values: Sequence[Any]) -> np.ndarray:
+def _mean_of(values: Sequence[Any], ordered: bool = False) -> np.ndarray:
+    if ordered:
+        return _tree_mean_of(values)
     acc: np.ndarray | None = None
     checks = []
     for value in values:
@@ -185,6 +210,19 @@ def _mean_of(values: Sequence[Any]) -> np.ndarray:
         handle.check(seg)
     assert acc is not None
     return MEAN.finish(acc, len(values), owned=True)
+
+
+def _tree_mean_of(values: Sequence[Any]) -> np.ndarray:
+    """The ranks' buckets (``values``, in rank order) summed in the
+    reference tree's order and divided by their count (``deterministic=True``):
+    :func:`flowreduce.kernels.dense.tree_fold` into a fresh vector."""
+    reads = [_whole(value) for value in values]
+    first = reads[0][0]
+    out = tree_fold(MEAN, len(values), [x for x, _ in reads], np.empty(first.size, first.dtype))
+    for _, check in reads:
+        if check is not None:
+            check[0].check(check[1])
+    return out
 
 
 # -- fused steps: several optimizer steps in one task per rank ---------------------------------
@@ -286,8 +324,9 @@ def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads:
     """One step's all-reduce inside a fused task: this rank's gradients (the
     ``used`` flags last) written into slot ``stamp % 2`` of its mailbox and
     stamped, then, once every peer's slot carries the same stamp, every
-    bucket averaged over all ranks in rank order (the bits of
-    :func:`average`: every rank adds in the same order). A rank writes a
+    bucket averaged over all ranks in rank order, or the reference tree's
+    with :attr:`Flat.ordered` (the bits of :func:`average`: every rank adds
+    in the same order). A rank writes a
     slot again two steps later, after every peer has stamped the step in
     between, so after every peer has averaged this one. Raises
     :class:`~flowreduce.errors.WorkerLostError` when a peer's worker is gone,
@@ -331,7 +370,7 @@ def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads:
         pause = min(max(2 * pause, 2e-5), 1e-3)
     out: list[Any] = [None] * len(flat.specs)
     for b, bucket in enumerate(flat.buckets):
-        _unpack(flat, bucket, _mean_of([box.buckets[slot][b] for box in boxes]), out)
+        _unpack(flat, bucket, _mean_of([box.buckets[slot][b] for box in boxes], flat.ordered), out)
     for box in boxes:  # what was read was still the mailbox it was stamped in
         box.check()
     return out

@@ -59,9 +59,11 @@ import dask
 from dask.task_spec import List, Task, TaskRef
 
 import flowreduce
-from flowreduce import keys
+from flowreduce import config, keys
+from flowreduce.errors import OptionError
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.schedule import guard, hosts, transport
+from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule.placement import wait_on
 from flowreduce.schedule.shm_plugin import ensure_shm
 from flowreduce.torch import direct
@@ -154,6 +156,15 @@ class Trainer:
         The all-reduce's (see :func:`flowreduce.allreduce`). ``"auto"``
         with every rank on one host: the shared-memory step (see above;
         ``transport="dask"`` in the options turns it off).
+        ``deterministic=True`` in the options (default: the dask config key
+        ``flowreduce.deterministic``, read when the trainer is made): every
+        route (shared memory, in-process, fused steps, any algorithm of
+        ``flowreduce.allreduce``) averages each gradient element as
+        ``flowreduce.reference_reduce(per-rank gradients, "mean",
+        order="tree")``, so a run's parameters are the same bits whatever
+        the algorithm and placement of a fixed rank count
+        (docs/reproducibility.md). ``"exact"`` is refused (its codec takes
+        one array per rank, not the gradients' pytree).
     threads : int, optional
         ``torch.set_num_threads`` on every rank's worker.
     steps_per_task : int, optional
@@ -189,6 +200,14 @@ class Trainer:
             raise ValueError(f"accumulate must be >= 1 micro-batches per step, got {self.accumulate}")
         if self.steps_per_task is not None and self.steps_per_task < 1:
             raise ValueError(f"steps_per_task must be >= 1, got {self.steps_per_task}")
+        asked = self.options.get("deterministic")
+        det = _reproducible.mode(config.get("deterministic") if asked is None else asked)
+        if det == "exact":
+            raise OptionError("the Trainer does not take deterministic='exact' (its codec takes one float array "
+                              "per rank, not the gradients' pytree); deterministic=True gives the same bits "
+                              "for any algorithm and placement of a fixed rank count")
+        #: deterministic=True, as decided when the trainer was made (the config may change later)
+        self._ordered: bool = det is True
         ws = rank_workers(self.client, self.ranks, self.workers)
         # the workers and rank count as decided (typed, never None), and the fields for the caller
         self._ws: list[str] = ws
@@ -233,7 +252,7 @@ class Trainer:
             # the active memory manager must not drop a shared-memory block from its own worker, where its
             # lease lives, and keep a peer's copy (a handle): the guard's policy keeps it there
             guard.ensure_guard(self.client)
-        return direct.Flat.of(specs, self.bucket_bytes, self._p, share)
+        return direct.Flat.of(specs, self.bucket_bytes, self._p, share, self._ordered)
 
     @property
     def step_graph(self) -> dict[str, Any]:
@@ -300,8 +319,13 @@ class Trainer:
                 per_worker = []
                 for g, (lo, hi) in enumerate(flat.bounds(b)):
                     k = keys.node_key(transport.DIRECT, "reduce-scatter", tokens[b], 2, g, 0, g)  # ends with its rank
-                    order = [step_keys[g]] + [s for j, s in enumerate(step_keys) if j != g]  # its own segment first
-                    tasks[k] = Task(k, direct.reduce_bucket, p, b, lo, hi, List(*(TaskRef(s) for s in order)), repr(k))
+                    if flat.ordered:  # every rank's segment in rank order, summed in the reference tree's
+                        tasks[k] = Task(k, direct.reduce_bucket_ordered, p, b, lo, hi,
+                                        List(*(TaskRef(s) for s in step_keys)), g, repr(k))
+                    else:
+                        order = [step_keys[g]] + [s for j, s in enumerate(step_keys) if j != g]  # its own first
+                        tasks[k] = Task(k, direct.reduce_bucket, p, b, lo, hi, List(*(TaskRef(s) for s in order)),
+                                        repr(k))
                     per_worker.append(k)
                 reduce_keys.append(per_worker)
             wanted = step_keys + [k for ks in reduce_keys for k in ks]
@@ -321,8 +345,9 @@ class Trainer:
             if self._broadcasts:
                 wanted.append(self._buffers_task(tasks, n, step_keys[0]))
             futures = dict(zip(wanted, self._on_ranks(tasks, wanted)))
+            options = {**self.options, "deterministic": self._ordered}  # as decided when the trainer was made
             out = flowreduce.allreduce(self.client, [futures[k] for k in step_keys], op="mean", like=self.template,
-                                       algorithm=self.algorithm, bucket_bytes=self.bucket_bytes, **self.options)
+                                       algorithm=self.algorithm, bucket_bytes=self.bucket_bytes, **options)
             info = flowreduce.describe(out)
             tokens = tuple(b.token for b in getattr(info, "buckets", (info,)))
             self._reduced = waits = list(out)
