@@ -163,8 +163,8 @@ class Trainer:
         ``flowreduce.reference_reduce(per-rank gradients, "mean",
         order="tree")``, so a run's parameters are the same bits whatever
         the algorithm and placement of a fixed rank count
-        (docs/reproducibility.md). ``"exact"`` is refused (its codec takes
-        one array per rank, not the gradients' pytree).
+        (docs/reproducibility.md). ``"exact"`` is refused for now
+        (:class:`~flowreduce.errors.OptionError`).
     threads : int, optional
         ``torch.set_num_threads`` on every rank's worker.
     steps_per_task : int, optional
@@ -203,9 +203,10 @@ class Trainer:
         asked = self.options.get("deterministic")
         det = _reproducible.mode(config.get("deterministic") if asked is None else asked)
         if det == "exact":
-            raise OptionError("the Trainer does not take deterministic='exact' (its codec takes one float array "
-                              "per rank, not the gradients' pytree); deterministic=True gives the same bits "
-                              "for any algorithm and placement of a fixed rank count")
+            raise OptionError("the Trainer does not take deterministic='exact' yet (its shared-memory step has no "
+                              "exact path, and flowreduce.allreduce's exact pytrees are not wired into its steps); "
+                              "deterministic=True gives the same bits for any algorithm and placement of a fixed "
+                              "rank count")
         #: deterministic=True, as decided when the trainer was made (the config may change later)
         self._ordered: bool = det is True
         ws = rank_workers(self.client, self.ranks, self.workers)
