@@ -311,15 +311,16 @@ def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive:
     rank arrived, and per rank ``take_out(arrival, token, rank, key, ...)``.
     A result depends on its rank's arrival, not on every rank's: it is sent
     to its worker as soon as its rank arrived and waits there for the run
-    (a barrier over every arrival would be a task more between the last
-    arrival and the run, and every result but one would fetch its value
-    from another worker). Rank 0's result also depends on the barrier, on
-    rank 0's worker, which keeps it in the graph Dask culls from the
-    results. When ``some`` of the results may be computed alone (those of a
-    collection), every result depends on the barrier and the barrier on
-    every arrival: Dask's culling then keeps every rank's input.
-    ``2 * ranks + 1`` tasks; ``output_keys``: the results' keys (default
-    :func:`keys.output_key`), e.g. a dask array's block keys."""
+    (a result depending on the barrier would wait for a task more after the
+    last arrival, and fetch the barrier's value from another worker). The
+    barrier depends on every arrival, so that every rank arrives even if
+    some results are let go: the caller asks for it and lets Dask run it
+    alone (``fire_and_forget``). When ``some`` of the results may be computed alone (those
+    of a collection, which Dask culls from the keys asked), every result
+    depends on the barrier too. ``2 * ranks + 1`` tasks; ``output_keys``:
+    the results' keys (default :func:`keys.output_key`), e.g. a dask
+    array's block keys.
+    """
     tasks: dict[Hashable, Task] = {}
     arrived = []
     for r, x in enumerate(inputs):
@@ -329,8 +330,7 @@ def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive:
     outputs = list(output_keys) if output_keys is not None else [keys.output_key(algorithm, token, r)
                                                                   for r in range(len(inputs))]
     gate = keys.barrier_key(algorithm, token)
-    tasks[gate] = EngineTask(gate, begin, token, decide, Named(tuple(outputs)), *(arrived if some else arrived[:1]))
+    tasks[gate] = EngineTask(gate, begin, token, decide, Named(tuple(outputs)), *arrived)
     for r, key in enumerate(outputs):
-        tasks[key] = EngineTask(key, take_out, arrived[r], token, r, Named((key,)),
-                                *([TaskRef(gate)] if r == 0 or some else []))
+        tasks[key] = EngineTask(key, take_out, arrived[r], token, r, Named((key,)), *([TaskRef(gate)] if some else []))
     return Graph(tasks, outputs, {}, token)

@@ -81,9 +81,13 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
     guard.ensure_guard(client)
     dashboard.install(client)  # its record comes from the scheduler plugin once the call begins
     ensure_shm(client)  # big values between workers of a host go through shared segments
-    out = client.get(named_graph(graph.tasks, token), graph.outputs, sync=False)
+    from distributed import fire_and_forget
+
+    *out, barrier = client.get(named_graph(graph.tasks, token), [*graph.outputs, keys.barrier_key(algorithm, token)],
+                               sync=False)
+    fire_and_forget(barrier)  # every rank arrives even if some results are let go (nothing else depends on it)
     guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
-    return list(out)
+    return out
 
 
 def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide_for: Callable[[str], Decide],

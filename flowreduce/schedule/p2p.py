@@ -963,8 +963,11 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.started: set[str] = set()
         #: calls placed on arrival that lost a worker: they begin again when every rank has arrived again
         self.restarting: set[str] = set()
+        #: the decision of each call placed on arrival that began (its ``decide`` and results' keys), for its
+        #: next attempt after its barrier task is gone (the newest 4096 calls)
+        self.decisions: OrderedDict[str, tuple[Any, tuple[Hashable, ...]]] = OrderedDict()
         #: calls placed on arrival that failed before they began (an input failed, or was refused): token ->
-        #: the error their results raise, until they are forgotten
+        #: the error their results raise, also those of ranks arriving later (the newest 4096 calls)
         self.doomed: OrderedDict[str, Any] = OrderedDict()
 
     async def start(self, scheduler: Any) -> None:
@@ -1004,9 +1007,10 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             if finish == "erred" and token not in self.started and token not in self.doomed:
                 ts = self.scheduler.tasks.get(key)  # an input failed before the call began
                 self._doom(token, getattr((ts.exception_blame or ts) if ts is not None else None, "exception", None))
-            elif finish == "forgotten" and (f"-{BARRIER}-" in key[0] or f"-{OUTPUT}-" in key[0]):
-                self.doomed.pop(token, None)
-                self._end(token)  # abandoned
+                gate = (key[0].replace(f"-{ARRIVE}-", f"-{BARRIER}-").replace(f"-{OUTPUT}-", f"-{BARRIER}-"), 0)
+                asyncio.get_running_loop().call_soon(self._let_go, gate)
+            elif finish == "forgotten" and f"-{BARRIER}-" in key[0] and token not in self.started:
+                self._end(token)  # it never began, and never will (if doomed, ranks arriving late are told still)
             return
         outputs = self.active[token][1]
         if finish == "erred" or (finish == "forgotten" and key in outputs):  # failed, or cancelled
@@ -1049,11 +1053,20 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         s = self.scheduler
         gate = s.tasks.get((gate_name, 0))
         found = self.arrivals.get(token, {})
-        if gate is None or gate.run_spec is None:
+        if gate is not None and gate.run_spec is not None:
+            _, decide, named, *_ = gate.run_spec.args
+            self.decisions[token] = decide, named.keys
+            self.decisions.move_to_end(token)
+            while len(self.decisions) > 4096:
+                self.decisions.popitem(last=False)
+        if token not in self.decisions:
             return
-        _, decide, named, *_ = gate.run_spec.args
-        ranks = range(len(named.keys))
+        decide, outputs = self.decisions[token]
+        ranks = range(len(outputs))
         if any(r not in found for r in ranks):
+            return
+        if not any(k in s.tasks and s.tasks[k].state != "memory" for k in outputs):
+            self._end(token)  # arrived again with every result computed (a lost barrier recomputed): nothing to run
             return
         try:
             arrivals = [pickle.loads(found[r]) for r in ranks]
@@ -1063,7 +1076,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             return
         self.restarting.discard(token)
         self.started.add(token)
-        reply = self._begin(token, [a[0] for a in arrivals], list(named.keys), record, shown)
+        reply = self._begin(token, [a[0] for a in arrivals], list(outputs), record, shown)
         message = {"op": BEGUN, "run": run_id(token, reply["attempt"]), "token": token,
                    "spec": to_serialize(replace(spec, outputs=tuple(reply["pending"])))}
         for address in spec.addresses:
@@ -1142,12 +1155,19 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         if ts is None or not ts.who_has:
             return
         where = sorted(ws.address for ws in ts.who_has)[:1]
-        rank0 = any(f"-{OUTPUT}-" in dts.key[0] and any(f"-{BARRIER}-" in d.key[0] for d in dts.dependencies)
-                    for dts in ts.dependents)
-        for dts in ts.dependents:  # rank 0's barrier too: its result reads the barrier's value in place
-            if dts.state in ("released", "waiting") and (
-                    f"-{OUTPUT}-" in dts.key[0] or (rank0 and f"-{BARRIER}-" in dts.key[0])):
+        for dts in ts.dependents:
+            if dts.state in ("released", "waiting") and f"-{OUTPUT}-" in dts.key[0]:
                 dts.worker_restrictions, dts.loose_restrictions = set(where), False
+
+    def _let_go(self, gate: Hashable) -> None:
+        """The caller asked Dask to run barrier ``gate`` whatever happens to
+        the results (``fire_and_forget``); Dask lets go of such a task when it
+        is computed or fails, not when a dependency failed first: let go."""
+        s = self.scheduler
+        ts = s.tasks.get(gate)
+        forgotten = s.clients.get("fire-and-forget")
+        if ts is not None and forgotten is not None and ts in forgotten.wants_what:
+            s.client_releases_keys(keys=[gate], client="fire-and-forget", stimulus_id=f"flowreduce-let-go-{_now()}")
 
     def _doom(self, token: str, error: Any) -> None:
         """Call ``token`` failed before it began: every worker lets go of
@@ -1340,13 +1360,11 @@ async def arrive(token: str, rank: int, x: Any) -> Arrival:
 
 
 def hold_decision(token: str, decide: Decide, outputs: _lower.Named, *arrivals: Arrival) -> str:
-    """Task, the barrier of a call placed on arrival: it only carries the
-    call's decision (``decide``, with the results' keys) in its arguments,
-    for the scheduler plugin, which begins the call when its last rank
-    arrived (:meth:`P2PSchedulerPlugin._begin_if_arrived`). It runs on rank
-    0's worker when rank 0 arrived (or every rank, for a collection's call),
-    and rank 0's result reads it there (it keeps the barrier in the graph
-    Dask culls from the results)."""
+    """Task, the barrier of a call placed on arrival: it carries the call's
+    decision (``decide``, with the results' keys) in its arguments, for the
+    scheduler plugin, which begins the call when its last rank arrived
+    (:meth:`P2PSchedulerPlugin._begin_if_arrived`), and it keeps every
+    rank's arrival wanted while any result is (it depends on them all)."""
     return token
 
 
