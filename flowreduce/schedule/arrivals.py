@@ -29,6 +29,7 @@ from typing import Any, cast
 import dask
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.task_spec import Task, TaskRef
+from distributed import fire_and_forget
 
 from flowreduce import dashboard, keys
 from flowreduce.errors import InputError, InputTypeError
@@ -81,8 +82,6 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
     guard.ensure_guard(client)
     dashboard.install(client)  # its record comes from the scheduler plugin once the call begins
     ensure_shm(client)  # big values between workers of a host go through shared segments
-    from distributed import fire_and_forget
-
     *out, barrier = client.get(named_graph(graph.tasks, token), [*graph.outputs, keys.barrier_key(algorithm, token)],
                                sync=False)
     fire_and_forget(barrier)  # every rank arrives even if some results are let go (nothing else depends on it)

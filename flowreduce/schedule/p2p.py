@@ -47,7 +47,7 @@ from flowreduce.algorithms.ir import REDUCE
 from flowreduce.dashboard.store import NAME as DASHBOARD
 from flowreduce.errors import InputError, InputTypeError, WorkerLostError, refused
 from flowreduce.kernels import dense as _kernels
-from flowreduce.keys import new_token, parse
+from flowreduce.keys import barrier_key, new_token, parse
 from flowreduce.lower import p2p as _lower
 from flowreduce.lower.graph import Graph
 from flowreduce.lower.p2p import Program, Spec, lower_p2p, program
@@ -689,11 +689,8 @@ class Engine:
         except Exception as e:
             exc = RuntimeError(f"all-reduce {token}: worker {self.address} could not begin run {run}: {e!r}"[:500])
             logger.warning("flowreduce: %s", exc)
-            self.failed[run] = exc
+            self.fail(run, exc, tell=True, spec=spec)
             self.begun.setdefault(token, Begun()).set(run=run)  # its results here raise
-            for address in spec.addresses:
-                if address != self.address:
-                    asyncio.ensure_future(self._tell(address, run, exc))
             return
         self.begun.setdefault(token, Begun()).set(run=run)
         asyncio.ensure_future(self._hand_in(found, index, [here[r] for r in members]))
@@ -757,20 +754,21 @@ class Engine:
             while len(self.done) > FAILED_KEPT:
                 self.done.popitem(last=False)
 
-    def fail(self, run: str, exc: BaseException, tell: bool) -> None:
+    def fail(self, run: str, exc: BaseException, tell: bool, spec: Spec | GatherSpec | None = None) -> None:
         """Fail ``run`` here (its outputs raise ``exc``), drop its state, and
-        if ``tell``, tell the run's other workers."""
+        if ``tell``, tell the run's other workers (those of ``spec`` if the
+        run never started here)."""
         found = self.runs.pop(run, None)
         if run not in self.failed:
             self.failed[run] = exc
             while len(self.failed) > FAILED_KEPT:
                 self.failed.popitem(last=False)
-        if found is None:
-            return
-        found.fail(exc)
-        logger.info("flowreduce: p2p run %s failed on %s: %s", run, self.address, exc)
-        if tell:
-            for address in found.spec.addresses:
+        if found is not None:
+            found.fail(exc)
+            logger.info("flowreduce: p2p run %s failed on %s: %s", run, self.address, exc)
+            spec = found.spec
+        if tell and spec is not None:
+            for address in spec.addresses:
                 if address != self.address:
                     asyncio.ensure_future(self._tell(address, run, exc))
 
@@ -999,7 +997,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             elif finish == "memory":
                 self.keeping.add(token)
                 self._pin_result(key)
-                self._begin_if_arrived(token, key[0].replace(f"-{ARRIVE}-", f"-{BARRIER}-"))
+                self._begin_if_arrived(token, _barrier_of(key))
             return
         if token not in self.active:
             if not self._placed_on_arrival(key):
@@ -1007,8 +1005,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             if finish == "erred" and token not in self.started and token not in self.doomed:
                 ts = self.scheduler.tasks.get(key)  # an input failed before the call began
                 self._doom(token, getattr((ts.exception_blame or ts) if ts is not None else None, "exception", None))
-                gate = (key[0].replace(f"-{ARRIVE}-", f"-{BARRIER}-").replace(f"-{OUTPUT}-", f"-{BARRIER}-"), 0)
-                asyncio.get_running_loop().call_soon(self._let_go, gate)
+                asyncio.get_running_loop().call_soon(self._let_go, _barrier_of(key))
             elif finish == "forgotten" and f"-{BARRIER}-" in key[0] and token not in self.started:
                 self._end(token)  # it never began, and never will (if doomed, ranks arriving late are told still)
             return
@@ -1039,11 +1036,11 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         while len(self.arrivals) > 4096:
             self.arrivals.popitem(last=False)
 
-    def _begin_if_arrived(self, token: str, gate_name: str) -> None:
+    def _begin_if_arrived(self, token: str, gate: Hashable) -> None:
         """Call ``token`` begins (or begins again after a lost worker) as
         soon as its last rank arrived, here: its decision (``decide``, made
         by the front door with the call's settings and the cost model, the
-        argument of its barrier task ``gate_name``) checks what the ranks
+        argument of its barrier task ``gate``) checks what the ranks
         hold and chooses the plan from where they arrived; the results are
         pinned and the workers told by stream. No task and no round trip
         lie between the arrivals and the run. A refused call's results
@@ -1051,17 +1048,16 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         if token in self.started and token not in self.restarting:
             return
         s = self.scheduler
-        gate = s.tasks.get((gate_name, 0))
-        found = self.arrivals.get(token, {})
-        if gate is not None and gate.run_spec is not None:
-            _, decide, named, *_ = gate.run_spec.args
-            self.decisions[token] = decide, named.keys
-            self.decisions.move_to_end(token)
-            while len(self.decisions) > 4096:
-                self.decisions.popitem(last=False)
-        if token not in self.decisions:
+        ts = s.tasks.get(gate)
+        if ts is not None and ts.run_spec is not None:
+            _, decide, named, *_ = ts.run_spec.args
+            decision = decide, named.keys
+        elif token in self.decisions:  # the barrier is gone: a call that began, beginning again
+            decision = self.decisions[token]
+        else:
             return
-        decide, outputs = self.decisions[token]
+        decide, outputs = decision
+        found = self.arrivals.get(token, {})
         ranks = range(len(outputs))
         if any(r not in found for r in ranks):
             return
@@ -1076,6 +1072,10 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             return
         self.restarting.discard(token)
         self.started.add(token)
+        self.decisions[token] = decision
+        self.decisions.move_to_end(token)
+        while len(self.decisions) > 4096:
+            self.decisions.popitem(last=False)
         reply = self._begin(token, [a[0] for a in arrivals], list(outputs), record, shown)
         message = {"op": BEGUN, "run": run_id(token, reply["attempt"]), "token": token,
                    "spec": to_serialize(replace(spec, outputs=tuple(reply["pending"])))}
@@ -1200,6 +1200,13 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                 bs.send({"op": FAIL, "run": run, "message": message, "lost": lost})
 
 
+def _barrier_of(key: Hashable) -> Hashable:
+    """The barrier's key of the call placed on arrival that task ``key`` belongs to."""
+    info = parse(key)
+    assert info is not None
+    return barrier_key(info["algorithm"], info["token"])
+
+
 def is_p2p(tasks: Iterable[Any]) -> bool:
     """Whether these scheduler tasks of one call are a p2p call's (it has hand-ins)."""
     return any(f"-{HAND_IN}-" in ts.key[0] for ts in tasks)
@@ -1239,7 +1246,7 @@ def restart_on_arrival(s: Any, token: str, tasks: Sequence[Any], gone: Iterable[
                     f"{', '.join(sorted(gone))} left", lost=True)
     logger.info("flowreduce: all-reduce %s placed on arrival runs again (worker %s left)", token,
                 ", ".join(sorted(gone)))
-    gate = next((ts.key[0] for ts in tasks if f"-{BARRIER}-" in ts.key[0]), None)
+    gate = next((ts.key for ts in tasks if f"-{BARRIER}-" in ts.key[0]), None)
     if gate is not None:  # no rank was on the workers that left: it begins again now
         plugin._begin_if_arrived(token, gate)
 
@@ -1373,6 +1380,11 @@ async def take_out(gate: Any, run: str, rank: int) -> Any:
     engine = _engine()
     if run in engine.failed:
         raise engine.failed[run].with_traceback(None)
+    return await _result(engine, run, rank)
+
+
+async def _result(engine: Engine, run: str, rank: int) -> Any:
+    """Rank's result of ``run`` here, once the run has it; the run ends here when its results are taken."""
     found = engine.runs.get(run)
     if found is None or rank not in found.results:
         raise RuntimeError(f"rank {rank} of run {run} is not running on worker {engine.address}")
@@ -1403,16 +1415,10 @@ async def take_out_begun(arrival: Any, token: str, rank: int, named: _lower.Name
             if isinstance(engine.failed[run], WorkerLostError):
                 continue
             raise engine.failed[run].with_traceback(None)
-        found = engine.runs.get(run)
-        if found is None or rank not in found.results:
-            raise RuntimeError(f"rank {rank} of run {run} is not running on worker {engine.address}")
         try:
-            value = await asyncio.shield(found.results[rank])
+            return await _result(engine, run, rank)
         except WorkerLostError:
             continue  # the run restarts: the next attempt's result
-        found.taken.add(rank)
-        found._maybe_done()
-        return value
 
 
 class Begun:
