@@ -102,11 +102,7 @@ def build_pytree_graph(
                                      specs_of[t.outer] if check else None, r, opaths[t.outer]))
                 in_keys.append(src.key)
                 continue
-            outers = sorted({where[i].outer for i in bucket.tensors})
-            slot = {j: v for v, j in enumerate(outers)}
-            picks = tuple((slot[where[i].outer], where[i].inner, off, where[i].spec.size)
-                          for i, off in zip(bucket.tensors, bucket.offsets))
-            sources = tuple((layout.inner[j], specs_of[j] if check else None, opaths[j]) for j in outers)
+            outers, picks, sources = pack_sources(layout, bucket, specs_of, opaths, check)
             key = keys.pack_key(plan.algorithm, token, r)
             g.tasks[key] = Task(key, _fusion_kernels.pack, bucket.dtype, bucket.size,
                                 List(*(inputs[r][j] for j in outers)), picks, sources, r)
@@ -130,10 +126,7 @@ def build_pytree_graph(
             for r in range(p):
                 g.outputs[r].append(g.buckets[first].outputs[r])
             continue
-        used = sorted({located[i][0] for i in mine})
-        slot = {b: v for v, b in enumerate(used)}
-        parts = tuple((slot[located[i][0]], located[i][1], where[i].spec.size, where[i].spec.shape,
-                       where[i].spec.native) for i in mine)
+        used, parts = unpack_cuts(layout, located, j)
         bg = g.buckets[used[0]] if used else g.buckets[0]
         for r in range(p):
             key = keys.unpack_key(bg.plan.algorithm, bg.token, r, j)
@@ -142,3 +135,31 @@ def build_pytree_graph(
             g.placement[key] = workers[r]
             g.outputs[r].append(key)
     return g
+
+
+def pack_sources(layout: Layout, bucket: Bucket, specs_of: Sequence[tuple[Any, ...]], opaths: Sequence[str],
+                 check: bool) -> tuple[list[int], tuple[tuple[int, int, int, int], ...], tuple[Any, ...]]:
+    """What a fused bucket's pack task (:func:`flowreduce.kernels.fusion.pack`)
+    reads of one rank: the input futures (their indices among the rank's
+    inputs), where each of the bucket's tensors is in them and goes in the
+    buffer, and each input's structure (its tensors' specs too when
+    ``check``: a template's, checked naming the rank) and path."""
+    outers = sorted({layout.tensors[i].outer for i in bucket.tensors})
+    slot = {j: v for v, j in enumerate(outers)}
+    picks = tuple((slot[layout.tensors[i].outer], layout.tensors[i].inner, off, layout.tensors[i].spec.size)
+                  for i, off in zip(bucket.tensors, bucket.offsets))
+    sources = tuple((layout.inner[j], specs_of[j] if check else None, opaths[j]) for j in outers)
+    return outers, picks, sources
+
+
+def unpack_cuts(layout: Layout, located: dict[int, tuple[int, int]], j: int
+                ) -> tuple[list[int], tuple[tuple[Any, ...], ...]]:
+    """What input ``j``'s unpack task (:func:`flowreduce.kernels.fusion.unpack`)
+    cuts out of the reduced buffers (``located``: tensor -> (bucket, offset)):
+    the buckets it reads, and per tensor the buffer, offset, size, shape and kind."""
+    mine = layout.tensors_of(j)
+    used = sorted({located[i][0] for i in mine})
+    slot = {b: v for v, b in enumerate(used)}
+    parts = tuple((slot[located[i][0]], located[i][1], layout.tensors[i].spec.size, layout.tensors[i].spec.shape,
+                   layout.tensors[i].spec.native) for i in mine)
+    return used, parts

@@ -706,12 +706,7 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
                                 tuple(shape), b.dtype, tuple(bg.inputs), deterministic=settings.deterministic))
     whole = None
     if not layout.single_array:
-        bucket_of = [0] * len(layout.tensors)
-        for i, b in enumerate(buckets):
-            for t in b.tensors:
-                bucket_of[t] = i
-        whole = PytreeRecord(tuple(calls), tuple((t.path, t.spec.shape, t.spec.dtype) for t in layout.tensors),
-                             tuple(bucket_of), settings.bucket_bytes, tuple(workers))
+        whole = PytreeRecord.of(layout, buckets, tuple(calls), settings.bucket_bytes, tuple(workers))
     n = len(layout.inner)
 
     def arrange(futures: list[Future]) -> list[Any]:

@@ -73,6 +73,18 @@ class PytreeRecord:
     bucket_bytes: int | None
     workers: tuple[str, ...]
 
+    @classmethod
+    def of(cls, layout: Any, buckets: Any, calls: tuple[CallRecord, ...], bucket_bytes: int | None,
+           workers: tuple[str, ...]) -> PytreeRecord:
+        """The record of the tensors of ``layout`` (a :class:`~flowreduce.fusion.Layout`) reduced in
+        ``buckets`` (:class:`~flowreduce.fusion.Bucket`), bucket ``b`` by the call ``calls[b]``."""
+        bucket_of = [0] * len(layout.tensors)
+        for b, bucket in enumerate(buckets):
+            for t in bucket.tensors:
+                bucket_of[t] = b
+        return cls(calls, tuple((t.path, t.spec.shape, t.spec.dtype) for t in layout.tensors), tuple(bucket_of),
+                   bucket_bytes, workers)
+
     @property
     def plan(self) -> Plan:
         return self.buckets[0].plan

@@ -43,9 +43,10 @@ from distributed import Client, Future
 
 from flowreduce import reproducible
 from flowreduce.errors import OptionError
-from flowreduce.fusion import Bucket, Layout, make_buckets
+from flowreduce.fusion import Layout, make_buckets
 from flowreduce.kernels import fusion as _fusion_kernels
 from flowreduce.keys import new_token, pack_key, parse, unpack_key
+from flowreduce.lower.buckets import pack_sources, unpack_cuts
 from flowreduce.ops import Op
 from flowreduce.pytree import paths, spec, unflatten
 from flowreduce.reproducible import ORDERLESS
@@ -177,11 +178,7 @@ def _tensors(client: Client, futures: Sequence[Sequence[Future]], workers: Seque
     parts: list[CallRecord] = []
     for bucket in buckets:
         btoken = new_token()
-        outers = sorted({layout.tensors[i].outer for i in bucket.tensors})
-        slot = {j: v for v, j in enumerate(outers)}
-        picks = tuple((slot[layout.tensors[i].outer], layout.tensors[i].inner, off, specs[i].size)
-                      for i, off in zip(bucket.tensors, bucket.offsets))
-        sources = tuple((layout.inner[j], specs_of[j] if check else None, opaths[j]) for j in outers)
+        outers, picks, sources = pack_sources(layout, bucket, specs_of, opaths, check)
         packed = [client.submit(_fusion_kernels.pack, bucket.dtype, bucket.size, [futures[r][j] for j in outers],
                                 picks, sources, r, key=pack_key(NAME, btoken, r), workers=[workers[r]],
                                 allow_other_workers=False, pure=False) for r in range(p)]
@@ -199,17 +196,13 @@ def _tensors(client: Client, futures: Sequence[Sequence[Future]], workers: Seque
     for r in range(p):
         outs = []
         for j, structure in enumerate(layout.inner):
-            mine = layout.tensors_of(j)
-            used = sorted({located[i][0] for i in mine})
-            where = {b: v for v, b in enumerate(used)}
-            cuts = tuple((where[located[i][0]], located[i][1], specs[i].size, specs[i].shape, specs[i].native)
-                         for i in mine)
+            used, cuts = unpack_cuts(layout, located, j)
             outs.append(client.submit(_fusion_kernels.unpack, structure, [reduced[b][r] for b in used], cuts,
                                       key=unpack_key(NAME, token, r, j), workers=[workers[r]],
                                       allow_other_workers=False, pure=False))
         results.append(unflatten(layout.outer, outs))
     if len(parts) == len(buckets):  # else forgotten already: nothing to describe
-        records.describe_as((token,), _pytree_record(layout, buckets, parts, workers))
+        records.describe_as((token,), PytreeRecord.of(layout, buckets, tuple(parts), None, tuple(workers)))
     return results
 
 
@@ -218,16 +211,6 @@ def _record_of(future: Any) -> CallRecord | None:
     info = parse(future.key)
     found = records.find(info["token"]) if info is not None else None
     return found if isinstance(found, CallRecord) else None
-
-
-def _pytree_record(layout: Layout, buckets: Sequence[Bucket], parts: Sequence[CallRecord],
-                   workers: Sequence[str]) -> PytreeRecord:
-    bucket_of = [0] * len(layout.tensors)
-    for b, bucket in enumerate(buckets):
-        for i in bucket.tensors:
-            bucket_of[i] = b
-    tensors = tuple((t.path, t.spec.shape, t.spec.dtype) for t in layout.tensors)
-    return PytreeRecord(tuple(parts), tensors, tuple(bucket_of), None, tuple(workers))
 
 
 def _describe_as_one(token: str, inputs: Sequence[Future], sums: Sequence[Future], out: Sequence[Future],
