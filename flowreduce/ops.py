@@ -9,7 +9,7 @@ bits between algorithms, as in MPI).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -38,16 +38,27 @@ class Op:
     name: str
     func: Callable[..., Any]
     mean: bool = False
+    #: ``deterministic="exact"``'s sum (or mean): folded over every rank at once, correctly rounded
+    #: (:func:`flowreduce.reproducible.exact_fold`), never two values at a time
+    exact: bool = False
 
     def __dask_tokenize__(self):
         # keys never derive from tokens here; skip pickling the function
-        return ("flowreduce.Op", self.name, id(self.func), self.mean)
+        return ("flowreduce.Op", self.name, id(self.func), self.mean, self.exact)
+
+    def exactly(self) -> Op:
+        """This sum or mean, correctly rounded over all ranks (:attr:`exact`)."""
+        if self.name not in ("sum", "mean"):
+            raise ValueError(f"only sums and means have an exact form, not {self.name!r}")
+        return replace(self, exact=True)
 
     @property
     def in_place(self) -> bool:
         return isinstance(self.func, np.ufunc)
 
     def combine(self, a, b, out=None):
+        if self.exact:
+            raise RuntimeError("an exact sum is correctly rounded over all ranks at once, not two values at a time")
         if out is not None and self.in_place:
             return self.func(a, b, out=out)
         return self.func(a, b)
@@ -58,7 +69,7 @@ class Op:
         may be ``parts[0]`` itself), block by block (:data:`FOLD_BLOCK_BYTES`):
         the bits of combining one part at a time. For ufuncs only
         (:attr:`in_place`); returns ``out``."""
-        if not self.in_place:
+        if not self.in_place or self.exact:
             raise TypeError(f"fold needs a ufunc; op {self.name!r} cannot write into an array")
         if not out.flags.c_contiguous:
             raise ValueError("fold writes into a C-contiguous array")

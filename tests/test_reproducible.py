@@ -266,3 +266,82 @@ def test_overflow_edges_round_as_ieee():
     # an intermediate overflow that the exact sum does not have (math.fsum raises on it)
     xs64 = [np.array([1e308]), np.array([1e308]), np.array([-1e308])]
     assert codec_sum(xs64)[0] == 1e308 and codec_sum(xs64[:2])[0] == np.inf
+
+
+# ---- exact_fold: the codec's bits from the gathered values, in float passes -------------------
+
+def fold(xs: list[np.ndarray]) -> np.ndarray:
+    out = np.empty_like(xs[0])
+    return rp.exact_fold(xs, out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ranks_of(np.float64, size_max=40))
+def test_exact_fold_is_the_codecs_bits_float64(case):
+    xs, _, _ = case
+    assert same_bits(fold(xs), codec_sum(xs))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ranks_of(np.float32, size_max=40))
+def test_exact_fold_is_the_codecs_bits_float32(case):
+    xs, _, _ = case
+    assert same_bits(fold(xs), codec_sum(xs))
+
+
+def hard_cases(p: int, dtype, size: int = 20_000, seed: int = 0) -> dict[str, list[np.ndarray]]:
+    """Blocks of values where a float sum's rounding is hardest to certify."""
+    rng = np.random.default_rng(seed + p)
+    half = np.finfo(dtype).eps / 2
+    one = [np.ones(size, dtype)] + [np.zeros(size, dtype)] * (p - 1)
+    with np.errstate(over="ignore"):
+        return {
+            "normal": [rng.standard_normal(size).astype(dtype) for _ in range(p)],
+            # 1 + half an ulp, spread over the ranks: exact ties, rounded half to even
+            "ties": [np.where(np.arange(size) % 2, 1, 3).astype(dtype) if r == 0 else
+                     (half * rng.integers(0, 2, size)).astype(dtype) if r == 1 else np.zeros(size, dtype)
+                     for r in range(p)],
+            "small integers": [rng.integers(-3, 4, size).astype(dtype) * dtype(2.0) ** rng.integers(-60, 60, size)
+                               .astype(dtype) for _ in range(p)],
+            "cancelling": [(rng.standard_normal(size) * (-1) ** r + (rng.standard_normal(size) * 1e-9 if r == 1
+                                                                      else 0)).astype(dtype) for r in range(p)],
+            "wide exponents": [(rng.standard_normal(size) * 10.0 ** rng.integers(-300 if dtype == np.float64 else -40,
+                                                                                   300 if dtype == np.float64 else 38,
+                                                                                   size)).astype(dtype)
+                               for _ in range(p)],
+            "specials": [rng.choice(np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e308, -1e308, 3e38, -3e38,
+                                              5e-324, 1e-45, 1.0, -1.0, 2.0 ** -24, 2.0 ** -53]), size).astype(dtype)
+                         for _ in range(p)],
+            "one and zeros": one,
+        }
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 7, 16])
+def test_exact_fold_on_hard_cases(p, dtype):
+    for name, xs in hard_cases(p, dtype).items():
+        with np.errstate(all="ignore"):
+            want = codec_sum(xs)
+            got = fold(xs)
+        assert same_bits(got, want), (name, np.flatnonzero(got.view(np.uint8) != want.view(np.uint8))[:5])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_exact_fold_into_one_of_its_inputs(dtype):
+    # the shared-memory lowering folds into the rank's own slice, which is one of the values
+    for xs in hard_cases(4, dtype, seed=7).values():
+        with np.errstate(all="ignore"):
+            want = codec_sum(xs)
+            mine = [x.copy() for x in xs]
+            rp.exact_fold(mine, mine[2])
+        assert same_bits(mine[2], want)
+
+
+def test_exact_fold_certifies_ordinary_values_without_the_codec(monkeypatch):
+    # the float path must carry the common case; the codec is for what it cannot certify
+    seen = []
+    codec = rp.exact_sum
+    monkeypatch.setattr(rp, "exact_sum", lambda xs: seen.append(xs[0].size) or codec(xs))
+    xs = hard_cases(4, np.float64)["normal"]
+    assert same_bits(fold(xs), codec_sum(xs))
+    assert sum(seen) < xs[0].size // 1000

@@ -143,7 +143,8 @@ def test_integers_and_min_max_pass_through(inproc_client, op):
 
 
 def test_helper_tasks_are_released(inproc_client):
-    futures = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, wide(3)), deterministic="exact")
+    futures = flowreduce.allreduce(inproc_client, scatter_ranks(inproc_client, wide(3)), algorithm="ring",
+                                   deterministic="exact")
     keys = {str(f.key) for f in futures}
     assert all("flowreduce-exact-unpack-" in k for k in keys)
     inproc_client.gather(futures)
@@ -298,3 +299,21 @@ def test_exact_between_processes(proc_client, algorithm, transport):
     xs = wide(5, seed=6)
     got = results(proc_client, xs, algorithm=algorithm, chunks=3, transport=transport, deterministic="exact")
     assert all(g.tobytes() == fsum(xs).tobytes() for g in got)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("algorithm, ranks", [("auto", 4), ("shm-direct", 4), ("direct", 6), ("auto", 7)])
+def test_exact_on_one_host_folds_the_gathered_values(proc_client, algorithm, ranks, dtype, op):
+    # the plans that bring every rank's values to where they are reduced fold them exactly there:
+    # no codec, no helper tasks, the default's bytes; the same bits as the codec's route (ring)
+    xs = wide(ranks, dtype, size=3000, seed=8)
+    inputs = scatter_ranks(proc_client, xs)
+    futures = flowreduce.allreduce(proc_client, inputs, op=op, algorithm=algorithm, deterministic="exact")
+    described = flowreduce.describe(futures[0])
+    assert described.algorithm in ("direct", "shm-direct") and described.deterministic == "exact"
+    assert not any("flowreduce-exact" in str(f.key) for f in futures)
+    got = proc_client.gather(futures)
+    codec = results(proc_client, xs, op=op, algorithm="ring", deterministic="exact")
+    want = flowreduce.reference_reduce(xs, op)
+    assert all(g.tobytes() == want.tobytes() == c.tobytes() for g, c in zip(got, codec))

@@ -16,7 +16,7 @@ import numpy as np
 from dask.sizeof import sizeof
 
 from flowreduce.ops import FOLD_BLOCK_BYTES, Op
-from flowreduce.reproducible import TreeNode, tree_leaf, tree_merge, tree_parent
+from flowreduce.reproducible import TreeNode, exact_fold, tree_leaf, tree_merge, tree_parent
 
 #: A node's value: 1-D arrays whose layout the builder knows.
 Pieces = tuple[np.ndarray, ...]
@@ -195,6 +195,11 @@ def tree_fold(op: Op, ranks: int, arrays: Sequence[Any], out: np.ndarray) -> np.
     pages each time under Dask's MALLOC_TRIM_THRESHOLD_."""
     flat = out.reshape(-1)
     xs = [np.asarray(x).reshape(-1) for x in arrays]
+    if op.exact:  # deterministic="exact": no order at all, the correctly rounded sum
+        exact_fold(xs, flat)
+        if op.mean:
+            np.add(np.divide(flat, ranks, out=flat), 0, out=flat)
+        return out
     program, total, nrows = tree_program(ranks)
     step = max(1, min(FOLD_BLOCK_BYTES // max(flat.dtype.itemsize, 1), flat.size))
     scratch = _scratch(nrows, step, flat.dtype) if op.in_place else None

@@ -59,7 +59,7 @@ from flowreduce.lower.sparse import (
 )
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import LEAF, TreeDef, flatten, unflatten
-from flowreduce.reproducible import tree_ordered
+from flowreduce.reproducible import MAX_RANKS, tree_ordered
 from flowreduce.schedule import arrivals as _arrivals
 from flowreduce.schedule import guard, hosts, placement, records
 from flowreduce.schedule import p2p as _p2p
@@ -330,6 +330,10 @@ def allreduce(
         return _failed_results(client, outer, futures, e)
     _refuse_unordered_sparse(ranks, settings)
     if exact and _reproducible.applies(ranks.held, settings.op):
+        fold = _exact_fold_job(client, ranks, settings)
+        if fold is not None:
+            return submit(client, fold, ranks, settings.timeout)
+
         def run(parts: list[Future], op: str, template: Any) -> list[Any]:  # an ordinary call, the same options
             return allreduce(client, parts, op=op, algorithm=algorithm, chunks=chunks, chunk_bytes=chunk_bytes,
                              model=model, topology=topology, like=template, timeout=timeout, transport=transport,
@@ -622,7 +626,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         if predicted is None:
             predicted = model.predict(plan, nbytes, groups)
         record = CallRecord(graph.token, plan, nbytes, predicted, tuple(workers), tuple(shape), dtype, keys, how,
-                            links, deterministic=settings.deterministic)
+                            links, deterministic="exact" if settings.op.exact else settings.deterministic)
         summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
         return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary,
                    hold=hold)
@@ -673,6 +677,8 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         settings = replace(settings, options=_transport.direct_options(dict(settings.options), workers),
                            chunks=settings.chunks_for(nbytes) or 1)
     plan = dense_plan(nbytes, levels, model, settings, workers, domains)
+    if settings.op.exact and not _gathers(plan, workers, domains):
+        raise _Ungathered(plan.algorithm)
     if may_p2p and _p2p_refusal(ranks, asked) is None:  # the route the model prices lower, tasks on a tie
         route = p2p_route(client, ranks, asked)
         if route.predicted < _transport.predict(plan, model, nbytes, workers, domains, levels[0]):
@@ -686,6 +692,37 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
     if how != "dask":
         ensure_shm(client)
     return job(graph, plan, nbytes, levels[0], shape, dtype.str, how, links)
+
+
+class _Ungathered(Exception):
+    """The plan chosen for an exact call does not bring every rank's values to one place."""
+
+
+def _gathers(plan: Plan, workers: Sequence[str], domains: Sequence[Any]) -> bool:
+    """Whether ``plan``'s lowering under ``deterministic=True`` reduces every
+    rank's own values at once (so it can fold them exactly): ``direct`` in
+    one chunk, and ``shm-direct`` over shared memory."""
+    return (plan.algorithm == _direct.NAME and plan.chunks == 1) or _transport.uses_shm(plan, workers, domains)
+
+
+def _exact_fold_job(client: Client, ranks: Ranks, settings: Settings) -> Job | None:
+    """``deterministic="exact"`` for one numpy float array per rank on a plan
+    that gathers every rank's values where they are reduced (``direct``,
+    ``shm-direct``: :func:`_gathers`; what ``auto`` picks on one host): the
+    ordered lowering, folding the values with the exact sum
+    (:func:`flowreduce.reproducible.exact_fold`) instead of the reference
+    tree, at the default's bytes. None for other plans and inputs, which
+    take the codec's all-reduces (:mod:`flowreduce.schedule.reproducible`).
+    Both give the same bits."""
+    held = ranks.held
+    if not isinstance(held, ArrayMeta) or held.native is not None or not ranks.outer.is_leaf:
+        return None
+    if settings.algorithm not in ("auto", _direct.NAME, _transport.DIRECT) or len(ranks.workers) > MAX_RANKS:
+        return None
+    try:
+        return lower(client, ranks, replace(settings, deterministic=True, op=settings.op.exactly()))
+    except _Ungathered:
+        return None
 
 
 def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], model: CostModel,
