@@ -229,50 +229,79 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
         if bad.any():
             flat[bad] = exact_sum([x[bad] for x in xs])
         return out
-    # the errors' float sum (n - 2 additions of terms below u n M each) and the codec's truncation
-    # (below 2**(E - K BITS) per value, E <= log2(2M)): bound = M * k, with a factor 2 to spare
-    k = 4.0 * n ** 3 * _U * _U + 4.0 * n * 2.0 ** -(LIMBS[dtype] * BITS) if n > 2 else \
-        4.0 * n * 2.0 ** -(LIMBS[dtype] * BITS)
+    # |S - r| <= |d| + M k: the errors' own float sum (n - 2 additions of terms below u n M each) and the
+    # codec's truncation (below 2**(E - K BITS) per value, E <= log2(2M)), with a factor 2 to spare; M is
+    # the largest magnitude in the block (a few reductions, not a pass per rank)
+    k = (4.0 * n ** 3 * _U * _U if n > 2 else 0.0) + 4.0 * n * 2.0 ** -(LIMBS[dtype] * BITS)
     single = dtype == np.float32
     step = min(FOLD_BLOCK, max(flat.size, 1))
-    scratch = np.empty((7, step))
+    scratch = np.empty((6, step))
     for lo in range(0, flat.size, step):
         w = min(step, flat.size - lo)
-        m, s, e, t, u, v, a = (row[:w] for row in scratch)
+        rows = [row[:w] for row in scratch]
         blocks = [x[lo:lo + w] for x in xs]
-        np.abs(blocks[0], out=m, casting="unsafe")
-        np.copyto(s, blocks[0], casting="unsafe")
-        for i, x in enumerate(blocks[1:]):
-            if single:
-                np.copyto(a, x, casting="unsafe")
-                x = a
-            np.maximum(m, np.abs(x, out=t), out=m)
-            _two_sum(s, x, t, u, v, error=e if i == 0 else t)
+        big = max(max(abs(float(x.max())), abs(float(x.min()))) for x in blocks)
+        if single:  # float32 values are exact in float64; the sums are made there
+            s = np.asarray(blocks[0], dtype=np.float64)
+            wide = [np.asarray(x, dtype=np.float64) for x in blocks[1:]]
+        else:
+            s, wide = blocks[0], blocks[1:]
+        e, t, u, v, d, spare = rows
+        for i, x in enumerate(wide):
+            _two_sum(s, x, t, u, v, error=e if i == 0 else u)  # t: the new sum
             if i:
-                np.add(e, t, out=e)
-        _two_sum(s, e, t, u, v, error=a)  # s: r, a: d
+                np.add(e, u, out=e)
+            s, t = t, (spare if s is blocks[0] else s)  # the old sum's row is free, unless it is an input
+        _two_sum(s, e, t, u, v, error=d)
+        r = t
         with np.errstate(over="ignore", invalid="ignore"):
             if single:  # S - r32 = (r - r32) + d: the first difference is exact (Sterbenz)
-                r32 = s.astype(np.float32)
-                np.add(np.subtract(s, r32, out=t), a, out=a)
-                np.multiply(np.abs(a, out=a), 1.0 + 4 * _U, out=a)
-                h = _half_gap(r32, np.empty(w, np.float32).view(np.int32), np.int32(0x7F800000), 2.0 ** -24)
+                r32 = r.astype(np.float32)
+                np.add(np.subtract(r, r32, out=u), d, out=d)
+                np.multiply(np.abs(d, out=d), 1.0 + 4 * _U, out=d)
+                h = _half_gap(r32, v.view(np.int32)[:w], np.int32(0x7F800000), 2.0 ** -24)
             else:
-                np.abs(a, out=a)
-                h = _half_gap(s, t.view(np.int64), np.int64(0x7FF0000000000000), 2.0 ** -53)
-            np.add(a, np.multiply(m, k, out=m), out=a)  # |S - r| is at most this
-            ok = np.less_equal(a, h)
-            ok &= np.isfinite(r32 if single else s)
+                np.abs(d, out=d)
+                h = _half_gap(r, v.view(np.int64), np.int64(0x7FF0000000000000), 2.0 ** -53)
+            # inf and NaN: d is NaN where r is not finite (TwoSum's inf - inf), so the test fails there,
+            # and where M is, every element of the block goes the closer way
+            np.add(d, big * k, out=d)
+            ok = np.less_equal(d, h)
         few = None
         if not ok.all():  # before the block is written: ``out`` may be one of the arrays
             bad = np.flatnonzero(~ok)
             few = _exact_few([x[bad] for x in blocks], dtype)
         o = flat[lo:lo + w]
-        np.copyto(o, r32 if single else s)
-        np.add(o, 0.0, out=o, where=o == 0)  # an exact zero sum is +0.0, as the codec's
+        np.add(r32 if single else r, 0.0, out=o)  # an exact zero sum is +0.0, as the codec's (x + 0.0 is x)
         if few is not None:
             o[bad] = few
     return out
+
+
+def _half_gap(r: np.ndarray, bits: np.ndarray, exponent: Any, half_ulp: float) -> np.ndarray:
+    """Just under half the gap from ``|r|`` to its nearer neighbour (0 where
+    ``r`` is 0 or subnormal, so only an exact ``r`` passes there), written
+    over ``bits`` (integer scratch the width of ``r``'s dtype): the binade of
+    ``|r|``'s predecessor (bits minus one, exponent kept) times half an ulp,
+    which halves the gap at powers of two, where the one below is smaller."""
+    np.bitwise_and(r.view(bits.dtype), np.iinfo(bits.dtype).max, out=bits)  # |r|'s bits: the sign cleared
+    np.maximum(bits, 1, out=bits)
+    np.subtract(bits, 1, out=bits)
+    np.bitwise_and(bits, exponent, out=bits)
+    return np.multiply(bits.view(r.dtype), half_ulp * (1 - 4 * _U), dtype=np.float64)
+
+
+def _two_sum(s: np.ndarray, x: np.ndarray, t: np.ndarray, u: np.ndarray, v: np.ndarray,
+             error: np.ndarray) -> None:
+    """``t, error = fl(s + x), (s + x) - fl(s + x)`` exactly (Knuth's TwoSum,
+    six float operations, no branch); ``s`` and ``x`` are only read, ``u``
+    and ``v`` are scratch, ``error`` may be ``u``."""
+    np.add(s, x, out=t)          # t = s' = fl(s + x)
+    np.subtract(t, s, out=u)     # u = b' = s' - s
+    np.subtract(t, u, out=v)     # v = s' - b'
+    np.subtract(s, v, out=v)     # v = s - (s' - b')
+    np.subtract(x, u, out=u)     # u = x - b'
+    np.add(v, u, out=error)
 
 
 def _exact_few(xs: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -313,33 +342,6 @@ def _two_sum_new(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     s = a + b
     bp = s - a
     return s, (a - (s - bp)) + (b - bp)
-
-
-def _half_gap(r: np.ndarray, bits: np.ndarray, exponent: Any, half_ulp: float) -> np.ndarray:
-    """Just under half the gap from ``|r|`` to its nearer neighbour (0 where
-    ``r`` is 0 or subnormal, so only an exact ``r`` passes there), written
-    over ``bits`` (integer scratch the width of ``r``'s dtype): the binade of
-    ``|r|``'s predecessor (bits minus one, exponent kept) times half an ulp,
-    which halves the gap at powers of two, where the one below is smaller."""
-    np.bitwise_and(r.view(bits.dtype), np.iinfo(bits.dtype).max, out=bits)  # |r|'s bits: the sign cleared
-    np.maximum(bits, 1, out=bits)
-    np.subtract(bits, 1, out=bits)
-    np.bitwise_and(bits, exponent, out=bits)
-    return np.multiply(bits.view(r.dtype), half_ulp * (1 - 4 * _U), dtype=np.float64)
-
-
-def _two_sum(s: np.ndarray, x: np.ndarray, t: np.ndarray, u: np.ndarray, v: np.ndarray,
-             error: np.ndarray) -> None:
-    """``s, error = s + x, (s + x) - fl(s + x)`` exactly (Knuth's TwoSum, six
-    float operations, no branch); ``t``, ``u``, ``v`` are scratch; ``error``
-    may be ``t``."""
-    np.add(s, x, out=t)          # t = s' = fl(s + x)
-    np.subtract(t, s, out=u)     # u = b' = s' - s
-    np.subtract(t, u, out=v)     # v = s' - b'
-    np.subtract(s, v, out=v)     # v = s - (s' - b')
-    np.subtract(x, u, out=u)     # u = x - b'
-    np.copyto(s, t)
-    np.add(v, u, out=error)
 
 
 def _carry(a: list[np.ndarray]) -> None:

@@ -580,6 +580,9 @@ def dense_plan(nbytes: int, levels: list[list[list[int]]], model: CostModel, set
     ``auto``'s same-host (``shm-direct``) and across-host (``hierarchical``
     over shared memory) preferences. The one decision both routes of a
     dense call take: the glance before submitting and :func:`lower`."""
+    if settings.op.exact and settings.algorithm == "auto" and settings.chunks_for(nbytes) is None \
+            and _transport.one_host(workers, domains):  # deterministic="exact": only these fold exactly
+        return _transport.fastest_gathering(len(workers), model, nbytes, workers, domains, levels[0])
     plan = choose_plan(len(workers), nbytes, levels, model, settings, direct=True)
     if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
         plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
@@ -613,6 +616,8 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
     workers = list(ranks.workers)
     p = len(workers)
     model = model_for(settings.model, hosts.shared_cores(workers, ranks.places))
+    if settings.op.exact:
+        model = model.folding_exactly()
     held = ranks.held
     if isinstance(held, Layout):
         levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)

@@ -87,9 +87,18 @@ def prefer_direct(plan: Plan, model: CostModel, nbytes: int, workers: Sequence[s
     ranks share a host (each priced as it will be lowered: :func:`predict`)."""
     if not one_host(workers, domains):
         return plan
-    options = [plan, direct_plan(plan.ranks, workers)]
-    if plan.algorithm != READ_DIRECT and direct_reads_shared(workers, domains, nbytes):
-        options.append(make_plan(READ_DIRECT, plan.ranks))
+    return min([plan, fastest_gathering(plan.ranks, model, nbytes, workers, domains, hosts)],
+               key=lambda q: predict(q, model, nbytes, workers, domains, hosts))
+
+
+def fastest_gathering(p: int, model: CostModel, nbytes: int, workers: Sequence[str], domains: Sequence[Any],
+                      hosts: Any = None) -> Plan:
+    """Of the one-host plans that bring every rank's values to where they are
+    reduced, ``shm-direct`` and ``direct`` reading its peers through shared
+    memory, the one the model predicts fastest (each priced as it will be lowered)."""
+    options = [direct_plan(p, workers)]
+    if direct_reads_shared(workers, domains, nbytes):
+        options.append(make_plan(READ_DIRECT, p))
     return min(options, key=lambda q: predict(q, model, nbytes, workers, domains, hosts))
 
 
