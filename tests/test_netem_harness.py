@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from utils import wait_until
 
+from flowreduce.shm import pool as shm_pool
+
 NETEM_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "netem"
 PROBE = NETEM_DIR / "probe_transfer.py"
 
@@ -104,6 +106,8 @@ def _assert_clean(netem, pids):
     assert "fr-" not in _ip_out("tc", "qdisc", "show")
     survivors = [p for p in pids if _alive(p)]
     assert survivors == [], f"processes still alive after teardown: {survivors}"
+    orphans = [s for s in shm_pool.segments() if not shm_pool.owner_alive(s)]
+    assert orphans == [], f"shared-memory segments of stopped workers left: {orphans}"
 
 
 def test_two_hosts_transfer_and_clean_teardown(netem):

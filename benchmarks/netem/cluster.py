@@ -516,6 +516,7 @@ class EmulatedCluster:
                     except ClusterStartError as e:
                         logger.error("netem: %s", e)
                     self._net_up = False
+                self._reclaim_segments()
             finally:
                 for p in self._procs:
                     p.close_log()
@@ -530,6 +531,18 @@ class EmulatedCluster:
                     atexit.unregister(self.close)
                 except Exception:  # pragma: no cover
                     pass
+
+    @staticmethod
+    def _reclaim_segments() -> None:
+        """Unlink the shared-memory segments of the workers just stopped: a
+        worker killed with its process group cannot unlink its own, and
+        flowreduce's pool unlinks those whose owner is gone."""
+        try:
+            from flowreduce.shm.pool import Pool, config
+
+            Pool(config()["directory"]).reclaim_orphans()
+        except Exception as e:  # the harness also runs without flowreduce; never stop a teardown for this
+            logger.warning("netem: shared-memory segments not reclaimed: %r", e)
 
     def _stop_processes(self) -> None:
         def stop(procs: list[_Proc], grace: float) -> None:
