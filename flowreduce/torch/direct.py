@@ -31,6 +31,14 @@ fused steps' mailboxes), is the reference tree's
 ``flowreduce.reference_reduce(..., "mean", order="tree")`` does; otherwise
 ranks are added one after the other (the reduce level: its own worker's
 segment first).
+
+With ``deterministic="exact"`` (:attr:`Flat.exact`) the same routes take
+the same rank-ordered reads, but each sum over ranks is the exact sum
+rounded once to the dtype (``MEAN.exactly()``: :func:`tree_fold` of an
+exact op, :func:`flowreduce.reproducible.exact_fold`), then divided by the
+rank count in the dtype: ``reference_reduce(..., "mean")`` of
+``deterministic="exact"``, whatever the rank count and grouping (float32
+and float64 gradients only: the trainer refuses "exact" for others).
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ from flowreduce.shm import pool as shm_pool
 
 #: What the trainer computes: DDP's average of the ranks' gradients.
 MEAN: Op = resolve_op("mean")
+#: ``deterministic="exact"``'s average: the correctly rounded sum over ranks, divided by their count.
+EXACT_MEAN: Op = MEAN.exactly()
 #: A bucket costs no level of its own (every rank reads every peer's whole
 #: bucket and averages it itself, in rank order, so all get the same bits)
 #: while the bytes a rank reads beyond the reduce-scatter's, about
@@ -79,13 +89,22 @@ class Flat:
     #: ``deterministic=True``: every element the reference tree's sum over ranks divided by their count
     #: (:func:`flowreduce.kernels.dense.tree_fold`, the bits of ``reference_reduce(..., "mean", order="tree")``)
     ordered: bool = False
+    #: ``deterministic="exact"`` (implies :attr:`ordered`'s rank-ordered reads): every element the exact sum
+    #: over ranks rounded once, divided by the rank count (:data:`EXACT_MEAN`)
+    exact: bool = False
 
     @classmethod
     def of(cls, specs: Sequence[TensorSpec], bucket_bytes: int | None, workers: int, share: bool,
-           ordered: bool = False) -> Flat:
+           ordered: bool = False, exact: bool = False) -> Flat:
         buckets = tuple(make_buckets(specs, bucket_bytes))
         return cls(tuple(specs), buckets, specs[0].dtype, workers, share,
-                   tuple(1 if (workers - 1) * b.nbytes <= READ_ALL_BYTES else 2 for b in buckets), ordered)
+                   tuple(1 if (workers - 1) * b.nbytes <= READ_ALL_BYTES else 2 for b in buckets),
+                   ordered or exact, exact)
+
+    @property
+    def op(self) -> Op:
+        """What a rank-ordered sum over ranks folds with: :data:`EXACT_MEAN` or :data:`MEAN`."""
+        return EXACT_MEAN if self.exact else MEAN
 
     @property
     def scattered(self) -> list[int]:
@@ -154,12 +173,14 @@ def reduce_bucket(ranks: int, bucket: int, lo: int, hi: int, written: Sequence[t
 
 
 def reduce_bucket_ordered(ranks: int, bucket: int, lo: int, hi: int, written: Sequence[tuple], own: int,
-                          key: str = "") -> Any:
+                          key: str = "", exact: bool = False) -> Any:
     """:func:`reduce_bucket` with ``deterministic=True`` (:attr:`Flat.ordered`):
     ``written`` in rank order, ``own`` this worker's rank; elements [lo, hi)
     summed in the reference tree's order, then divided by the rank count
-    (:func:`flowreduce.kernels.shm.reduce_slice_ordered`)."""
-    return shm_kernels.reduce_slice_ordered(MEAN, ranks, lo, hi, [w[bucket] for w in written], own, key)
+    (:func:`flowreduce.kernels.shm.reduce_slice_ordered`). ``exact``
+    (:attr:`Flat.exact`): the correctly rounded sum instead of the tree's."""
+    op = EXACT_MEAN if exact else MEAN
+    return shm_kernels.reduce_slice_ordered(op, ranks, lo, hi, [w[bucket] for w in written], own, key)
 
 
 def _whole(value: Any) -> tuple[np.ndarray, Any]:
@@ -179,7 +200,7 @@ def average(flat: Flat, written: Sequence[Sequence[Any]], slices: Sequence[Seque
     per bucket: a one-level bucket averaged here over every rank's
     :func:`write` (``written``, in rank order: every rank adds in the same
     order, so every rank gets the same bits; the reference tree's with
-    :attr:`Flat.ordered`); a two-level one copied from
+    :attr:`Flat.ordered`, the correctly rounded sum with :attr:`Flat.exact`); a two-level one copied from
     every worker's reduced slice (``slices[j]``: the ``j``-th of
     :attr:`Flat.scattered`, in worker order)."""
     out: list[Any] = [None] * len(flat.specs)
@@ -188,14 +209,16 @@ def average(flat: Flat, written: Sequence[Sequence[Any]], slices: Sequence[Seque
         if b in scattered:
             vec = shm_kernels.gather(MEAN, len(written), (bucket.size,), flat.dtype, slices[scattered[b]], key)
         else:
-            vec = _mean_of([w[b] for w in written], flat.ordered)
+            vec = _mean_of([w[b] for w in written], flat)
         _unpack(flat, bucket, vec, out)
     return out
 
 
-def _mean_of(values: Sequence[Any], ordered: bool = False) -> np.ndarray:
-    if ordered:
-        return _tree_mean_of(values)
+def _mean_of(values: Sequence[Any], flat: Flat) -> np.ndarray:
+    """The ranks' buckets (``values``, in rank order) averaged as ``flat`` says: one after the
+    other, in the reference tree's order (:attr:`Flat.ordered`) or exactly (:attr:`Flat.exact`)."""
+    if flat.ordered:
+        return _tree_mean_of(values, flat.op)
     acc: np.ndarray | None = None
     checks = []
     for value in values:
@@ -212,13 +235,14 @@ def _mean_of(values: Sequence[Any], ordered: bool = False) -> np.ndarray:
     return MEAN.finish(acc, len(values), owned=True)
 
 
-def _tree_mean_of(values: Sequence[Any]) -> np.ndarray:
+def _tree_mean_of(values: Sequence[Any], op: Op = MEAN) -> np.ndarray:
     """The ranks' buckets (``values``, in rank order) summed in the
-    reference tree's order and divided by their count (``deterministic=True``):
+    reference tree's order (``deterministic=True``; exactly, rounded once,
+    with :data:`EXACT_MEAN`) and divided by their count:
     :func:`flowreduce.kernels.dense.tree_fold` into a fresh vector."""
     reads = [_whole(value) for value in values]
     first = reads[0][0]
-    out = tree_fold(MEAN, len(values), [x for x, _ in reads], np.empty(first.size, first.dtype))
+    out = tree_fold(op, len(values), [x for x, _ in reads], np.empty(first.size, first.dtype))
     for _, check in reads:
         if check is not None:
             check[0].check(check[1])
@@ -325,7 +349,7 @@ def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads:
     ``used`` flags last) written into slot ``stamp % 2`` of its mailbox and
     stamped, then, once every peer's slot carries the same stamp, every
     bucket averaged over all ranks in rank order, or the reference tree's
-    with :attr:`Flat.ordered` (the bits of :func:`average`: every rank adds
+    with :attr:`Flat.ordered`, or exactly with :attr:`Flat.exact` (the bits of :func:`average`: every rank adds
     in the same order). A rank writes a
     slot again two steps later, after every peer has stamped the step in
     between, so after every peer has averaged this one. Raises
@@ -370,7 +394,7 @@ def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads:
         pause = min(max(2 * pause, 2e-5), 1e-3)
     out: list[Any] = [None] * len(flat.specs)
     for b, bucket in enumerate(flat.buckets):
-        _unpack(flat, bucket, _mean_of([box.buckets[slot][b] for box in boxes], flat.ordered), out)
+        _unpack(flat, bucket, _mean_of([box.buckets[slot][b] for box in boxes], flat), out)
     for box in boxes:  # what was read was still the mailbox it was stamped in
         box.check()
     return out

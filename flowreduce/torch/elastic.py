@@ -30,6 +30,16 @@ What differs from :class:`flowreduce.torch.Trainer`:
   graph of the default trainer, whose segments belong to a fixed rank set).
 * Module buffers (BatchNorm's running statistics) are not supported yet:
   a model with buffers is refused.
+
+``deterministic`` (the trainer's option, else the dask config key
+``flowreduce.deterministic``, read when the trainer is made) goes to every
+step's ``flowreduce.allreduce``. With ``"exact"`` a step's average is the
+exact sum over the ranks rounded once, divided by the rank count: it
+depends on nothing but the ranks' gradients (not on the algorithm, the
+placement or how the values are grouped), so a run that loses a rank goes
+on with the bits of a run that had the smaller rank count from that step,
+on any route (float32 and float64 parameters
+only, as :class:`flowreduce.torch.Trainer`).
 """
 
 from __future__ import annotations
@@ -43,9 +53,12 @@ from typing import Any, Protocol
 from dask.task_spec import Task, TaskRef
 
 import flowreduce
+from flowreduce import config
+from flowreduce.errors import OptionError
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
+from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.torch import replica as _replica
-from flowreduce.torch.trainer import on_ranks, rank_workers
+from flowreduce.torch.trainer import exact_refused, on_ranks, rank_workers
 from flowreduce.train import elastic
 
 
@@ -130,6 +143,9 @@ class ElasticTrainer:
     def __post_init__(self) -> None:
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 micro-batches per step, got {self.accumulate}")
+        asked = self.options.get("deterministic")
+        #: ``deterministic`` as decided when the trainer was made (every step's all-reduce gets it)
+        self._mode: bool | str = _reproducible.mode(config.get("deterministic") if asked is None else asked)
         ws = rank_workers(self.client, self.ranks, self.workers)
         self.membership = elastic.Membership(self.client, ws, self.max_ranks, self.min_ranks)
         self.workers = list(self.membership.workers)
@@ -144,6 +160,9 @@ class ElasticTrainer:
                                    self.threads, workers=[w0], allow_other_workers=False, pure=False,
                                    key=f"torch-build-{self.token}")
         self.template, nbuffers = self.client.submit(_replica.describe, first, workers=[w0], pure=False).result()
+        if self._mode == "exact" and (refused := exact_refused(self.template)) is not None:
+            raise OptionError(f"deterministic='exact' averages float32 and float64 gradients; got {refused} "
+                              "(float16 and bfloat16 sums would be rounded twice)")
         if nbuffers:
             raise ValueError(f"the model has {nbuffers} module buffers (e.g. BatchNorm's running statistics): "
                              "elastic runs do not broadcast buffers yet")
@@ -203,8 +222,9 @@ class ElasticTrainer:
                          TaskRef(self.train_sets[ws[r]].key), self.data, self.epoch, self.offset, r, p,
                          self.accumulate, self.threads) for r, k in enumerate(grad_keys)}
         grads = on_ranks(self.client, ws, tasks, grad_keys)
+        options = {**self.options, "deterministic": self._mode}  # as decided when the trainer was made
         reduced = flowreduce.allreduce(self.client, grads, op="mean", like=self.template, algorithm=self.algorithm,
-                                       bucket_bytes=self.bucket_bytes, **self.options)
+                                       bucket_bytes=self.bucket_bytes, **options)
         info = flowreduce.describe(reduced)
         rec.tokens = tuple(b.token for b in getattr(info, "buckets", (info,)))
         update_keys = [(f"torch-update-{self.token}", n, r) for r in range(p)]

@@ -163,8 +163,20 @@ class Trainer:
         ``flowreduce.reference_reduce(per-rank gradients, "mean",
         order="tree")``, so a run's parameters are the same bits whatever
         the algorithm and placement of a fixed rank count
-        (docs/reproducibility.md). ``"exact"`` is refused for now
-        (:class:`~flowreduce.errors.OptionError`).
+        (docs/reproducibility.md). ``deterministic="exact"``: every route
+        averages each element as the exact sum over ranks rounded once to
+        the dtype, then divided by the rank count in the dtype
+        (``flowreduce.reference_reduce(per-rank gradients, "mean")`` of
+        ``deterministic="exact"``: the shared-memory step folds the ranks'
+        values with :func:`flowreduce.reproducible.exact_fold`,
+        ``flowreduce.allreduce`` takes the option), so the parameters are
+        the same bits whatever the algorithm and placement: the average
+        depends on nothing but the ranks' gradients, so an elastic run
+        (:class:`~flowreduce.torch.elastic.ElasticTrainer`) that loses a
+        rank goes on with the bits of a run that had the smaller rank count
+        from that step, on any route. Float32 and float64
+        parameters only (float16 and bfloat16 ones:
+        :class:`~flowreduce.errors.OptionError` when the trainer is made).
     threads : int, optional
         ``torch.set_num_threads`` on every rank's worker.
     steps_per_task : int, optional
@@ -201,14 +213,9 @@ class Trainer:
         if self.steps_per_task is not None and self.steps_per_task < 1:
             raise ValueError(f"steps_per_task must be >= 1, got {self.steps_per_task}")
         asked = self.options.get("deterministic")
-        det = _reproducible.mode(config.get("deterministic") if asked is None else asked)
-        if det == "exact":
-            raise OptionError("the Trainer does not take deterministic='exact' yet (its shared-memory step has no "
-                              "exact path, and flowreduce.allreduce's exact pytrees are not wired into its steps); "
-                              "deterministic=True gives the same bits for any algorithm and placement of a fixed "
-                              "rank count")
-        #: deterministic=True, as decided when the trainer was made (the config may change later)
-        self._ordered: bool = det is True
+        #: ``deterministic`` (False, True or "exact"), as decided when the trainer was made (the config may
+        #: change later)
+        self._mode: bool | str = _reproducible.mode(config.get("deterministic") if asked is None else asked)
         ws = rank_workers(self.client, self.ranks, self.workers)
         # the workers and rank count as decided (typed, never None), and the fields for the caller
         self._ws: list[str] = ws
@@ -225,6 +232,14 @@ class Trainer:
                       for rep, w in zip(self.replicas, self._ws)]
         self.template, nbuffers = submit(_after, _replica.describe, self.replicas[0], self._last[0],
                                          workers=[self._ws[0]], pure=False).result()
+        if self._mode == "exact":
+            refused = exact_refused(self.template)
+            if refused is not None:
+                self.close()
+                raise OptionError(f"deterministic='exact' averages float32 and float64 gradients; got {refused} "
+                                  "(float16 and bfloat16 sums would be rounded twice): pass deterministic=True "
+                                  "(the same bits for any algorithm and placement of a fixed rank count) or "
+                                  "train in float32")
         self._broadcasts = nbuffers > 0 and self._p > 1
         self._flat = self._direct_layout()
         self._reduced: list | None = None  # the last submitted step's all-reduce, not applied yet
@@ -253,7 +268,7 @@ class Trainer:
             # the active memory manager must not drop a shared-memory block from its own worker, where its
             # lease lives, and keep a peer's copy (a handle): the guard's policy keeps it there
             guard.ensure_guard(self.client)
-        return direct.Flat.of(specs, self.bucket_bytes, self._p, share, self._ordered)
+        return direct.Flat.of(specs, self.bucket_bytes, self._p, share, self._mode is True, self._mode == "exact")
 
     @property
     def step_graph(self) -> dict[str, Any]:
@@ -320,9 +335,9 @@ class Trainer:
                 per_worker = []
                 for g, (lo, hi) in enumerate(flat.bounds(b)):
                     k = keys.node_key(transport.DIRECT, "reduce-scatter", tokens[b], 2, g, 0, g)  # ends with its rank
-                    if flat.ordered:  # every rank's segment in rank order, summed in the reference tree's
+                    if flat.ordered:  # every rank's segment in rank order, summed in the reference tree's, or exactly
                         tasks[k] = Task(k, direct.reduce_bucket_ordered, p, b, lo, hi,
-                                        List(*(TaskRef(s) for s in step_keys)), g, repr(k))
+                                        List(*(TaskRef(s) for s in step_keys)), g, repr(k), flat.exact)
                     else:
                         order = [step_keys[g]] + [s for j, s in enumerate(step_keys) if j != g]  # its own first
                         tasks[k] = Task(k, direct.reduce_bucket, p, b, lo, hi, List(*(TaskRef(s) for s in order)),
@@ -346,7 +361,7 @@ class Trainer:
             if self._broadcasts:
                 wanted.append(self._buffers_task(tasks, n, step_keys[0]))
             futures = dict(zip(wanted, self._on_ranks(tasks, wanted)))
-            options = {**self.options, "deterministic": self._ordered}  # as decided when the trainer was made
+            options = {**self.options, "deterministic": self._mode}  # as decided when the trainer was made
             out = flowreduce.allreduce(self.client, [futures[k] for k in step_keys], op="mean", like=self.template,
                                        algorithm=self.algorithm, bucket_bytes=self.bucket_bytes, **options)
             info = flowreduce.describe(out)
@@ -522,6 +537,23 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def exact_refused(template: dict) -> str | None:
+    """What of a gradient template (:func:`flowreduce.torch.replica.template`)
+    ``deterministic="exact"`` cannot average, or None: float tensors other
+    than float32 and float64 (a bfloat16 tensor is reduced as float32 and
+    would be rounded twice)."""
+    import numpy as np
+
+    from flowreduce.reproducible import supported
+
+    for name, spec in [*template["grads"].items(), ("used", template["used"])]:
+        dtype = np.dtype(spec.dtype)
+        native = getattr(spec.native, "dtype", None)
+        if dtype.kind in "fc" and (not supported(dtype) or (native is not None and native != dtype.name)):
+            return f"{name!r} of {spec}"
+    return None
 
 
 def _after(fn: Callable, replica: Any, _last: Any, *args: Any) -> Any:
