@@ -30,7 +30,8 @@ from typing import Any
 
 from flowreduce.dashboard.record import CALL_STATES, CELL_STATES, DashboardRecord, record_of
 
-__all__ = ["CALL_STATES", "CELL_STATES", "DashboardRecord", "dask_setup", "install", "publish", "record_of"]
+__all__ = ["CALL_STATES", "CELL_STATES", "DashboardRecord", "dask_setup", "install", "publish", "record_of",
+           "spmd_jobs"]
 
 logger = logging.getLogger("flowreduce.dashboard")
 
@@ -69,6 +70,29 @@ def publish(client, calls: Sequence[Any], *, group: str = "", transport: str | N
 
     for call in calls:
         client._send_to_scheduler({"op": OP, "record": record_of(call, group=group, transport=transport).message()})
+
+
+async def _spmd_jobs(poll: bool = True, dask_scheduler: Any = None) -> dict[str, list[dict[str, Any]]]:
+    from distributed.metrics import time
+
+    from flowreduce.dashboard import views
+    from flowreduce.dashboard.store import NAME
+
+    store = dask_scheduler.plugins.get(NAME)
+    if getattr(store, "spmd", None) is None:  # no page, or one of a flowreduce without SPMD jobs
+        return {"jobs": [], "ranks": []}
+    if poll:
+        await store.spmd.poll(dask_scheduler)
+    now = time()
+    return {"jobs": views.spmd_jobs(store, now), "ranks": views.spmd_ranks(store, now)}
+
+
+def spmd_jobs(client, poll: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """What the ``/flowreduce`` page shows of SPMD jobs, as data: ``{"jobs": [...], "ranks": [...]}``
+    (rows of :func:`flowreduce.dashboard.views.spmd_jobs` and :func:`~flowreduce.dashboard.views.spmd_ranks`:
+    live jobs first, each rank's last collective). ``poll``: ask the live jobs' workers for their
+    ranks' last collectives first (one rpc per worker), as the page does at each refresh."""
+    return client.run_on_scheduler(_spmd_jobs, poll)
 
 
 def dask_setup(scheduler) -> None:

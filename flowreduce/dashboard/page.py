@@ -10,7 +10,8 @@ and lists it in the navigation bar (the memoized ``template_variables``
 of the scheduler, shared by every page).
 
 Every data source has a ``name`` (``flowreduce-calls``, ``-grid``,
-``-edges``, ``-ranks``, ``-links``, ``-straggler``) so a browser, or a test,
+``-edges``, ``-ranks``, ``-links``, ``-straggler``, ``-spmd-jobs``,
+``-spmd-ranks``) so a browser, or a test,
 can read the page's data: ``Bokeh.documents[0].get_model_by_name(...)``.
 """
 
@@ -80,6 +81,11 @@ class FlowreducePage(DashboardComponent):
                                                    rate=[], measured=[]), name="flowreduce-links")
         self.lag = ColumnDataSource(_columns(token=[], rank=[], column=[], lag=[], text=[]),
                                     name="flowreduce-straggler")
+        self.spmd_jobs = ColumnDataSource(_columns(**{k: [] for k, _, _ in SPMD_JOB_COLUMNS}, run=[]),
+                                          name="flowreduce-spmd-jobs")
+        self.spmd_ranks = ColumnDataSource(_columns(**{k: [] for k, _, _ in SPMD_RANK_COLUMNS}, run=[], at=[]),
+                                           name="flowreduce-spmd-ranks")
+        self.spmd_seen: tuple | None = None
 
         # Tables are HTML drawn by the server (a Div): Bokeh's DataTable, in the headless Chromium
         # of the tests at least, kept its first drawing while its source changed.
@@ -122,8 +128,11 @@ class FlowreducePage(DashboardComponent):
         self.progress.xaxis.axis_label = "fraction of the rank's tasks done"
 
         self.links = Div(text="", width=1100, height=180, styles={"overflow-y": "auto"}, tags=[self.link_rows])
+        # SPMD jobs (flowreduce.spmd): live jobs and each rank's last collective (docs/dashboard.md)
+        self.spmd = Div(text="", width=1100, height=200, styles={"overflow-y": "auto"},
+                        tags=[self.spmd_jobs, self.spmd_ranks])
         self.root = column(self.straggler, self.table, self.choose, self.title, self.legend, row(self.grid, self.progress), self.links,
-                           **kwargs)
+                           self.spmd, **kwargs)
 
     def _on_select(self, attr, old, new) -> None:
         if new in self.shown:
@@ -136,6 +145,7 @@ class FlowreducePage(DashboardComponent):
             if store is None:
                 _assign(self.straggler, text="flowreduce has not run on this cluster yet")
                 return
+            self._show_spmd(store)
             seen = (store.generation, self.selected)
             if seen == self.seen and not store.calls:  # nothing in flight and nothing new: nothing moves
                 return
@@ -158,6 +168,28 @@ class FlowreducePage(DashboardComponent):
                     _set(src, {k: [] for k in src.data})
                 return
             self._show(call, now)
+
+    def _show_spmd(self, store) -> None:
+        """The SPMD jobs' tables; while a job is live, ask its workers for the ranks' last collectives
+        (answered by the next refresh: the page never waits on a worker)."""
+        jobs = getattr(store, "spmd", None)
+        if jobs is None:
+            return
+        jobs.request_poll(self.scheduler, INTERVAL / 1000)
+        seen = (jobs.generation, bool(jobs.live))
+        if seen == self.spmd_seen and not jobs.live:
+            return
+        self.spmd_seen = seen
+        now = time()
+        job_rows = views.spmd_jobs(store, now)
+        rank_rows = [r for r in views.spmd_ranks(store, now) if r["run"] in {j["run"] for j in job_rows[:20]}]
+        _set(self.spmd_jobs, {k: [r[k] for r in job_rows] for k in self.spmd_jobs.data}, patch=False)
+        _set(self.spmd_ranks, {k: [r[k] for r in rank_rows] for k in self.spmd_ranks.data}, patch=False)
+        if not job_rows:
+            _assign(self.spmd, text="")
+            return
+        _assign(self.spmd, text="<b>SPMD jobs</b> (flowreduce.spmd; live first)" + _html_table(SPMD_JOB_COLUMNS, job_rows)
+                + "<b>last collective per rank</b>" + _html_table(SPMD_RANK_COLUMNS, rank_rows))
 
     def _show(self, call, now: float) -> None:
         cells = views.grid(call, self.scheduler)
@@ -202,6 +234,13 @@ CALL_COLUMNS = [("token", "call", "{:.8}"), ("algorithm", "algorithm", "{}"), ("
 LINK_COLUMNS = [("source", "from rank", "{}"), ("dest", "to rank", "{}"), ("source_worker", "from worker", "{}"),
                 ("dest_worker", "to worker", "{}"), ("bytes", "bytes so far", "bytes"),
                 ("rate", "bytes/s over the call", "bytes"), ("measured", "bytes/s measured by dask", "bytes")]
+
+SPMD_JOB_COLUMNS = [("job", "job", "{:.8}"), ("attempt", "attempt", "{}"), ("ranks", "ranks", "{}"),
+                    ("workers", "workers", "{}"), ("state", "state", "{}"), ("elapsed", "elapsed s", "{:.1f}"),
+                    ("error", "error", "{}")]
+SPMD_RANK_COLUMNS = [("job", "job", "{:.8}"), ("rank", "rank", "{}"), ("worker", "worker", "{}"),
+                     ("task", "task", "{}"), ("collective", "last collective", "{}"), ("seq", "#", "{}"),
+                     ("nbytes", "bytes", "bytes"), ("ago", "ended s ago", "{:.3f}")]
 
 
 def _html_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:

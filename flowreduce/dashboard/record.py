@@ -120,3 +120,22 @@ def record_of(info: Any, *, group: str = "", transport: str | None = None) -> Da
         shape=tuple(getattr(info, "shape", ()) or ()), dtype=str(getattr(info, "dtype", "") or ""),
         segment_bytes=int(info.nbytes) / max(plan.segments * plan.chunks, 1),
         widths=tuple(n.width for n in plan.nodes) if len(plan.nodes) <= MAX_WIDTHS else ())
+
+
+# -- SPMD jobs (flowreduce.spmd) -------------------------------------------------------
+#: Prefix of an SPMD rank's task key, ``flowreduce-spmd-rank-<token>.<attempt>-<rank>``
+#: (:func:`flowreduce.spmd.watch.rank_key`); spelled here, below every layer that reads it.
+SPMD_PREFIX = "flowreduce-spmd-rank-"
+#: The worker handler the dashboard asks for the last collective of each rank there
+#: (:meth:`flowreduce.spmd.mailbox.Mailbox.last`): the page polls, the ranks send nothing.
+SPMD_LAST = "flowreduce_spmd_last"
+#: State of one SPMD job (one attempt), from its ranks' task states.
+JOB_STATES = ("submitted", "running", "done", "failed", "cancelled")
+
+
+def parse_spmd_key(key: Any) -> tuple[str, int] | None:
+    """``(run, rank)`` of an SPMD rank's task key (run: ``<token>.<attempt>``), else None."""
+    if not (isinstance(key, str) and key.startswith(SPMD_PREFIX)):
+        return None
+    run, _, rank = key[len(SPMD_PREFIX):].rpartition("-")
+    return (run, int(rank)) if rank.isdigit() and run else None

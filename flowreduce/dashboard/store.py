@@ -39,7 +39,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time
 
 from flowreduce import keys
-from flowreduce.dashboard.record import ENGINE_OP, DashboardRecord
+from flowreduce.dashboard.jobs import SpmdJobs
+from flowreduce.dashboard.record import ENGINE_OP, SPMD_PREFIX, DashboardRecord
 
 logger = logging.getLogger("flowreduce.dashboard")
 
@@ -109,6 +110,8 @@ class DashboardStore(SchedulerPlugin):
         self.unknown = 0  # records and engine steps of calls not on the page (older than the history)
         self.generation = 0  # bumped by every change: a page with nothing in flight skips unchanged refreshes
         self.scheduler: Any = None
+        #: SPMD jobs (flowreduce.spmd): live ones and each rank's last collective (:mod:`flowreduce.dashboard.jobs`)
+        self.spmd = SpmdJobs(history)
 
     # -- lifecycle -----------------------------------------------------------
     async def start(self, scheduler) -> None:
@@ -116,6 +119,9 @@ class DashboardStore(SchedulerPlugin):
         scheduler.stream_handlers[OP] = self.publish
         # calls submitted before the plugin (the first call installs it after submitting)
         self._file(scheduler, [k for k in scheduler.tasks if _ours(k)])
+        for k, ts in list(scheduler.tasks.items()):  # SPMD jobs running before the plugin arrived
+            if type(k) is str and k.startswith(SPMD_PREFIX):
+                self.spmd.transition(scheduler, k, ts.state)
 
     # -- recording -----------------------------------------------------------
     def publish(self, record: Any = None, **_: Any) -> None:
@@ -226,6 +232,8 @@ class DashboardStore(SchedulerPlugin):
 
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         if type(key) is not tuple or not key:
+            if type(key) is str and key.startswith(SPMD_PREFIX):  # a rank of an SPMD job
+                self.spmd.transition(self.scheduler, key, finish)
             return
         call = self._by_name.get(key[0]) if isinstance(key[0], str) else None
         if call is None:

@@ -257,3 +257,33 @@ def default_selection(store: DashboardStore) -> Call | None:
     if store.calls:
         return next(iter(store.calls.values()))
     return store.history[-1] if store.history else None
+
+
+# -- SPMD jobs ---------------------------------------------------------------------------
+def spmd_jobs(store: DashboardStore, now: float) -> list[dict[str, Any]]:
+    """One row per SPMD job (one attempt): live ones (oldest first), then ended ones (newest
+    first). ``workers``: the distinct workers of its ranks, comma-separated."""
+    rows = []
+    for job in store.spmd.listing():
+        rows.append({"job": job.token, "run": job.run, "attempt": job.attempt, "ranks": len(job.states),
+                     "workers": ", ".join(sorted(set(job.workers.values()))), "state": job.state,
+                     "elapsed": round(job.elapsed(now), 1), "error": job.error})
+    return rows
+
+
+def spmd_ranks(store: DashboardStore, now: float) -> list[dict[str, Any]]:
+    """One row per rank of every SPMD job :func:`spmd_jobs` lists, with its last collective as
+    the dashboard last polled it (``collective`` empty: none seen yet): ``seq``, ``nbytes`` (the
+    rank's input), ``at`` (when it ended, the worker's ``time.time()``), ``ago`` (seconds before
+    ``now``, the scheduler's time: the same clock on one host), ``duration``."""
+    rows = []
+    for job in store.spmd.listing():
+        for rank in sorted(job.states):
+            last = job.last.get(rank)
+            rows.append({"job": job.token, "run": job.run, "rank": rank, "worker": job.workers.get(rank, ""),
+                         "task": job.states[rank], "collective": last.collective if last else "",
+                         "seq": last.seq if last else 0, "nbytes": last.nbytes if last else 0,
+                         "at": last.stop if last else 0.0,
+                         "ago": round(now - last.stop, 3) if last else -1.0,
+                         "duration": (last.stop - last.start) if last else 0.0})
+    return rows

@@ -128,7 +128,7 @@ class Communicator:
         self._ops: dict[Any, Op] = {}
         self._subs: dict[tuple[int, ...], itertools.count] = {}
         self._children: list[Communicator] = []
-        mailbox.open(self.run, (layout.directory, layout.prefix()))
+        mailbox.open(self.run, (layout.directory, layout.prefix()), rank, self)
 
     def __repr__(self) -> str:
         return f"<flowreduce.spmd.Communicator rank {self.rank} of {self.size}, job {self.run}>"
@@ -413,4 +413,4 @@ class Communicator:
             self.closed = True
             if self.host is not None:
                 self.host.close(failed)
-            self.mailbox.close(self.run)
+            self.mailbox.close(self.run, self.rank)

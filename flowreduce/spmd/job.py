@@ -38,8 +38,12 @@ _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def ensure_spmd(client: Any) -> None:
-    """Install the worker and scheduler plugins once per client (every worker, present and future)."""
+    """Install the worker and scheduler plugins once per client (every worker, present and future),
+    and the dashboard's (the ``/flowreduce`` page lists live jobs: docs/dashboard.md)."""
     if client not in _installed:
+        from flowreduce.dashboard import install
+
+        install(client)  # never raises: a scheduler that cannot take it only misses the page
         client.register_plugin(SpmdSchedulerPlugin())
         client.register_plugin(SpmdWorkerPlugin())
         _installed[client] = True

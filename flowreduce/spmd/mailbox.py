@@ -24,6 +24,7 @@ from typing import Any
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
+from flowreduce.dashboard.record import SPMD_LAST
 from flowreduce.errors import AllreduceTimeoutError, refused
 from flowreduce.spmd.shared import Aborted, sweep
 
@@ -36,6 +37,8 @@ ABORT = "flowreduce_spmd_abort"
 KEPT = 1024
 #: Collectives remembered per worker, all its ranks together (the newest; ~200 bytes each).
 LOGGED = 100_000
+#: Ranks whose start time a worker remembers (the newest).
+BEGUN = 10_000
 
 
 class Mailbox:
@@ -49,19 +52,41 @@ class Mailbox:
         self.segments: dict[str, tuple[str, str]] = {}  # run -> (directory, prefix) of its shared memory
         self.failed: OrderedDict[str, str] = OrderedDict()
         self.ended: OrderedDict[str, None] = OrderedDict()
-        #: (run, rank, event) of every collective of the ranks here, newest last (:mod:`flowreduce.spmd.events`)
+        #: (run, rank, event) of every collective of the ranks here, newest last (:mod:`flowreduce.spmd.events`,
+        #: and ``flowreduce.trace``, which reads it past the entry it read last: (run, rank, seq) names an entry)
         self.log: deque[tuple[str, int, Any]] = deque(maxlen=LOGGED)
+        #: run -> rank -> its communicator, while the rank runs here (the dashboard reads their last event)
+        self.ranks: dict[str, dict[int, Any]] = defaultdict(dict)
+        #: (run, rank) -> its last event (or None), once the rank ended here (the newest KEPT)
+        self.lasts: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        #: (run, rank) -> when its communicator opened, raw ``time.time()`` (the newest BEGUN): where
+        #: ``flowreduce.trace`` puts the start of the rank's task, which dask shifts by an estimate
+        self.begun: OrderedDict[tuple[str, int], float] = OrderedDict()
 
     # -- ranks ------------------------------------------------------------------
-    def open(self, run: str, segments: tuple[str, str] | None = None) -> None:
-        """A rank here uses ``run``; ``segments``: the directory and name prefix of its shared memory."""
+    def open(self, run: str, segments: tuple[str, str] | None = None, rank: int | None = None,
+             comm: Any = None) -> None:
+        """A rank here uses ``run``; ``segments``: the directory and name prefix of its shared memory;
+        ``comm``: rank ``rank``'s communicator (whose last event the dashboard asks for, :meth:`last`)."""
         with self.cond:
             self.users[run] += 1
             if segments is not None:
                 self.segments[run] = segments
+            if comm is not None and rank is not None:
+                self.ranks[run][rank] = comm
+                self.begun[run, rank] = time.time()
+                while len(self.begun) > BEGUN:
+                    self.begun.popitem(last=False)
 
-    def close(self, run: str) -> None:
+    def close(self, run: str, rank: int | None = None) -> None:
         with self.cond:
+            comm = self.ranks.get(run, {}).pop(rank, None) if rank is not None else None
+            if comm is not None and rank is not None:  # keep its last event only (not its 10,000)
+                self.lasts[run, rank] = comm.events[-1] if comm.events else None
+                while len(self.lasts) > KEPT:
+                    self.lasts.popitem(last=False)
+            if run in self.ranks and not self.ranks[run]:
+                del self.ranks[run]
             self.users[run] -= 1
             if self.users[run] <= 0:
                 self.users.pop(run, None)
@@ -149,9 +174,36 @@ class Mailbox:
         self.fail(run, str(why))
         return {"status": "OK"}
 
+    async def last(self, runs: Any = None, **other: Any) -> list[list[Any]]:
+        """Handler (:data:`~flowreduce.dashboard.record.SPMD_LAST`, the dashboard's poll): per rank here of
+        the attempts ``runs`` (None: every attempt with a rank running here), ``[run, rank, running,
+        collective, seq, nbytes, start, stop]`` of its last collective (``""``, 0, 0, 0.0, 0.0 before its
+        first), times the worker's ``time.time()``. Reads what the ranks keep anyway: nothing is sent
+        while nobody asks."""
+        wanted: set[str] | None = None
+        if runs is not None:
+            wanted = {r for r in runs if isinstance(r, str)} if isinstance(runs, (list, tuple)) else set()
+        out: list[list[Any]] = []
+        with self.cond:
+            live = [(run, rank, c) for run, ranks in self.ranks.items() for rank, c in ranks.items()]
+            ended = [(run, rank, e) for (run, rank), e in self.lasts.items() if wanted is not None and run in wanted]
+        for run, rank, c in live:
+            if wanted is None or run in wanted:
+                events = c.events
+                out.append(_last_row(run, rank, True, events[-1] if events else None))
+        for run, rank, e in ended:
+            out.append(_last_row(run, rank, False, e))
+        return out
+
     def scheduler_says(self, run: Any = None, why: Any = None, **other: Any) -> None:
         if isinstance(run, str):
             self.fail(run, str(why))
+
+
+def _last_row(run: str, rank: int, running: bool, e: Any) -> list[Any]:
+    if e is None:
+        return [run, rank, running, "", 0, 0, 0.0, 0.0]
+    return [run, rank, running, e.collective, e.seq, e.nbytes, e.start, e.stop]
 
 
 class SpmdWorkerPlugin(WorkerPlugin):
@@ -166,6 +218,7 @@ class SpmdWorkerPlugin(WorkerPlugin):
             box = worker.extensions[EXTENSION] = Mailbox(worker)
         worker.handlers[DELIVER] = box.deliver
         worker.handlers[ABORT] = box.aborted
+        worker.handlers[SPMD_LAST] = box.last
         worker.stream_handlers[ABORT] = box.scheduler_says
 
     def teardown(self, worker: Any) -> None:
@@ -175,5 +228,6 @@ class SpmdWorkerPlugin(WorkerPlugin):
                 sweep(directory, prefix)
         worker.handlers.pop(DELIVER, None)
         worker.handlers.pop(ABORT, None)
+        worker.handlers.pop(SPMD_LAST, None)
         worker.stream_handlers.pop(ABORT, None)
         worker.extensions.pop(EXTENSION, None)

@@ -23,11 +23,12 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from flowreduce.dashboard.record import SPMD_PREFIX, parse_spmd_key
 from flowreduce.spmd.mailbox import ABORT
 
 logger = logging.getLogger("flowreduce")
 
-PREFIX = "flowreduce-spmd-rank-"
+PREFIX = SPMD_PREFIX
 
 
 def rank_key(run: str, rank: int) -> str:
@@ -37,10 +38,7 @@ def rank_key(run: str, rank: int) -> str:
 
 def parse_key(key: Hashable) -> tuple[str, int] | None:
     """``(run, rank)`` of a rank's key, else None."""
-    if not (isinstance(key, str) and key.startswith(PREFIX)):
-        return None
-    run, _, rank = key[len(PREFIX):].rpartition("-")
-    return (run, int(rank)) if rank.isdigit() else None
+    return parse_spmd_key(key)
 
 
 class SpmdSchedulerPlugin(SchedulerPlugin):

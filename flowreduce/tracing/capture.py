@@ -23,6 +23,10 @@ noted calls so that dask's bounded buffers do not overflow):
 * each worker's log of its p2p engine (:mod:`flowreduce.schedule.engine_log`:
   plan nodes computed, messages sent and received, raw worker times), read
   past a cursor, for ``method="p2p"`` calls, whose plan steps are no tasks;
+* each worker's log of SPMD collectives (``Mailbox.log`` of
+  :mod:`flowreduce.spmd.mailbox`: one entry per collective and rank, raw
+  worker times), read past the entry read last: one event per collective
+  and rank (phase: the collective), next to the rank's task;
 * the scheduler's transition log (``story``) for when each rank's input
   reached memory (the ``wait-for-input`` phase);
 * each worker's ``scheduler_delay`` and heartbeat latency, to align clocks
@@ -44,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from flowreduce import keys as keymod
+from flowreduce.dashboard.record import parse_spmd_key
 from flowreduce.phases import ARRIVE, HAND_IN, OTHER, TASK_PHASES, TRANSFER
 from flowreduce.schedule import records
 from flowreduce.tracing import registry
@@ -99,8 +104,29 @@ def entries_since(log: Any, mark: tuple | str | None) -> list[dict]:
     return [dict(e) for e in entries]  # the marked entry rotated out: everything is new
 
 
+def spmd_since(log: Any, mark: tuple | str | None) -> tuple[list[tuple], tuple | str, bool]:
+    """Entries of an SPMD mailbox's log (``(run, rank, event)``) appended after the one ``mark``
+    names (``(run, rank, seq)``; ``""``: the log was empty; None: none, only where it ends), as
+    plain tuples ``(run, rank, *event)``; the new mark; whether entries were lost (the marked one
+    rotated out of the bounded log). By value: (run, rank, seq) names one entry."""
+    entries = list(log)  # one C call: ranks' threads appending meanwhile cannot tear it
+    last: tuple | str = (entries[-1][0], entries[-1][1], entries[-1][2].seq) if entries else ""
+    if mark is None:
+        return [], last, False
+    start, lost = 0, False
+    if mark != "":
+        for i in range(len(entries) - 1, -1, -1):
+            run, rank, e = entries[i]
+            if (run, rank, e.seq) == tuple(mark):
+                start = i + 1
+                break
+        else:
+            lost = bool(entries)
+    return [(run, rank, *e) for run, rank, e in entries[start:]], last, lost
+
+
 def _worker_snapshot(marks: dict, shm_marks: dict | None = None, engine_marks: dict | None = None,
-                     dask_worker: Any = None) -> dict:
+                     spmd_marks: dict | None = None, spmd_tasks: list | None = None, dask_worker: Any = None) -> dict:
     import os
 
     from distributed.metrics import time
@@ -113,6 +139,12 @@ def _worker_snapshot(marks: dict, shm_marks: dict | None = None, engine_marks: d
     elog = log_of(w, EXTENSION)
     engine, engine_lost = elog.since((engine_marks or {}).get(w.address, 0) if engine_marks is not None else None) \
         if elog is not None else ([], 0)
+    box = w.extensions.get("flowreduce-spmd")  # flowreduce.spmd.mailbox.EXTENSION
+    spmd, spmd_last, spmd_lost = spmd_since(box.log, (spmd_marks or {}).get(w.address, "")
+                                            if spmd_marks is not None else None) if box is not None \
+        else ([], "", False)
+    begun = [] if box is None else [(run, rank, box.begun[run, rank]) for run, rank in spmd_tasks or ()
+                                    if (run, rank) in box.begun]
     copies = list(COPIES) if shm_marks is not None else []  # None: only where the log ends
     shm_mark = (shm_marks or {}).get(w.address, 0)
     in_mark, out_mark = marks.get(w.address, ("", ""))  # a worker that joined since: all of it is new
@@ -141,6 +173,10 @@ def _worker_snapshot(marks: dict, shm_marks: dict | None = None, engine_marks: d
         "engine": engine,
         "engine_lost": engine_lost,
         "engine_last": elog.count if elog is not None else 0,
+        "spmd": spmd,
+        "spmd_last": spmd_last,
+        "spmd_lost": spmd_lost,
+        "spmd_begun": begun,
     }
 
 
@@ -226,7 +262,7 @@ class Trace:
         self.calls: dict[str, Call] = {}
         self.clocks: dict[str, WorkerClock] = {}
         self.input_ready: dict[str, list[float | None]] = {}
-        self.lost = {"task_records": 0, "transfer_log": 0, "events_over_max": 0, "engine_log": 0}
+        self.lost = {"task_records": 0, "transfer_log": 0, "events_over_max": 0, "engine_log": 0, "spmd_log": 0}
         self.origin: float = 0.0
         self.end: float | None = None
         self._order: list[str] = []  # tokens by first sight
@@ -237,6 +273,8 @@ class Trace:
         self._marks: dict[str, tuple] = {}  # worker -> fingerprints of its last logged transfers
         self._shm_marks: dict[str, int] = {}  # worker -> sequence number of its last logged shared-memory copy
         self._engine_marks: dict[str, int] = {}  # worker -> entries of its p2p engine log read so far
+        self._spmd_marks: dict[str, tuple | str] = {}  # worker -> (run, rank, seq) of its SPMD log's entry read last
+        self._spmd_begun: dict[tuple[str, int], float] = {}  # (run, rank) -> raw time its communicator opened
         self._arrivals: dict[tuple, tuple] = {}  # (dest, run, chunk, node) -> (aligned time, values, bytes)
         self._digests: dict[str, dict] = {}
         self._added_since_flush = 0
@@ -256,6 +294,7 @@ class Trace:
             self._marks[w] = (ws["last_in"], ws["last_out"])
             self._shm_marks[w] = ws["shm_last"]
             self._engine_marks[w] = ws["engine_last"]
+            self._spmd_marks[w] = ws["spmd_last"]
             self._digests[w] = ws["digests"]
             self._clock(w, ws)
         registry.activate(self)
@@ -371,7 +410,10 @@ class Trace:
         self._cursor = snap["index"]
         self.end = snap["time"]
         self._worker_host.update(snap["workers"])
-        workers = self.client.run(_worker_snapshot, self._marks, self._shm_marks, self._engine_marks)
+        spmd_tasks = [p for p in (parse_spmd_key(r["key"]) for r in snap["records"]) if p is not None]
+        workers = self.client.run(_worker_snapshot, self._marks, self._shm_marks, self._engine_marks,
+                                  self._spmd_marks, spmd_tasks)
+        self._spmd_begun = {(run, rank): t for ws in workers.values() for run, rank, t in ws["spmd_begun"]}
         for w, ws in workers.items():
             self._clock(w, ws)
         new: list[Event] = []
@@ -379,6 +421,7 @@ class Trace:
         self._transfer_events(workers, fallback, new)
         self._shm_events(workers, new)
         self._engine_events(workers, new)
+        self._spmd_events(workers, new)
         self._wait_events(snap["ready"], new)
         new.sort(key=lambda e: (e.start, e.stop))
         if self._events.maxlen is not None:
@@ -425,8 +468,13 @@ class Trace:
                             step=step, chunk=chunk, node=node)
             else:
                 phase = "user-compute"
-                base["rank"] = self._worker_rank.get(w)
+                spmd = parse_spmd_key(key)
+                if spmd is not None:  # an SPMD job's rank: its collectives are events of their own (_spmd_events)
+                    base.update(rank=spmd[1], job=spmd[0])
+                else:
+                    base["rank"] = self._worker_rank.get(w)
             raw_stop = _raw_time(msg.get("stimulus_id", ""), "task-finished-")
+            spmd_begun = self._spmd_begun.get(parse_spmd_key(key) or ("", -1)) if info is None else None
             for ss in msg["startstops"]:
                 action = ss["action"]
                 if action == "transfer":
@@ -434,7 +482,12 @@ class Trace:
                     continue
                 shifted = action not in ("disk-read", "disk-write")
                 exact = None
-                if action == "compute" and raw_stop is not None:
+                if action == "compute" and spmd_begun is not None:
+                    # an SPMD rank: dask's start is its thread's, a few us before the communicator opened;
+                    # the stop's raw time (the event loop's) lags the thread by the hop between them
+                    exact = ss["start"] - spmd_begun
+                    clock.add_sample(ss["start"], exact)
+                elif action == "compute" and raw_stop is not None:
                     exact = ss["stop"] - raw_stop
                     clock.add_sample(ss["stop"], exact)
                 start, stop = clock.align_interval(ss["start"], ss["stop"], shifted, exact)
@@ -621,6 +674,25 @@ class Trace:
                              detail=f"p2p message: {values} value(s), rpc round trip {(t1 - t0) * 1e3:.3f} ms"
                                     + ("" if arrived is not None else "; arrival not logged: stop is the reply")
                                     + _attempt(run)))
+
+    def _spmd_events(self, workers: dict[str, dict], out: list[Event]) -> None:
+        """SPMD collectives (:mod:`flowreduce.spmd.mailbox`'s log, raw worker times): one event per
+        collective and rank, its phase the collective, its key its rank's task's (the
+        ``user-compute`` event it lies in)."""
+        from flowreduce.dashboard.record import SPMD_PREFIX
+
+        for w, ws in workers.items():
+            self._spmd_marks[w] = ws["spmd_last"]
+            self.lost["spmd_log"] += int(ws["spmd_lost"])
+            clock = self._clock_for(w)
+            for run, rank, collective, seq, t0, t1, nbytes, sent, received, peers, path, algorithm in ws["spmd"]:
+                start, stop = clock.align_interval(t0, t1, shifted=False)
+                job = run.partition("/")[0]  # a subgroup's collective lies in its job's rank task
+                out.append(Event(collective, start, stop, w, clock.host, rank=int(rank), algorithm=algorithm,
+                                 key=repr(f"{SPMD_PREFIX}{job}-{rank}") if "/" not in run else "",
+                                 nbytes=int(nbytes), job=run, seq=int(seq), peers=tuple(peers), path=path,
+                                 sent=int(sent), received=int(received),
+                                 detail=f"spmd {collective} #{seq}" + _attempt(run.partition("/")[0])))
 
     def _sent_bytes(self, key: Any, info: dict | None, logged: Any) -> int:
         """Bytes a fetch of ``key`` carried. Dask logs its size estimate;

@@ -49,6 +49,14 @@ Phases
     Any task that is not part of a flowreduce graph.
 ``other``
     Anything else dask reported (unknown startstop actions).
+``allreduce``, ``broadcast``, ``allgather``, ``barrier``
+    One collective of an SPMD job (``flowreduce.spmd``) on one rank
+    (:data:`SPMD_PHASES`): from the call to its return, inside the rank's
+    task (a ``user-compute`` event with the same ``job`` and ``rank``).
+    ``nbytes`` is the rank's input, ``sent``/``received`` the bytes it
+    exchanged between hosts, ``peers`` the ranks it exchanged with,
+    ``path`` how (``local``, ``shm``, ``dask``, ``shm+dask``), ``seq`` its
+    number in the job, ``algorithm`` the plan between hosts.
 
 Times are seconds on the aligned timeline (the scheduler's clock, see
 :mod:`flowreduce.tracing.clocks`).
@@ -61,10 +69,13 @@ from typing import Any
 
 from flowreduce.phases import COMM_PHASES, COMPUTE_PHASES, TRACE_PHASE_OF, TRACE_PHASES
 
-__all__ = ["COMM_PHASES", "COMPUTE_PHASES", "EVENT_FIELDS", "KEY_PHASE", "PHASES", "Event", "pack_lanes"]
+__all__ = ["COMM_PHASES", "COMPUTE_PHASES", "EVENT_FIELDS", "KEY_PHASE", "PHASES", "SPMD_PHASES", "Event",
+           "pack_lanes"]
 
-#: The trace's phases (:data:`flowreduce.phases.TRACE_PHASES`), in display order.
-PHASES: tuple[str, ...] = TRACE_PHASES
+#: The collectives of SPMD jobs (``flowreduce.spmd.Communicator``), one phase each.
+SPMD_PHASES: tuple[str, ...] = ("allreduce", "broadcast", "allgather", "barrier")
+#: The trace's phases (:data:`flowreduce.phases.TRACE_PHASES`, then :data:`SPMD_PHASES`), in display order.
+PHASES: tuple[str, ...] = (*TRACE_PHASES, *SPMD_PHASES)
 #: flowreduce key phase -> trace phase (:data:`flowreduce.phases.TRACE_PHASE_OF`).
 KEY_PHASE: dict[str, str] = TRACE_PHASE_OF
 
@@ -104,6 +115,17 @@ class Event:
     detail : str
         Dask's own name for what happened (``compute``, ``transfer``,
         ``disk-write``, ``metric:get-data.serialize``, ...).
+    job : str
+        The SPMD job attempt (``<token>.<attempt>``, ``/<subgroup>`` for a
+        subgroup's collectives) of a collective and of a rank's task; empty otherwise.
+    seq : int or None
+        The collective's number in its job (1, 2, ...).
+    peers : tuple of int
+        The ranks a collective exchanged with.
+    path : str
+        How a collective went: ``local``, ``shm``, ``dask`` or ``shm+dask``.
+    sent, received : int
+        Bytes a collective sent and received between hosts.
     """
 
     phase: str
@@ -125,6 +147,12 @@ class Event:
     key_bytes: tuple[int, ...] = ()
     estimated: bool = False
     detail: str = ""
+    job: str = ""
+    seq: int | None = None
+    peers: tuple[int, ...] = ()
+    path: str = ""
+    sent: int = 0
+    received: int = 0
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:

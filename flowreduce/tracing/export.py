@@ -7,6 +7,9 @@ and sorted by rank; one thread (``tid``) per phase lane (``reduce``,
 ``transfer``, ``transfer #2`` when messages overlap ...); ``"X"`` complete
 events; for every transfer a flow (``"s"`` on the sender, ``"f"`` on the
 receiver, same ``id``) so Perfetto draws an arrow from sender to receiver.
+An SPMD job's rank gets threads of its own in its worker's process
+(``rank r · allreduce`` ...: its task and its collectives), since several
+ranks may share a worker.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from flowreduce.tracing.events import EVENT_FIELDS, PHASES, Event, pack_lanes
 
 
 def _label(e: Event) -> str:
+    if e.job and e.seq is not None:  # an SPMD collective
+        return f"{e.phase} #{e.seq} {e.nbytes / 1e6:.3g} MB"
     if e.phase in ("transfer", "serialise", "deserialise") and e.keys:
         more = f" +{len(e.keys) - 1}" if len(e.keys) > 1 else ""
         return f"{e.phase} {e.nbytes / 1e6:.3g} MB{more}"
@@ -34,14 +39,19 @@ def _label(e: Event) -> str:
 def lanes(events: list[Event]) -> dict[int, tuple[str, int]]:
     """``index in events -> (worker, lane name)`` with non-overlapping lanes:
     one per phase, split into ``phase #2``... where a phase overlaps itself."""
-    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    groups: dict[tuple[str, str, int | None], list[int]] = defaultdict(list)
     for i, e in enumerate(events):
-        groups[(e.worker, e.phase)].append(i)
+        # an SPMD rank's task and collectives: lanes of that rank (several ranks may share a worker)
+        groups[(e.worker, e.phase, e.rank if e.job else None)].append(i)
     out: dict[int, tuple[str, int]] = {}
-    for (_w, phase), idx in groups.items():
+    for (_w, phase, rank), idx in groups.items():
         packed = pack_lanes([events[i] for i in idx])
         for i, lane in zip(idx, packed, strict=True):
-            out[i] = (phase if lane == 0 else f"{phase} #{lane + 1}", PHASES.index(phase) * 100 + lane)
+            name = phase if lane == 0 else f"{phase} #{lane + 1}"
+            tid = PHASES.index(phase) * 100 + lane
+            if rank is not None:
+                name, tid = f"rank {rank} · {name}", 100_000 + rank * 10_000 + tid
+            out[i] = (name, tid)
     return out
 
 
@@ -126,6 +136,7 @@ def rows(trace: Any) -> list[dict[str, Any]]:
         d["duration"] = e.duration
         d["keys"] = json.dumps(list(e.keys))
         d["key_bytes"] = json.dumps(list(e.key_bytes))
+        d["peers"] = json.dumps(list(e.peers))
         out.append(d)
     return out
 
@@ -133,7 +144,7 @@ def rows(trace: Any) -> list[dict[str, Any]]:
 def to_csv(trace: Any, path: str | os.PathLike) -> str:
     """Write one row per event (columns: the :class:`Event` fields plus
     ``duration``; ``start``/``stop`` in seconds since the trace's origin;
-    ``keys``/``key_bytes`` as JSON lists). Returns the path."""
+    ``keys``/``key_bytes``/``peers`` as JSON lists). Returns the path."""
     cols = [*EVENT_FIELDS, "duration"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)

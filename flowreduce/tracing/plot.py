@@ -4,7 +4,10 @@ Each lane has four rows, top to bottom: computation (split, fusion, reduce,
 copy, user-compute), waiting (wait-for-input, other), transfers received, and
 (de)serialisation. A thin line joins the sending rank's lane (at the
 transfer's start) to the receiving rank's transfer row (at its end).
-Workers that hold no rank get a lane of their own, below the ranks.
+Workers that hold no rank get a lane of their own, below the ranks. Each
+rank of an SPMD job gets a lane too (``job <token> rank r``): its task on
+the computation row, its collectives (``allreduce``, ``broadcast``,
+``allgather``, ``barrier``) on the transfers row.
 
 Needs matplotlib (``pip install flowreduce[viz]``); uses ``Figure``
 directly, never pyplot's global state.
@@ -32,9 +35,15 @@ COLORS: dict[str, str] = {
     "copy": "#756bb1",
     "user-compute": "#636363",
     "other": "#f0f0f0",
+    # SPMD collectives (flowreduce.spmd)
+    "allreduce": "#3182bd",
+    "broadcast": "#6baed6",
+    "allgather": "#9e9ac8",
+    "barrier": "#cedb9c",
 }
 ROW: dict[str, int] = {"split": 0, "fusion": 0, "reduce": 0, "copy": 0, "user-compute": 0, "wait-for-input": 1, "other": 1,
-                       "transfer": 2, "shm-copy": 2, "serialise": 3, "deserialise": 3}
+                       "transfer": 2, "shm-copy": 2, "serialise": 3, "deserialise": 3,
+                       "allreduce": 2, "broadcast": 2, "allgather": 2, "barrier": 2}
 ROW_HEIGHT = 0.2
 
 
@@ -78,18 +87,26 @@ def layout(trace: Any, token: str | None = None) -> Drawing:
             lo, hi = min(e.start for e in mine), max(e.stop for e in mine)
             events = [e for e in events if e.token == token or (e.stop > lo and e.start < hi)]
     lane_rank: dict[str, int] = {}
+    spmd: dict[tuple[str, int | None], int] = {}  # an SPMD job's rank: a lane of its own, after the call's ranks
     for e in events:
-        if e.rank is not None and e.phase in TASK_PHASES:
+        if e.job:
+            spmd.setdefault((e.job.partition("/")[0], e.rank), 0)
+        elif e.rank is not None and e.phase in TASK_PHASES:
             lane_rank[e.worker] = min(lane_rank.get(e.worker, e.rank), e.rank)
-    ranks = sorted(set(lane_rank.values()) | {e.rank for e in events if e.rank is not None})
+    ranks = sorted(set(lane_rank.values()) | {e.rank for e in events if e.rank is not None and not e.job})
     lanes = [f"rank {r}" for r in ranks]
     index = {f"rank {r}": i for i, r in enumerate(ranks)}
+    for job, r in sorted(spmd, key=lambda jr: (jr[0], jr[1] if jr[1] is not None else -1)):
+        spmd[job, r] = len(lanes)
+        lanes.append(f"job {job[:8]} rank {r}")
     for e in events:
-        if e.worker and e.worker not in lane_rank and e.rank is None and e.worker not in index:
+        if e.worker and e.worker not in lane_rank and e.rank is None and not e.job and e.worker not in index:
             index[e.worker] = len(lanes)
             lanes.append(e.worker)
 
     def lane_of(e: Event, worker: str | None = None) -> int | None:
+        if e.job and worker is None:
+            return spmd[e.job.partition("/")[0], e.rank]
         w = worker or e.worker
         if w in lane_rank:
             return index[f"rank {lane_rank[w]}"]
