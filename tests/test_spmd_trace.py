@@ -14,7 +14,9 @@ on the task stream, and the Chrome and CSV exports and the drawing hold them.
 from __future__ import annotations
 
 import csv
+import glob
 import json
+import os
 import time
 
 import dask
@@ -33,6 +35,16 @@ COLLECTIVES = [("allreduce", 1, lambda r: 8 * 1000), ("broadcast", 2, lambda r: 
 #: seconds of rounding allowed between a collective and its task's bar (epoch seconds in floats: ~2e-7 each;
 #: the tracer puts a rank's task where its communicator opened, so nothing else separates them)
 HOP = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left(shm_dir):
+    """The jobs' shared memory in a directory of this module's, none of it left after a test."""
+    yield
+    deadline = time.monotonic() + 5
+    while glob.glob(os.path.join(shm_dir, "frspmd-*")) and time.monotonic() < deadline:  # survivors sweep as they end
+        time.sleep(0.05)
+    assert glob.glob(os.path.join(shm_dir, "frspmd-*")) == [], "an SPMD job left shared-memory segments behind"
 
 
 @pytest.fixture(scope="module")
