@@ -3,7 +3,9 @@
 Every all-reduce shows there while it runs: the calls in flight and the
 last ones finished, the selected call's plan as ranks × steps coloured by
 the state of its tasks, bytes per link, progress per rank and the
-straggler (docs/dashboard.md).
+straggler (docs/dashboard.md); and the SPMD jobs (``flowreduce.spmd``)
+live or recently ended, with each rank's last collective
+(:mod:`flowreduce.dashboard.jobs`; :func:`spmd_jobs` gives the rows).
 
 The page lives on the scheduler, in a scheduler plugin
 (:class:`~flowreduce.dashboard.plugin.DashboardPlugin`). It is there
