@@ -11,12 +11,14 @@ every rank in bounded time; and no run left in any engine afterwards.
 from __future__ import annotations
 
 import gc
+import os
+import uuid
 
 import dask
 import faults
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import Client, Event, LocalCluster, wait
 from utils import assert_clean, scatter_ranks, wait_until, workers_of
 
 import flowreduce
@@ -523,6 +525,68 @@ def test_a_worker_killed_between_engine_steps_restarts_the_run(killable, algorit
         np.testing.assert_array_equal(f.result(timeout=60), want)
     assert workers[1] not in killable.nthreads()  # it did die mid-run
     assert wait_until(lambda: not _held(killable), 10), _held(killable)
+
+
+def _held_back(name: str, lo: int, hi: int) -> np.ndarray:
+    Event(name).wait()
+    return np.arange(lo, hi)
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring"])
+def test_a_worker_killed_inside_a_run_placed_on_arrival_runs_it_again(killable, algorithm):
+    """The call is placed on arrival (its inputs still computing) and a worker dies inside its run, when a
+    step's values reach it. Its ranks arrive again where their inputs are recomputed, even when a copy of
+    their arrive task's result is still held elsewhere (the barrier's worker fetched it): the engine that
+    kept their inputs is gone, so Dask must run those arrive tasks again (else the call waited for good)."""
+    p = 6
+    workers = sorted(killable.nthreads())
+    name = f"go-{uuid.uuid4().hex}"
+    futures = [killable.submit(_held_back, name, 1000 * r, 1000 * (r + 1), workers=[workers[r % 3]],
+                               allow_other_workers=True, pure=False) for r in range(p)]
+    engine.ensure_p2p(killable)
+    killable.run(_die_at_first_message, workers=[workers[1]])
+    out = flowreduce.allreduce(killable, futures, algorithm=algorithm, chunks=2, method="p2p")
+    Event(name, client=killable).set()
+    want = np.arange(1000 * p).reshape(p, 1000).sum(0)
+    for f in out:
+        np.testing.assert_array_equal(f.result(timeout=60), want)
+    assert workers[1] not in killable.nthreads()  # it did die mid-run
+    assert wait_until(lambda: not _held(killable), 10), _held(killable)
+    del out, futures, f
+    gc.collect()
+    assert_clean(killable)
+
+
+def _once(path: str, name: str, lo: int, hi: int) -> np.ndarray:
+    """An input that cannot be computed again (no lineage to recover it from)."""
+    if os.path.exists(path):
+        raise RuntimeError(f"input {path} computed twice")
+    open(path, "w").close()
+    Event(name).wait()
+    return np.arange(lo, hi)
+
+
+def test_an_input_that_fails_while_a_call_placed_on_arrival_runs_again_fails_every_rank(killable, tmp_path):
+    """A worker dies inside the run of a call placed on arrival, and its ranks' inputs fail when Dask
+    computes them again: the call ends there. Every rank's result raises (none waits for the call's
+    timeout), and every engine lets go of the inputs it kept since they arrived."""
+    p = 6
+    workers = sorted(killable.nthreads())
+    name = f"go-{uuid.uuid4().hex}"
+    futures = [killable.submit(_once, str(tmp_path / f"rank{r}"), name, 1000 * r, 1000 * (r + 1),
+                               workers=[workers[r % 3]], allow_other_workers=True, pure=False) for r in range(p)]
+    engine.ensure_p2p(killable)
+    killable.run(_die_at_first_message, workers=[workers[1]])
+    out = flowreduce.allreduce(killable, futures, algorithm="ring", chunks=2, method="p2p", timeout=120)
+    Event(name, client=killable).set()
+    wait(out, timeout=60)  # well before the call's timeout
+    assert workers[1] not in killable.nthreads()  # it did die mid-run
+    assert all(f.status == "error" for f in out), [f.status for f in out]
+    assert any("computed twice" in str(f.exception()) for f in out)
+    assert wait_until(lambda: not _held(killable), 10), _held(killable)
+    del out, futures
+    gc.collect()
+    assert_clean(killable)
 
 
 def test_a_new_scheduler_on_a_port_used_before_gets_the_engine():

@@ -76,6 +76,8 @@ ARRIVED = "flowreduce-p2p-arrived"
 BEGUN = "flowreduce-p2p-begun"
 #: Stream message from the scheduler: such a call ended, its inputs kept since they arrived are let go.
 DROP = "flowreduce-p2p-drop"
+#: States of a result that no run computes any more: in memory, or failed
+SETTLED = ("memory", "erred")
 #: Scheduler handler: what such a call ran, once it began (for :func:`flowreduce.describe`).
 RECORD = "flowreduce_p2p_record"
 #: Reductions of at least this many bytes run on the worker's executor: a
@@ -1002,12 +1004,15 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         if token not in self.active:
             if not self._placed_on_arrival(key):
                 return
-            if finish == "erred" and token not in self.started and token not in self.doomed:
-                ts = self.scheduler.tasks.get(key)  # an input failed before the call began
+            if finish == "erred" and (token not in self.started or token in self.restarting) \
+                    and token not in self.doomed:
+                ts = self.scheduler.tasks.get(key)  # an input failed before the call began (or began again)
                 self._doom(token, getattr((ts.exception_blame or ts) if ts is not None else None, "exception", None))
                 asyncio.get_running_loop().call_soon(self._let_go, _barrier_of(key))
             elif finish == "forgotten" and f"-{BARRIER}-" in key[0] and token not in self.started:
                 self._end(token)  # it never began, and never will (if doomed, ranks arriving late are told still)
+            elif finish in ("erred", "forgotten") and token in self.started and token in self.decisions:
+                self._end_if_settled(token, key)  # a result failed or was let go while the call began again
             return
         outputs = self.active[token][1]
         if finish == "erred" or (finish == "forgotten" and key in outputs):  # failed, or cancelled
@@ -1061,8 +1066,8 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         ranks = range(len(outputs))
         if any(r not in found for r in ranks):
             return
-        if not any(k in s.tasks and s.tasks[k].state != "memory" for k in outputs):
-            self._end(token)  # arrived again with every result computed (a lost barrier recomputed): nothing to run
+        if not any(k in s.tasks and s.tasks[k].state not in SETTLED for k in outputs):
+            self._end(token)  # arrived again with every result computed or failed: nothing to run
             return
         try:
             arrivals = [pickle.loads(found[r]) for r in ranks]
@@ -1097,7 +1102,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         while len(self.begun) > 4096:
             self.begun.popitem(last=False)
         outputs = [tuple(k) if isinstance(k, list) else k for k in outputs]  # msgpack made tuples lists
-        pending = [r for r, k in enumerate(outputs) if k in s.tasks and s.tasks[k].state != "memory"]
+        pending = [r for r, k in enumerate(outputs) if k in s.tasks and s.tasks[k].state not in SETTLED]
         s.set_restrictions({outputs[r]: [workers[r]] for r in pending})
         where: dict[str, list[int]] = defaultdict(list)
         for r in pending:
@@ -1179,6 +1184,20 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.keeping.add(token)
         self._end(token, error=error)
 
+    def _end_if_settled(self, token: str, key: Hashable) -> None:
+        """A result of call ``token`` (placed on arrival, between attempts)
+        failed or was let go: when none is left to compute, the call is over
+        and the workers let go of its inputs (else they would keep them, and
+        the memory, for good)."""
+        outputs = self.decisions[token][1]
+        if key not in outputs:
+            return
+        tasks = self.scheduler.tasks
+        if all(k == key or k not in tasks or tasks[k].state in SETTLED for k in outputs):
+            self._end(token)
+            # the barrier the caller fired and forgot would keep the ranks arriving again for nothing
+            asyncio.get_running_loop().call_soon(self._let_go, _barrier_of(key))
+
     def _end(self, token: str, error: Any = None) -> None:
         """Tell the workers to let go of the inputs of call ``token`` kept
         since they arrived (and its results waiting there to raise ``error``)."""
@@ -1237,8 +1256,16 @@ def restart_on_arrival(s: Any, token: str, tasks: Sequence[Any], gone: Iterable[
         s.transitions({ts.key: "waiting" for ts in tasks if f"-{ARRIVE}-" in ts.key[0] and ts.state == "released"},
                       stimulus_id=stimulus_id)
     arrived = plugin.arrivals.get(token, {})
-    for r in [r for r, a in arrived.items() if pickle.loads(a)[0] in gone]:
+    redo = [r for r, a in arrived.items() if pickle.loads(a)[0] in gone]
+    for r in redo:
         del arrived[r]
+    # such a rank's arrive task may still be in memory elsewhere (a copy the barrier's worker fetched),
+    # while its input was kept by the engine of the worker that left: it must run again, where its
+    # input is now, or the call waits for it for good
+    again = {ts.key: "released" for ts in tasks if f"-{ARRIVE}-" in ts.key[0] and ts.state == "memory"
+             and (parse(ts.key) or {}).get("rank") in redo}
+    if again:
+        s.transitions(again, stimulus_id=stimulus_id)
     previous = plugin.active.pop(token, None)
     run = plugin.runs.pop(token, None)
     if previous is not None and run is not None:
@@ -1404,20 +1431,29 @@ async def take_out_begun(arrival: Any, token: str, rank: int, named: _lower.Name
     if token in engine.ended_calls:
         raise engine.ended_calls[token].with_traceback(None)
     begun = engine.begun.setdefault(token, Begun())
-    task = engine.worker.state.tasks.get(named.keys[0])
-    if begun.run is None and task is not None and task.state == "executing":  # not already long-running
-        leave_slot(engine.worker, named.keys[0])
+
+    def wait_without_the_thread() -> None:
+        # the wait may be long: another rank's input on this worker may need the thread first (an input
+        # computed again after a worker left, before the next attempt can begin)
+        task = engine.worker.state.tasks.get(named.keys[0])
+        if task is not None and task.state == "executing":  # not already long-running
+            leave_slot(engine.worker, named.keys[0])
+
+    if begun.run is None:
+        wait_without_the_thread()
     after = None
     while True:
         run = await begun.next(after)
         after = run
         if run in engine.failed:
             if isinstance(engine.failed[run], WorkerLostError):
+                wait_without_the_thread()
                 continue
             raise engine.failed[run].with_traceback(None)
         try:
             return await _result(engine, run, rank)
         except WorkerLostError:
+            wait_without_the_thread()
             continue  # the run restarts: the next attempt's result
 
 
@@ -1485,6 +1521,7 @@ def arrivals_held(dask_worker: Any = None) -> dict[str, list[int]]:
 
 
 def runs_held(dask_worker: Any = None) -> list[str]:
-    """The runs (and their values) an engine holds now (for tests: ``client.run(runs_held)``)."""
+    """The runs (and their values) an engine holds now, and the calls whose ranks' inputs it keeps since
+    they arrived (for tests: ``client.run(runs_held)``)."""
     engine = dask_worker.extensions.get(EXTENSION)
-    return sorted(engine.runs) if engine is not None else []
+    return sorted(engine.runs) + [f"arrived {token}" for token in engine.arrived] if engine is not None else []
