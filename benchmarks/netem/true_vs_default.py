@@ -38,6 +38,7 @@ def main() -> None:
         wait(xs)
         for algo in args.algorithms.split(","):
             times: dict[bool, list[float]] = {False: [], True: []}
+            plans: dict[bool, str] = {}
             for rep in range(args.repeat):
                 for det in (False, True):
                     t0 = time.perf_counter()
@@ -45,10 +46,12 @@ def main() -> None:
                     wait(out)
                     if rep:
                         times[det].append(time.perf_counter() - t0)
+                    plan = flowreduce.describe(out[0]).plan
+                    plans[det] = f"{plan.algorithm} chunks={plan.chunks}"
                     del out
             d, t = statistics.median(times[False]), statistics.median(times[True])
-            print(f"{n:>10} {algo:>10} default {d * 1000:9.1f} ms  true {t * 1000:9.1f} ms  true/default {t / d:5.2f}",
-                  flush=True)
+            print(f"{n:>10} {algo:>10} default {d * 1000:9.1f} ms  true {t * 1000:9.1f} ms  true/default {t / d:5.2f}"
+                  f"  plans: {plans[False]} / {plans[True]}", flush=True)
         del xs
     print(f"load at end {os.getloadavg()}", flush=True)
 
