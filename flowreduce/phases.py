@@ -64,6 +64,8 @@ OTHER = "other"
 TRACE_PHASES: tuple[str, ...] = (
     WAIT_FOR_INPUT, SPLIT, FUSION, SERIALISE, TRANSFER, DESERIALISE, SHM_COPY, REDUCE, COPY, USER_COMPUTE, OTHER,
 )
+#: The collectives of SPMD jobs (``flowreduce.spmd``'s communicator): a trace phase each, on the rank's timeline.
+SPMD_PHASES: tuple[str, ...] = ("allreduce", "broadcast", "allgather", "barrier")
 #: Trace phases that keep a worker's thread busy computing.
 COMPUTE_PHASES: frozenset[str] = frozenset({SPLIT, FUSION, REDUCE, COPY, USER_COMPUTE})
 #: Trace phases of flowreduce's own tasks (the compute phases but user work).

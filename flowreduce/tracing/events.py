@@ -67,13 +67,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from flowreduce.phases import COMM_PHASES, COMPUTE_PHASES, TRACE_PHASE_OF, TRACE_PHASES
+from flowreduce.phases import COMM_PHASES, COMPUTE_PHASES, SPMD_PHASES, TRACE_PHASE_OF, TRACE_PHASES
 
 __all__ = ["COMM_PHASES", "COMPUTE_PHASES", "EVENT_FIELDS", "KEY_PHASE", "PHASES", "SPMD_PHASES", "Event",
            "pack_lanes"]
 
-#: The collectives of SPMD jobs (``flowreduce.spmd.Communicator``), one phase each.
-SPMD_PHASES: tuple[str, ...] = ("allreduce", "broadcast", "allgather", "barrier")
 #: The trace's phases (:data:`flowreduce.phases.TRACE_PHASES`, then :data:`SPMD_PHASES`), in display order.
 PHASES: tuple[str, ...] = (*TRACE_PHASES, *SPMD_PHASES)
 #: flowreduce key phase -> trace phase (:data:`flowreduce.phases.TRACE_PHASE_OF`).
