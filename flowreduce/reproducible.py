@@ -339,10 +339,10 @@ def _exact_few(xs: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
 
 
 def _two_sum_fresh(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``fl(a + b)`` and its rounding error, exactly (TwoSum), in new arrays."""
-    s = a + b
-    bp = s - a
-    return s, (a - (s - bp)) + (b - bp)
+    """``fl(a + b)`` and its rounding error (:func:`_two_sum`), in new arrays."""
+    s, error, scratch = np.empty_like(a), np.empty_like(a), np.empty_like(a)
+    _two_sum(a, b, s, error, scratch, error=error)
+    return s, error
 
 
 def _carry(a: list[np.ndarray]) -> None:

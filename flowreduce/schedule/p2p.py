@@ -1431,29 +1431,23 @@ async def take_out_begun(arrival: Any, token: str, rank: int, named: _lower.Name
     if token in engine.ended_calls:
         raise engine.ended_calls[token].with_traceback(None)
     begun = engine.begun.setdefault(token, Begun())
-
-    def wait_without_the_thread() -> None:
-        # the wait may be long: another rank's input on this worker may need the thread first (an input
-        # computed again after a worker left, before the next attempt can begin)
-        task = engine.worker.state.tasks.get(named.keys[0])
-        if task is not None and task.state == "executing":  # not already long-running
-            leave_slot(engine.worker, named.keys[0])
-
-    if begun.run is None:
-        wait_without_the_thread()
     after = None
     while True:
+        if begun.run is None or after is not None:  # a wait for a run ahead (the first, or the next attempt)
+            # the wait may be long: another rank's input on this worker may need the thread first (an
+            # input computed again after a worker left, before the next attempt can begin)
+            task = engine.worker.state.tasks.get(named.keys[0])
+            if task is not None and task.state == "executing":  # not already long-running
+                leave_slot(engine.worker, named.keys[0])
         run = await begun.next(after)
         after = run
         if run in engine.failed:
             if isinstance(engine.failed[run], WorkerLostError):
-                wait_without_the_thread()
                 continue
             raise engine.failed[run].with_traceback(None)
         try:
             return await _result(engine, run, rank)
         except WorkerLostError:
-            wait_without_the_thread()
             continue  # the run restarts: the next attempt's result
 
 
