@@ -123,6 +123,51 @@ def test_fail_at_kills_the_worker_of_rank_r_when_step_s_starts(client):
 # -- 2. recovery: the same futures resolve to the right result -------------------------------------------
 
 
+def _replicas(keys, dask_worker=None):
+    return {k: dask_worker.data[k] for k in keys if k in dask_worker.data}
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring", "tree"])
+def test_every_replica_of_a_tasks_key_holds_the_same_value(client, algorithm):
+    """Dask takes any replica of a key for its value: after a worker loss, the
+    next attempt of a call (or a peer) may read the copy a rank received
+    instead of its producer's. So no task may change a value it received: the
+    task graph reduces into buffers of its own (``TASKS_REDUCE_INTO_RECEIVED``).
+    Reducing into received copies counted a rank twice after recoveries.
+    Every value of the call is kept here, and every replica compared."""
+    from flowreduce.lower.graph import build_graph
+    from flowreduce.ops import resolve_op
+    from flowreduce.schedule.call import TASKS_REDUCE_INTO_RECEIVED
+
+    parts = _inputs(client)
+    holders = client.who_has(parts)
+    placed = [holders[f.key][0] for f in parts]
+    plan = flowreduce.plan(algorithm, 4, chunks=2)
+    graph = build_graph(plan, parts, placed, size=N, shape=(N,), op=resolve_op("sum"),
+                        in_place=TASKS_REDUCE_INTO_RECEIVED)
+    client.amm.stop()  # it would drop the extra replicas this test compares
+    try:
+        keys = list(graph.tasks)
+        with dask.annotate(workers=graph.placement.get, allow_other_workers=False):
+            everything = dict(zip(keys, client.get(graph.tasks, keys, sync=False)))
+        wait(list(everything.values()), timeout=HANG)
+        for r, key in enumerate(graph.outputs):
+            np.testing.assert_array_equal(everything[key].result(), expected(), err_msg=f"rank {r}")
+        copies = client.run(_replicas, keys)
+        shared = 0
+        for key in keys:
+            held = [(w, v[key]) for w, v in copies.items() if key in v]
+            shared += len(held) > 1
+            for w, value in held[1:]:
+                np.testing.assert_array_equal(np.concatenate([np.ravel(a) for a in held[0][1]]) if isinstance(
+                    value, tuple) else held[0][1], np.concatenate([np.ravel(a) for a in value]) if isinstance(
+                    value, tuple) else value, err_msg=f"{key!r}: the replica on {w} differs")
+        assert shared, "no key had two replicas: nothing was compared"
+    finally:
+        client.amm.start()
+    del everything, parts
+
+
 @pytest.mark.parametrize("algorithm,step,action", [
     ("butterfly", 0, "kill"),
     ("ring", 3, "kill"),

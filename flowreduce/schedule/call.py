@@ -478,8 +478,10 @@ class Ranks:
 
     @property
     def in_place(self) -> bool:
-        """Whether received buffers may be reduced into: inproc:// (in-process
-        clusters) passes objects by reference, leaving no private copies."""
+        """Whether the engine (``method="p2p"``) may reduce into the buffers it
+        received: inproc:// (in-process clusters) passes objects by reference,
+        leaving no private copies. A task graph never does
+        (:data:`TASKS_REDUCE_INTO_RECEIVED`)."""
         return not any(w.startswith("inproc://") for w in self.workers)
 
 
@@ -662,7 +664,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         with raised_as(OptionError):
             sparse = sparse_call(held, op=settings.op, algorithm=settings.algorithm, options=settings.options)
         plan = choose_plan(p, held.size * np.dtype(held.dtype).itemsize, [], model, settings, sparse)
-        low = lower_sparse(cast(SparsePlan, plan), inputs, workers, sparse, in_place=ranks.in_place)
+        low = lower_sparse(cast(SparsePlan, plan), inputs, workers, sparse, in_place=TASKS_REDUCE_INTO_RECEIVED)
         return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype.str)
     shape, dtype = held.shape, np.dtype(held.dtype)
     size = math.prod(shape)
@@ -673,7 +675,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         with raised_as(OptionError):
             blocks = block_call(shape=shape, dtype=dtype, op=settings.op, options=options)
         plan = choose_plan(p, nbytes, [], model, settings, blocks, aggregators=len(aggregators))
-        low = lower_blocks(cast(SparsePlan, plan), inputs, workers, blocks, in_place=ranks.in_place,
+        low = lower_blocks(cast(SparsePlan, plan), inputs, workers, blocks, in_place=TASKS_REDUCE_INTO_RECEIVED,
                            aggregators=aggregators)
         return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype.str)
     levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
@@ -691,7 +693,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
     if plan.algorithm == _direct.NAME and plan.chunks == 1:
         return direct(plan, nbytes, shape, dtype.str)
     graph, how, links = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
-                                         op=settings.op, in_place=ranks.in_place,
+                                         op=settings.op, in_place=TASKS_REDUCE_INTO_RECEIVED,
                                          accumulate=settings.op.accumulator(dtype),
                                          ordered=settings.deterministic and tree_ordered(settings.op.name, dtype))
     if how != "dask":
@@ -739,7 +741,7 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
     buckets = make_buckets([t.spec for t in layout.tensors], settings.bucket_bytes)
     plans = [choose_plan(p, b.nbytes, levels, model, settings) for b in buckets]
     g = build_pytree_graph(layout, buckets, plans, [list(fs) for fs in ranks.futures], workers, op=settings.op,
-                         check=ranks.check, in_place=ranks.in_place, ordered=settings.deterministic)
+                         check=ranks.check, in_place=TASKS_REDUCE_INTO_RECEIVED, ordered=settings.deterministic)
     calls = []
     for bg, plan in zip(g.buckets, plans):
         b = bg.bucket
@@ -764,6 +766,11 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
 
 
 METHODS = ("auto", "tasks", "p2p")
+#: Whether a task may reduce into a value it received from another worker. It may not: Dask keeps the
+#: received copy as a replica of its key, and after a worker loss a task of the next attempt (or a peer)
+#: may read that replica again, already summed into: one rank counted twice (docs/failures.md). The
+#: engine reduces into its own receive buffers, which no key names (Ranks.in_place).
+TASKS_REDUCE_INTO_RECEIVED = False
 #: Plan options that name ranks (a plan over workers cannot take them when ranks share workers).
 RANK_OPTIONS = frozenset({"groups", "group_size", "levels", "workers", "root"})
 

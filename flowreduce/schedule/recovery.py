@@ -14,12 +14,11 @@ worker that left:
 2. **Run again, on private copies.** Every part of the call that is not a
    finished result is released and runs again, with the same keys (Dask's
    per-run ids make late answers of the old run harmless), and each task now
-   works on private copies of its inputs. Both because of in-place
-   reduction (:func:`flowreduce.lower.graph.owned_inputs`): the first run may
-   have reduced into a received replica that the scheduler still lists as a
-   copy of its key, and under the new placement a rank's tasks may share a
-   worker with a peer whose values they were allowed to overwrite only
-   because they arrived over the wire.
+   works on private copies of its inputs: the shared-memory kernels write
+   into blocks their peers read, and under the new placement a rank's tasks
+   may share a worker with those peers. (No task writes into a value it
+   received, whatever the attempt: any replica of a key may be read again,
+   ``call.TASKS_REDUCE_INTO_RECEIVED``.)
 3. **Bounded.** A call recovers at most ``attempts`` times (dask config
    ``flowreduce.recovery.attempts``, default 3); one more loss fails its
    pending results with :class:`WorkerLostError`.
