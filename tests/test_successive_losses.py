@@ -108,10 +108,11 @@ def test_two_workers_killed_one_after_the_other_after_the_call(client, algorithm
     assert flowreduce.describe(outs["pinned"]).workers == tuple(ws)
     for r in (2, 1):
         _kill(client, ws[r])
-        for out in outs.values():
+        for kind, out in outs.items():
             key = out[r].key
             assert wait_until(lambda key=key: client.run_on_scheduler(_scheduler_state, key) in ("memory", "erred"),
-                              HANG), f"rank {r}'s result did not settle after its worker died"
+                              HANG), (f"rank {r}'s result ({kind} inputs) did not settle after its worker died: "
+                                      f"{client.run_on_scheduler(_scheduler_state, key)}")
     for kind, out in outs.items():
         wait(out, timeout=HANG)
         parts = inputs[kind]
