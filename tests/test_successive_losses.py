@@ -125,6 +125,37 @@ def test_two_workers_killed_one_after_the_other_after_the_call(client, algorithm
     del outs, out, f, inputs, parts
 
 
+def test_a_call_done_before_its_watch_arrived_still_names_a_lost_scattered_input(client, monkeypatch):
+    """A small call can finish before the scheduler reads the message that
+    watches it (CI saw it once, for ``direct``). Its scattered inputs must
+    still be patched to name their rank when lost: unpatched, losing rank 2's
+    worker made Dask forget rank 2's result, which then never settled."""
+    from flowreduce.schedule import guard
+
+    original = guard.watch
+
+    def late(c, token, outputs, inputs, timeout, hold=False):
+        assert wait_until(lambda: all(c.run_on_scheduler(_scheduler_state, k) == "memory" for k in outputs), HANG)
+        original(c, token, outputs, inputs, timeout, hold)
+
+    monkeypatch.setattr(guard, "watch", late)
+    ws = sorted(client.nthreads())[:4]
+    parts = _inputs(client, ws, "scattered")
+    out = flowreduce.allreduce(client, parts, algorithm="direct")
+    monkeypatch.undo()
+    wait(out, timeout=HANG)
+    flush(client)
+    _kill(client, ws[2])
+    key = out[2].key
+    assert wait_until(lambda: client.run_on_scheduler(_scheduler_state, key) in ("memory", "erred"), HANG), (
+        f"rank 2's result did not settle: {client.run_on_scheduler(_scheduler_state, key)}")
+    e = out[2].exception()
+    assert _names(e, (key, parts[2].key)) and "rank 2" in str(e), repr(e)
+    for r in (0, 1, 3):
+        np.testing.assert_array_equal(out[r].result(), expected(), err_msg=f"rank {r}")
+    del out, parts, e
+
+
 @pytest.mark.parametrize("algorithm", DENSE)
 def test_two_workers_killed_during_the_call(client, algorithm):
     """The calls wait for rank 3's input (held back by an Event) while the

@@ -192,12 +192,10 @@ class PinGuard(SchedulerPlugin):
                 ranks.setdefault(k, []).append(r)
         w = Watch(token, {k for k in outputs if k in s.tasks}, ranks)
         w.pending = {k for k in w.outputs if s.tasks[k].state not in ("memory", "erred")}
-        if not w.pending:
-            return
         self.watches[token] = w
         for k in w.outputs:
             self.watch_of[k] = token
-        if hold:
+        if hold and w.pending:
             w.holder = f"flowreduce-hold-{token}"
             s.client_desires_keys(keys=[k for k in ranks if k in s.tasks], client=w.holder)
         from flowreduce.schedule.recovery import is_lost_input_spec, lost_input_spec
@@ -211,7 +209,9 @@ class PinGuard(SchedulerPlugin):
                 ts.run_spec = lost_input_spec(k, rs)
                 ts.priority = ts.priority or (0, s.generation, 0)  # scattered data has none, a task needs one
                 w.patched.append(ts)
-        if timeout is not None:
+        if not w.pending:  # it finished before this message came: kept as any finished call (its inputs patched)
+            self._unwatch(token)
+        elif timeout is not None:
             w.timer = s.loop.call_later(timeout, self._expire, token, timeout)
 
     def _unwatch(self, token: str) -> None:
