@@ -156,6 +156,36 @@ def test_a_call_done_before_its_watch_arrived_still_names_a_lost_scattered_input
     del out, parts, e
 
 
+@pytest.mark.parametrize("method", ["tasks", "p2p"])
+def test_a_worker_lost_before_the_watch_arrived_names_the_scattered_input(client, monkeypatch, method):
+    """Rank 2's worker dies after the call's graph reached the scheduler
+    but before its watch did (CI saw a hand-in start and its worker die
+    first). Its scattered input still fails every rank naming rank 2 and the
+    key: the guard patched it when the graph arrived. Unpatched, Dask forgot
+    the call and every result was cancelled ("already forgotten")."""
+    from flowreduce.schedule import guard
+
+    original = guard.watch
+    ws = sorted(client.nthreads())[:4]
+
+    def late(c, token, outputs, inputs, timeout, hold=False):
+        flush(c)  # the graph is there
+        _kill(c, ws[2])
+        original(c, token, outputs, inputs, timeout, hold)
+
+    monkeypatch.setattr(guard, "watch", late)
+    parts = _inputs(client, ws, "scattered")
+    out = flowreduce.allreduce(client, parts, algorithm="butterfly", method=method)
+    monkeypatch.undo()
+    for r, f in enumerate(out):  # a rank whose result was in memory on a survivor before the loss keeps it
+        e = f.exception(timeout=HANG)
+        if r == 2 or e is not None:
+            assert _names(e, (parts[2].key,)) and "rank 2" in str(e), f"rank {r}: {e!r}"
+        else:
+            np.testing.assert_array_equal(f.result(), expected(), err_msg=f"rank {r}")
+    del out, parts, f, e
+
+
 @pytest.mark.parametrize("algorithm", DENSE)
 def test_two_workers_killed_during_the_call(client, algorithm):
     """The calls wait for rank 3's input (held back by an Event) while the

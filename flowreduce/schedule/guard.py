@@ -297,6 +297,28 @@ class PinGuard(SchedulerPlugin):
             if not pending:
                 self._unwatch(token)
 
+    def update_graph(self, scheduler: Any, *, tasks: Any = (), **kwargs: Any) -> None:
+        """A graph has arrived, before any of its tasks can run: the scattered
+        inputs that flowreduce tasks depend on name their ranks if lost. The
+        call's watch, sent after the graph, does that too, with each input's
+        exact ranks, but a worker can die before it is read (CI saw a rank's
+        hand-in start, and its worker die, first: Dask then forgot the call)."""
+        from flowreduce.schedule.recovery import lost_input_spec
+
+        s = scheduler
+        readers: dict[Hashable, list[Any]] = {}
+        for key in tasks:
+            ts = s.tasks.get(key)
+            if ts is None or not _ours(key):
+                continue
+            for dts in ts.dependencies:
+                if dts.run_spec is None and dts.state == "memory":
+                    readers.setdefault(dts.key, []).append(ts)
+        for key, rs in readers.items():
+            dts = s.tasks[key]
+            dts.run_spec = lost_input_spec(key, _ranks_of(rs))
+            dts.priority = dts.priority or (0, s.generation, 0)  # scattered data has none, a task needs one
+
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         from flowreduce.schedule.recovery import recover
 
