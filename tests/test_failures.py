@@ -127,6 +127,11 @@ def _replicas(keys, dask_worker=None):
     return {k: dask_worker.data[k] for k in keys if k in dask_worker.data}
 
 
+def _flat(value) -> np.ndarray:
+    """A key's value (an array, or a node's tuple of pieces) as one array."""
+    return np.concatenate([np.ravel(a) for a in value]) if isinstance(value, tuple) else value
+
+
 @pytest.mark.parametrize("algorithm", ["butterfly", "ring", "tree"])
 def test_every_replica_of_a_tasks_key_holds_the_same_value(client, algorithm):
     """Dask takes any replica of a key for its value: after a worker loss, the
@@ -159,9 +164,8 @@ def test_every_replica_of_a_tasks_key_holds_the_same_value(client, algorithm):
             held = [(w, v[key]) for w, v in copies.items() if key in v]
             shared += len(held) > 1
             for w, value in held[1:]:
-                np.testing.assert_array_equal(np.concatenate([np.ravel(a) for a in held[0][1]]) if isinstance(
-                    value, tuple) else held[0][1], np.concatenate([np.ravel(a) for a in value]) if isinstance(
-                    value, tuple) else value, err_msg=f"{key!r}: the replica on {w} differs")
+                np.testing.assert_array_equal(_flat(held[0][1]), _flat(value),
+                                              err_msg=f"{key!r}: the replica on {w} differs")
         assert shared, "no key had two replicas: nothing was compared"
     finally:
         client.amm.start()

@@ -198,7 +198,7 @@ class PinGuard(SchedulerPlugin):
         if hold and w.pending:
             w.holder = f"flowreduce-hold-{token}"
             s.client_desires_keys(keys=[k for k in ranks if k in s.tasks], client=w.holder)
-        from flowreduce.schedule.recovery import is_lost_input_spec, lost_input_spec
+        from flowreduce.schedule.recovery import is_lost_input_spec
 
         for k, rs in ranks.items():
             self.input_ranks.setdefault(k, []).extend(rs)
@@ -206,8 +206,7 @@ class PinGuard(SchedulerPlugin):
             # scattered: a loss must name it, not cancel the call (patched already while a finished call's results
             # may need it)
             if ts is not None and (ts.run_spec is None or is_lost_input_spec(ts.run_spec)):
-                ts.run_spec = lost_input_spec(k, rs)
-                ts.priority = ts.priority or (0, s.generation, 0)  # scattered data has none, a task needs one
+                _name_when_lost(s, ts, rs)
                 w.patched.append(ts)
         if not w.pending:  # it finished before this message came: kept as any finished call (its inputs patched)
             self._unwatch(token)
@@ -303,8 +302,6 @@ class PinGuard(SchedulerPlugin):
         call's watch, sent after the graph, does that too, with each input's
         exact ranks, but a worker can die before it is read (CI saw a rank's
         hand-in start, and its worker die, first: Dask then forgot the call)."""
-        from flowreduce.schedule.recovery import lost_input_spec
-
         s = scheduler
         readers: dict[Hashable, list[Any]] = {}
         for key in tasks:
@@ -315,9 +312,7 @@ class PinGuard(SchedulerPlugin):
                 if dts.run_spec is None and dts.state == "memory":
                     readers.setdefault(dts.key, []).append(ts)
         for key, rs in readers.items():
-            dts = s.tasks[key]
-            dts.run_spec = lost_input_spec(key, _ranks_of(rs))
-            dts.priority = dts.priority or (0, s.generation, 0)  # scattered data has none, a task needs one
+            _name_when_lost(s, s.tasks[key], _ranks_of(rs))
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         from flowreduce.schedule.recovery import recover
@@ -410,6 +405,14 @@ def _watch_refusal(guard: PinGuard, token: Any, outputs: Any, inputs: Any, timeo
     if not isinstance(hold, bool):
         return f"hold must be True or False, got {hold!r}"[:300]
     return None
+
+
+def _name_when_lost(s: Any, ts: Any, ranks: list[int]) -> None:
+    """Give scattered input ``ts`` a task that fails naming ``ranks`` and its key, should its only copy be lost."""
+    from flowreduce.schedule.recovery import lost_input_spec
+
+    ts.run_spec = lost_input_spec(ts.key, ranks)
+    ts.priority = ts.priority or (0, s.generation, 0)  # scattered data has none, a task needs one
 
 
 def _ranks_of(tasks: Sequence[Any]) -> list[int]:
