@@ -136,9 +136,9 @@ class CostModel:
     inter: Link | None = None  # through a host's network link (None: DEFAULT_INTER)
     shm: Link | None = None  # shared memory between workers of one host (None: DEFAULT_SHM)
     # how many plain additions of the same bytes an exact fold costs (deterministic="exact" on a plan
-    # gathering every rank's values: flowreduce.reproducible.exact_fold): 4 x 2.5e6 float64 in 41-48 ms
-    # against 6.6 ms for their sum, in one process on this machine (2026-11-27)
-    exact_fold: float = 7.0
+    # gathering every rank's values: flowreduce.reproducible.exact_fold): 4 x 2.5e6 float64 in 24 ms against
+    # 5.6 ms for their sum, float32 13.5 against 2.8 ms, in one process on this machine (2026-11-27)
+    exact_fold: float = 4.5
 
     def folding_exactly(self) -> CostModel:
         """This model with the exact fold's combining speed in place of the additions'."""

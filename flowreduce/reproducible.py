@@ -217,7 +217,14 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
     the codec holds round to ``r``: the codec's bits. The few elements not
     certified (heavy cancellation, exact ties, inf, NaN, overflow) go
     through :func:`_exact_few`, then the codec. One fold costs ~36 float
-    passes over the data against the codec's ~100 integer ones."""
+    passes over the data against the codec's ~100 integer ones.
+
+    Most blocks need none of that: where the block's magnitudes span less
+    than ``2**52 / n**2`` (float64; :func:`_errors_add_exactly`) the errors'
+    float sum is exact, so ``fl(s + e)`` is the exact sum rounded once, ties
+    included (~20 passes); where float32 values span less than ``2**29 / n``
+    (:func:`_float64_sum_is_exact`) their float64 sum is exact and is rounded
+    once to float32 (~n passes)."""
     flat = out.reshape(-1)
     dtype = flat.dtype
     _check(dtype)
@@ -241,7 +248,15 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
         w = min(step, flat.size - lo)
         rows = [row[:w] for row in scratch]
         blocks = [x[lo:lo + w] for x in xs]
-        big = max(max(abs(float(x.max())), abs(float(x.min()))) for x in blocks)
+        big, small = _magnitudes(blocks, scratch[5, :w])
+        if single and _float64_sum_is_exact(n, big, small):  # the plain float64 sum is the exact sum
+            o = flat[lo:lo + w]
+            s = np.add(blocks[0], 0.0, out=scratch[0, :w], dtype=np.float64)  # -0.0 -> +0.0, as the codec
+            for x in blocks[1:]:
+                np.add(s, x, out=s)
+            with np.errstate(over="ignore"):  # beyond float32's range: inf, as the codec rounds
+                np.copyto(o, s, casting="same_kind")  # rounded once, half to even
+            continue
         if single:  # float32 values are exact in float64; the sums are made there
             s = np.asarray(blocks[0], dtype=np.float64)
             wide = [np.asarray(x, dtype=np.float64) for x in blocks[1:]]
@@ -254,6 +269,10 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
                 if i:
                     np.add(e, u, out=e)
                 s, t = t, (spare if s is blocks[0] else s)  # the old sum's row is free, unless it is an input
+            if not single and _errors_add_exactly(n, big, small):  # S = s + e exactly: one addition rounds it
+                np.add(s, e, out=s)  # s is a scratch row here: the inputs are read, ``out`` may be one of them
+                np.add(s, 0.0, out=flat[lo:lo + w])  # an exact zero sum is +0.0, as the codec's
+                continue
             _two_sum(s, e, t, u, v, error=d)
             r = t
             if single:  # S - r32 = (r - r32) + d: the first difference is exact (Sterbenz)
@@ -277,6 +296,42 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
         if few is not None:
             o[bad] = few
     return out
+
+
+def _magnitudes(blocks: Sequence[np.ndarray], scratch: np.ndarray) -> tuple[float, float]:
+    """The largest magnitude among ``blocks`` (inf or NaN if they hold one)
+    and the smallest nonzero one (inf if all are zero)."""
+    biggest, smallest = [], []
+    for x in blocks:
+        a = np.abs(x, out=scratch)
+        biggest.append(a.max())
+        least = a.min()
+        smallest.append(least if least > 0 else a.min(where=a > 0, initial=np.inf))
+    return float(np.max(biggest)), float(np.min(smallest))  # numpy's max keeps a NaN, Python's may not
+
+
+def _float64_sum_is_exact(n: int, big: float, small: float) -> bool:
+    """Whether any float64 sum of ``n`` float32 values, each zero or of
+    magnitude within [``small``, ``big``], is exact: they and their sums are
+    multiples of ``q = 2**(floor(log2 small) - 23)`` > ``small 2**-24``
+    (float32 normals), so sums below ``2**53 q`` are floats; ``n big`` is
+    that bound when ``big <= small 2**29 / n``."""
+    return bool(np.isfinite(big)) and small >= 2.0 ** -126 and big * n <= small * 2.0 ** 29
+
+
+def _errors_add_exactly(n: int, big: float, small: float) -> bool:
+    """Whether the float sum of the ``TwoSum`` errors of ``n`` float64
+    values (magnitudes within [``small``, ``big``], or zero) is exact, so the
+    sum ``s`` and the errors' sum ``e`` hold the exact sum ``S = s + e``: the
+    values, the rounded sums and their errors are multiples of ``q =
+    2**(floor(log2 small) - 52)`` (normals), the errors are each below
+    ``2**-53 n big`` and add up to below ``n**2 big 2**-53``, which is under
+    ``2**53 q`` (so every partial sum is a float) when ``big <= small
+    2**52 / n**2``. That also keeps every value inside the codec's window
+    (``2**102`` binades), so ``fl(s + e)`` is the codec's result; ``n big``
+    far below the largest float rules out an overflow on the way."""
+    return (bool(np.isfinite(big)) and small >= 2.0 ** -1022 and big * n * n <= small * 2.0 ** 52
+            and big * n <= 2.0 ** 1020)
 
 
 def _half_gap(r: np.ndarray, bits: np.ndarray, exponent: Any, half_ulp: float) -> np.ndarray:
