@@ -248,8 +248,8 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
         w = min(step, flat.size - lo)
         rows = [row[:w] for row in scratch]
         blocks = [x[lo:lo + w] for x in xs]
-        big, small = _magnitudes(blocks, scratch[5, :w])
-        if single and _float64_sum_is_exact(n, big, small):  # the plain float64 sum is the exact sum
+        big, exact = _exact_in_floats(blocks, scratch[5, :w], single)
+        if single and exact:  # the plain float64 sum is the exact sum
             o = flat[lo:lo + w]
             s = np.add(blocks[0], 0.0, out=scratch[0, :w], dtype=np.float64)  # -0.0 -> +0.0, as the codec
             for x in blocks[1:]:
@@ -269,7 +269,7 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
                 if i:
                     np.add(e, u, out=e)
                 s, t = t, (spare if s is blocks[0] else s)  # the old sum's row is free, unless it is an input
-            if not single and _errors_add_exactly(n, big, small):  # S = s + e exactly: one addition rounds it
+            if exact:  # float64  # S = s + e exactly: one addition rounds it
                 np.add(s, e, out=s)  # s is a scratch row here: the inputs are read, ``out`` may be one of them
                 np.add(s, 0.0, out=flat[lo:lo + w])  # an exact zero sum is +0.0, as the codec's
                 continue
@@ -298,16 +298,30 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _magnitudes(blocks: Sequence[np.ndarray], scratch: np.ndarray) -> tuple[float, float]:
-    """The largest magnitude among ``blocks`` (inf or NaN if they hold one)
-    and the smallest nonzero one (inf if all are zero)."""
-    biggest, smallest = [], []
-    for x in blocks:
-        a = np.abs(x, out=scratch)
-        biggest.append(a.max())
-        least = a.min()
-        smallest.append(least if least > 0 else a.min(where=a > 0, initial=np.inf))
-    return float(np.max(biggest)), float(np.min(smallest))  # numpy's max keeps a NaN, Python's may not
+def _exact_in_floats(blocks: Sequence[np.ndarray], scratch: np.ndarray, single: bool) -> tuple[float, bool]:
+    """The largest magnitude among ``blocks`` (inf or NaN if they hold one),
+    and whether their magnitudes span little enough for a float sum to be
+    exact: float32 values summed in float64 (:func:`_float64_sum_is_exact`),
+    float64 values summed with their TwoSum errors (:func:`_errors_add_exactly`).
+    A few values of each block are looked at first: wide data fails there,
+    without the pass over every value that the smallest magnitude takes."""
+    n = len(blocks)
+    big = float(np.max([max(x.max(), -x.min()) for x in blocks]))  # numpy's max keeps a NaN, Python's may not
+    exact = _float64_sum_is_exact if single else _errors_add_exactly
+    for least in (_least(x[:_SAMPLE], scratch[:_SAMPLE]) for x in blocks):
+        if not exact(n, big, least):
+            return big, False
+    return big, exact(n, big, min(_least(x, scratch) for x in blocks))
+
+
+_SAMPLE = 64
+
+
+def _least(x: np.ndarray, scratch: np.ndarray) -> float:
+    """The smallest nonzero magnitude in ``x`` (inf if none)."""
+    a = np.abs(x, out=scratch[:x.size])
+    least = a.min(initial=np.inf)
+    return float(least if least > 0 else a.min(where=a > 0, initial=np.inf))
 
 
 def _float64_sum_is_exact(n: int, big: float, small: float) -> bool:

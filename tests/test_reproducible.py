@@ -295,6 +295,9 @@ def hard_cases(p: int, dtype, size: int = 20_000, seed: int = 0) -> dict[str, li
     rng = np.random.default_rng(seed + p)
     half = np.finfo(dtype).eps / 2
     one = [np.ones(size, dtype)] + [np.zeros(size, dtype)] * (p - 1)
+    nudged = [np.full(size, 1 + 2 * half, dtype) if r == 0 else np.full(size, half, dtype) if r == 1 else
+              (-half * dtype(2.0) ** -rng.integers(1, 81, size)).astype(dtype) if r == 2 else np.zeros(size, dtype)
+              for r in range(p)]
     with np.errstate(over="ignore"):
         return {
             "normal": [rng.standard_normal(size).astype(dtype) for _ in range(p)],
@@ -307,6 +310,10 @@ def hard_cases(p: int, dtype, size: int = 20_000, seed: int = 0) -> dict[str, li
             "nudged midpoints": [np.full(size, 1 + 2 * half, dtype) if r == 0 else np.full(size, half, dtype)
                                  if r == 1 else (-half * dtype(2.0) ** -rng.integers(1, 31, size)).astype(dtype)
                                  if r == 2 else np.zeros(size, dtype) for r in range(p)],
+            # ordinary values first, then midpoints nudged by as little as 2**-80 of the half ulp: a block
+            # is only as narrow as all of it (a float sum of the nudged ones is rounded twice)
+            "narrow, then nudged": [np.where(np.arange(size) < 100, rng.standard_normal(size).astype(dtype),
+                                             nudged[r]) for r in range(p)],
             "small integers": [rng.integers(-3, 4, size).astype(dtype) * dtype(2.0) ** rng.integers(-60, 60, size)
                                .astype(dtype) for _ in range(p)],
             "cancelling": [(rng.standard_normal(size) * (-1) ** r + (rng.standard_normal(size) * 1e-9 if r == 1
