@@ -60,8 +60,9 @@ def check(x: np.ndarray, sample: np.ndarray) -> bool:
 
 def bytes_table(ranks: tuple[int, ...] = (2, 3, 4, 5, 6, 8, 16, 32)) -> None:
     """deterministic=True's bytes on the wire relative to the default, per plan
-    (one chunk): each transfer weighed by the partial sums its value carries."""
-    from flowreduce.lower.graph import piece_layout, tree_nodes
+    (one chunk): each transfer weighed by the partial sums its value carries
+    (:func:`flowreduce.algorithms.partials.wire_factor`, what ``auto`` prices)."""
+    from flowreduce.algorithms.partials import wire_factor
 
     variants = [("butterfly", {}), ("butterfly", {"radix": 4}), ("recursive-doubling", {}),
                 ("recursive-doubling", {"radix": 4}), ("reduce-broadcast", {}), ("tree", {}), ("tree", {"fan_in": 3}),
@@ -71,11 +72,7 @@ def bytes_table(ranks: tuple[int, ...] = (2, 3, 4, 5, 6, 8, 16, 32)) -> None:
         cells = []
         for p in ranks:
             plan = flowreduce.plan(algorithm, p, **options)
-            carried = piece_layout(plan, [len(c) for c in tree_nodes(plan)])
-            plain = piece_layout(plan)
-            base = sum(b - a for t in plan.transfers() for a, b in plain[t.src])
-            ordered = sum(b - a for t in plan.transfers() for a, b in carried[t.src])
-            cells.append(f"{ordered / base:6.2f}" if base else "     -")
+            cells.append(f"{wire_factor(plan):6.2f}" if plan.transfers() else "     -")
         print(f"{algorithm + (str(options) if options else ''):32} " + " ".join(cells))
 
 

@@ -44,6 +44,16 @@ costs the root's whole inbound volume. ``hierarchical`` is priced by the
 same rule: its inner levels use the intra class, its outer level the inter
 class.
 
+**deterministic=True** (a float sum or mean, ordered by the reference tree):
+a message carries the partial sums of the tree covering the ranks its value
+combines, one array each, so plans whose merges are not the tree's siblings
+(ring, tree, radix 4 at some p) move more bytes than the default. A model
+with ``partials`` set (:meth:`CostModel.carrying_partials`, what a call
+under True is priced with) weighs every transfer's bytes by the partial sums
+it carries (:func:`flowreduce.algorithms.partials.carried`) in all the terms
+above: bytes on the wire, the busiest rank's, the longest chain's and the
+links' loads.
+
 ``allreduce`` tells the model how many cores the ranks share (per host, the
 fewer of its CPUs and its ranks) and which ranks share a host, learnt from
 the workers in the same broadcast that checks the inputs. Constants default
@@ -71,6 +81,7 @@ from typing import Any
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS, direct_lowered
 from flowreduce.algorithms.ir import CostCard, Plan
+from flowreduce.algorithms.partials import Carried, carried
 from flowreduce.algorithms.sparse import SparsePlan
 
 logger = logging.getLogger("flowreduce")
@@ -139,19 +150,39 @@ class CostModel:
     # gathering every rank's values: flowreduce.reproducible.exact_fold): 4 x 2.5e6 float64 in 24 ms against
     # 5.6 ms for their sum, float32 13.5 against 2.8 ms, in one process on this machine (2026-11-27)
     exact_fold: float = 4.5
+    # deterministic=True on an op and dtype the reference tree orders: each transfer's bytes weighed by
+    # the partial sums its value carries (set per call, like cores; never in a file)
+    partials: bool = False
 
     def folding_exactly(self) -> CostModel:
         """This model with the exact fold's combining speed in place of the additions'."""
         return replace(self, reduce_rate=self.reduce_rate / self.exact_fold)
+
+    def carrying_partials(self) -> CostModel:
+        """This model pricing ``deterministic=True``'s messages: every
+        transfer's bytes weighed by the partial sums of the reference tree
+        its value carries (:func:`carried_card`, :func:`link_loads`)."""
+        return replace(self, partials=True)
+
+    def card(self, plan: Plan, nbytes: float) -> CostCard:
+        """``plan``'s cost card for ``nbytes`` per rank as this model prices it."""
+        card = plan.cost(nbytes)
+        return carried_card(plan, card) if self.partials else card
+
+    def loads(self, plan: Plan, groups: Groups | None, nbytes: float) -> LinkLoads | None:
+        """``plan``'s link loads over the hosts ``groups`` as this model prices
+        them (None on one host)."""
+        if groups is None or len(groups) < 2:
+            return None
+        return link_loads(plan, groups, nbytes, carried(plan).widths if self.partials else None)
 
     def predict(self, plan: Plan, nbytes: float, groups: Groups | None = None) -> float:
         """Predicted seconds of ``plan`` on ``nbytes`` per rank; ``groups``
         lists the ranks of each host (default: all on one host)."""
         if plan.algorithm == "shm-direct" and plan.chunks == 1 and (groups is None or len(groups) < 2):
             return self.shm_direct_time(plan, nbytes)  # one host: lowered over shared memory
-        loads = link_loads(plan, groups, nbytes) if groups is not None and len(groups) > 1 else None
-        return self._time(plan.ranks, plan.chunks, lowered_card(plan, plan.cost(nbytes)), loads, nbytes,
-                          shm_inside=shm_inside(plan))
+        return self._time(plan.ranks, plan.chunks, lowered_card(plan, self.card(plan, nbytes)),
+                          self.loads(plan, groups, nbytes), nbytes, shm_inside=shm_inside(plan))
 
     def _time(self, ranks: int, chunks: int, card: CostCard, loads: LinkLoads | None, nbytes: float,
               shm_inside: bool = False) -> float:
@@ -200,8 +231,8 @@ class CostModel:
         copies = (per_worker - 1) * nbytes / self.copy_rate
         if self.cores and self.cores < workers:
             combine, copies = combine * workers / self.cores, copies * workers / self.cores
-        card = plan.cost(nbytes)
-        loads = link_loads(plan, groups, nbytes) if groups is not None and len(groups) > 1 else None
+        card = self.card(plan, nbytes)
+        loads = self.loads(plan, groups, nbytes)
         intra = Link(self.message, (self.intra or Link(self.level, 1.0 / self.bandwidth)).beta)
         engine = replace(self, level=self.message, task=0.0, call=0.0, intra=intra)
         return (self.call + 3 * self.level + (workers + 1 + ranks) * self.task + combine + copies
@@ -251,8 +282,8 @@ class CostModel:
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "cores" or v is None:
-                continue  # cores are the cluster's, learnt per call
+            if f.name in ("cores", "partials") or v is None:
+                continue  # cores are the cluster's, learnt per call; partials the call's
             out[f.name] = {"alpha": v.alpha, "beta": v.beta} if isinstance(v, Link) else v
         return out
 
@@ -265,7 +296,7 @@ class CostModel:
         ValueError
             An unknown key or a link without ``alpha`` and ``beta``.
         """
-        known = {f.name for f in fields(cls)} - {"cores"}
+        known = {f.name for f in fields(cls)} - {"cores", "partials"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown cost model keys {unknown}; valid: {sorted(known)}")
@@ -381,8 +412,25 @@ def link_seconds(loads: LinkLoads, chunks: int, inter_beta: float, intra_beta: f
     return max(piped, loads.host_max * inter_beta)
 
 
-def link_loads(plan: Plan, groups: Groups, nbytes: float) -> LinkLoads:
-    """Where ``plan``'s bytes go when ``groups`` are the hosts.
+def carried_card(plan: Plan, card: CostCard, w: Carried | None = None) -> CostCard:
+    """``card`` (``plan``'s, at any size) with each transfer's bytes weighed
+    by the partial sums its value carries under ``deterministic=True``
+    (``w``, default :func:`flowreduce.algorithms.partials.carried`): the
+    bytes on the wire, the busiest rank's and the longest chain's."""
+    st, w = plan.structure, w or carried(plan)
+
+    def times(new: int, old: int) -> float:
+        return new / old if old else 1.0
+
+    return replace(card, bytes_on_wire=card.bytes_on_wire * times(w.wire_width, st.wire_width),
+                   max_rank_bytes=card.max_rank_bytes * times(w.max_rank_width, st.max_rank_width),
+                   critical_bytes=card.critical_bytes * times(w.chain_width, st.chain_width))
+
+
+def link_loads(plan: Plan, groups: Groups, nbytes: float, widths: Sequence[int] | None = None) -> LinkLoads:
+    """Where ``plan``'s bytes go when ``groups`` are the hosts; ``widths``:
+    the segments each node's value carries when not its own width
+    (``deterministic=True``'s partial sums, :func:`flowreduce.algorithms.partials.carried`).
 
     Raises
     ------
@@ -405,7 +453,7 @@ def link_loads(plan: Plan, groups: Groups, nbytes: float) -> LinkLoads:
             if src.rank == n.rank or (i, n.rank) in seen:
                 continue
             seen.add((i, n.rank))
-            b, lv = src.width * seg, levels[n.id] - 1
+            b, lv = (src.width if widths is None else widths[i]) * seg, levels[n.id] - 1
             a, z = host[src.rank], host[n.rank]
             if a != z:
                 h_out[lv][a] += b
@@ -477,13 +525,18 @@ def _base(name: str, ranks: int, options: str) -> Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def unit_price(name: str, ranks: int, options: str, groups: str | None) -> tuple[CostCard, CostCard, LinkLoads | None]:
+def unit_price(name: str, ranks: int, options: str, groups: str | None,
+               partials: bool = False) -> tuple[CostCard, CostCard, LinkLoads | None]:
     """A base plan's cost cards at 1 and 2 chunks and its link loads, for
-    one byte per rank (every byte count is linear in the vector's bytes)."""
+    one byte per rank (every byte count is linear in the vector's bytes);
+    ``partials``: as :meth:`CostModel.carrying_partials` prices them."""
     base = _base(name, ranks, options)
     hosts = json.loads(groups) if groups else None
-    return (base.with_chunks(1).cost(1.0), base.with_chunks(2).cost(1.0),
-            link_loads(base, hosts, 1.0) if hosts else None)
+    one, two, widths = base.with_chunks(1).cost(1.0), base.with_chunks(2).cost(1.0), None
+    if partials:
+        w = carried(base)
+        one, two, widths = carried_card(base, one, w), carried_card(base, two, w), w.widths
+    return one, two, link_loads(base, hosts, 1.0, widths) if hosts else None
 
 
 def _scaled(card: CostCard, n: float) -> CostCard:
@@ -511,7 +564,7 @@ def _fastest(model: CostModel, variants: list[tuple[str, dict]], ranks: int, nby
     for name, opts in variants:
         okey = json.dumps(opts, sort_keys=True)
         base = _base(name, ranks, okey)
-        one, two, unit_loads = unit_price(name, ranks, okey, gkey)
+        one, two, unit_loads = unit_price(name, ranks, okey, gkey, model.partials)
         loads = None if unit_loads is None else LinkLoads(
             tuple(x * nbytes for x in unit_loads.inter), tuple(x * nbytes for x in unit_loads.intra),
             unit_loads.host_max * nbytes, unit_loads.inter_total * nbytes)

@@ -542,6 +542,18 @@ def glance(client: Client, outer: TreeDef, futures: tuple[tuple[Future, ...], ..
     return Ranks(outer, futures, tuple(workers), places, Unseen(nbytes), check=True, plan=plan)
 
 
+def pricing(model: CostModel, settings: Settings, dtype: Any) -> CostModel:
+    """The model a call's plans of ``dtype`` values are chosen and predicted
+    with: under ``deterministic=True`` on an op and dtype the reference tree
+    orders (:func:`~flowreduce.reproducible.tree_ordered`: floats' sums,
+    means...), every transfer weighed by the partial sums it carries
+    (:meth:`CostModel.carrying_partials`); else ``model`` (integers, min,
+    max carry one value, as by default)."""
+    if settings.deterministic and tree_ordered(settings.op.name, np.dtype(dtype)):
+        return model.carrying_partials()
+    return model
+
+
 def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings,
                 wire: SparseCall | BlockCall | None = None, aggregators: int = 0, direct: bool = False) -> Plan:
     """The plan for ``p`` ranks of ``nbytes`` each, judged by ``model``, the
@@ -551,7 +563,8 @@ def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostM
     inputs are arrays in memory on known workers); a named one is tuned in
     what the call leaves open (chunks; hierarchical's groups, inner and
     outer). Block-sparse calls (``wire``) have one plan, over
-    ``aggregators`` aggregating workers."""
+    ``aggregators`` aggregating workers. Under ``deterministic=True``,
+    ``model`` is the call's :func:`pricing`."""
     chunks = settings.chunks_for(nbytes)
     options = dict(settings.options)
     with raised_as(OptionError):
@@ -678,6 +691,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         low = lower_blocks(cast(SparsePlan, plan), inputs, workers, blocks, in_place=TASKS_REDUCE_INTO_RECEIVED,
                            aggregators=aggregators)
         return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype.str)
+    model = pricing(model, settings, dtype)  # the plan's choice, the route's and the record's prediction
     levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
     domains = _transport.memory_domains(workers, ranks.places, settings.transport)
     if settings.algorithm == _transport.DIRECT:  # its groups: the ranks of each worker; one chunk unless asked
@@ -739,14 +753,15 @@ def _lower_tensors(ranks: Ranks, layout: Layout, levels: list[list[list[int]]], 
     workers = list(ranks.workers)
     p = len(workers)
     buckets = make_buckets([t.spec for t in layout.tensors], settings.bucket_bytes)
-    plans = [choose_plan(p, b.nbytes, levels, model, settings) for b in buckets]
+    models = [pricing(model, settings, b.dtype) for b in buckets]
+    plans = [choose_plan(p, b.nbytes, levels, m, settings) for b, m in zip(buckets, models)]
     g = build_pytree_graph(layout, buckets, plans, [list(fs) for fs in ranks.futures], workers, op=settings.op,
                          check=ranks.check, in_place=TASKS_REDUCE_INTO_RECEIVED, ordered=settings.deterministic)
     calls = []
-    for bg, plan in zip(g.buckets, plans):
+    for bg, plan, m in zip(g.buckets, plans, models):
         b = bg.bucket
         shape = (b.size,) if b.fused else layout.tensors[b.tensors[0]].spec.shape
-        calls.append(CallRecord(bg.token, plan, b.nbytes, model.predict(plan, b.nbytes, levels[0]), tuple(workers),
+        calls.append(CallRecord(bg.token, plan, b.nbytes, m.predict(plan, b.nbytes, levels[0]), tuple(workers),
                                 tuple(shape), b.dtype, tuple(bg.inputs), deterministic=settings.deterministic))
     whole = None
     if not layout.single_array:
@@ -833,7 +848,7 @@ def p2p_route(client: Client | None, ranks: Ranks, settings: Settings) -> P2PRou
     held = cast(ArrayMeta, ranks.held)
     workers = list(ranks.workers)
     engines = engine_workers(workers)  # the plan runs over these: a worker's ranks are combined there
-    model = model_for(settings.model, hosts.shared_cores(engines, ranks.places))
+    model = pricing(model_for(settings.model, hosts.shared_cores(engines, ranks.places)), settings, held.dtype)
     levels = hosts.rank_levels(client, engines, ranks.places, settings.topology)
     nbytes = math.prod(held.shape) * np.dtype(held.dtype).itemsize
     plan = choose_plan(len(engines), nbytes, levels, model, settings)
