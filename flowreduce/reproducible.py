@@ -273,11 +273,12 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
                 np.add(s, e, out=s)  # s is a scratch row here: the inputs are read, ``out`` may be one of them
                 np.add(s, 0.0, out=flat[lo:lo + w])  # an exact zero sum is +0.0, as the codec's
                 continue
-            # r, d = fl(s + e) and its error by FastTwoSum (3 operations), exact where |s| >= |e|; where not,
-            # the sum cancelled to below the errors, and r's half gap (< 2 (n-1) n u**2 M) is under M k: the
-            # test below fails there whatever d is
-            np.add(s, e, out=t)
-            np.subtract(e, np.subtract(t, s, out=d), out=d)
+            if single:  # r's float32 half gap can exceed M k where the sum cancelled: d must be exact
+                _two_sum(s, e, t, u, v, error=d)
+            else:  # r, d by FastTwoSum (3 operations), exact where |s| >= |e|; where not, the sum cancelled
+                # below its errors and r's half gap (< 2 (n-1) n u**2 M) is under M k: the test fails whatever d is
+                np.add(s, e, out=t)
+                np.subtract(e, np.subtract(t, s, out=d), out=d)
             r = t
             if single:  # S - r32 = (r - r32) + d: the first difference is exact (Sterbenz)
                 r32 = r.astype(np.float32)
