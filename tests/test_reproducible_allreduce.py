@@ -14,6 +14,7 @@ from utils import assert_clean, error_of, scatter_ranks, workers_of
 
 import flowreduce
 from flowreduce.errors import InputError, InputStateError, OptionError
+from flowreduce.lower.graph import gathers_every_rank
 from flowreduce.schedule import reproducible
 
 RANKS = [1, 2, 3, 5, 8, 16]
@@ -319,3 +320,33 @@ def test_exact_on_one_host_folds_the_gathered_values(proc_client, algorithm, ran
     codec = results(proc_client, xs, op=op, algorithm="ring", deterministic="exact")
     want = flowreduce.reference_reduce(xs, op)
     assert all(g.tobytes() == want.tobytes() == c.tobytes() for g, c in zip(got, codec))
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("ranks", [3, 4, 6])
+def test_exact_across_hosts_folds_where_the_values_meet(proc_client, ranks, op):
+    # no shared memory between the ranks (transport="dask", as across hosts): auto still picks a plan whose
+    # reductions take every rank's own values (a reduce-scatter by direct sends, or direct) and folds them there,
+    # at the default's bytes: no limbs, no helper tasks; the same bits as the codec's route (ring)
+    xs = wide(ranks, size=3000, seed=9)
+    futures = flowreduce.allreduce(proc_client, scatter_ranks(proc_client, xs), op=op, transport="dask",
+                                   deterministic="exact")
+    described = flowreduce.describe(futures[0])
+    assert described.deterministic == "exact" and gathers_every_rank(described.plan), described.plan
+    assert not any("flowreduce-exact" in str(f.key) for f in futures)
+    got = proc_client.gather(futures)
+    codec = results(proc_client, xs, op=op, algorithm="ring", transport="dask", deterministic="exact")
+    want = flowreduce.reference_reduce(xs, op)
+    assert all(g.tobytes() == want.tobytes() == c.tobytes() for g, c in zip(got, codec))
+
+
+@pytest.mark.parametrize("algorithm, options", [("butterfly", {"radix": 5}), ("recursive-doubling", {"radix": 8}),
+                                                ("reduce-broadcast", {}), ("direct", {})])
+def test_exact_on_a_named_gathering_plan_folds_without_the_codec(proc_client, algorithm, options):
+    xs = wide(5, np.float32, size=2000, seed=10)
+    futures = flowreduce.allreduce(proc_client, scatter_ranks(proc_client, xs), algorithm=algorithm,
+                                   transport="dask", deterministic="exact", **options)
+    assert flowreduce.describe(futures[0]).algorithm == algorithm
+    assert not any("flowreduce-exact" in str(f.key) for f in futures)
+    want = flowreduce.reference_reduce(xs, "sum")
+    assert all(g.tobytes() == want.tobytes() for g in proc_client.gather(futures))

@@ -95,7 +95,12 @@ def reduce_ordered(op: Op, ranks: int, finish: bool, shape: tuple[int, ...] | No
     node, in order, make its range), and they are added only as siblings
     (:func:`flowreduce.reproducible.tree_merge`). The value: the partial
     sums left, one piece each over the whole range, in the order of their
-    nodes (the builder computes the same list)."""
+    nodes (the builder computes the same list). An exact op
+    (``deterministic="exact"``) takes every rank's own values at once (a
+    plan that gathers them, :func:`flowreduce.lower.graph.gathers_every_rank`)
+    and folds them with :func:`flowreduce.reproducible.exact_fold`."""
+    if op.exact:
+        return _fold_exactly(op, ranks, shape, inputs, picks, nodes)
     parts: dict[TreeNode, np.ndarray] = {}
     mine: set[int] = set()  # ids of arrays this task may write into
     for value, ps, ns, own in zip(inputs, picks, nodes, owned):
@@ -125,6 +130,27 @@ def reduce_ordered(op: Op, ranks: int, finish: bool, shape: tuple[int, ...] | No
         if op.mean:  # as reference_reduce: the tree's sum divided in the dtype, +0.0 where that is zero
             acc = np.add(np.true_divide(acc, ranks), 0, dtype=acc.dtype)
         out = (acc,)
+    return out if shape is None else output((out,), shape)
+
+
+def _fold_exactly(op: Op, ranks: int, shape: tuple[int, ...] | None, inputs: Sequence[Pieces],
+                  picks: Sequence[Sequence[Pick]], nodes: Sequence[Sequence[TreeNode]]) -> Pieces | np.ndarray:
+    """:func:`reduce_ordered` of an exact op: every rank's own values (the
+    reference tree's leaves), folded at once into a buffer of this task's."""
+    leaves = {tree_leaf(ranks, r): r for r in range(ranks)}
+    by_rank: dict[int, list[np.ndarray]] = {}
+    for value, ps, ns in zip(inputs, picks, nodes):
+        for (i, a, b), node in zip(ps, ns):
+            if node not in leaves:
+                raise RuntimeError("an exact sum folds every rank's own values at once, not partial sums")
+            by_rank.setdefault(leaves[node], []).append(value[i][a:b])
+    if sorted(by_rank) != list(range(ranks)):
+        raise RuntimeError("an exact sum folds every rank's own values at once, not some of them")
+    xs = [np.concatenate(v) if len(v) > 1 else v[0] for _, v in sorted(by_rank.items())]
+    acc = exact_fold(xs, np.empty_like(xs[0]))
+    if op.mean:
+        np.add(np.divide(acc, ranks, out=acc), 0, out=acc)
+    out = (acc,)
     return out if shape is None else output((out,), shape)
 
 

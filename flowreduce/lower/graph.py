@@ -244,6 +244,18 @@ def _build_ordered(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *,
                  output_for=lambda key, refs, r: Task(key, _kernels.output, refs, shape), layout=layout)
 
 
+def gathers_every_rank(plan: Plan) -> bool:
+    """Whether every reduction of ``plan`` combines all ranks' own values at
+    once (views of each rank's input, nothing summed before): ``direct``,
+    and ``butterfly`` or ``recursive-doubling`` with a radix of at least the
+    rank count (a reduce-scatter by direct sends). Such a plan can fold the
+    values exactly (``deterministic="exact"``) at the default's bytes."""
+    reductions = [n for n in plan.nodes if n.kind == REDUCE]
+    return bool(reductions) and all(
+        all(plan.nodes[i].kind == VIEW for i in n.inputs)
+        and sorted(plan.nodes[i].rank for i in n.inputs) == list(range(plan.ranks)) for n in reductions)
+
+
 def contributions(plan: Plan) -> list[int]:
     """How many ranks each node's values combine (uniform over its range)."""
     count = []

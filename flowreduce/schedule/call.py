@@ -46,7 +46,7 @@ from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import new_token, parse
 from flowreduce.lower.buckets import build_pytree_graph
 from flowreduce.lower.direct import build_direct
-from flowreduce.lower.graph import Graph, named_graph
+from flowreduce.lower.graph import Graph, gathers_every_rank, named_graph
 from flowreduce.lower.p2p import engine_workers
 from flowreduce.lower.sparse import (
     BlockCall,
@@ -595,8 +595,8 @@ def dense_plan(nbytes: int, levels: list[list[list[int]]], model: CostModel, set
     ``auto``'s same-host (``shm-direct``) and across-host (``hierarchical``
     over shared memory) preferences. The one decision both routes of a
     dense call take: the glance before submitting and :func:`lower`."""
-    if settings.op.exact and settings.algorithm == "auto" and settings.chunks_for(nbytes) is None \
-            and _transport.one_host(workers, domains):  # deterministic="exact": only these fold exactly
+    if settings.op.exact and settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
+        # deterministic="exact": only these fold exactly
         return _transport.fastest_gathering(len(workers), model, nbytes, workers, domains, levels[0])
     plan = choose_plan(len(workers), nbytes, levels, model, settings, direct=True)
     if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
@@ -721,15 +721,17 @@ class _Ungathered(Exception):
 
 def _gathers(plan: Plan, workers: Sequence[str], domains: Sequence[Any]) -> bool:
     """Whether ``plan``'s lowering under ``deterministic=True`` reduces every
-    rank's own values at once (so it can fold them exactly): ``direct`` in
-    one chunk, and ``shm-direct`` over shared memory."""
-    return (plan.algorithm == _direct.NAME and plan.chunks == 1) or _transport.uses_shm(plan, workers, domains)
+    rank's own values at once (so it can fold them exactly): ``shm-direct``
+    over shared memory, and the plans whose every reduction takes all ranks'
+    own values (:func:`~flowreduce.lower.graph.gathers_every_rank`: ``direct``,
+    ``butterfly`` and ``recursive-doubling`` of radix p, ``reduce-broadcast``)."""
+    return _transport.uses_shm(plan, workers, domains) or gathers_every_rank(plan)
 
 
 def _exact_fold_job(client: Client, ranks: Ranks, settings: Settings) -> Job | None:
     """``deterministic="exact"`` for one numpy float array per rank on a plan
-    that gathers every rank's values where they are reduced (``direct``,
-    ``shm-direct``: :func:`_gathers`; what ``auto`` picks on one host): the
+    that gathers every rank's values where they are reduced (:func:`_gathers`;
+    what ``auto`` picks, :func:`~flowreduce.schedule.transport.fastest_gathering`): the
     ordered lowering, folding the values with the exact sum
     (:func:`flowreduce.reproducible.exact_fold`) instead of the reference
     tree, at the default's bytes. None for other plans and inputs, which
@@ -738,7 +740,7 @@ def _exact_fold_job(client: Client, ranks: Ranks, settings: Settings) -> Job | N
     held = ranks.held
     if not isinstance(held, ArrayMeta) or held.native is not None or not ranks.outer.is_leaf:
         return None
-    if settings.algorithm not in ("auto", _direct.NAME, _transport.DIRECT) or len(ranks.workers) > MAX_RANKS:
+    if len(ranks.workers) > MAX_RANKS:
         return None
     try:
         return lower(client, ranks, replace(settings, deterministic=True, op=settings.op.exactly()))

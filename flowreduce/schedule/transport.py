@@ -93,12 +93,18 @@ def prefer_direct(plan: Plan, model: CostModel, nbytes: int, workers: Sequence[s
 
 def fastest_gathering(p: int, model: CostModel, nbytes: int, workers: Sequence[str], domains: Sequence[Any],
                       hosts: Any = None) -> Plan:
-    """Of the one-host plans that bring every rank's values to where they are
-    reduced, ``shm-direct`` and ``direct`` reading its peers through shared
-    memory, the one the model predicts fastest (each priced as it will be lowered)."""
-    options = [direct_plan(p, workers)]
-    if direct_reads_shared(workers, domains, nbytes):
-        options.append(make_plan(READ_DIRECT, p))
+    """Of the plans that bring every rank's own values to where they are
+    reduced (so ``deterministic="exact"`` folds them there), the one the
+    model predicts fastest, each priced as it will be lowered: on one host
+    ``shm-direct``, and ``direct`` reading its peers through shared memory;
+    across hosts ``direct`` and a reduce-scatter by direct sends then an
+    allgather (``butterfly`` of radix p: the default's bytes, two levels)."""
+    if one_host(workers, domains):
+        options = [direct_plan(p, workers)]
+        if direct_reads_shared(workers, domains, nbytes):
+            options.append(make_plan(READ_DIRECT, p))
+    else:
+        options = [make_plan(READ_DIRECT, p)] + ([make_plan("butterfly", p, radix=p)] if p > 2 else [])
     return min(options, key=lambda q: predict(q, model, nbytes, workers, domains, hosts))
 
 
