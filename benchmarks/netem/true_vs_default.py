@@ -1,4 +1,4 @@
-"""deterministic=True against the default on the emulated hosts, interleaved in one run (issue #28).
+"""deterministic=True (and "exact", --modes) against the default on the emulated hosts, interleaved in one run (issue #28).
 
 Run inside the head namespace by cluster.py, e.g.
 
@@ -22,13 +22,18 @@ from distributed import Client, wait
 
 import flowreduce
 
+#: the value of ``deterministic`` for each mode
+MODES = {"default": False, "true": True, "exact": "exact"}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1e5,1e6,1e7")
     ap.add_argument("--algorithms", default="butterfly,ring")
     ap.add_argument("--repeat", type=int, default=6, help="calls per mode, the first not kept")
+    ap.add_argument("--modes", default="default,true", help="of default, true, exact (default: default,true)")
     args = ap.parse_args()
+    modes = ["default"] + [m for m in args.modes.split(",") if m != "default"]
     c = Client(os.environ["DASK_SCHEDULER_ADDRESS"])
     ws = sorted(c.scheduler_info()["workers"])
     print(f"workers {len(ws)}, load {os.getloadavg()}", flush=True)
@@ -37,21 +42,23 @@ def main() -> None:
         xs = [c.scatter(rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n), workers=[w], hash=False) for w in ws]
         wait(xs)
         for algo in args.algorithms.split(","):
-            times: dict[bool, list[float]] = {False: [], True: []}
-            plans: dict[bool, str] = {}
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            plans: dict[str, str] = {}
             for rep in range(args.repeat):
-                for det in (False, True):
+                for mode in modes:
                     t0 = time.perf_counter()
-                    out = flowreduce.allreduce(c, xs, algorithm=algo, deterministic=det, method="tasks")
+                    out = flowreduce.allreduce(c, xs, algorithm=algo, deterministic=MODES[mode], method="tasks")
                     wait(out)
                     if rep:
-                        times[det].append(time.perf_counter() - t0)
+                        times[mode].append(time.perf_counter() - t0)
                     plan = flowreduce.describe(out[0]).plan
-                    plans[det] = f"{plan.algorithm} chunks={plan.chunks}"
+                    plans[mode] = f"{plan.algorithm} chunks={plan.chunks}" + (
+                        f" radix={plan.radix}" if getattr(plan, "radix", None) else "")
                     del out
-            d, t = statistics.median(times[False]), statistics.median(times[True])
-            print(f"{n:>10} {algo:>10} default {d * 1000:9.1f} ms  true {t * 1000:9.1f} ms  true/default {t / d:5.2f}"
-                  f"  plans: {plans[False]} / {plans[True]}", flush=True)
+            d = statistics.median(times["default"])
+            cells = "  ".join(f"{m} {statistics.median(times[m]) * 1000:9.1f} ms" for m in modes)
+            ratios = "  ".join(f"{m}/default {statistics.median(times[m]) / d:5.2f}" for m in modes if m != "default")
+            print(f"{n:>10} {algo:>10} {cells}  {ratios}  plans: {' / '.join(plans[m] for m in modes)}", flush=True)
         del xs
     print(f"load at end {os.getloadavg()}", flush=True)
 
