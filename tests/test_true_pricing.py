@@ -4,8 +4,8 @@ Under True a value a plan moves carries the partial sums of the reference
 tree that cover the ranks it combines (docs/reproducibility.md, "Cost of
 ``True``"). The library counts them (:mod:`flowreduce.algorithms.partials`);
 here they are counted again independently -- segment by segment from the
-ranks each node's value combines, as :meth:`Plan.check` tracks them, and by
-hand for two small plans -- and the cost model, ``choose_plan`` and a call's
+ranks each node's value combines, as :meth:`Plan.check` tracks them, by
+hand for two small plans, and against the ordered lowering's layout -- and the cost model, ``choose_plan`` and a call's
 record are checked to price them under True, and only then.
 """
 
@@ -20,6 +20,7 @@ import pytest
 import flowreduce
 from flowreduce.algorithms.partials import carried, wire_factor
 from flowreduce.cost import CostModel, choose
+from flowreduce.lower.graph import piece_layout, tree_nodes
 from flowreduce.reproducible import tree_cover
 from flowreduce.schedule.call import Settings, choose_plan, pricing
 
@@ -64,6 +65,9 @@ def test_factor_is_the_partials_counted_segment_by_segment(algorithm, options, p
         per_rank[t.source] += k
         per_rank[t.dest] += k
     assert carried(plan).max_rank_width == max(per_rank.values(), default=0)
+    # and what the ordered lowering lays out for each node's value, the bytes it sends
+    layout = piece_layout(plan, [len(c) for c in tree_nodes(plan)])
+    assert list(carried(plan).widths) == [sum(b - a for a, b in pieces) for pieces in layout]
 
 
 def test_ring_of_four_by_hand():

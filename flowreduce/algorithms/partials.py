@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Plan
-from flowreduce.reproducible import tree_cover
+from flowreduce.reproducible import TreeNode, tree_leaf, tree_merge
 
 
 @dataclass(frozen=True)
@@ -36,30 +36,26 @@ class Carried:
 def carried(plan: Plan) -> Carried:
     """What ``plan``'s values carry under ``deterministic=True``: a view its
     rank's one value, a reduce the :func:`~flowreduce.reproducible.tree_cover`
-    of the ranks it combines over its whole range, a gather its inputs'
-    pieces within its range (as the ordered lowering lays them out)."""
+    of the ranks it combines over its whole range (its inputs' partials
+    merged by :func:`~flowreduce.reproducible.tree_merge`), a gather its
+    inputs' pieces within its range (as the ordered lowering lays them out)."""
     p, nodes = plan.ranks, plan.nodes
-    covered: list[int] = []  # per node: the ranks it combines, as a bit mask
+    covers: list[tuple[TreeNode, ...]] = []  # per node: the partial sums of the ranks it combines
     pieces: list[list[tuple[int, int, int]]] = []  # per node: (lo, hi, partial sums over [lo, hi))
-    counts: dict[int, int] = {}  # rank mask -> partial sums covering it (many nodes share one)
     for n in nodes:
         if n.kind == VIEW:
-            mask = 1 << n.rank
+            cover: tuple[TreeNode, ...] = (tree_leaf(p, n.rank),)
             pieces.append([(n.lo, n.hi, 1)])
-        elif n.kind == REDUCE:
-            mask = 0
-            for i in n.inputs:
-                mask |= covered[i]
-            if mask not in counts:
-                counts[mask] = len(tree_cover(p, [r for r, bit in enumerate(reversed(bin(mask))) if bit == "1"]))
-            pieces.append([(n.lo, n.hi, counts[mask])])
+        elif n.kind == REDUCE:  # the inputs' partials merged, as the ordered lowering adds them
+            cover = tuple(tree_merge(p, {t: None for i in n.inputs for t in covers[i]}, _none))
+            pieces.append([(n.lo, n.hi, len(cover))])
         elif n.kind == GATHER:
-            mask = covered[n.inputs[0]]
+            cover = covers[n.inputs[0]]
             pieces.append(_runs((max(a, n.lo), min(b, n.hi), k) for i in n.inputs for a, b, k in pieces[i]
                                 if max(a, n.lo) < min(b, n.hi)))
         else:
             raise ValueError(f"unknown node kind {n.kind!r}")
-        covered.append(mask)
+        covers.append(cover)
     widths = tuple(sum((b - a) * k for a, b, k in ps) for ps in pieces)
     per_rank = [0] * p
     for t in plan.structure.transfers:
@@ -70,6 +66,10 @@ def carried(plan: Plan) -> Carried:
         chain[n.id] = max((chain[i] + (widths[i] if nodes[i].rank != n.rank else 0) for i in n.inputs), default=0)
     return Carried(widths, sum(widths[t.src] for t in plan.structure.transfers), max(per_rank, default=0),
                    max((chain[f] for f in plan.finals), default=0))
+
+
+def _none(a: None, b: None) -> None:
+    return None
 
 
 def _runs(pieces: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
