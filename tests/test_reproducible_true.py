@@ -243,6 +243,56 @@ def test_default_graphs_are_unchanged():
     assert dense.reduce_ordered in {t.func for t in ordered.tasks.values()}
 
 
+def _hand_plan(p, segments, spec, finals):
+    """A plan written node by node: ``spec`` rows ``(kind, rank, lo, hi, inputs)``."""
+    from flowreduce.algorithms.ir import Node, Plan
+
+    nodes = tuple(Node(i, kind, rank, lo, hi, inputs, 0, "reduce")
+                  for i, (kind, rank, lo, hi, inputs) in enumerate(spec))
+    return Plan("hand", p, segments, nodes, finals)
+
+
+@pytest.mark.parametrize("p,segments,spec,message", [
+    # rank 0's value twice
+    (2, 1, [("view", 0, 0, 1, ()), ("view", 1, 0, 1, ()), ("reduce", 0, 0, 1, (0, 0))],
+     "node 2 combines some rank twice"),
+    # x0 + x2 (rank 2 folds into rank 0 at p=3), then x2 again
+    (3, 1, [("view", 0, 0, 1, ()), ("view", 1, 0, 1, ()), ("view", 2, 0, 1, ()), ("reduce", 0, 0, 1, (0, 2)),
+            ("reduce", 0, 0, 1, (3, 2, 1))], "node 4 combines some rank twice"),
+    # ranks 0, 1, 2 on segment 0 beside ranks 0, 1 on segment 1
+    (3, 2, [("view", 0, 0, 2, ()), ("view", 1, 0, 2, ()), ("view", 2, 0, 2, ()), ("reduce", 0, 0, 1, (0, 1, 2)),
+            ("reduce", 0, 1, 2, (0, 1)), ("gather", 0, 0, 2, (3, 4))],
+     "gather node 5 puts together values of different ranks"),
+])
+def test_the_walk_refuses_a_plan_that_is_not_a_sum_of_every_rank(p, segments, spec, message):
+    """The ordered lowering and the cost model's count walk the plan once, the
+    same way, and refuse the same plans."""
+    from flowreduce.algorithms.partials import carried
+
+    plan = _hand_plan(p, segments, spec, (len(spec) - 1,) * p)
+    refs = [TaskRef(("input", r)) for r in range(p)]
+    with pytest.raises(ValueError, match=message):
+        build_graph(plan, refs, ["w"] * p, size=10, shape=(10,), op=resolve_op("sum"), ordered=True)
+    with pytest.raises(ValueError, match=message):
+        carried(plan)
+
+
+def test_ordered_graph_at_many_ranks_adds_the_reference_tree():
+    """Butterfly over 256 ranks (its partials merged reduce by reduce, not
+    re-covered from every rank): each rank's result is the tree's root, and
+    the last reduce of each rank's segment adds the root's two children."""
+    from flowreduce.kernels import dense
+
+    p = 256
+    plan = flowreduce.plan("butterfly", p)
+    refs = [TaskRef(("input", r)) for r in range(p)]
+    g = build_graph(plan, refs, [f"w{r}" for r in range(p)], size=p, shape=(p,), op=resolve_op("sum"), ordered=True)
+    root = tree_root(p)
+    children = [((root[0] - 1, 0),), ((root[0] - 1, 1),)]
+    lasts = [t for t in g.tasks.values() if t.func is dense.reduce_ordered and t.args[2]]  # sums every rank
+    assert len(lasts) == p and all(sorted(t.args[-1]) == children for t in lasts)
+
+
 # -- the front door's option --------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import flowreduce
+from flowreduce.algorithms import partials
 from flowreduce.algorithms.partials import carried, wire_factor
 from flowreduce.cost import CostModel, choose
 from flowreduce.lower.graph import piece_layout, tree_nodes
@@ -68,6 +69,22 @@ def test_factor_is_the_partials_counted_segment_by_segment(algorithm, options, p
     # and what the ordered lowering lays out for each node's value, the bytes it sends
     layout = piece_layout(plan, [len(c) for c in tree_nodes(plan)])
     assert list(carried(plan).widths) == [sum(b - a for a, b in pieces) for pieces in layout]
+
+
+@pytest.mark.parametrize("algorithm,options", VARIANTS)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 7, 8, 12, 17])
+def test_partials_of_every_node_are_the_cover_of_its_ranks(algorithm, options, p):
+    """The one walk the cost model counts by and the ordered lowering adds by
+    (partials merged reduce by reduce) gives each node the reference tree's
+    cover of the ranks it combines, computed here from scratch."""
+    plan = flowreduce.plan(algorithm, p, **options)
+    ranks: list[frozenset[int]] = []
+    for n in plan.nodes:
+        ranks.append(frozenset((n.rank,)) if n.kind == "view" else
+                     frozenset().union(*(ranks[i] for i in n.inputs)) if n.kind == "reduce" else ranks[n.inputs[0]])
+    expected = [tree_cover(p, sorted(r)) for r in ranks]
+    assert tree_nodes(plan) == expected
+    assert partials.tree_nodes(plan) == expected
 
 
 def test_ring_of_four_by_hand():

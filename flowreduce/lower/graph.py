@@ -16,10 +16,11 @@ from dask.task_spec import List, Task, TaskRef
 from dask.typing import Key
 
 from flowreduce import keys
+from flowreduce.algorithms import partials
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Node, Plan
 from flowreduce.kernels import dense as _kernels
 from flowreduce.ops import Op
-from flowreduce.reproducible import TreeNode, tree_cover, tree_root
+from flowreduce.reproducible import TreeNode, tree_root
 
 
 @dataclass
@@ -135,36 +136,35 @@ def piece_layout(plan: Plan, parts: Sequence[int] | None = None) -> list[list[tu
     its whole range, ``deterministic=True``), its inputs' pieces within its
     range for a gather."""
     layout: list[list[tuple[int, int]]] = []
-    for n in plan.nodes:
+    nodes = plan.nodes
+    for n in nodes:
         if n.kind == GATHER:
-            layout.append([(max(a, n.lo), min(b, n.hi)) for i in n.inputs for a, b in layout[i]
-                           if max(a, n.lo) < min(b, n.hi)])
+            pieces: list[tuple[int, int]] = []
+            for i in n.inputs:
+                if _inside(nodes[i], n):  # all its pieces, as they are (a gather of gathers: many)
+                    pieces += layout[i]
+                else:
+                    pieces += [(max(a, n.lo), min(b, n.hi)) for a, b in layout[i] if max(a, n.lo) < min(b, n.hi)]
+            layout.append(pieces)
         else:
             layout.append([(n.lo, n.hi)] * (parts[n.id] if parts is not None and n.kind == REDUCE else 1))
     return layout
+
+
+def _inside(m: Node, n: Node) -> bool:
+    """Whether node ``m``'s pieces all lie in ``n``'s range, none empty
+    (a node's pieces lie in its range; a gather's are never empty)."""
+    return n.lo <= m.lo < m.hi <= n.hi
 
 
 def tree_nodes(plan: Plan) -> list[tuple[TreeNode, ...]]:
     """Under ``deterministic=True``, the partial sums each node's value
     carries: the maximal nodes of the reference tree
     (:func:`flowreduce.reproducible.tree_cover`) covering the ranks it
-    combines. A gather's inputs must combine the same ranks."""
-    p, out = plan.ranks, []
-    ranks: list[frozenset[int]] = []
-    for n in plan.nodes:
-        if n.kind == VIEW:
-            covered = frozenset((n.rank,))
-        elif n.kind == REDUCE:
-            covered = frozenset().union(*(ranks[i] for i in n.inputs))
-            if sum(len(ranks[i]) for i in n.inputs) != len(covered):
-                raise ValueError(f"{plan!r}: node {n.id} combines some rank twice")
-        else:
-            covered = ranks[n.inputs[0]]
-            if any(ranks[i] != covered for i in n.inputs):
-                raise ValueError(f"{plan!r}: gather node {n.id} puts together values of different ranks")
-        ranks.append(covered)
-        out.append(tree_cover(p, sorted(covered)))
-    return out
+    combines. A gather's inputs must combine the same ranks. The walk the
+    cost model counts them by (:func:`flowreduce.algorithms.partials.tree_nodes`),
+    so the two never disagree."""
+    return partials.tree_nodes(plan)
 
 
 def build_graph(
@@ -224,8 +224,11 @@ def _build_ordered(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *,
     piece_nodes: list[list[TreeNode]] = []
     for n in plan.nodes:
         if n.kind == GATHER:
-            piece_nodes.append([t for i in n.inputs for (a, b), t in zip(layout[i], piece_nodes[i])
-                                if max(a, n.lo) < min(b, n.hi)])
+            ts: list[TreeNode] = []
+            for i in n.inputs:
+                ts += piece_nodes[i] if _inside(plan.nodes[i], n) else \
+                    [t for (a, b), t in zip(layout[i], piece_nodes[i]) if max(a, n.lo) < min(b, n.hi)]
+            piece_nodes.append(ts)
         else:
             piece_nodes.append(list(carried[n.id]))
 
