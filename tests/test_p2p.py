@@ -24,7 +24,8 @@ from utils import assert_clean, scatter_ranks, wait_until, workers_of
 import flowreduce
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.errors import InputError, OptionError, WorkerLostError
-from flowreduce.lower.p2p import Spec
+from flowreduce.keys import hand_in_key
+from flowreduce.lower.p2p import Spec, lower_p2p
 from flowreduce.ops import resolve_op
 from flowreduce.schedule import call
 from flowreduce.schedule import p2p as engine
@@ -321,6 +322,77 @@ def test_a_worker_lost_mid_run_restarts_it_on_the_survivors(killable, algorithm,
     del out, futures, f
     gc.collect()
     assert_clean(killable)
+
+
+def _old_run_value(run, x):
+    return run
+
+
+def _hand_in_is(key, task, dask_scheduler=None):
+    dask_scheduler.tasks[key].run_spec = task
+
+
+def test_a_hand_in_holding_the_old_runs_value_runs_again():
+    """A hand-in in memory with the old attempt's value while its task hands in to the new run: what a
+    survivor left when a worker was retired at hand-in (it was fetching the retired worker's hand-in,
+    Dask's copy of it, as the call restarted, and took the copy as the new run's result). The new run
+    never had that rank's input: the barrier finds the value, the scheduler runs the hand-in again, and
+    every result is right (before: the results waited for good)."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        engine.ensure_p2p(client)
+        workers = sorted(client.nthreads())
+        arrays = _inputs(2, 10, "sum")
+        futures = [client.scatter(x, workers=[w], hash=False) for x, w in zip(arrays, workers)]
+        spec = Spec.of(make_plan("butterfly", 2), resolve_op("sum"), np.dtype("i8"), (10,), workers, True)
+        token = uuid.uuid4().hex
+        graph = lower_p2p(spec, futures, token=token, run=engine.run_id(token, 1), hand_in=engine.hand_in,
+                          barrier=engine.barrier, take_out=engine.take_out)
+        stale = hand_in_key(spec.algorithm, token, 1)
+        old = client.submit(_old_run_value, engine.run_id(token, 0), futures[1], key=stale, workers=[workers[1]])
+        assert old.result(timeout=10) == engine.run_id(token, 0)
+        client.run_on_scheduler(_hand_in_is, key=stale, task=graph.tasks[stale])  # the task, as restart left it
+        job = call.Job(graph.tasks, graph.placement, graph.outputs, graph.token, list, (), summary=("test",))
+        out = call.submit(client, job)
+        for f in out:
+            np.testing.assert_array_equal(f.result(timeout=20), arrays[0] + arrays[1])
+        del old, out, f
+        assert wait_until(lambda: not _held(client), 10), _held(client)
+
+
+def _executing(key, dask_worker=None):
+    ts = dask_worker.state.tasks.get(key)
+    return ts is not None and ts.state == "executing"
+
+
+def test_a_result_of_the_new_run_started_after_the_old_barrier_does_not_hold_the_worker():
+    """A result task of the restarted run started against the old run's barrier (Dask does so when a
+    restart releases a result before the old barrier, and cancels it next: the flake of
+    retired-at-hand-in) fails at once: waiting on the new run, it would keep the only thread slot of a
+    worker whose hand-in of that run then never runs (before: the call waited for good)."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        engine.ensure_p2p(client)
+        workers = sorted(client.nthreads())
+        arrays = _inputs(2, 10, "sum")
+        futures = [client.scatter(x, workers=[w], hash=False) for x, w in zip(arrays, workers)]
+        spec = Spec.of(make_plan("butterfly", 2), resolve_op("sum"), np.dtype("i8"), (10,), workers, True)
+        token = uuid.uuid4().hex
+        old, new = engine.run_id(token, 0), engine.run_id(token, 1)
+        first = client.submit(engine.hand_in, new, 0, spec, futures[0], workers=[workers[0]], pure=False)
+        assert first.result(timeout=10) == new
+        assert wait_until(lambda: new in client.run(engine.runs_held, workers=[workers[1]])[workers[1]], 10)
+        early = client.submit(engine.take_out, old, new, 1, workers=[workers[1]], pure=False)
+        assert wait_until(lambda: early.done() or client.run(_executing, early.key, workers=[workers[1]])[workers[1]],
+                          10)
+        second = client.submit(engine.hand_in, new, 1, spec, futures[1], workers=[workers[1]], pure=False)
+        assert second.result(timeout=10) == new  # the worker's only slot was free
+        with pytest.raises(RuntimeError, match="another attempt"):
+            early.result(timeout=10)
+        got = [client.submit(engine.take_out, new, new, r, workers=[w], pure=False) for r, w in enumerate(workers)]
+        for f in got:
+            np.testing.assert_array_equal(f.result(timeout=10), arrays[0] + arrays[1])
+        assert wait_until(lambda: not _held(client), 10), _held(client)
 
 
 def test_two_workers_lost_in_one_call_leave_one_worker_to_finish_it(killable):

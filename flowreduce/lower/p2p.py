@@ -279,20 +279,23 @@ class Named:
 def lower_p2p(spec: Spec, inputs: Sequence[Any], *, token: str, run: str,
               hand_in: Callable[..., Any], barrier: Callable[..., Any], take_out: Callable[..., Any]) -> Graph:
     """The graph of a p2p run: ``hand_in(run, index, spec, *xs)`` pinned to
-    each worker (``xs`` its ranks' inputs, in rank order), ``barrier(handed)``
-    once, ``take_out(barrier, run, rank)`` pinned to each rank's worker (the
-    rank's result). ``workers + 1 + ranks`` tasks."""
+    each worker (``xs`` its ranks' inputs, in rank order; its value is the run
+    handed in to), ``barrier(run, hand_ins, handed)`` once (``hand_ins`` the
+    hand-ins' keys, ``handed`` their values; its value is ``run``),
+    ``take_out(barrier, run, rank)`` pinned to each rank's worker (the rank's
+    result). ``workers + 1 + ranks`` tasks."""
     tasks: dict[Hashable, Task] = {}
     placement: dict[Hashable, str] = {}
-    handed = []
+    handed, hand_ins = [], []
     for i, address in enumerate(spec.addresses):
         members = spec.members(i)
         key = keys.hand_in_key(spec.algorithm, token, members[0])
         tasks[key] = EngineTask(key, hand_in, run, i, spec, *(inputs[r] for r in members))
         placement[key] = address
         handed.append(TaskRef(key))
+        hand_ins.append(key)
     gate = keys.barrier_key(spec.algorithm, token)
-    tasks[gate] = EngineTask(gate, barrier, List(*handed))
+    tasks[gate] = EngineTask(gate, barrier, run, Named(tuple(hand_ins)), List(*handed))
     placement[gate] = spec.addresses[0]
     outputs = [keys.output_key(spec.algorithm, token, r) for r in range(spec.ranks)]
     for r, key in enumerate(outputs):

@@ -6,7 +6,8 @@ the graph). docs/p2p.md tells the whole story.
   :class:`P2PWorkerPlugin`) keeps one :class:`Run` per run id
   (``"<call token>.<attempt>"``) while the run lasts on that worker.
 * The graph (:func:`flowreduce.lower.p2p.lower_p2p`) hands each rank's input
-  in (:func:`hand_in`), waits for all of them (:func:`barrier`) and takes
+  in (:func:`hand_in`), waits for all of them (:func:`barrier`, which has a
+  hand-in holding another run's value run again) and takes
   each rank's result out (:func:`take_out`, a coroutine: it waits on the
   worker's event loop without holding its thread).
 * A node's value goes once to each other worker reading it, in one message
@@ -40,6 +41,7 @@ import numpy as np
 from dask.task_spec import Task
 from distributed import get_worker
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from distributed.exceptions import Reschedule
 from distributed.protocol import to_serialize
 
 from flowreduce import arrays
@@ -76,6 +78,8 @@ ARRIVED = "flowreduce-p2p-arrived"
 BEGUN = "flowreduce-p2p-begun"
 #: Stream message from the scheduler: such a call ended, its inputs kept since they arrived are let go.
 DROP = "flowreduce-p2p-drop"
+#: Stream message from a barrier to the scheduler: these hand-ins hold another run's value, run them again.
+STALE = "flowreduce-p2p-stale"
 #: States of a result that no run computes any more: in memory, or failed
 SETTLED = ("memory", "erred")
 #: Scheduler handler: what such a call ran, once it began (for :func:`flowreduce.describe`).
@@ -973,6 +977,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         scheduler.stream_handlers[ARRIVED] = self.arrived
+        scheduler.stream_handlers[STALE] = self.stale
         scheduler.handlers[RECORD] = self.record
         _serve_engine_log(scheduler)  # the engines' steps, for the dashboard's grid
 
@@ -1040,6 +1045,28 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.arrivals.setdefault(token, {})[rank] = arrival
         while len(self.arrivals) > 4096:
             self.arrivals.popitem(last=False)
+
+    def stale(self, run: Any = None, keys: Any = None, worker: Any = None, **other: Any) -> None:
+        """Stream message from a barrier (:func:`barrier`): hand-ins ``keys``
+        of ``run`` are in memory with another run's value. Those whose task
+        still hands in to ``run`` are released, so they run again (and the
+        barrier waits for them)."""
+        if other or not isinstance(run, str) or not isinstance(keys, (list, tuple)) or len(keys) > MAX_ITEMS:
+            logger.error("flowreduce: %s refused a stream message: run %r, keys %r, others %s", STALE,
+                         type(run).__name__, type(keys).__name__, sorted(other)[:5])
+            return
+        s = self.scheduler
+        recs: dict[Hashable, str] = {}
+        for key in keys:
+            key = tuple(key) if isinstance(key, list) else key  # msgpack made the tuples lists
+            hand_in_like = isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and type(key[1]) is int
+            ts = s.tasks.get(key) if hand_in_like else None
+            spec = ts.run_spec if ts is not None else None
+            if (ts is not None and ts.state == "memory" and f"-{HAND_IN}-" in key[0] and isinstance(spec, Task)
+                    and spec.func is hand_in and spec.args[:1] == (run,)):
+                recs[key] = "released"
+        if recs:
+            s.transitions(recs, stimulus_id=f"flowreduce-stale-hand-in-{_now()}")
 
     def _begin_if_arrived(self, token: str, gate: Hashable) -> None:
         """Call ``token`` begins (or begins again after a lost worker) as
@@ -1286,10 +1313,10 @@ def lost_output(ts: Any) -> bool:
 def restart(s: Any, token: str, tasks: Sequence[Any], moves: Mapping[str, str], attempt: int) -> set[Hashable]:
     """Run p2p call ``token`` again as attempt ``attempt``, its lost workers'
     part moved as ``moves`` says (by :func:`flowreduce.schedule.recovery.recover`,
-    which re-pinned its tasks and releases them next). Every hand-in and output
-    gets the new run id; the new spec runs the same plan with the lost
-    workers' plan ranks on their replacements (a worker may hold two) and
-    hands out only the results not already in memory. The old run is dropped
+    which re-pinned its tasks and releases them next). Every hand-in, the
+    barrier and every output get the new run id; the new spec runs the same
+    plan with the lost workers' plan ranks on their replacements (a worker
+    may hold two) and hands out only the results not already in memory. The old run is dropped
     on every worker still there. The keys rewritten (none if ``token`` is
     not a p2p call)."""
     hand_ins = [ts for ts in tasks if f"-{HAND_IN}-" in ts.key[0]]
@@ -1309,6 +1336,10 @@ def restart(s: Any, token: str, tasks: Sequence[Any], moves: Mapping[str, str], 
     for ts in outputs:
         gate, _, rank = ts.run_spec.args
         ts.run_spec = Task(ts.key, ts.run_spec.func, gate, new, rank)
+    barriers = [ts for ts in tasks if f"-{BARRIER}-" in ts.key[0]]
+    for ts in barriers:
+        _, named, handed = ts.run_spec.args
+        ts.run_spec = Task(ts.key, ts.run_spec.func, new, named, handed)
     plugin = s.plugins.get(P2PSchedulerPlugin.name)
     if plugin is not None:
         found = plugin.active.get(token)
@@ -1321,7 +1352,7 @@ def restart(s: Any, token: str, tasks: Sequence[Any], moves: Mapping[str, str], 
         if old is not None:
             plugin.tell([w for w in s.workers if w not in moves], old, f"run {old} restarts as {new}", lost=True)
     logger.info("flowreduce: p2p run %s restarts as %s (%s)", old, new, ", ".join(f"{a} -> {b}" for a, b in moves.items()))
-    return {ts.key for ts in [*hand_ins, *outputs]}
+    return {ts.key for ts in [*hand_ins, *barriers, *outputs]}
 
 
 _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -1344,21 +1375,37 @@ def _engine() -> Engine:
     return engine
 
 
-async def hand_in(run: str, index: int, spec: Spec, *xs: Any) -> None:
+async def hand_in(run: str, index: int, spec: Spec, *xs: Any) -> str:
     """Task: hand the ranks' inputs ``xs`` of the run's ``index``-th worker to
-    this worker's engine, starting the run here if needed."""
+    this worker's engine, starting the run here if needed; the run handed in to
+    (what :func:`barrier` checks)."""
     engine = _engine()
     if run in engine.done:  # Dask ran it again after the run ended here
-        return
+        return run
     try:
         await engine.run(run, spec).hand_in(index, xs)
     except Exception as e:
         engine.fail(run, e, tell=True)
         raise
+    return run
 
 
-def barrier(handed: list[Any]) -> None:
-    """Task: every rank has handed its input in."""
+async def barrier(run: str, hand_ins: _lower.Named, handed: list[Any]) -> str:
+    """Task: every rank has handed its input in to ``run`` (``handed``: the
+    values of the hand-ins ``hand_ins.keys``)."""
+    # A hand-in's value in memory does not prove that its task ran for this run: when a worker is
+    # retired, Dask copies its hand-in's value (the old run's) to a survivor, and a survivor still
+    # fetching it when the run restarts takes the copy as the restarted task's result (the worker
+    # "resumes" the fetch). That worker's engine never got the ranks' inputs, and the run would wait
+    # for them for good. So, as distributed's shuffle barrier checks its transfers' run ids, the
+    # barrier asks the scheduler to run such hand-ins again (it releases them, and so this task) and
+    # reschedules itself.
+    stale = [key for key, got in zip(hand_ins.keys, handed) if got != run]
+    if stale:
+        logger.info("flowreduce: run %s: hand-ins %s hold another run's value; they run again", run, stale)
+        _engine().worker.batched_stream.send({"op": STALE, "run": run, "keys": stale})
+        raise Reschedule()
+    return run
 
 
 Arrival = tuple[str, tuple[Any, ...], Any]  # (worker, its Place as a tuple, what the rank holds: a Meta)
@@ -1403,8 +1450,17 @@ def hold_decision(token: str, decide: Decide, outputs: _lower.Named, *arrivals: 
 
 
 async def take_out(gate: Any, run: str, rank: int) -> Any:
-    """Task: rank's result, once the engine has it (waits on the event loop)."""
+    """Task: rank's result, once the engine has it (waits on the event loop);
+    ``gate``: the barrier's value, the run every hand-in handed in to."""
     engine = _engine()
+    # Only the run the barrier vouches for is waited on. A result task keeps its worker's thread slot
+    # while it waits (a coroutine task counts as executing), and a cancelled one keeps waiting: when a
+    # run restarts, Dask can start a result with the new run's id against the old run's barrier (still
+    # in memory until the restart releases it) and cancel it next; waiting on the new run, it would
+    # hold the slot of a one-thread worker whose hand-in of that run then never runs.
+    if gate != run:
+        raise RuntimeError(f"rank {rank}'s result of run {run} was asked for after the barrier of run {gate}: "
+                           "a task of another attempt")
     if run in engine.failed:
         raise engine.failed[run].with_traceback(None)
     return await _result(engine, run, rank)
