@@ -53,7 +53,7 @@ def main() -> None:
                         times[mode].append(time.perf_counter() - t0)
                     plan = flowreduce.describe(out[0]).plan
                     plans[mode] = f"{plan.algorithm} chunks={plan.chunks}" + (
-                        f" radix={plan.radix}" if getattr(plan, "radix", None) else "")
+                        f" radix={plan.options['radix']}" if "radix" in plan.options else "")
                     del out
             d = statistics.median(times["default"])
             cells = "  ".join(f"{m} {statistics.median(times[m]) * 1000:9.1f} ms" for m in modes)
