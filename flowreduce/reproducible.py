@@ -244,6 +244,7 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
     single = dtype == np.float32
     step = min(FOLD_BLOCK, max(flat.size, 1))
     scratch = np.empty((6, step))
+    closer: list[tuple[np.ndarray, list[np.ndarray]]] = []  # elements left to the closer check, and their values
     for lo in range(0, flat.size, step):
         w = min(step, flat.size - lo)
         rows = [row[:w] for row in scratch]
@@ -292,14 +293,13 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
             # where M is not finite, it fails for the whole block, which is then checked the closer way
             np.add(d, big * k, out=d)
             ok = np.less_equal(d, h)
-        few = None
-        if not ok.all():  # before the block is written: ``out`` may be one of the arrays
+        if not ok.all():  # their values taken before the block is written: ``out`` may be one of the arrays
             bad = np.flatnonzero(~ok)
-            few = _exact_few([x[bad] for x in blocks], dtype)
-        o = flat[lo:lo + w]
-        np.add(r32 if single else r, 0.0, out=o)  # an exact zero sum is +0.0, as the codec's (x + 0.0 is x)
-        if few is not None:
-            o[bad] = few
+            closer.append((bad + lo, [x[bad] for x in blocks]))
+        np.add(r32 if single else r, 0.0, out=flat[lo:lo + w])  # an exact zero sum is +0.0, as the codec's
+    if closer:  # checked all at once: a few elements per block, each check dozens of numpy calls
+        flat[np.concatenate([at for at, _ in closer])] = _exact_few(
+            [np.concatenate([vs[i] for _, vs in closer]) for i in range(n)], dtype)
     return out
 
 
