@@ -281,18 +281,20 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
                 np.add(s, e, out=t)
                 np.subtract(e, np.subtract(t, s, out=d), out=d)
             r = t
+            # inf and NaN: d is NaN where r is not finite (TwoSum's inf - inf), so the test fails there;
+            # where M is not finite, it fails for the whole block, which is then checked the closer way
             if single:  # S - r32 = (r - r32) + d: the first difference is exact (Sterbenz)
                 r32 = r.astype(np.float32)
                 np.add(np.subtract(r, r32, out=u), d, out=d)
                 np.multiply(np.abs(d, out=d), 1.0 + 4 * _U, out=d)
                 h = _half_gap(r32, v.view(np.int32)[:w], np.int32(0x7F800000), 2.0 ** -24)
-            else:
-                np.abs(d, out=d)
-                h = _half_gap(r, v.view(np.int64), np.int64(0x7FF0000000000000), 2.0 ** -53)
-            # inf and NaN: d is NaN where r is not finite (TwoSum's inf - inf), so the test fails there;
-            # where M is not finite, it fails for the whole block, which is then checked the closer way
-            np.add(d, big * k, out=d)
-            ok = np.less_equal(d, h)
+                np.add(d, big * k, out=d)
+                ok = np.less_equal(d, h)
+            else:  # the bound |d| + M k, rounded up, taken from r toward zero (the side of the smaller gap,
+                # below a power of two) must round back to r: every sum within it does (2 passes fewer
+                # than comparing with the half gap)
+                np.multiply(np.add(np.abs(d, out=d), big * k, out=d), 1.0 + 4 * _U, out=d)
+                ok = np.equal(np.subtract(r, np.copysign(d, r, out=d), out=d), r)
         if not ok.all():  # their values taken before the block is written: ``out`` may be one of the arrays
             bad = np.flatnonzero(~ok)
             closer.append((bad + lo, [x[bad] for x in blocks]))

@@ -295,6 +295,7 @@ def hard_cases(p: int, dtype, size: int = 20_000, seed: int = 0) -> dict[str, li
     rng = np.random.default_rng(seed + p)
     half = np.finfo(dtype).eps / 2
     one = [np.ones(size, dtype)] + [np.zeros(size, dtype)] * (p - 1)
+    scale = dtype(2.0) ** rng.integers(-20, 20, size).astype(dtype)
     nudged = [np.full(size, 1 + 2 * half, dtype) if r == 0 else np.full(size, half, dtype) if r == 1 else
               (-half * dtype(2.0) ** -rng.integers(1, 81, size)).astype(dtype) if r == 2 else np.zeros(size, dtype)
               for r in range(p)]
@@ -314,6 +315,10 @@ def hard_cases(p: int, dtype, size: int = 20_000, seed: int = 0) -> dict[str, li
             # is only as narrow as all of it (a float sum of the nudged ones is rounded twice)
             "narrow, then nudged": [np.where(np.arange(size) < 100, rng.standard_normal(size).astype(dtype),
                                              nudged[r]) for r in range(p)],
+            # a power of two minus a quarter ulp and a little more: the nearer neighbour is the one below,
+            # and a float sum of the errors loses the "little more" (certify toward zero, not away)
+            "below a power of two": [(scale * [1, -half / 2, -half / 2 * dtype(2.0) ** -54][r]).astype(dtype)
+                                     if r < 3 else np.zeros(size, dtype) for r in range(p)],
             "small integers": [rng.integers(-3, 4, size).astype(dtype) * dtype(2.0) ** rng.integers(-60, 60, size)
                                .astype(dtype) for _ in range(p)],
             "cancelling": [(rng.standard_normal(size) * (-1) ** r + (rng.standard_normal(size) * 1e-9 if r == 1
