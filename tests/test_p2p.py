@@ -10,6 +10,7 @@ every rank in bounded time; and no run left in any engine afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import uuid
@@ -332,12 +333,10 @@ def _hand_in_is(key, task, dask_scheduler=None):
     dask_scheduler.tasks[key].run_spec = task
 
 
-def test_a_hand_in_holding_the_old_runs_value_runs_again():
-    """A hand-in in memory with the old attempt's value while its task hands in to the new run: what a
-    survivor left when a worker was retired at hand-in (it was fetching the retired worker's hand-in,
-    Dask's copy of it, as the call restarted, and took the copy as the new run's result). The new run
-    never had that rank's input: the barrier finds the value, the scheduler runs the hand-in again, and
-    every result is right (before: the results waited for good)."""
+@contextlib.contextmanager
+def _two_one_thread_workers():
+    """A call's parts on two one-thread workers: the client, the workers, each rank's integer input and its
+    future there, a butterfly spec over them and a fresh token."""
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         engine.ensure_p2p(client)
@@ -345,7 +344,16 @@ def test_a_hand_in_holding_the_old_runs_value_runs_again():
         arrays = _inputs(2, 10, "sum")
         futures = [client.scatter(x, workers=[w], hash=False) for x, w in zip(arrays, workers)]
         spec = Spec.of(make_plan("butterfly", 2), resolve_op("sum"), np.dtype("i8"), (10,), workers, True)
-        token = uuid.uuid4().hex
+        yield client, workers, arrays, futures, spec, uuid.uuid4().hex
+
+
+def test_a_hand_in_holding_the_old_runs_value_runs_again():
+    """A hand-in in memory with the old attempt's value while its task hands in to the new run: what a
+    survivor left when a worker was retired at hand-in (it was fetching the retired worker's hand-in,
+    Dask's copy of it, as the call restarted, and took the copy as the new run's result). The new run
+    never had that rank's input: the barrier finds the value, the scheduler runs the hand-in again, and
+    every result is right (before: the results waited for good)."""
+    with _two_one_thread_workers() as (client, workers, arrays, futures, spec, token):
         graph = lower_p2p(spec, futures, token=token, run=engine.run_id(token, 1), hand_in=engine.hand_in,
                           barrier=engine.barrier, take_out=engine.take_out)
         stale = hand_in_key(spec.algorithm, token, 1)
@@ -370,14 +378,7 @@ def test_a_result_of_the_new_run_started_after_the_old_barrier_does_not_hold_the
     restart releases a result before the old barrier, and cancels it next: the flake of
     retired-at-hand-in) fails at once: waiting on the new run, it would keep the only thread slot of a
     worker whose hand-in of that run then never runs (before: the call waited for good)."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
-            Client(cluster) as client:
-        engine.ensure_p2p(client)
-        workers = sorted(client.nthreads())
-        arrays = _inputs(2, 10, "sum")
-        futures = [client.scatter(x, workers=[w], hash=False) for x, w in zip(arrays, workers)]
-        spec = Spec.of(make_plan("butterfly", 2), resolve_op("sum"), np.dtype("i8"), (10,), workers, True)
-        token = uuid.uuid4().hex
+    with _two_one_thread_workers() as (client, workers, arrays, futures, spec, token):
         old, new = engine.run_id(token, 0), engine.run_id(token, 1)
         first = client.submit(engine.hand_in, new, 0, spec, futures[0], workers=[workers[0]], pure=False)
         assert first.result(timeout=10) == new
