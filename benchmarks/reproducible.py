@@ -17,7 +17,7 @@ large sizes, less where latency dominates. Run benchmarks/warm_memory.py
 first on a freshly booted machine.
 
     python benchmarks/reproducible.py [--sizes 1e5 1e6 1e7] [--repeat 5] [--modes default true exact]
-                                      [--algorithm auto] [--ranks 4] [--method tasks]
+                                      [--algorithm auto] [--ranks 4] [--method tasks] [--data wide|normal]
     python benchmarks/reproducible.py --bytes   # True's bytes on the wire against the default's, no cluster
     MALLOC_TRIM_THRESHOLD_=65536 python benchmarks/reproducible.py --kernels --sizes 1e5 1e6 1e7 1e8  # no cluster
 """
