@@ -10,11 +10,13 @@ repetition and rotate every repetition. One warm-up repetition, then
 ``reference_reduce(order="tree")``, ``exact`` against fsum, on the first 1000
 elements of every rank's result. Expected: True adds in a fixed tree order
 and, for plans whose merges are siblings of that tree, moves no more bytes:
-about the default's time; exact moves 3 int64
-limbs and an int16 exponent per element (26 bytes against 8) through two
-all-reduces, and encodes and decodes in numpy, so about 3-4x the default at
-large sizes, less where latency dominates. Run benchmarks/warm_memory.py
-first on a freshly booted machine.
+about the default's time; exact with ``auto`` folds every rank's values
+where a gathering plan reduces them, at the default's bytes: its cost is the
+fold's CPU time (lower on ``--data normal``, whose blocks are proven exact as
+a whole); a named plan that adds partial sums moves 3 int64 limbs and an
+int16 exponent per element (26 bytes against 8) through two all-reduces and
+costs several times the default. Run benchmarks/warm_memory.py first on a
+freshly booted machine.
 
     python benchmarks/reproducible.py [--sizes 1e5 1e6 1e7] [--repeat 5] [--modes default true exact]
                                       [--algorithm auto] [--ranks 4] [--method tasks] [--data wide|normal]
