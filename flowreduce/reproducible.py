@@ -216,8 +216,9 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
     under half the gap to ``r``'s nearest neighbour, both ``S`` and the sum
     the codec holds round to ``r``: the codec's bits. The few elements not
     certified (heavy cancellation, exact ties, inf, NaN, overflow) go
-    through :func:`_exact_few`, then the codec. One fold costs ~36 float
-    passes over the data against the codec's ~100 integer ones.
+    through :func:`_exact_few` (once for the whole fold), then the codec.
+    One fold costs ~30 float passes over the data against the codec's ~100
+    integer ones.
 
     Most blocks need none of that: where the block's magnitudes span less
     than ``2**52 / n**2`` (float64; :func:`_errors_add_exactly`) the errors'
@@ -270,7 +271,7 @@ def exact_fold(arrays: Sequence[Any], out: np.ndarray) -> np.ndarray:
                 if i:
                     np.add(e, u, out=e)
                 s, t = t, (spare if s is blocks[0] else s)  # the old sum's row is free, unless it is an input
-            if exact:  # float64  # S = s + e exactly: one addition rounds it
+            if exact:  # (float64 here) S = s + e exactly: one addition rounds it
                 np.add(s, e, out=s)  # s is a scratch row here: the inputs are read, ``out`` may be one of them
                 np.add(s, 0.0, out=flat[lo:lo + w])  # an exact zero sum is +0.0, as the codec's
                 continue

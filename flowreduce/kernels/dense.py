@@ -147,10 +147,7 @@ def _fold_exactly(op: Op, ranks: int, shape: tuple[int, ...] | None, inputs: Seq
     if sorted(by_rank) != list(range(ranks)):
         raise RuntimeError("an exact sum folds every rank's own values at once, not some of them")
     xs = [np.concatenate(v) if len(v) > 1 else v[0] for _, v in sorted(by_rank.items())]
-    acc = exact_fold(xs, np.empty_like(xs[0]))
-    if op.mean:
-        np.add(np.divide(acc, ranks, out=acc), 0, out=acc)
-    out = (acc,)
+    out = (tree_fold(op, ranks, xs, np.empty_like(xs[0])),)  # the exact fold, and mean's division
     return out if shape is None else output((out,), shape)
 
 

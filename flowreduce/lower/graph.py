@@ -250,8 +250,8 @@ def _build_ordered(plan: Plan, inputs: Sequence[Any], workers: Sequence[str], *,
 def gathers_every_rank(plan: Plan) -> bool:
     """Whether every reduction of ``plan`` combines all ranks' own values at
     once (views of each rank's input, nothing summed before): ``direct``,
-    and ``butterfly`` or ``recursive-doubling`` with a radix of at least the
-    rank count (a reduce-scatter by direct sends). Such a plan can fold the
+    ``reduce-broadcast`` (its root), and ``butterfly`` or ``recursive-doubling``
+    with a radix of at least the rank count (a reduce-scatter by direct sends). Such a plan can fold the
     values exactly (``deterministic="exact"``) at the default's bytes."""
     reductions = [n for n in plan.nodes if n.kind == REDUCE]
     return bool(reductions) and all(
