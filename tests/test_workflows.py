@@ -83,16 +83,27 @@ def test_a_call_on_inputs_still_computing_returns_before_they_finish(client, p):
     del out, inputs
 
 
-def test_the_graph_is_a_task_per_rank_a_barrier_and_an_output_per_rank(client):
+def test_the_graph_on_futures_is_an_output_per_rank_on_its_input_and_a_barrier(client):
+    """A call on futures still computing submits ``ranks + 1`` tasks: per
+    rank an output depending on that rank's input alone, and a barrier
+    depending on nothing (no task lies between an input and its result)."""
     name = f"go-{uuid.uuid4().hex}"
     inputs = [client.submit(held_back, name, r, pure=False) for r in range(5)]
     out = flowreduce.allreduce(client, inputs, algorithm="ring")
     token = out[0].key[0].rpartition("-")[2]
-    def ours():
-        return client.run_on_scheduler(lambda dask_scheduler: [k for k in dask_scheduler.tasks if token in str(k)])
 
-    assert wait_until(lambda: len(ours()) >= 2 * 5 + 1, HANG)
-    assert len(ours()) == 2 * 5 + 1
+    def ours(dask_scheduler=None):  # every key of the call the scheduler saw (the barrier runs and goes at once)
+        seen = {key for key, *_ in dask_scheduler.transition_log if token in str(key)}
+        return {str(k): sorted(str(d.key) for d in dask_scheduler.tasks[k].dependencies)
+                if k in dask_scheduler.tasks else None for k in seen}
+
+    gate = str((out[0].key[0].replace("-output-", "-barrier-"), 0))
+    assert wait_until(lambda: gate in client.run_on_scheduler(ours), HANG)
+    got = client.run_on_scheduler(ours)
+    assert set(got) == {gate, *(str(f.key) for f in out)}, got
+    for r, f in enumerate(out):
+        assert got[str(f.key)] == [str(inputs[r].key)], f"rank {r}'s result depends on {got[str(f.key)]}"
+    assert got[gate] in (None, []), f"the barrier depends on {got[gate]}"
     Event(name, client=client).set()
     assert flowreduce.describe(out).algorithm == "ring"
     for x in client.gather(out):
@@ -105,10 +116,10 @@ def _after(gate: int, r: int) -> np.ndarray:
 
 
 def test_a_result_waits_where_its_rank_arrived_without_holding_the_thread(client):
-    """A rank's result depends on its own arrival alone: it is sent there
-    as soon as the rank arrived and waits for the others without holding
-    the worker's only thread, which the next rank's input on that worker
-    needs."""
+    """A rank's result depends on its own input alone: it is sent where
+    the input was computed (where the rank arrived) as soon as it is, and
+    waits for the others without holding the worker's only thread, which the
+    next rank's input on that worker needs."""
     w, other = sorted(client.nthreads())[:2]
     name = f"go-{uuid.uuid4().hex}"
     gate = client.submit(held_back, name, 0, 1, workers=[other], pure=False)  # holds the other worker's thread
@@ -123,9 +134,8 @@ def test_a_result_waits_where_its_rank_arrived_without_holding_the_thread(client
     first_key = str(out[0].key)
     assert wait_until(lambda: client.run_on_scheduler(tasks).get(first_key, ("",))[0] == "processing", HANG)
     got = client.run_on_scheduler(tasks)
-    token = out[0].key[0][-32:]
-    for r in range(2):
-        assert got[str(out[r].key)][1] == [str((f"flowreduce-auto-arrive-{token}", r))]
+    for r, x in enumerate([first, later]):
+        assert got[str(out[r].key)][1] == [str(x.key)]
     Event(name, client=client).set()
     wait(out, timeout=HANG)
     for x in client.gather(out):
