@@ -32,7 +32,6 @@ from typing import Any, cast
 import dask
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.task_spec import Task, TaskRef
-from distributed import fire_and_forget
 
 from flowreduce import dashboard, keys
 from flowreduce.errors import InputError, InputTypeError
@@ -85,9 +84,10 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
     guard.ensure_guard(client)
     dashboard.install(client)  # its record comes from the scheduler plugin once the call begins
     ensure_shm(client)  # big values between workers of a host go through shared segments
-    *out, barrier = client.get(named_graph(graph.tasks, token), [*graph.outputs, keys.barrier_key(algorithm, token)],
-                               sync=False)
-    fire_and_forget(barrier)  # it carries the decision to the scheduler; nothing depends on it
+    # the barrier is asked for only to reach the scheduler: its decision is taken there as it waits to run
+    # (P2PSchedulerPlugin), and it is let go here at once, after the graph on the same stream
+    *out, _ = client.get(named_graph(graph.tasks, token), [*graph.outputs, keys.barrier_key(algorithm, token)],
+                         sync=False)
     guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
     return out
 
