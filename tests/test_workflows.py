@@ -54,6 +54,7 @@ def client(cluster):
         assert_clean(c)
         assert wait_until(lambda: not any(c.run(engine.arrivals_held).values()), 10), c.run(engine.arrivals_held)
         assert wait_until(lambda: not any(c.run(engine.runs_held).values()), 10), c.run(engine.runs_held)
+        assert wait_until(lambda: not any(c.run(engine.awaited_held).values()), 10), c.run(engine.awaited_held)
 
 
 def _expected(p: int, n: int = 1000) -> np.ndarray:
@@ -154,6 +155,42 @@ def test_one_result_kept_alone_still_gets_every_rank(client):
     Event(name, client=client).set()
     np.testing.assert_array_equal(first.result(timeout=HANG), _expected(3))
     del first, inputs
+
+
+def test_one_result_kept_alone_with_every_input_let_go_still_gets_every_rank(client):
+    """As above, and the caller lets go of the inputs too before they are
+    computed: the scheduler keeps each input wanted until it is computed (no
+    task depends on them but their results), so every rank still arrives."""
+    name = f"go-{uuid.uuid4().hex}"
+    inputs = [client.submit(held_back, name, r, pure=False) for r in range(3)]
+    first = flowreduce.allreduce(client, inputs)[0]
+    del inputs
+    gc.collect()
+    Event(name, client=client).set()
+    np.testing.assert_array_equal(first.result(timeout=HANG), _expected(3))
+    del first
+
+
+def test_a_copy_of_a_computed_input_on_another_worker_still_arrives_once(client):
+    """Rank 0's input is computed and held by two workers, rank 1's still
+    computing: both holders keep rank 0's input when told to await it, and
+    the call begins on the worker where rank 0's result runs, whichever Dask
+    chose."""
+    w = sorted(client.nthreads())
+    name = f"go-{uuid.uuid4().hex}"
+    first = client.submit(rank_input, 0, workers=[w[0]], pure=False)
+    wait(first, timeout=HANG)
+    client.replicate([first], workers=w[:2])
+    key = first.key
+    assert wait_until(lambda: len(client.who_has().get(key, ())) == 2, HANG)
+    later = client.submit(held_back, name, 1, workers=[w[2]], pure=False)
+    out = flowreduce.allreduce(client, [first, later])
+    Event(name, client=client).set()
+    for x in client.gather(out):
+        np.testing.assert_array_equal(x, _expected(2))
+    record = flowreduce.describe(out)
+    assert record.workers[0] == client.who_has([out[0]])[out[0].key][0]
+    del out, first, later
 
 
 def test_ranks_sharing_workers_and_every_algorithm(client):

@@ -974,6 +974,7 @@ class P2PWorkerPlugin(WorkerPlugin):
 
     name = "flowreduce-p2p"
     idempotent = True
+    _engine: Engine | None = None
 
     def setup(self, worker: Any) -> None:
         engine = worker.extensions.get(EXTENSION)
@@ -994,7 +995,7 @@ class P2PWorkerPlugin(WorkerPlugin):
         scheduler hears of it (its message goes first on the same stream).
         Nothing else is done while no input is awaited here."""
         engine = self._engine
-        if not engine.awaited or key not in engine.awaited:
+        if engine is None or not engine.awaited or key not in engine.awaited:
             return
         if finish == "memory":
             engine.in_memory(key)
@@ -1161,13 +1162,18 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         ``ranks`` of call ``token`` (every worker for an input that is none
         of these yet) to keep each in their engine as it goes to memory."""
         s = self.scheduler
-        decide = self.pending[token][0]
+        decide, outputs = self.pending[token]
         inputs = tuple(getattr(decide, "input_keys", ()))
         by_worker: dict[str, list[list[Any]]] = defaultdict(list)
         for r in ranks:
-            if r >= len(inputs):
-                continue
-            its = s.tasks.get(inputs[r])
+            if r < len(inputs):
+                key = inputs[r]
+            else:  # the input is the result's only dependency
+                out = s.tasks.get(outputs[r])
+                if out is None or len(out.dependencies) != 1:
+                    continue
+                key = next(iter(out.dependencies)).key
+            its = s.tasks.get(key)
             where: set[str] = set()
             if its is not None:
                 where |= {ws.address for ws in its.who_has or ()}
@@ -1175,7 +1181,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                     where.add(its.processing_on.address)
                 where |= set(its.worker_restrictions or ())
             for address in where or s.stream_comms:
-                by_worker[address].append([inputs[r], token, r])
+                by_worker[address].append([key, token, r])
         for address, found in by_worker.items():
             bs = s.stream_comms.get(address)
             if bs is not None:
@@ -1287,8 +1293,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             bs = s.stream_comms.get(address)
             if bs is not None:
                 bs.send(message)
-                bs.next_deadline = None  # out now, not at the stream's next tick (distributed's BatchedSend)
-                bs.waker.set()
+                _flush(bs)
 
     def _begin(self, token: str, workers: Sequence[str], outputs: Sequence[Any], record: bytes,
                dashboard: Any) -> dict[str, Any]:
@@ -1419,6 +1424,14 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             bs = self.scheduler.stream_comms.get(w)
             if bs is not None:
                 bs.send({"op": FAIL, "run": run, "message": message, "lost": lost})
+
+
+def _flush(bs: Any) -> None:
+    """Send what batched stream ``bs`` holds now, not at its next tick (distributed's ``BatchedSend``
+    waits its interval, 5 ms by default, after a send)."""
+    if hasattr(bs, "next_deadline") and hasattr(bs, "waker"):
+        bs.next_deadline = None
+        bs.waker.set()
 
 
 def _barrier_of(key: Hashable) -> Hashable:
@@ -1795,6 +1808,15 @@ def arrivals_held(dask_worker: Any = None) -> dict[str, list[int]]:
     """The ranks whose inputs an engine keeps now, per call (for tests: ``client.run(arrivals_held)``)."""
     engine = dask_worker.extensions.get(EXTENSION)
     return {t: sorted(rs) for t, rs in engine.arrived.items()} if engine is not None else {}
+
+
+def awaited_held(dask_worker: Any = None) -> list[str]:
+    """The input keys an engine awaits now for calls on futures placed on arrival, and the calls it keeps
+    them for (for tests: ``client.run(awaited_held)``)."""
+    engine = dask_worker.extensions.get(EXTENSION)
+    if engine is None:
+        return []
+    return sorted(map(str, engine.awaited)) + [f"call {token}" for token in engine.awaited_by_token]
 
 
 def runs_held(dask_worker: Any = None) -> list[str]:
