@@ -608,9 +608,9 @@ def _held_back(name: str, lo: int, hi: int) -> np.ndarray:
 @pytest.mark.parametrize("algorithm", ["butterfly", "ring"])
 def test_a_worker_killed_inside_a_run_placed_on_arrival_runs_it_again(killable, algorithm):
     """The call is placed on arrival (its inputs still computing) and a worker dies inside its run, when a
-    step's values reach it. Its ranks arrive again where their inputs are recomputed, even when a copy of
-    their arrive task's result is still held elsewhere (the barrier's worker fetched it): the engine that
-    kept their inputs is gone, so Dask must run those arrive tasks again (else the call waited for good)."""
+    step's values reach it. Its ranks arrive again where their inputs are recomputed (the workers are told
+    to await them again; a result that runs where its input is arrives it there), and the next attempt
+    begins when the last has (else the call waited for good). No engine keeps or awaits anything after."""
     p = 6
     workers = sorted(killable.nthreads())
     name = f"go-{uuid.uuid4().hex}"

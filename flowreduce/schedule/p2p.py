@@ -1118,7 +1118,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
 
     def arrived(self, token: Any = None, rank: Any = None, arrival: Any = None, worker: Any = None,
                 **other: Any) -> None:
-        """Stream message from an arrive task (:func:`arrive`): rank ``rank`` of call ``token`` arrived."""
+        """Stream message from an engine (:func:`arrive_value`): rank ``rank`` of call ``token`` arrived on ``worker``."""
         if other or not isinstance(token, str) or type(rank) is not int or not isinstance(arrival, bytes):
             logger.error("flowreduce: %s refused a stream message: token %r, rank %r, others %s", ARRIVED,
                          type(token).__name__, type(rank).__name__, sorted(other)[:5])
@@ -1658,8 +1658,10 @@ def hold_decision(token: str, decide: Decide, outputs: _lower.Named, *arrivals: 
     """Task, the barrier of a call placed on arrival: it carries the call's
     decision (``decide``, with the results' keys) in its arguments, for the
     scheduler plugin, which begins the call when its last rank arrived
-    (:meth:`P2PSchedulerPlugin._begin_if_arrived`), and it keeps every
-    rank's arrival wanted while any result is (it depends on them all)."""
+    (:meth:`P2PSchedulerPlugin._begin_if_arrived`). On a collection it
+    depends on every rank's arrive task and keeps them wanted while any
+    result is; on futures it depends on nothing, and the plugin takes the
+    decision as it waits to run."""
     return token
 
 
@@ -1820,7 +1822,10 @@ def awaited_held(dask_worker: Any = None) -> list[str]:
 
 
 def runs_held(dask_worker: Any = None) -> list[str]:
-    """The runs (and their values) an engine holds now, and the calls whose ranks' inputs it keeps since
-    they arrived (for tests: ``client.run(runs_held)``)."""
+    """The runs (and their values) an engine holds now, the calls whose ranks' inputs it keeps since
+    they arrived, and the inputs it awaits (for tests: ``client.run(runs_held)``)."""
     engine = dask_worker.extensions.get(EXTENSION)
-    return sorted(engine.runs) + [f"arrived {token}" for token in engine.arrived] if engine is not None else []
+    if engine is None:
+        return []
+    return sorted(engine.runs) + [f"arrived {token}" for token in engine.arrived] + [
+        f"awaits {held}" for held in awaited_held(dask_worker)]
