@@ -163,9 +163,19 @@ def test_one_result_kept_alone_with_every_input_let_go_still_gets_every_rank(cli
     task depends on them but their results), so every rank still arrives."""
     name = f"go-{uuid.uuid4().hex}"
     inputs = [client.submit(held_back, name, r, pure=False) for r in range(3)]
-    first = flowreduce.allreduce(client, inputs)[0]
-    del inputs
+    keys = [f.key for f in inputs]
+    out = flowreduce.allreduce(client, inputs)
+    let_go = [f.key for f in out[1:]]
+    first = out[0]
+    del inputs, out
     gc.collect()
+
+    def known(dask_scheduler=None):
+        return [str(k) for k in keys + let_go if k in dask_scheduler.tasks]
+
+    # the scheduler let go of the other results (and of the inputs, but for the call) before they are computed
+    assert wait_until(lambda: not set(map(str, let_go)) & set(client.run_on_scheduler(known)), HANG)
+    assert client.run_on_scheduler(known) == [str(k) for k in keys]
     Event(name, client=client).set()
     np.testing.assert_array_equal(first.result(timeout=HANG), _expected(3))
     del first
