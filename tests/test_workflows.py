@@ -181,26 +181,34 @@ def test_one_result_kept_alone_with_every_input_let_go_still_gets_every_rank(cli
     del first
 
 
-def test_a_copy_of_a_computed_input_on_another_worker_still_arrives_once(client):
-    """Rank 0's input is computed and held by two workers, rank 1's still
-    computing: both holders keep rank 0's input when told to await it, and
-    the call begins on the worker where rank 0's result runs, whichever Dask
-    chose."""
+def test_a_result_that_runs_elsewhere_than_its_rank_arrived_begins_there(client):
+    """Ranks 0-2's inputs are computed on one worker and copied each to
+    another one; that worker's only thread is then busy, so Dask runs
+    results where their copies are. Both workers holding an input keep it (the
+    scheduler tells every holder), but the rank is where its result runs:
+    the call begins with ranks 0-2 there, whichever arrival came first."""
     w = sorted(client.nthreads())
     name = f"go-{uuid.uuid4().hex}"
-    first = client.submit(rank_input, 0, workers=[w[0]], pure=False)
-    wait(first, timeout=HANG)
-    client.replicate([first], workers=w[:2])
-    key = first.key
-    assert wait_until(lambda: len(client.who_has().get(key, ())) == 2, HANG)
-    later = client.submit(held_back, name, 1, workers=[w[2]], pure=False)
-    out = flowreduce.allreduce(client, [first, later])
+    computed = [client.submit(rank_input, r, workers=[w[0]], pure=False) for r in range(3)]
+    wait(computed, timeout=HANG)
+    for r, f in enumerate(computed):
+        client.replicate([f], workers=[w[0], w[r + 1]])
+    busy = client.submit(held_back, name, 0, 1, workers=[w[0]], pure=False)
+    later = client.submit(held_back, name, 3, workers=[w[1]], pure=False)
+    key = busy.key
+    assert wait_until(lambda: set(client.processing()[w[0]]) == {key}, HANG)
+    keys = [f.key for f in computed]
+    assert wait_until(lambda: [set(client.who_has().get(k, ())) for k in keys] == [{w[0], w[r + 1]} for r in range(3)],
+                      HANG), client.who_has(computed)
+    out = flowreduce.allreduce(client, [*computed, later])
     Event(name, client=client).set()
     for x in client.gather(out):
-        np.testing.assert_array_equal(x, _expected(2))
+        np.testing.assert_array_equal(x, _expected(4))
     record = flowreduce.describe(out)
-    assert record.workers[0] == client.who_has([out[0]])[out[0].key][0]
-    del out, first, later
+    where = client.who_has(out)
+    assert record.workers == tuple(where[f.key][0] for f in out)
+    assert any(record.workers[r] == w[r + 1] for r in range(3)), "Dask ran every result on the busy worker"
+    del out, computed, later, busy
 
 
 def test_ranks_sharing_workers_and_every_algorithm(client):
