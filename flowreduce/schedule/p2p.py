@@ -1049,6 +1049,9 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         #: calls on futures placed on arrival, not ended: token -> their decision (``decide``, the results'
         #: keys), taken from their barrier when their graph arrived (the barrier is gone once it ran)
         self.pending: dict[str, tuple[Any, tuple[Hashable, ...]]] = {}
+        #: results of such calls let go while their run goes on: token -> their keys (their workers drop the
+        #: run when the others are in memory: those results are never taken there)
+        self.let_go: dict[str, set[Hashable]] = {}
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -1101,7 +1104,12 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                 self._end_if_settled(token, key)  # a result failed or was let go while the call began again
             return
         outputs = self.active[token][1]
-        if finish == "erred" or (finish == "forgotten" and key in outputs):  # failed, or cancelled
+        if finish == "forgotten" and key in outputs and token in self.pending:
+            outputs.discard(key)  # a result of a call on futures let go while it runs: the others go on
+            self.let_go.setdefault(token, set()).add(key)
+            if not outputs:
+                self._done(token)
+        elif finish == "erred" or (finish == "forgotten" and key in outputs):  # failed, or cancelled
             what = "erred" if finish == "erred" else "was cancelled"
             ts = self.scheduler.tasks.get(key)
             why = f" ({(ts.exception_blame or ts).exception_text})" if finish == "erred" and ts is not None else ""
@@ -1110,11 +1118,20 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         elif finish == "memory" and key in outputs:
             outputs.discard(key)
             if not outputs:
-                where, _ = self.active.pop(token)
-                restarted = self.runs.pop(token, None)
-                if restarted is not None and token not in self.begun:  # a result the old run finished is not taken
-                    self.tell(where, restarted, f"run {restarted} ended: every result is in memory", lost=False)
-                self._end(token)
+                self._done(token)
+
+    def _done(self, token: str) -> None:
+        """Every result of call ``token`` still wanted is in memory: it ends.
+        The workers of results let go drop the run (never taken there)."""
+        where, _ = self.active.pop(token)
+        restarted = self.runs.pop(token, None)
+        if restarted is not None and token not in self.begun:  # a result the old run finished is not taken
+            self.tell(where, restarted, f"run {restarted} ended: every result is in memory", lost=False)
+        let_go = {(parse(k) or {}).get("rank") for k in self.let_go.pop(token, ())}
+        if let_go and restarted is not None:
+            self.tell([w for w, ranks in where.items() if let_go & set(ranks)], restarted,
+                      f"run {restarted} ended: every result is in memory or was let go", lost=False)
+        self._end(token)
 
     def arrived(self, token: Any = None, rank: Any = None, arrival: Any = None, worker: Any = None,
                 **other: Any) -> None:
@@ -1411,6 +1428,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.restarting.discard(token)
         self.started.discard(token)
         self.pending.pop(token, None)
+        self.let_go.pop(token, None)
         if token not in self.keeping:
             return
         self.keeping.discard(token)
