@@ -692,9 +692,13 @@ class Engine:
             return
         state = self.worker.state.tasks
         for key, token, rank in keys:
-            if not isinstance(token, str) or type(rank) is not int:
-                continue
             key = _as_key(key)
+            if not isinstance(token, str) or type(rank) is not int or not isinstance(key, (str, bytes, int, tuple)):
+                continue
+            try:
+                hash(key)
+            except TypeError:  # a tuple holding something unhashable: no task's key
+                continue
             ts = state.get(key)
             if ts is not None and ts.state == "memory" and key in self.worker.data:
                 self._arrive_awaited(token, rank, self.worker.data[key])
