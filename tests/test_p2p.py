@@ -252,6 +252,21 @@ def test_the_handler_refuses_what_no_run_sends(inproc_client):
     assert inproc_client.run(engine.runs_held) == {w: [] for w in inproc_client.nthreads()}
 
 
+def _send_awaits(dask_worker=None):
+    """Hostile await messages (the scheduler's stream): none may raise (that would drop the worker's
+    stream) or leave anything awaited."""
+    handle = dask_worker.stream_handlers[engine.AWAIT]
+    for keys in (None, "x", [["k", "t"]], [[{}, "t", 0]], [[["a", {}], "t", 0]], [["k", 3, 0]], [["k", "t", "0"]]):
+        handle(keys=keys)
+    handle(keys=[], other=1)
+    return engine.awaited_held(dask_worker)
+
+
+def test_an_engine_refuses_await_messages_it_cannot_read(inproc_client):
+    engine.ensure_p2p(inproc_client)
+    assert inproc_client.run(_send_awaits) == {w: [] for w in inproc_client.nthreads()}
+
+
 # -- failures and cleanup -------------------------------------------------------------------------
 
 def _held(client):
