@@ -252,6 +252,21 @@ def test_the_handler_refuses_what_no_run_sends(inproc_client):
     assert inproc_client.run(engine.runs_held) == {w: [] for w in inproc_client.nthreads()}
 
 
+def _send_awaits(dask_worker=None):
+    """Hostile await messages (the scheduler's stream): none may raise (that would drop the worker's
+    stream) or leave anything awaited."""
+    handle = dask_worker.stream_handlers[engine.AWAIT]
+    for keys in (None, "x", [["k", "t"]], [[{}, "t", 0]], [[["a", {}], "t", 0]], [["k", 3, 0]], [["k", "t", "0"]]):
+        handle(keys=keys)
+    handle(keys=[], other=1)
+    return engine.awaited_held(dask_worker)
+
+
+def test_an_engine_refuses_await_messages_it_cannot_read(inproc_client):
+    engine.ensure_p2p(inproc_client)
+    assert inproc_client.run(_send_awaits) == {w: [] for w in inproc_client.nthreads()}
+
+
 # -- failures and cleanup -------------------------------------------------------------------------
 
 def _held(client):
@@ -608,9 +623,9 @@ def _held_back(name: str, lo: int, hi: int) -> np.ndarray:
 @pytest.mark.parametrize("algorithm", ["butterfly", "ring"])
 def test_a_worker_killed_inside_a_run_placed_on_arrival_runs_it_again(killable, algorithm):
     """The call is placed on arrival (its inputs still computing) and a worker dies inside its run, when a
-    step's values reach it. Its ranks arrive again where their inputs are recomputed, even when a copy of
-    their arrive task's result is still held elsewhere (the barrier's worker fetched it): the engine that
-    kept their inputs is gone, so Dask must run those arrive tasks again (else the call waited for good)."""
+    step's values reach it. Its ranks arrive again where their inputs are recomputed (the workers are told
+    to await them again; a result that runs where its input is arrives it there), and the next attempt
+    begins when the last has (else the call waited for good). No engine keeps or awaits anything after."""
     p = 6
     workers = sorted(killable.nthreads())
     name = f"go-{uuid.uuid4().hex}"

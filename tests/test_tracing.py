@@ -663,11 +663,11 @@ def test_p2p_engine_steps_in_the_exported_json(client, tmp_path):
                for e in messages)
     assert made and sum(e["ph"] == "f" for e in doc["traceEvents"]) >= made
 
-    # all inside the call's span: its arrive (rank 2's input was late: the call was placed on arrival,
-    # docs/p2p.md), barrier and output tasks
+    # all inside the call's span: its output tasks (rank 2's input was late: the call was placed on arrival,
+    # docs/p2p.md; each output runs from its input's arrival), and its barrier if it ran before it was let go
     tasks = [e for e in evs if e["args"].get("detail") == "compute"]
-    assert {keymod.parse(ast.literal_eval(e["args"]["key"]))["phase"] for e in tasks} == {"arrive", "barrier",
-                                                                                          "output"}
+    phases = {keymod.parse(ast.literal_eval(e["args"]["key"]))["phase"] for e in tasks}
+    assert "output" in phases and phases <= {"barrier", "output"}, phases
     slack = doc["metadata"]["clock_alignment"]["max_uncertainty_s"] * 1e6 + 1000  # µs
     t0, t1 = min(e["ts"] for e in tasks), max(e["ts"] + e["dur"] for e in tasks)
     for e in engine + messages:

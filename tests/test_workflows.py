@@ -54,6 +54,7 @@ def client(cluster):
         assert_clean(c)
         assert wait_until(lambda: not any(c.run(engine.arrivals_held).values()), 10), c.run(engine.arrivals_held)
         assert wait_until(lambda: not any(c.run(engine.runs_held).values()), 10), c.run(engine.runs_held)
+        assert wait_until(lambda: not any(c.run(engine.awaited_held).values()), 10), c.run(engine.awaited_held)
 
 
 def _expected(p: int, n: int = 1000) -> np.ndarray:
@@ -83,16 +84,27 @@ def test_a_call_on_inputs_still_computing_returns_before_they_finish(client, p):
     del out, inputs
 
 
-def test_the_graph_is_a_task_per_rank_a_barrier_and_an_output_per_rank(client):
+def test_the_graph_on_futures_is_an_output_per_rank_on_its_input_and_a_barrier(client):
+    """A call on futures still computing submits ``ranks + 1`` tasks: per
+    rank an output depending on that rank's input alone, and a barrier
+    depending on nothing (no task lies between an input and its result)."""
     name = f"go-{uuid.uuid4().hex}"
     inputs = [client.submit(held_back, name, r, pure=False) for r in range(5)]
     out = flowreduce.allreduce(client, inputs, algorithm="ring")
     token = out[0].key[0].rpartition("-")[2]
-    def ours():
-        return client.run_on_scheduler(lambda dask_scheduler: [k for k in dask_scheduler.tasks if token in str(k)])
 
-    assert wait_until(lambda: len(ours()) >= 2 * 5 + 1, HANG)
-    assert len(ours()) == 2 * 5 + 1
+    def ours(dask_scheduler=None):  # every key of the call the scheduler saw (the barrier runs and goes at once)
+        seen = {key for key, *_ in dask_scheduler.transition_log if token in str(key)}
+        return {str(k): sorted(str(d.key) for d in dask_scheduler.tasks[k].dependencies)
+                if k in dask_scheduler.tasks else None for k in seen}
+
+    gate = str((out[0].key[0].replace("-output-", "-barrier-"), 0))
+    assert wait_until(lambda: gate in client.run_on_scheduler(ours), HANG)
+    got = client.run_on_scheduler(ours)
+    assert set(got) == {gate, *(str(f.key) for f in out)}, got
+    for r, f in enumerate(out):
+        assert got[str(f.key)] == [str(inputs[r].key)], f"rank {r}'s result depends on {got[str(f.key)]}"
+    assert got[gate] in (None, []), f"the barrier depends on {got[gate]}"
     Event(name, client=client).set()
     assert flowreduce.describe(out).algorithm == "ring"
     for x in client.gather(out):
@@ -105,10 +117,10 @@ def _after(gate: int, r: int) -> np.ndarray:
 
 
 def test_a_result_waits_where_its_rank_arrived_without_holding_the_thread(client):
-    """A rank's result depends on its own arrival alone: it is sent there
-    as soon as the rank arrived and waits for the others without holding
-    the worker's only thread, which the next rank's input on that worker
-    needs."""
+    """A rank's result depends on its own input alone: it is sent where
+    the input was computed (where the rank arrived) as soon as it is, and
+    waits for the others without holding the worker's only thread, which the
+    next rank's input on that worker needs."""
     w, other = sorted(client.nthreads())[:2]
     name = f"go-{uuid.uuid4().hex}"
     gate = client.submit(held_back, name, 0, 1, workers=[other], pure=False)  # holds the other worker's thread
@@ -123,9 +135,8 @@ def test_a_result_waits_where_its_rank_arrived_without_holding_the_thread(client
     first_key = str(out[0].key)
     assert wait_until(lambda: client.run_on_scheduler(tasks).get(first_key, ("",))[0] == "processing", HANG)
     got = client.run_on_scheduler(tasks)
-    token = out[0].key[0][-32:]
-    for r in range(2):
-        assert got[str(out[r].key)][1] == [str((f"flowreduce-auto-arrive-{token}", r))]
+    for r, x in enumerate([first, later]):
+        assert got[str(out[r].key)][1] == [str(x.key)]
     Event(name, client=client).set()
     wait(out, timeout=HANG)
     for x in client.gather(out):
@@ -144,6 +155,60 @@ def test_one_result_kept_alone_still_gets_every_rank(client):
     Event(name, client=client).set()
     np.testing.assert_array_equal(first.result(timeout=HANG), _expected(3))
     del first, inputs
+
+
+def test_one_result_kept_alone_with_every_input_let_go_still_gets_every_rank(client):
+    """As above, and the caller lets go of the inputs too before they are
+    computed: the scheduler keeps each input wanted until it is computed (no
+    task depends on them but their results), so every rank still arrives."""
+    name = f"go-{uuid.uuid4().hex}"
+    inputs = [client.submit(held_back, name, r, pure=False) for r in range(3)]
+    keys = [f.key for f in inputs]
+    out = flowreduce.allreduce(client, inputs)
+    let_go = [f.key for f in out[1:]]
+    first = out[0]
+    del inputs, out
+    gc.collect()
+
+    def known(dask_scheduler=None):
+        return [str(k) for k in keys + let_go if k in dask_scheduler.tasks]
+
+    # the scheduler let go of the other results (and of the inputs, but for the call) before they are computed
+    assert wait_until(lambda: not set(map(str, let_go)) & set(client.run_on_scheduler(known)), HANG)
+    assert client.run_on_scheduler(known) == [str(k) for k in keys]
+    Event(name, client=client).set()
+    np.testing.assert_array_equal(first.result(timeout=HANG), _expected(3))
+    del first
+
+
+def test_a_result_that_runs_elsewhere_than_its_rank_arrived_begins_there(client):
+    """Ranks 0-2's inputs are computed on one worker and copied each to
+    another one; that worker's only thread is then busy, so Dask runs
+    results where their copies are. Both workers holding an input keep it (the
+    scheduler tells every holder), but the rank is where its result runs:
+    the call begins with ranks 0-2 there, whichever arrival came first."""
+    w = sorted(client.nthreads())
+    name = f"go-{uuid.uuid4().hex}"
+    computed = [client.submit(rank_input, r, workers=[w[0]], pure=False) for r in range(3)]
+    wait(computed, timeout=HANG)
+    for r, f in enumerate(computed):
+        client.replicate([f], workers=[w[0], w[r + 1]])
+    busy = client.submit(held_back, name, 0, 1, workers=[w[0]], pure=False)
+    later = client.submit(held_back, name, 3, workers=[w[1]], pure=False)
+    key = busy.key
+    assert wait_until(lambda: set(client.processing()[w[0]]) == {key}, HANG)
+    keys = [f.key for f in computed]
+    assert wait_until(lambda: [set(client.who_has().get(k, ())) for k in keys] == [{w[0], w[r + 1]} for r in range(3)],
+                      HANG), client.who_has(computed)
+    out = flowreduce.allreduce(client, [*computed, later])
+    Event(name, client=client).set()
+    for x in client.gather(out):
+        np.testing.assert_array_equal(x, _expected(4))
+    record = flowreduce.describe(out)
+    where = client.who_has(out)
+    assert record.workers == tuple(where[f.key][0] for f in out)
+    assert any(record.workers[r] == w[r + 1] for r in range(3)), "Dask ran every result on the busy worker"
+    del out, computed, later, busy
 
 
 def test_ranks_sharing_workers_and_every_algorithm(client):

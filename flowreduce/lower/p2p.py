@@ -18,11 +18,15 @@ The graph (:func:`lower_p2p`) is ``workers + 1 + ranks`` tasks whatever the
 algorithm and chunk count: per worker a *hand-in* (its ranks' inputs into the
 engine), one *barrier*, per rank an *output* (its result out of the engine).
 
-A call that does not wait for its inputs (:func:`lower_arrivals`) has the
-same three levels with a task per rank in the first: each rank's *arrive*
-task runs where Dask puts it, next to its input, and keeps the input in
-that worker's engine; the barrier learns where every rank arrived and what
-it holds, and only then is the plan chosen and the outputs pinned.
+A call that does not wait for its inputs (:func:`lower_arrivals`) learns
+where its ranks are when their inputs arrive. On futures, it is an output
+per rank, depending on its input alone, and a barrier depending on nothing
+that carries the call's decision; the worker plugin keeps each input in its
+worker's engine as it goes to memory. On a Dask collection, whose results
+may be computed one at a time, each rank has an *arrive* task too (it runs
+next to its input and keeps it in that worker's engine), the barrier
+depends on every arrival and every output on the barrier. Either way the
+plan is chosen, and the outputs pinned, once the last rank arrived.
 """
 
 from __future__ import annotations
@@ -306,23 +310,19 @@ def lower_p2p(spec: Spec, inputs: Sequence[Any], *, token: str, run: str,
 
 def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive: Callable[..., Any],
                    begin: Callable[..., Any], take_out: Callable[..., Any], decide: Any,
-                   output_keys: Sequence[Hashable] | None = None, some: bool = False) -> Graph:
-    """The graph of a p2p call placed when its inputs arrive: per rank
-    ``arrive(token, rank, x)`` (not pinned: Dask runs it next to its input),
-    a barrier ``begin(token, decide, outputs, *arrivals)`` that carries the
-    call's decision for the scheduler, which begins the call when the last
-    rank arrived, and per rank ``take_out(arrival, token, rank, key, ...)``.
-    A result depends on its rank's arrival, not on every rank's: it is sent
-    to its worker as soon as its rank arrived and waits there for the run
-    (a result depending on the barrier would wait for a task more after the
-    last arrival, and fetch the barrier's value from another worker). The
-    barrier depends on every arrival, so that every rank arrives even if
-    some results are let go: the caller asks for it and lets Dask run it
-    alone (``fire_and_forget``). When ``some`` of the results may be computed alone (those
-    of a collection, which Dask culls from the keys asked), every result
-    depends on the barrier too. ``2 * ranks + 1`` tasks; ``output_keys``:
-    the results' keys (default :func:`keys.output_key`), e.g. a dask
-    array's block keys.
+                   output_keys: Sequence[Hashable] | None = None) -> Graph:
+    """The graph of a p2p call on Dask collections, placed when its inputs
+    arrive: per rank ``arrive(token, rank, x)`` (not pinned: Dask runs it
+    next to its input), a barrier ``begin(token, decide, outputs,
+    *arrivals)`` that carries the call's decision for the scheduler, which
+    begins the call when the last rank arrived, and per rank
+    ``take_out(arrival, token, rank, key, barrier)``. A result is sent to its
+    worker as soon as its rank arrived and the barrier ran, and waits there
+    for the run. Every result depends on the barrier, which depends on every
+    arrival, so that computing one rank's result alone (Dask culls the
+    others) computes every rank's input. ``2 * ranks + 1`` tasks;
+    ``output_keys``: the results' keys (default :func:`keys.output_key`),
+    e.g. a dask array's block keys.
     """
     tasks: dict[Hashable, Task] = {}
     arrived = []
@@ -335,5 +335,22 @@ def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive:
     gate = keys.barrier_key(algorithm, token)
     tasks[gate] = EngineTask(gate, begin, token, decide, Named(tuple(outputs)), *arrived)
     for r, key in enumerate(outputs):
-        tasks[key] = EngineTask(key, take_out, arrived[r], token, r, Named((key,)), *([TaskRef(gate)] if some else []))
+        tasks[key] = EngineTask(key, take_out, arrived[r], token, r, Named((key,)), TaskRef(gate))
+    return Graph(tasks, outputs, {}, token)
+
+
+def lower_on_futures(inputs: Sequence[Any], *, algorithm: str, token: str, begin: Callable[..., Any],
+                     take_out: Callable[..., Any], decide: Any) -> Graph:
+    """The graph of a p2p call on futures, placed when its inputs arrive:
+    per rank ``take_out(x, token, rank, key)``, depending on its input
+    alone (Dask runs it where the input is), and a barrier ``begin(token,
+    decide, outputs)`` depending on nothing, which carries the call's
+    decision for the scheduler. The inputs are kept in the engines as they
+    go to memory (the worker plugin), and the call begins on the scheduler
+    when the last rank arrived. ``ranks + 1`` tasks."""
+    outputs = [keys.output_key(algorithm, token, r) for r in range(len(inputs))]
+    gate = keys.barrier_key(algorithm, token)
+    tasks: dict[Hashable, Task] = {gate: EngineTask(gate, begin, token, decide, Named(tuple(outputs)))}
+    for r, (x, key) in enumerate(zip(inputs, outputs)):
+        tasks[key] = EngineTask(key, take_out, x, token, r, Named((key,)))
     return Graph(tasks, outputs, {}, token)

@@ -4,13 +4,16 @@ state its inputs are in, and learns what it needs inside the graph.
 Used when the caller cannot know the inputs without waiting: futures still
 computing, and Dask collections (a list of ``Delayed``, a dask array with one
 block per rank along an axis, a list of dask arrays). The graph is the p2p
-engine's placed-on-arrival form (:func:`flowreduce.schedule.p2p.lower_arrivals`):
-each rank's *arrive* task runs where Dask puts it, next to its input; when
-the last has arrived, the scheduler checks what the ranks hold (errors name
-the ranks, on the results) and chooses the plan from where they arrived
-(``decide``, made by the front door with the call's settings and the cost
-model, carried by the barrier task) and pins each rank's result to its
-rank's worker. Nothing is asked of the scheduler or the workers while the
+engine's placed-on-arrival form: on futures
+(:func:`flowreduce.schedule.p2p.lower_on_futures`) each rank's result
+depends on its input alone and the worker plugin keeps the input in the
+engine as it goes to memory; on collections
+(:func:`flowreduce.schedule.p2p.lower_arrivals`) each rank's *arrive* task
+does that, next to its input. When the last rank has arrived, the
+scheduler checks what the ranks hold (errors name the ranks, on the
+results) and chooses the plan from where they arrived (``decide``, made by
+the front door with the call's settings and the cost model, carried by the
+barrier task) and pins each rank's result to its rank's worker. Nothing is asked of the scheduler or the workers while the
 call is made: the futures' graph is sent with one stream message, and a
 collection's graph waits for the user's compute.
 
@@ -29,7 +32,6 @@ from typing import Any, cast
 import dask
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.task_spec import Task, TaskRef
-from distributed import fire_and_forget
 
 from flowreduce import dashboard, keys
 from flowreduce.errors import InputError, InputTypeError
@@ -76,15 +78,16 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
                    timeout: float | None) -> list[Any]:
     """Submit the call on ``futures`` (one per rank) without waiting for them;
     the guard watches it as every call (its ``timeout``, lost inputs)."""
-    graph = _p2p.lower_arrivals(futures, algorithm, decide, token=token)
+    graph = _p2p.lower_on_futures(futures, algorithm, decide, token=token)
     placed(token)
     _p2p.ensure_p2p(client)
     guard.ensure_guard(client)
     dashboard.install(client)  # its record comes from the scheduler plugin once the call begins
     ensure_shm(client)  # big values between workers of a host go through shared segments
-    *out, barrier = client.get(named_graph(graph.tasks, token), [*graph.outputs, keys.barrier_key(algorithm, token)],
-                               sync=False)
-    fire_and_forget(barrier)  # every rank arrives even if some results are let go (nothing else depends on it)
+    # the barrier is asked for only to reach the scheduler: its decision is taken there as it waits to run
+    # (P2PSchedulerPlugin), and it is let go here at once, after the graph on the same stream
+    *out, _ = client.get(named_graph(graph.tasks, token), [*graph.outputs, keys.barrier_key(algorithm, token)],
+                         sync=False)
     guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
     return out
 
@@ -114,8 +117,7 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
         block = [(x.name, *(r if a == axis else 0 for a in range(x.ndim))) for r in range(p)]
         name = keys.name(algorithm, OUTPUT, token)
         out_keys = [(name, *(r if a == axis else 0 for a in range(x.ndim))) for r in range(p)]
-        graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, output_keys=out_keys, token=token,
-                                     some=True)
+        graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, output_keys=out_keys, token=token)
         hlg = HighLevelGraph.from_collections(name, cast(Any, graph.tasks), dependencies=[cast(Any, x)])
         return da.Array(hlg, name, x.chunks, meta=x._meta)
     items = list(inputs)
@@ -133,7 +135,7 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
         block = [v.key for v in items]
         if any(len(v.__dask_keys__()) != 1 for v in items):
             raise InputTypeError("each rank's Delayed must be one object (one key)")
-    graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, token=token, some=True)
+    graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, token=token)
     layer = keys.name(algorithm, ARRIVE, token)
     hlg = HighLevelGraph.from_collections(layer, cast(Any, graph.tasks), dependencies=items)
     if all(arrays):

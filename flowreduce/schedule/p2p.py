@@ -80,6 +80,9 @@ BEGUN = "flowreduce-p2p-begun"
 DROP = "flowreduce-p2p-drop"
 #: Stream message from a barrier to the scheduler: these hand-ins hold another run's value, run them again.
 STALE = "flowreduce-p2p-stale"
+#: stream message, scheduler to workers: inputs of calls on futures placed on arrival (``keys``: ``[key, token,
+#: rank]`` each), kept in the engine as they go to memory there (:meth:`Engine.await_keys`)
+AWAIT = "flowreduce-p2p-await"
 #: States of a result that no run computes any more: in memory, or failed
 SETTLED = ("memory", "erred")
 #: Scheduler handler: what such a call ran, once it began (for :func:`flowreduce.describe`).
@@ -640,6 +643,10 @@ class Engine:
         #: calls placed on arrival refused or failed before they began (FAILED_KEPT at most): a result of
         #: one that starts late raises this (until a rank of it arrives again: computed again)
         self.ended_calls: OrderedDict[str, BaseException] = OrderedDict()
+        #: inputs of calls on futures placed on arrival, kept when they go to memory here (the worker plugin's
+        #: transition hook): key -> [(token, rank), ...], and token -> those keys, until the call ends
+        self.awaited: dict[Hashable, list[tuple[str, int]]] = {}
+        self.awaited_by_token: dict[str, list[Hashable]] = {}
         self._place: tuple[Any, ...] | None = None
         self.log = EngineLog(worker)  # what the runs did, for traces and the dashboard (engine_log.py)
 
@@ -672,6 +679,53 @@ class Engine:
         if self._place is None:
             self._place = astuple(hosts.worker_place(self.worker))
         return self._place
+
+    def await_keys(self, keys: Any = None, **other: Any) -> None:
+        """Stream message from :class:`P2PSchedulerPlugin`: the inputs of
+        calls on futures placed on arrival (``[key, token, rank]`` each): each
+        arrives when it goes to memory here (:meth:`in_memory`), or now if it
+        is here already."""
+        if other or not isinstance(keys, (list, tuple)) or not all(
+                isinstance(k, (list, tuple)) and len(k) == 3 for k in keys):
+            logger.error("flowreduce: %s refused a stream message: keys %r, others %s", AWAIT, type(keys).__name__,
+                         sorted(other)[:5])
+            return
+        state = self.worker.state.tasks
+        for key, token, rank in keys:
+            key = _as_key(key)
+            if not isinstance(token, str) or type(rank) is not int or not isinstance(key, (str, bytes, int, tuple)):
+                continue
+            try:
+                hash(key)
+            except TypeError:  # a tuple holding something unhashable: no task's key
+                continue
+            ts = state.get(key)
+            if ts is not None and ts.state == "memory" and key in self.worker.data:
+                self._arrive_awaited(token, rank, self.worker.data[key])
+            else:
+                self.awaited.setdefault(key, []).append((token, rank))
+                self.awaited_by_token.setdefault(token, []).append(key)
+
+    def in_memory(self, key: Hashable) -> None:
+        """Task ``key`` went to memory here: the ranks awaiting it arrive."""
+        found = self.awaited.pop(key, None)
+        if found is None or key not in self.worker.data:
+            return
+        for token, rank in found:
+            self._arrive_awaited(token, rank, self.worker.data[key])
+
+    def _arrive_awaited(self, token: str, rank: int, x: Any) -> None:
+        if token in self.ended_calls:
+            return  # failed before it began
+        try:
+            arrive_value(self, token, rank, x)
+        except Exception as e:  # noqa: BLE001 - the result task arrives it again, and fails with this
+            logger.warning("flowreduce: rank %d of all-reduce %s could not arrive on %s: %r", rank, token,
+                           self.address, e)
+
+    def forget_awaited(self, key: Hashable) -> None:
+        """Task ``key`` was forgotten here: no rank arrives from it (it arrives again if computed again)."""
+        self.awaited.pop(key, None)
 
     def begun_by_scheduler(self, run: Any = None, token: Any = None, spec: Any = None, **other: Any) -> None:
         """Stream message from :class:`P2PSchedulerPlugin`: call ``token``
@@ -732,6 +786,12 @@ class Engine:
                          sorted(other)[:5])
             return
         self.arrived.pop(token, None)
+        for key in self.awaited_by_token.pop(token, ()):
+            left = [a for a in self.awaited.get(key, ()) if a[0] != token]
+            if left:
+                self.awaited[key] = left
+            else:
+                self.awaited.pop(key, None)
         exc = _exception(error) if error is not None else RuntimeError(
             f"all-reduce {token} ended before this rank's result was taken")
         if error is not None:  # a result that starts after this raises it too
@@ -918,6 +978,7 @@ class P2PWorkerPlugin(WorkerPlugin):
 
     name = "flowreduce-p2p"
     idempotent = True
+    _engine: Engine | None = None
 
     def setup(self, worker: Any) -> None:
         engine = worker.extensions.get(EXTENSION)
@@ -929,6 +990,21 @@ class P2PWorkerPlugin(WorkerPlugin):
         worker.stream_handlers[FAIL] = engine.scheduler_says
         worker.stream_handlers[DROP] = engine.drop_arrived
         worker.stream_handlers[BEGUN] = engine.begun_by_scheduler
+        worker.stream_handlers[AWAIT] = engine.await_keys
+        self._engine = engine
+
+    def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:
+        """Every task's transition on this worker: an input of a call on
+        futures placed on arrival arrives as it goes to memory, before the
+        scheduler hears of it (its message goes first on the same stream).
+        Nothing else is done while no input is awaited here."""
+        engine = self._engine
+        if engine is None or not engine.awaited or key not in engine.awaited:
+            return
+        if finish == "memory":
+            engine.in_memory(key)
+        elif finish == "forgotten":
+            engine.forget_awaited(key)
 
     def teardown(self, worker: Any) -> None:
         worker.handlers.pop(RECEIVE, None)
@@ -937,6 +1013,7 @@ class P2PWorkerPlugin(WorkerPlugin):
         worker.stream_handlers.pop(FAIL, None)
         worker.stream_handlers.pop(DROP, None)
         worker.stream_handlers.pop(BEGUN, None)
+        worker.stream_handlers.pop(AWAIT, None)
         worker.extensions.pop(EXTENSION, None)
 
 
@@ -973,6 +1050,12 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         #: calls placed on arrival that failed before they began (an input failed, or was refused): token ->
         #: the error their results raise, also those of ranks arriving later (the newest 4096 calls)
         self.doomed: OrderedDict[str, Any] = OrderedDict()
+        #: calls on futures placed on arrival, not ended: token -> their decision (``decide``, the results'
+        #: keys), taken from their barrier when their graph arrived (the barrier is gone once it ran)
+        self.pending: dict[str, tuple[Any, tuple[Hashable, ...]]] = {}
+        #: results of such calls let go while their run goes on: token -> their keys (their workers drop the
+        #: run when the others are in memory: those results are never taken there)
+        self.let_go: dict[str, set[Hashable]] = {}
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -995,6 +1078,8 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                     where[w].append(rank)
             if where:  # else a call placed when its inputs arrive: it is followed from its begin
                 self.active[token] = (dict(where), {d.key for d in ts.dependents})
+            elif not ts.dependencies and isinstance(ts.run_spec, Task) and ts.run_spec.func is hold_decision:
+                self._on_futures(token, ts.run_spec)
             return
         if f"-{ARRIVE}-" in key[0]:
             if finish == "memory" and token in self.doomed:  # its result, sent there next, raises the error
@@ -1007,20 +1092,28 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                 self._begin_if_arrived(token, _barrier_of(key))
             return
         if token not in self.active:
-            if not self._placed_on_arrival(key):
+            if token not in self.pending and not self._placed_on_arrival(key):
                 return
             if finish == "erred" and (token not in self.started or token in self.restarting) \
                     and token not in self.doomed:
                 ts = self.scheduler.tasks.get(key)  # an input failed before the call began (or began again)
                 self._doom(token, getattr((ts.exception_blame or ts) if ts is not None else None, "exception", None))
                 asyncio.get_running_loop().call_soon(self._let_go, _barrier_of(key))
-            elif finish == "forgotten" and f"-{BARRIER}-" in key[0] and token not in self.started:
-                self._end(token)  # it never began, and never will (if doomed, ranks arriving late are told still)
+            elif f"-{BARRIER}-" in key[0]:
+                if finish == "forgotten" and token not in self.started and token not in self.pending:
+                    self._end(token)  # it never began, and never will (if doomed, ranks arriving late are told still)
+            elif finish in ("erred", "forgotten") and token in self.pending and token not in self.started:
+                self._end_if_settled(token, key)  # every result let go before the call began: it never will
             elif finish in ("erred", "forgotten") and token in self.started and token in self.decisions:
                 self._end_if_settled(token, key)  # a result failed or was let go while the call began again
             return
         outputs = self.active[token][1]
-        if finish == "erred" or (finish == "forgotten" and key in outputs):  # failed, or cancelled
+        if finish == "forgotten" and key in outputs and token in self.pending:
+            outputs.discard(key)  # a result of a call on futures let go while it runs: the others go on
+            self.let_go.setdefault(token, set()).add(key)
+            if not outputs:
+                self._done(token)
+        elif finish == "erred" or (finish == "forgotten" and key in outputs):  # failed, or cancelled
             what = "erred" if finish == "erred" else "was cancelled"
             ts = self.scheduler.tasks.get(key)
             why = f" ({(ts.exception_blame or ts).exception_text})" if finish == "erred" and ts is not None else ""
@@ -1029,22 +1122,118 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         elif finish == "memory" and key in outputs:
             outputs.discard(key)
             if not outputs:
-                where, _ = self.active.pop(token)
-                restarted = self.runs.pop(token, None)
-                if restarted is not None and token not in self.begun:  # a result the old run finished is not taken
-                    self.tell(where, restarted, f"run {restarted} ended: every result is in memory", lost=False)
-                self._end(token)
+                self._done(token)
+
+    def _done(self, token: str) -> None:
+        """Every result of call ``token`` still wanted is in memory: it ends.
+        The workers of results let go drop the run (never taken there)."""
+        where, _ = self.active.pop(token)
+        restarted = self.runs.pop(token, None)
+        if restarted is not None and token not in self.begun:  # a result the old run finished is not taken
+            self.tell(where, restarted, f"run {restarted} ended: every result is in memory", lost=False)
+        let_go = {(parse(k) or {}).get("rank") for k in self.let_go.pop(token, ())}
+        if let_go and restarted is not None:
+            self.tell([w for w, ranks in where.items() if let_go & set(ranks)], restarted,
+                      f"run {restarted} ended: every result is in memory or was let go", lost=False)
+        self._end(token)
 
     def arrived(self, token: Any = None, rank: Any = None, arrival: Any = None, worker: Any = None,
                 **other: Any) -> None:
-        """Stream message from an arrive task (:func:`arrive`): rank ``rank`` of call ``token`` arrived."""
+        """Stream message from an engine (:func:`arrive_value`): rank ``rank`` of call ``token`` arrived on ``worker``."""
         if other or not isinstance(token, str) or type(rank) is not int or not isinstance(arrival, bytes):
             logger.error("flowreduce: %s refused a stream message: token %r, rank %r, others %s", ARRIVED,
                          type(token).__name__, type(rank).__name__, sorted(other)[:5])
             return
+        if token in self.doomed:  # its result there raises the error (the rank arrived late, or again)
+            bs = self.scheduler.stream_comms.get(worker)
+            if bs is not None:
+                bs.send({"op": DROP, "token": token, "error": self.doomed[token]})
+            return
+        if token in self.pending:
+            self._arrived_on_futures(token, rank, arrival, worker)
+            return
         self.arrivals.setdefault(token, {})[rank] = arrival
         while len(self.arrivals) > 4096:
             self.arrivals.popitem(last=False)
+
+    def _on_futures(self, token: str, spec: Task) -> None:
+        """The graph of call ``token`` on futures placed on arrival came in
+        (its barrier is waiting): its decision is kept here, every input still
+        being computed is wanted until it is (as ``fire_and_forget`` does:
+        every rank arrives even if some results are let go), and the workers
+        that hold or compute each input are told to keep it in their engine
+        when it goes to memory there (stream message ``AWAIT``; every worker
+        when that is not known yet)."""
+        _, decide, named, *_ = spec.args
+        self.pending[token] = (decide, named.keys)
+        self.keeping.add(token)  # the workers told to await its inputs let go of them when it ends
+        s = self.scheduler
+        forgotten = s.clients.get("fire-and-forget")
+        for k in getattr(decide, "input_keys", ()):
+            its = s.tasks.get(k)
+            if forgotten is not None and its is not None and its.state not in (*SETTLED, "released", "forgotten"):
+                if its.who_wants is None:
+                    its.who_wants = set()
+                its.who_wants.add(forgotten)
+                forgotten.wants_what.add(its)
+        self._await(token, range(len(named.keys)))
+
+    def _await(self, token: str, ranks: Iterable[int]) -> None:
+        """Tell the workers holding, computing or bound to the inputs of
+        ``ranks`` of call ``token`` (every worker for an input that is none
+        of these yet) to keep each in their engine as it goes to memory."""
+        s = self.scheduler
+        decide, outputs = self.pending[token]
+        inputs = tuple(getattr(decide, "input_keys", ()))
+        by_worker: dict[str, list[list[Any]]] = defaultdict(list)
+        for r in ranks:
+            if r < len(inputs):
+                key = inputs[r]
+            else:  # the input is the result's only dependency
+                out = s.tasks.get(outputs[r])
+                if out is None or len(out.dependencies) != 1:
+                    continue
+                key = next(iter(out.dependencies)).key
+            its = s.tasks.get(key)
+            where: set[str] = set()
+            if its is not None:
+                where |= {ws.address for ws in its.who_has or ()}
+                if its.processing_on is not None:
+                    where.add(its.processing_on.address)
+                where |= set(its.worker_restrictions or ())
+            for address in where or s.stream_comms:
+                by_worker[address].append([key, token, r])
+        for address, found in by_worker.items():
+            bs = s.stream_comms.get(address)
+            if bs is not None:
+                bs.send({"op": AWAIT, "keys": found})
+
+    def _arrived_on_futures(self, token: str, rank: int, arrival: bytes, worker: Any) -> None:
+        """Rank ``rank`` of call ``token`` on futures arrived on ``worker``:
+        its result is pinned there before Dask places it (the worker's message
+        comes before its input's completion), and the call begins if it was
+        the last. An arrival elsewhere than where that result already runs
+        (a copy of the input) is not the rank's: that result arrives the rank
+        where it runs."""
+        s = self.scheduler
+        if token in self.started and token not in self.restarting:
+            return
+        outputs = self.pending[token][1]
+        if not 0 <= rank < len(outputs):
+            return
+        ts = s.tasks.get(outputs[rank])
+        found = self.arrivals.setdefault(token, {})
+        if ts is not None and ts.processing_on is not None:
+            if ts.processing_on.address != worker:
+                return
+        elif rank in found:
+            return  # the first arrival of the rank, where its result is pinned, is the one
+        found[rank] = arrival
+        while len(self.arrivals) > 4096:
+            self.arrivals.popitem(last=False)
+        if ts is not None and ts.state in ("released", "waiting", "no-worker"):
+            ts.worker_restrictions, ts.loose_restrictions = {worker}, False
+        self._begin_if_arrived(token, barrier_key("auto", token))
 
     def stale(self, run: Any = None, keys: Any = None, worker: Any = None, **other: Any) -> None:
         """Stream message from a barrier (:func:`barrier`): hand-ins ``keys``
@@ -1081,7 +1270,9 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             return
         s = self.scheduler
         ts = s.tasks.get(gate)
-        if ts is not None and ts.run_spec is not None:
+        if token in self.pending:  # a call on futures
+            decision = self.pending[token]
+        elif ts is not None and ts.run_spec is not None:
             _, decide, named, *_ = ts.run_spec.args
             decision = decide, named.keys
         elif token in self.decisions:  # the barrier is gone: a call that began, beginning again
@@ -1098,6 +1289,14 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             return
         try:
             arrivals = [pickle.loads(found[r]) for r in ranks]
+        except Exception as e:  # noqa: BLE001 - a worker's message that does not load
+            self._doom(token, to_serialize(e))
+            return
+        for r, k in enumerate(outputs if token in self.pending else ()):
+            out = s.tasks.get(k)  # a result of a call on futures running elsewhere than its rank arrived arrives it there
+            if out is not None and out.processing_on is not None and out.processing_on.address != arrivals[r][0]:
+                return
+        try:
             spec, record, shown = decide(arrivals)
         except Exception as e:  # noqa: BLE001 - the call's own error (an input refused), for its results
             self._doom(token, to_serialize(e))
@@ -1115,6 +1314,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             bs = s.stream_comms.get(address)
             if bs is not None:
                 bs.send(message)
+                _flush(bs)
 
     def _begin(self, token: str, workers: Sequence[str], outputs: Sequence[Any], record: bytes,
                dashboard: Any) -> dict[str, Any]:
@@ -1216,7 +1416,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         failed or was let go: when none is left to compute, the call is over
         and the workers let go of its inputs (else they would keep them, and
         the memory, for good)."""
-        outputs = self.decisions[token][1]
+        outputs = (self.pending.get(token) or self.decisions[token])[1]
         if key not in outputs:
             return
         tasks = self.scheduler.tasks
@@ -1231,6 +1431,8 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.arrivals.pop(token, None)
         self.restarting.discard(token)
         self.started.discard(token)
+        self.pending.pop(token, None)
+        self.let_go.pop(token, None)
         if token not in self.keeping:
             return
         self.keeping.discard(token)
@@ -1246,6 +1448,14 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                 bs.send({"op": FAIL, "run": run, "message": message, "lost": lost})
 
 
+def _flush(bs: Any) -> None:
+    """Send what batched stream ``bs`` holds now, not at its next tick (distributed's ``BatchedSend``
+    waits its interval, 5 ms by default, after a send)."""
+    if hasattr(bs, "next_deadline") and hasattr(bs, "waker"):
+        bs.next_deadline = None
+        bs.waker.set()
+
+
 def _barrier_of(key: Hashable) -> Hashable:
     """The barrier's key of the call placed on arrival that task ``key`` belongs to."""
     info = parse(key)
@@ -1259,26 +1469,42 @@ def is_p2p(tasks: Iterable[Any]) -> bool:
 
 
 def placed_on_arrival(tasks: Iterable[Any]) -> bool:
-    """Whether these scheduler tasks of one call are a call placed when its inputs arrived (it has arrive tasks)."""
-    return any(f"-{ARRIVE}-" in ts.key[0] for ts in tasks)
+    """Whether these scheduler tasks of one call are a call placed when its inputs arrived (it has arrive
+    tasks, or results taken out on arrival)."""
+    return any(f"-{ARRIVE}-" in ts.key[0] or _on_futures(ts) for ts in tasks)
+
+
+def _on_futures(ts: Any) -> bool:
+    """Whether scheduler task ``ts`` is a result of a call on futures placed on arrival."""
+    return isinstance(ts.run_spec, Task) and ts.run_spec.func is take_out_arrived
 
 
 def restart_on_arrival(s: Any, token: str, tasks: Sequence[Any], gone: Iterable[str], stimulus_id: str) -> None:
     """Run a call placed on arrival again after workers ``gone`` left (by
     :func:`flowreduce.schedule.recovery.recover`): the old run is dropped
     where it still is; the ranks that were on ``gone`` arrive again where
-    their inputs now are (Dask recomputes their arrive tasks and lost inputs
-    from their lineage), and when the last has, the next attempt begins
+    their inputs now are (Dask recomputes lost inputs from their lineage; a
+    collection's arrive tasks run again, a call on futures' inputs arrive as
+    they go to memory again, or where their results run), and when the last
+    has, the next attempt begins
     (:meth:`P2PSchedulerPlugin._begin_if_arrived`), pinning the pending
     results anew. The results still waiting on other workers wait for it."""
+    gone = set(gone)
     for ts in tasks:
         if ts.worker_restrictions and not ts.worker_restrictions.isdisjoint(gone):
             ts.worker_restrictions = None  # pinned again when its rank arrives again
     plugin = s.plugins.get(P2PSchedulerPlugin.name)
     if plugin is None:
         return
+    on_futures = any(_on_futures(ts) for ts in tasks)
+    ended = token not in plugin.started and not (on_futures and token in plugin.pending)
+    if on_futures and token not in plugin.pending:  # it had ended: its decision is the one it began with
+        if token not in plugin.decisions:
+            return
+        plugin.pending[token] = plugin.decisions[token]
+        plugin.keeping.add(token)
     plugin.restarting.add(token)
-    if token not in plugin.started:  # it had ended, and the engines let go of its inputs: every rank arrives again
+    if ended:  # it had ended, and the engines let go of its inputs: every rank arrives again
         plugin.arrivals.pop(token, None)
         s.transitions({ts.key: "waiting" for ts in tasks if f"-{ARRIVE}-" in ts.key[0] and ts.state == "released"},
                       stimulus_id=stimulus_id)
@@ -1286,6 +1512,9 @@ def restart_on_arrival(s: Any, token: str, tasks: Sequence[Any], gone: Iterable[
     redo = [r for r, a in arrived.items() if pickle.loads(a)[0] in gone]
     for r in redo:
         del arrived[r]
+    if on_futures:  # every rank not arrived (on a worker still here) arrives as its input goes to memory again
+        outputs = plugin.pending[token][1]
+        plugin._await(token, [r for r in range(len(outputs)) if r not in arrived])
     # such a rank's arrive task may still be in memory elsewhere (a copy the barrier's worker fetched),
     # while its input was kept by the engine of the worker that left: it must run again, where its
     # input is now, or the call waits for it for good
@@ -1301,6 +1530,8 @@ def restart_on_arrival(s: Any, token: str, tasks: Sequence[Any], gone: Iterable[
     logger.info("flowreduce: all-reduce %s placed on arrival runs again (worker %s left)", token,
                 ", ".join(sorted(gone)))
     gate = next((ts.key for ts in tasks if f"-{BARRIER}-" in ts.key[0]), None)
+    if on_futures:
+        gate = barrier_key("auto", token)  # its barrier is gone: the decision is the plugin's
     if gate is not None:  # no rank was on the workers that left: it begins again now
         plugin._begin_if_arrived(token, gate)
 
@@ -1412,12 +1643,17 @@ Arrival = tuple[str, tuple[Any, ...], Any]  # (worker, its Place as a tuple, wha
 
 
 async def arrive(token: str, rank: int, x: Any) -> Arrival:
-    """Task of a call placed when its inputs arrive: rank ``rank``'s input
-    kept by this worker's engine (numpy arrays; anything else is only
-    described, for :func:`begin` to refuse naming the rank); where it is
-    and what it holds. A coroutine: no hop to a thread for a few
-    microseconds of work."""
-    engine = _engine()
+    """Task of a call on Dask collections placed when its inputs arrive:
+    rank ``rank``'s input kept by this worker's engine (:func:`arrive_value`).
+    A coroutine: no hop to a thread for a few microseconds of work."""
+    return arrive_value(_engine(), token, rank, x)
+
+
+def arrive_value(engine: Engine, token: str, rank: int, x: Any) -> Arrival:
+    """Rank ``rank`` of call ``token`` arrives on ``engine``'s worker: its
+    input ``x`` is kept there (numpy arrays; anything else is only
+    described, for the decision to refuse naming the rank), and the
+    scheduler is told where it is and what it holds; returns the same."""
     meta = meta_of(x)
     if arrays.is_foreign(x):  # a torch tensor, an array API array...: reduced as numpy, given back as it came
         try:
@@ -1444,8 +1680,10 @@ def hold_decision(token: str, decide: Decide, outputs: _lower.Named, *arrivals: 
     """Task, the barrier of a call placed on arrival: it carries the call's
     decision (``decide``, with the results' keys) in its arguments, for the
     scheduler plugin, which begins the call when its last rank arrived
-    (:meth:`P2PSchedulerPlugin._begin_if_arrived`), and it keeps every
-    rank's arrival wanted while any result is (it depends on them all)."""
+    (:meth:`P2PSchedulerPlugin._begin_if_arrived`). On a collection it
+    depends on every rank's arrive task and keeps them wanted while any
+    result is; on futures it depends on nothing, and the plugin takes the
+    decision as it waits to run."""
     return token
 
 
@@ -1556,12 +1794,38 @@ Decide = Callable[[Sequence[Arrival]], tuple["Spec | GatherSpec", bytes, dict[st
 
 
 def lower_arrivals(inputs: Sequence[Any], algorithm: str, decide: Decide,
-                   output_keys: Sequence[Hashable] | None = None, token: str | None = None,
-                   some: bool = False) -> Graph:
-    """A new call's graph placed when its inputs arrive: a task per rank, a barrier, an output per rank."""
+                   output_keys: Sequence[Hashable] | None = None, token: str | None = None) -> Graph:
+    """A new call's graph on Dask collections placed when its inputs arrive: an arrive task per rank, a
+    barrier, an output per rank."""
     return _lower.lower_arrivals(inputs, algorithm=algorithm, token=token or new_token(), arrive=arrive,
                                  begin=hold_decision,
-                                 take_out=take_out_begun, decide=decide, output_keys=output_keys, some=some)
+                                 take_out=take_out_begun, decide=decide, output_keys=output_keys)
+
+
+def lower_on_futures(inputs: Sequence[Any], algorithm: str, decide: Decide, token: str | None = None) -> Graph:
+    """A new call's graph on futures placed when their values arrive: a barrier, an output per rank
+    depending on its input alone."""
+    return _lower.lower_on_futures(inputs, algorithm=algorithm, token=token or new_token(), begin=hold_decision,
+                                   take_out=take_out_arrived, decide=decide)
+
+
+async def take_out_arrived(x: Any, token: str, rank: int, named: _lower.Named) -> Any:
+    """Task of a call on futures placed on arrival: rank's result, on the
+    worker its input ``x`` is on (:func:`take_out_begun`). The worker plugin
+    kept the input in the engine as it went to memory; if it did not (Dask
+    runs this on a worker holding a copy, or the input was computed again
+    there after a worker left), the rank arrives here now."""
+    engine = _engine()
+    if token in engine.ended_calls:
+        raise engine.ended_calls[token].with_traceback(None)
+    if rank not in engine.arrived.get(token, {}):
+        arrive_value(engine, token, rank, x)
+    return await take_out_begun(None, token, rank, named)
+
+
+def _as_key(key: Any) -> Hashable:
+    """A task key as sent, its tuples made lists by msgpack, as a key again."""
+    return tuple(_as_key(k) for k in key) if isinstance(key, list) else key
 
 
 def arrivals_held(dask_worker: Any = None) -> dict[str, list[int]]:
@@ -1570,8 +1834,20 @@ def arrivals_held(dask_worker: Any = None) -> dict[str, list[int]]:
     return {t: sorted(rs) for t, rs in engine.arrived.items()} if engine is not None else {}
 
 
-def runs_held(dask_worker: Any = None) -> list[str]:
-    """The runs (and their values) an engine holds now, and the calls whose ranks' inputs it keeps since
-    they arrived (for tests: ``client.run(runs_held)``)."""
+def awaited_held(dask_worker: Any = None) -> list[str]:
+    """The input keys an engine awaits now for calls on futures placed on arrival, and the calls it keeps
+    them for (for tests: ``client.run(awaited_held)``)."""
     engine = dask_worker.extensions.get(EXTENSION)
-    return sorted(engine.runs) + [f"arrived {token}" for token in engine.arrived] if engine is not None else []
+    if engine is None:
+        return []
+    return sorted(map(str, engine.awaited)) + [f"call {token}" for token in engine.awaited_by_token]
+
+
+def runs_held(dask_worker: Any = None) -> list[str]:
+    """The runs (and their values) an engine holds now, the calls whose ranks' inputs it keeps since
+    they arrived, and the inputs it awaits (for tests: ``client.run(runs_held)``)."""
+    engine = dask_worker.extensions.get(EXTENSION)
+    if engine is None:
+        return []
+    return sorted(engine.runs) + [f"arrived {token}" for token in engine.arrived] + [
+        f"awaits {held}" for held in awaited_held(dask_worker)]
