@@ -1079,7 +1079,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             if where:  # else a call placed when its inputs arrive: it is followed from its begin
                 self.active[token] = (dict(where), {d.key for d in ts.dependents})
             elif not ts.dependencies and isinstance(ts.run_spec, Task) and ts.run_spec.func is hold_decision:
-                self._on_futures(token, ts.run_spec)
+                self._keep_decision(token, ts.run_spec)
             return
         if f"-{ARRIVE}-" in key[0]:
             if finish == "memory" and token in self.doomed:  # its result, sent there next, raises the error
@@ -1156,7 +1156,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         while len(self.arrivals) > 4096:
             self.arrivals.popitem(last=False)
 
-    def _on_futures(self, token: str, spec: Task) -> None:
+    def _keep_decision(self, token: str, spec: Task) -> None:
         """The graph of call ``token`` on futures placed on arrival came in
         (its barrier is waiting): its decision is kept here, every input still
         being computed is wanted until it is (as ``fire_and_forget`` does:
@@ -1247,7 +1247,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         s = self.scheduler
         recs: dict[Hashable, str] = {}
         for key in keys:
-            key = tuple(key) if isinstance(key, list) else key  # msgpack made the tuples lists
+            key = _as_key(key)
             hand_in_like = isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and type(key[1]) is int
             ts = s.tasks.get(key) if hand_in_like else None
             spec = ts.run_spec if ts is not None else None
@@ -1328,7 +1328,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.begun[token] = attempt
         while len(self.begun) > 4096:
             self.begun.popitem(last=False)
-        outputs = [tuple(k) if isinstance(k, list) else k for k in outputs]  # msgpack made tuples lists
+        outputs = [_as_key(k) for k in outputs]
         pending = [r for r, k in enumerate(outputs) if k in s.tasks and s.tasks[k].state not in SETTLED]
         s.set_restrictions({outputs[r]: [workers[r]] for r in pending})
         where: dict[str, list[int]] = defaultdict(list)
@@ -1823,7 +1823,7 @@ async def take_out_arrived(x: Any, token: str, rank: int, named: _lower.Named) -
     return await take_out_begun(None, token, rank, named)
 
 
-def _as_key(key: Any) -> Hashable:
+def _as_key(key: Any) -> Any:
     """A task key as sent, its tuples made lists by msgpack, as a key again."""
     return tuple(_as_key(k) for k in key) if isinstance(key, list) else key
 
