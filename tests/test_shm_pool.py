@@ -215,3 +215,19 @@ def test_process_pool_follows_the_dask_config(directory):
     finally:
         shm_pool.close()
     assert listing(directory) == []
+
+
+def test_a_call_never_reuses_a_segment_it_gave_back(directory):
+    """A call run again after a worker loss keeps its keys, and a reader may
+    still hold the first run's handle: the call's own segments are not
+    leased to it again (so that handle's payload stays), other calls reuse them."""
+    pool = Pool(directory, limit=16 * GRAIN)
+    a = pool.lease(GRAIN, owner="call-1")
+    a.view(np.int64, 4)[:] = 7
+    pool.give_back(a, a.generation)
+    again = pool.lease(GRAIN, owner="call-1")
+    assert again.name != a.name and a.stamped() == 1
+    assert a.view(np.int64, 4).tolist() == [7] * 4
+    other = pool.lease(GRAIN, owner="call-2")
+    assert other is a and other.stamped() == 2
+    pool.close()

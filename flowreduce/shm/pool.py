@@ -256,14 +256,18 @@ class Pool:
     # -- own segments ----------------------------------------------------
     def lease(self, nbytes: int, owner: str = "") -> Segment:
         """A segment of at least ``nbytes`` for this process to write, reused
-        when one is free. Raises :class:`Unavailable` (logged once per reason)
+        when one is free and was not the call ``owner``'s already. Raises :class:`Unavailable` (logged once per reason)
         when shared memory is off, missing, full or the pool is at its bound."""
         if not self.available:
             raise Unavailable(self.reason or "pool closed")
         nbytes += HEADER
         size = max(GRAIN, -(-nbytes // GRAIN) * GRAIN)
         with self._lock:
-            fits = [s for s in self._free.values() if nbytes <= s.size <= 2 * size]
+            # never a segment this call gave back: a call run again after a worker loss has the same
+            # keys, and a reader may still hold the first run's handle (a fetch in flight when the
+            # scheduler released the key); its payload stays valid until another call leases it
+            fits = [s for s in self._free.values()
+                    if nbytes <= s.size <= 2 * size and not (owner and s.owner == owner)]
             if fits:
                 seg = min(fits, key=lambda s: s.size)
                 del self._free[seg.name]
