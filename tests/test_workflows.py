@@ -189,26 +189,31 @@ def test_a_result_that_runs_elsewhere_than_its_rank_arrived_begins_there(client)
     the call begins with ranks 0-2 there, whichever arrival came first."""
     w = sorted(client.nthreads())
     name = f"go-{uuid.uuid4().hex}"
-    computed = [client.submit(rank_input, r, workers=[w[0]], pure=False) for r in range(3)]
-    wait(computed, timeout=HANG)
-    for r, f in enumerate(computed):
-        client.replicate([f], workers=[w[0], w[r + 1]])
-    busy = client.submit(held_back, name, 0, 1, workers=[w[0]], pure=False)
-    later = client.submit(held_back, name, 3, workers=[w[1]], pure=False)
-    key = busy.key
-    assert wait_until(lambda: set(client.processing()[w[0]]) == {key}, HANG)
-    keys = [f.key for f in computed]
-    assert wait_until(lambda: [set(client.who_has().get(k, ())) for k in keys] == [{w[0], w[r + 1]} for r in range(3)],
-                      HANG), client.who_has(computed)
-    out = flowreduce.allreduce(client, [*computed, later])
-    Event(name, client=client).set()
-    for x in client.gather(out):
-        np.testing.assert_array_equal(x, _expected(4))
-    record = flowreduce.describe(out)
-    where = client.who_has(out)
-    assert record.workers == tuple(where[f.key][0] for f in out)
-    assert any(record.workers[r] == w[r + 1] for r in range(3)), "Dask ran every result on the busy worker"
-    del out, computed, later, busy
+    client.amm.stop()  # its ReduceReplicas would drop the copies this test makes
+    try:
+        computed = [client.submit(rank_input, r, workers=[w[0]], pure=False) for r in range(3)]
+        wait(computed, timeout=HANG)
+        for r, f in enumerate(computed):
+            client.replicate([f], workers=[w[0], w[r + 1]])
+        busy = client.submit(held_back, name, 0, 1, workers=[w[0]], pure=False)
+        later = client.submit(held_back, name, 3, workers=[w[1]], pure=False)
+        key = busy.key
+        assert wait_until(lambda: set(client.processing()[w[0]]) == {key}, HANG)
+        keys = [f.key for f in computed]
+        assert wait_until(lambda: [set(client.who_has().get(k, ())) for k in keys] ==
+                          [{w[0], w[r + 1]} for r in range(3)], HANG), client.who_has(computed)
+        out = flowreduce.allreduce(client, [*computed, later])
+        Event(name, client=client).set()
+        for x in client.gather(out):
+            np.testing.assert_array_equal(x, _expected(4))
+        record = flowreduce.describe(out)
+        where = client.who_has(out)
+        assert record.workers == tuple(where[f.key][0] for f in out)
+        assert any(record.workers[r] == w[r + 1] for r in range(3)), "Dask ran every result on the busy worker"
+        del out, computed, later, busy
+    finally:
+        Event(name, client=client).set()
+        client.amm.start()
 
 
 def test_ranks_sharing_workers_and_every_algorithm(client):
