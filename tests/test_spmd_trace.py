@@ -168,6 +168,74 @@ def test_trace_and_dashboard_of_an_spmd_job(client, shm_dir, tmp_path):
     assert drawn == sorted((f"job {run[:8]} rank {e.rank}", e.phase) for e in events)
 
 
+def _subgroups_then_late(comm, gate):
+    """Rank r's subgroup (evens or odds) all-reduces 100 ones (odds: 300), then gathers; rank 1 holds before the final
+    barrier until the test opens the gate (the others wait in it), and comes last."""
+    mine = comm.subgroup([0, 2]) if comm.rank % 2 == 0 else None
+    theirs = comm.subgroup([1, 3]) if comm.rank % 2 == 1 else None
+    sub = mine or theirs
+    total = sub.allreduce(np.ones(300 if comm.rank % 2 else 100))
+    sub.allgather(np.ones(3))
+    if comm.rank == 1:
+        assert Event(gate).wait(timeout=120), "the test never opened the gate"
+        time.sleep(0.2)  # the others are in the barrier by now: rank 1 enters it last
+    comm.barrier()
+    return float(total.sum())
+
+
+def test_subgroups_on_the_job_ranks_timeline_dashboard_and_summary(client, shm_dir, tmp_path):
+    """A subgroup's collectives carry the job's ranks (the trace puts them in the rank's task, peers
+    in job ranks), are each rank's last collective on the dashboard while the job is held, and
+    ``summarize_spmd`` counts them per rank, with rank 1, held back before the barrier, the straggler."""
+    from flowreduce.cli.trace_files import write_all
+    from flowreduce.tracing import summarize_spmd
+
+    gate = f"flowreduce-test-gate-{time.monotonic_ns()}"
+    with dask.config.set({"flowreduce.spmd.transport": "worker", "flowreduce.shm.directory": shm_dir}):
+        with flowreduce.trace(client) as tr:
+            futures = flowreduce.spmd(client, _subgroups_then_late, ranks=4, gate=gate, timeout=120)
+            run = futures[0].key.removeprefix("flowreduce-spmd-rank-").rpartition("-")[0]
+
+            def held(got):
+                mine = [r for r in got["ranks"] if r["run"] == run]
+                return len(mine) == 4 and all(r["collective"].startswith("allgather in subgroup") for r in mine)
+
+            live = _poll(client, held, "every rank's subgroup allgather as its last collective")
+            names = {r["rank"]: r["collective"] for r in live["ranks"] if r["run"] == run}
+            assert names == {0: "allgather in subgroup 0,2", 2: "allgather in subgroup 0,2",
+                             1: "allgather in subgroup 1,3", 3: "allgather in subgroup 1,3"}
+            Event(gate, client=client).set()
+            totals = client.gather(futures)
+    assert totals == [200.0, 600.0, 200.0, 600.0]
+
+    subs = [e for e in tr.events if e.job.startswith(run + "/")]
+    assert sorted((e.rank, e.phase) for e in subs) == sorted(
+        (r, p) for r in range(4) for p in ("allreduce", "allgather")), "one event per subgroup collective and rank"
+    tasks = {e.rank: e for e in tr.events if e.phase == "user-compute" and e.job == run}
+    for e in subs:
+        assert e.peers == ((e.rank + 2) % 4,), (e.rank, e.peers)  # its subgroup's other rank, as a job rank
+        task = tasks[e.rank]
+        assert e.key == task.key and task.start - HOP <= e.start <= e.stop <= task.stop + HOP
+
+    s = summarize_spmd(tr)
+    assert s.job == run and s.ranks == 4
+    by_rank = {r.rank: r for r in s.per_rank}
+    for r in range(4):
+        assert by_rank[r].count_by_phase == {"allreduce": 1, "allgather": 1, "barrier": 1}, by_rank[r]
+        assert by_rank[r].nbytes == 8 * (300 if r % 2 else 100) + 8 * 3
+        assert by_rank[r].worker == tasks[r].worker
+        assert 0 < by_rank[r].in_collectives <= by_rank[r].task
+    barrier = next(c for c in s.collectives if c.run == run and c.phase == "barrier")
+    assert barrier.last == 1 and barrier.lateness > 0
+    assert s.straggler == 1 and by_rank[1].waited < min(by_rank[r].waited for r in (0, 2, 3))
+    assert {(c.run, c.phase) for c in s.collectives} == {(run, "barrier")} | {
+        (f"{run}/{tag}", p) for tag in {e.job.partition("/")[2] for e in subs} for p in ("allreduce", "allgather")}
+    paths = write_all(tr, str(tmp_path / "out"))
+    with open(paths["spmd_summary.json"]) as f:
+        assert json.load(f)["straggler"] == 1
+    assert "straggler: rank 1" in open(paths["spmd_summary.txt"]).read()
+
+
 # -- the page in a real browser ---------------------------------------------------------------------------------------
 
 def _held(comm, gate):

@@ -32,6 +32,15 @@ def write_all(tr: Trace, out_dir: str, title: str = "") -> dict[str, str]:
             json.dump(s.to_dict(), f, indent=1, default=str)
         paths["summary.txt"] = os.path.join(out_dir, "summary.txt")
         paths["summary.json"] = os.path.join(out_dir, "summary.json")
+    from flowreduce.tracing.spmd_summary import spmd_jobs, summarize_spmd
+
+    if spmd_jobs(tr):  # the last SPMD job's summary
+        s_spmd = summarize_spmd(tr)
+        for name, text in (("spmd_summary.txt", str(s_spmd)),
+                           ("spmd_summary.json", json.dumps(s_spmd.to_dict(), indent=1, default=str))):
+            paths[name] = os.path.join(out_dir, name)
+            with open(paths[name], "w") as f:
+                f.write(text)
     try:
         from flowreduce.tracing.plot import plot_timeline
 

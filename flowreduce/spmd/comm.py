@@ -26,7 +26,7 @@ import itertools
 import pickle
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -52,7 +52,7 @@ STARTUP_SECONDS = 60.0
 class Event(NamedTuple):
     """One collective on one rank: what it was, when (``time.time()`` of the
     worker), the bytes of the rank's input and of what it sent and received
-    between hosts, the peers it exchanged with, and the path taken."""
+    between hosts, the peers it exchanged with (the job's ranks), and the path taken."""
 
     collective: str
     seq: int
@@ -115,6 +115,8 @@ class Communicator:
         self.run = layout.run
         self.parents = tuple(parents)
         self.runs = (self.run, *(p.run for p in self.parents))
+        #: the job's rank of each of this communicator's ranks (a subgroup's are not its job's)
+        self.members: tuple[int, ...] = tuple(range(self.size))
         self.group = layout.groups[layout.group_of[rank]]
         self.leader = self.group[0] == rank
         self.leaders = layout.leaders
@@ -199,10 +201,11 @@ class Communicator:
         peers = tuple(r for r in self.group if r != self.rank)
         if self.leader and len(self.leaders) > 1:
             peers += tuple(r for r in self.leaders if r != self.rank)
-        event = Event(name, self.seq, start, time.time(), nbytes, sent, received, peers, path.lstrip("+") or "local",
-                      algorithm)
+        # in the job's ranks, so that a subgroup's collective lies on its rank's timeline
+        event = Event(name, self.seq, start, time.time(), nbytes, sent, received,
+                      tuple(self.members[r] for r in peers), path.lstrip("+") or "local", algorithm)
         self.events.append(event)
-        self.mailbox.log.append((self.run, self.rank, event))
+        self.mailbox.log.append((self.run, self.members[self.rank], event))
 
     def _op(self, op: Any) -> Op:
         found = self._ops.get(op) if isinstance(op, (str, np.ufunc)) else None
@@ -387,10 +390,27 @@ class Communicator:
                      tuple(self.layout.hosts[r] for r in members), self.layout.timeout, self.layout.directory,
                      sub=tag.replace("-", "_"))
         child = Communicator(sub, members.index(self.rank), self.mailbox, parents=(self, *self.parents))
+        child.members = tuple(self.members[r] for r in members)
         self._children.append(child)
         return child
 
     split = subgroup
+
+    def last_collective(self) -> tuple[str, Event] | None:
+        """This rank's newest collective, its subgroups' included (None before the first), and its
+        name as the dashboard lists it: ``allreduce``, or ``allreduce in subgroup 0,2`` (job ranks)."""
+        newest: tuple[str, Event] | None = None
+        for c in self._family():
+            e = c.events[-1] if c.events else None
+            if e is not None and (newest is None or e.start > newest[1].start):
+                name = f"{e.collective} in subgroup {','.join(map(str, c.members))}" if c.parents else e.collective
+                newest = (name, e)
+        return newest
+
+    def _family(self) -> Iterator[Communicator]:
+        yield self
+        for child in list(self._children):
+            yield from child._family()
 
     # -- the end ----------------------------------------------------------------------
     def close(self, failed: bool = False) -> None:

@@ -82,7 +82,7 @@ class Mailbox:
         with self.cond:
             comm = self.ranks.get(run, {}).pop(rank, None) if rank is not None else None
             if comm is not None and rank is not None:  # keep its last event only (not its 10,000)
-                self.lasts[run, rank] = comm.events[-1] if comm.events else None
+                self.lasts[run, rank] = comm.last_collective()
                 while len(self.lasts) > KEPT:
                     self.lasts.popitem(last=False)
             if run in self.ranks and not self.ranks[run]:
@@ -189,8 +189,7 @@ class Mailbox:
             ended = [(run, rank, e) for (run, rank), e in self.lasts.items() if wanted is not None and run in wanted]
         for run, rank, c in live:
             if wanted is None or run in wanted:
-                events = c.events
-                out.append(_last_row(run, rank, True, events[-1] if events else None))
+                out.append(_last_row(run, rank, True, c.last_collective()))
         for run, rank, e in ended:
             out.append(_last_row(run, rank, False, e))
         return out
@@ -200,10 +199,12 @@ class Mailbox:
             self.fail(run, str(why))
 
 
-def _last_row(run: str, rank: int, running: bool, e: Any) -> list[Any]:
-    if e is None:
+def _last_row(run: str, rank: int, running: bool, last: tuple[str, Any] | None) -> list[Any]:
+    """``last``: a communicator's :meth:`~flowreduce.spmd.comm.Communicator.last_collective`."""
+    if last is None:
         return [run, rank, running, "", 0, 0, 0.0, 0.0]
-    return [run, rank, running, e.collective, e.seq, e.nbytes, e.start, e.stop]
+    name, e = last
+    return [run, rank, running, name, e.seq, e.nbytes, e.start, e.stop]
 
 
 class SpmdWorkerPlugin(WorkerPlugin):

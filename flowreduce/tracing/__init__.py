@@ -11,10 +11,11 @@ from __future__ import annotations
 from flowreduce.tracing.capture import Trace, trace
 from flowreduce.tracing.events import PHASES, Event
 from flowreduce.tracing.export import to_chrome, to_csv, to_dataframe
+from flowreduce.tracing.spmd_summary import SpmdSummary, summarize_spmd
 from flowreduce.tracing.summary import Summary, summarize
 
-__all__ = ["PHASES", "Event", "Summary", "Trace", "plot_timeline", "summarize", "to_chrome", "to_csv",
-           "to_dataframe", "trace"]
+__all__ = ["PHASES", "Event", "SpmdSummary", "Summary", "Trace", "plot_timeline", "summarize", "summarize_spmd",
+           "to_chrome", "to_csv", "to_dataframe", "trace"]
 
 
 def plot_timeline(trace, path=None, **kwargs):

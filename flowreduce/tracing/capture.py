@@ -687,9 +687,9 @@ class Trace:
             clock = self._clock_for(w)
             for run, rank, collective, seq, t0, t1, nbytes, sent, received, peers, path, algorithm in ws["spmd"]:
                 start, stop = clock.align_interval(t0, t1, shifted=False)
-                job = run.partition("/")[0]  # a subgroup's collective lies in its job's rank task
+                job = run.partition("/")[0]  # a subgroup's collective lies in its job's rank task (rank: the job's)
                 out.append(Event(collective, start, stop, w, clock.host, rank=int(rank), algorithm=algorithm,
-                                 key=repr(f"{SPMD_PREFIX}{job}-{rank}") if "/" not in run else "",
+                                 key=repr(f"{SPMD_PREFIX}{job}-{rank}"),
                                  nbytes=int(nbytes), job=run, seq=int(seq), peers=tuple(peers), path=path,
                                  sent=int(sent), received=int(received),
                                  detail=f"spmd {collective} #{seq}" + _attempt(run.partition("/")[0])))
