@@ -24,7 +24,7 @@ from distributed import Client, LocalCluster, wait
 from utils import wait_until
 
 import flowreduce
-from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, WorkerLostError
+from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, WorkerLostError
 
 ALGORITHMS = [a for a in flowreduce.ALGORITHMS if a != "auto"] + ["auto"]
 LENGTHS = (0, 1, 1000, 1001)
@@ -358,6 +358,29 @@ def test_restarts_complete_a_job_whose_worker_was_killed(fresh_client):
     results = client.gather(futures)
     assert [a for a, _ in results] == [1, 1, 1, 1]
     assert all(r.tolist() == [6] for _, r in results)
+
+
+def _disagreeing(comm, what):
+    if what == "shape":
+        x = np.ones(1001 if comm.rank == 2 else 1000)
+    else:
+        x = np.ones(1000, dtype=np.float32 if comm.rank == 2 else np.float64)
+    return comm.allreduce(x)
+
+
+@pytest.mark.parametrize("what", ["shape", "dtype"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_ranks_disagreeing_on_shape_or_dtype_fail_naming_the_ranks(client, route, what):
+    """Every route (shared memory, Dask's comm between leaders, both) checks what it received: an
+    InputError naming rank 2 and one that disagrees with it, never numpy's broadcasting error."""
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        futures = flowreduce.spmd(client, _disagreeing, ranks=4, what=what, timeout=30)
+        errors, _ = _errors(client, futures, 60)
+    assert all(isinstance(e, FlowreduceError) for e in errors), [f"{type(e).__name__}: {e}" for e in errors]
+    origins = [e for e in errors if isinstance(e, InputError)]
+    assert origins, errors
+    for e in origins:
+        assert "every rank must give the same shape and dtype" in str(e) and "rank 2" in str(e), str(e)
 
 
 def _fails_in_subgroup(comm):

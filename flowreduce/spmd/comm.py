@@ -259,7 +259,8 @@ class Communicator:
                     part, sent, received = run_plan(
                         plan, self.me, np.asarray(part, dtype=acc), resolved,
                         lambda dest, node, v: self._send(self.leaders[dest], f"{tag}{node}", v),
-                        lambda src, node: self._take(self.leaders[src], f"{tag}{node}", what, deadline))
+                        lambda src, node: self._take(self.leaders[src], f"{tag}{node}", what, deadline),
+                        lambda r: self.members[self.leaders[r]])
                 if host is not None:
                     part = host.broadcast(part if self.leader else None, 0, what, deadline)
             return part, sent, received

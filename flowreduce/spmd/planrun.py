@@ -19,15 +19,20 @@ from typing import Any
 import numpy as np
 
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Plan
+from flowreduce.errors import InputError
 from flowreduce.ops import Op
 
 Send = Callable[[int, int, np.ndarray], None]  # (plan rank, node, value)
 Receive = Callable[[int, int], np.ndarray]  # (plan rank, node) -> value
 
 
-def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Receive) -> tuple[np.ndarray, int, int]:
+def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Receive,
+             who: Callable[[int], int] = int) -> tuple[np.ndarray, int, int]:
     """Rank ``me``'s result of ``plan`` over ``x`` (1-d, the accumulating dtype),
-    with the bytes it sent and received."""
+    with the bytes it sent and received. A value received with another size or
+    dtype than this rank's would make of it (the ranks gave different shapes or
+    dtypes) is an :class:`~flowreduce.errors.InputError` naming both ranks
+    (``who``: a plan rank's name for it)."""
     if plan.chunks != 1:
         raise ValueError(f"run_plan runs one chunk; got a plan of {plan.chunks}")
     n, segs, nodes = x.size, plan.segments, plan.nodes
@@ -51,6 +56,11 @@ def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Re
                 if got is None:
                     got = values[i] = np.asarray(receive(src.rank, i))
                     received += got.nbytes
+                    if got.dtype != x.dtype or got.size != edge(src.hi) - edge(src.lo):
+                        raise InputError(
+                            f"rank {who(src.rank)} sent {got.size} elements of {got.dtype.str!r} where rank {who(me)}, "
+                            f"with {n} of {x.dtype.str!r}, expects {edge(src.hi) - edge(src.lo)} of "
+                            f"{x.dtype.str!r}: every rank must give the same shape and dtype")
                 lo, hi = max(src.lo, node.lo), min(src.hi, node.hi)
                 if lo < hi or node.kind == REDUCE:
                     parts.append(got[edge(lo) - edge(src.lo):edge(hi) - edge(src.lo)])

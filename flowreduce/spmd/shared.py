@@ -135,6 +135,7 @@ class HostGroup:
         self.n, self.me = len(self.local), self.local.index(rank)
         self.dir = layout.directory
         base = f"{layout.prefix()}g{layout.group_of[rank]}"
+        self.base = f"{base}-"  # every segment of this group's, and only of it
         self.control_path = os.path.join(self.dir, f"{base}-ctl")
         self.data_base = os.path.join(self.dir, f"{base}-r")
         self.ctl = _create(self.control_path, _page(HEADER + SLOT * self.n), exclusive=False)
@@ -173,7 +174,7 @@ class HostGroup:
         w = self._record(i, region)
         return self.bytes[w * 8 + 32:w * 8 + 32 + self.q[w + 2]].tobytes()
 
-    def _peer_region(self, i: int, region: int) -> tuple[np.ndarray, int, int]:
+    def _peer_region(self, i: int, region: int, what: str) -> tuple[np.ndarray, int, int]:
         """Peer ``i``'s region (its bytes), the bytes written and their dtype code."""
         w, q = self._record(i, region), self.q
         gen, nbytes, code = q[w], q[w + 1], q[w + 3]
@@ -187,7 +188,12 @@ class HostGroup:
             maps = self.peers[i]
             buf = maps.get(gen)  # type: ignore[assignment]
             if buf is None:
-                buf = maps[gen] = np.frombuffer(_open(f"{self.data_base}{self.local[i]}-g{gen}"), np.uint8)
+                try:
+                    buf = maps[gen] = np.frombuffer(_open(f"{self.data_base}{self.local[i]}-g{gen}"), np.uint8)
+                except FileNotFoundError:
+                    if self.q[0]:  # the peer failed (its input disagreed...) and took its segments down
+                        raise self._aborted(what) from None
+                    raise
                 for old in [g for g in maps if g < gen - 1]:
                     del maps[old]
         cap = buf.size // 3
@@ -288,7 +294,7 @@ class HostGroup:
         self._arrive(what, deadline)
         views = []
         for i in range(self.n):
-            buf, nbytes, theirs = self._peer_region(i, region)
+            buf, nbytes, theirs = self._peer_region(i, region, what)
             if nbytes != x.nbytes or theirs != code:
                 got = theirs.to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace")
                 raise InputError(f"{what}: rank {self.local[i]} gave {nbytes} bytes of {got!r}, rank {self.rank} "
@@ -305,7 +311,7 @@ class HostGroup:
         self._arrive(what, deadline)
         for i in range(self.n):
             a, b = size * i // self.n, size * (i + 1) // self.n
-            buf, _, _ = self._peer_region(i, OUT)
+            buf, _, _ = self._peer_region(i, OUT, what)
             out[a:b] = buf.view(acc)[:b - a]
         return out
 
@@ -321,7 +327,7 @@ class HostGroup:
         if self.me == root:
             assert x is not None
             return warm.copy(x)
-        buf, _, _ = self._peer_region(root, region)
+        buf, _, _ = self._peer_region(root, region, what)
         dtype, shape = decode_meta(self._peer_meta(root, region))
         return warm.copy(buf.view(dtype).reshape(shape))
 
@@ -337,7 +343,7 @@ class HostGroup:
             if i == self.me:
                 out.append(warm.copy(x))
                 continue
-            buf, _, _ = self._peer_region(i, region)
+            buf, _, _ = self._peer_region(i, region, what)
             dtype, shape = decode_meta(self._peer_meta(i, region))
             out.append(warm.copy(buf.view(dtype).reshape(shape)))
         return out
@@ -347,13 +353,13 @@ class HostGroup:
         self._arrive(what, deadline)
 
     def close(self, failed: bool) -> None:
-        """Unlink my segments (all of the attempt's on this host if the job failed: a dead peer's too)."""
+        """Unlink my segments (all of my group's if the job failed: a dead peer's too)."""
         for name in self.mine:
             _unlink(name)
         self.mine.clear()
         _unlink(self.control_path)
-        if failed:
-            sweep(self.dir, self.layout.prefix())
+        if failed:  # a dead peer's too; not another group's (with transport "worker", one directory holds several)
+            sweep(self.dir, self.base)
         self.peers.clear()
         self.views.clear()
         self.data = None
