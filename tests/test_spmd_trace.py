@@ -13,6 +13,7 @@ on the task stream, and the Chrome and CSV exports and the drawing hold them.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
@@ -86,28 +87,34 @@ def _poll(client, check, what, seconds=60):
         time.sleep(0.05)
 
 
-def test_trace_and_dashboard_of_an_spmd_job(client, shm_dir, tmp_path):
+@contextlib.contextmanager
+def _traced_job(client, shm_dir, fn):
+    """``fn(comm, gate)`` as a 4-rank job (each worker a host: shared memory in a worker, Dask's comm
+    between them) inside a trace; yields (trace, futures, the job attempt, the gate's name)."""
     gate = f"flowreduce-test-gate-{time.monotonic_ns()}"
     with dask.config.set({"flowreduce.spmd.transport": "worker", "flowreduce.shm.directory": shm_dir}):
         with flowreduce.trace(client) as tr:
-            futures = flowreduce.spmd(client, _job, ranks=4, gate=gate, timeout=120)
-            run = futures[0].key.removeprefix("flowreduce-spmd-rank-").rpartition("-")[0]
+            futures = flowreduce.spmd(client, fn, ranks=4, gate=gate, timeout=120)
+            yield tr, futures, futures[0].key.removeprefix("flowreduce-spmd-rank-").rpartition("-")[0], gate
 
-            def held(got):
-                mine = [r for r in got["ranks"] if r["run"] == run]
-                return len(mine) == 4 and all(r["seq"] == 3 for r in mine)
 
-            live = _poll(client, held, "the held job with every rank past its allgather")
-            (job,) = [j for j in live["jobs"] if j["run"] == run]
-            assert (job["state"], job["ranks"], job["attempt"]) == ("running", 4, 0)
-            assert live["jobs"][0]["run"] == run, "a live job is listed first"
-            ranks = sorted((r for r in live["ranks"] if r["run"] == run), key=lambda r: r["rank"])
-            assert [(r["rank"], r["collective"], r["seq"], r["nbytes"]) for r in ranks] == [
-                (r, "allgather", 3, 80 * (r + 1)) for r in range(4)]
-            assert all(r["at"] > 0 and r["ago"] >= 0 for r in ranks)
+def test_trace_and_dashboard_of_an_spmd_job(client, shm_dir, tmp_path):
+    with _traced_job(client, shm_dir, _job) as (tr, futures, run, gate):
+        def held(got):
+            mine = [r for r in got["ranks"] if r["run"] == run]
+            return len(mine) == 4 and all(r["seq"] == 3 for r in mine)
 
-            Event(gate, client=client).set()
-            results = client.gather(futures)
+        live = _poll(client, held, "the held job with every rank past its allgather")
+        (job,) = [j for j in live["jobs"] if j["run"] == run]
+        assert (job["state"], job["ranks"], job["attempt"]) == ("running", 4, 0)
+        assert live["jobs"][0]["run"] == run, "a live job is listed first"
+        ranks = sorted((r for r in live["ranks"] if r["run"] == run), key=lambda r: r["rank"])
+        assert [(r["rank"], r["collective"], r["seq"], r["nbytes"]) for r in ranks] == [
+            (r, "allgather", 3, 80 * (r + 1)) for r in range(4)]
+        assert all(r["at"] > 0 and r["ago"] >= 0 for r in ranks)
+
+        Event(gate, client=client).set()
+        results = client.gather(futures)
     (run_, workers), = {(a, tuple(b)) for a, b in results}
     assert run_ == run
     assert len(set(workers)) == 3 and workers[0] == workers[3], "ranks 0 and 3 share a worker, 1 and 2 alone"
@@ -190,22 +197,17 @@ def test_subgroups_on_the_job_ranks_timeline_dashboard_and_summary(client, shm_d
     from flowreduce.cli.trace_files import write_all
     from flowreduce.tracing import summarize_spmd
 
-    gate = f"flowreduce-test-gate-{time.monotonic_ns()}"
-    with dask.config.set({"flowreduce.spmd.transport": "worker", "flowreduce.shm.directory": shm_dir}):
-        with flowreduce.trace(client) as tr:
-            futures = flowreduce.spmd(client, _subgroups_then_late, ranks=4, gate=gate, timeout=120)
-            run = futures[0].key.removeprefix("flowreduce-spmd-rank-").rpartition("-")[0]
+    with _traced_job(client, shm_dir, _subgroups_then_late) as (tr, futures, run, gate):
+        def held(got):
+            mine = [r for r in got["ranks"] if r["run"] == run]
+            return len(mine) == 4 and all(r["collective"].startswith("allgather in subgroup") for r in mine)
 
-            def held(got):
-                mine = [r for r in got["ranks"] if r["run"] == run]
-                return len(mine) == 4 and all(r["collective"].startswith("allgather in subgroup") for r in mine)
-
-            live = _poll(client, held, "every rank's subgroup allgather as its last collective")
-            names = {r["rank"]: r["collective"] for r in live["ranks"] if r["run"] == run}
-            assert names == {0: "allgather in subgroup 0,2", 2: "allgather in subgroup 0,2",
-                             1: "allgather in subgroup 1,3", 3: "allgather in subgroup 1,3"}
-            Event(gate, client=client).set()
-            totals = client.gather(futures)
+        live = _poll(client, held, "every rank's subgroup allgather as its last collective")
+        names = {r["rank"]: r["collective"] for r in live["ranks"] if r["run"] == run}
+        assert names == {0: "allgather in subgroup 0,2", 2: "allgather in subgroup 0,2",
+                         1: "allgather in subgroup 1,3", 3: "allgather in subgroup 1,3"}
+        Event(gate, client=client).set()
+        totals = client.gather(futures)
     assert totals == [200.0, 600.0, 200.0, 600.0]
 
     subs = [e for e in tr.events if e.job.startswith(run + "/")]
