@@ -354,8 +354,13 @@ def _shard_failing_on_rank_2(rank, ranks):
 
 def test_a_rank_failing_in_fused_steps_stops_the_others(proc_client):
     """Rank 2's task fails in the middle of a block of fused steps (its data
-    source raises): it stamps its mailbox failed, the other ranks stop
-    waiting for it, and train() raises rank 2's error; nothing keeps running."""
+    source raises at its fourth step): the SPMD job fails, the other ranks'
+    pending collective raises (a FlowreduceError naming rank 2's error) instead
+    of waiting for it, and train() raises rank 2's error; nothing keeps running."""
+    import re
+
+    from flowreduce.errors import FlowreduceError
+
     ws = workers_of(proc_client)
     with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
                  data=_shard_failing_on_rank_2, workers=ws, threads=1, steps_per_task=50) as trainer:
@@ -366,14 +371,14 @@ def test_a_rank_failing_in_fused_steps_stops_the_others(proc_client):
         assert wait_until(lambda: not any(proc_client.processing().values()), 30), proc_client.processing()
         errors = [f.exception() for f in trainer._last]
         assert isinstance(errors[2], LookupError)
-        import re
-
-        # the others stopped by step 3 (one still waiting for a third rank at step 2 sees rank 2's mark
-        # there too), naming rank 2 and any rank that stopped before them
+        buckets = trainer.step_graph["levels"]
+        # the others stopped in step 4's all-reduces at the latest, naming rank 2's error
         for r, e in enumerate(errors):
             if r != 2:
-                named = re.search(r"rank ([\d, ]+) of the trainer failed before step (\d+)", str(e))
-                assert named and "2" in named.group(1).split(", ") and int(named.group(2)) <= 3, (r, e)
+                assert isinstance(e, FlowreduceError) and not isinstance(e, LookupError), (r, e)
+                assert re.search(r"rank 2 (raised|failed).*LookupError", str(e)), (r, e)
+                seq = re.search(r"allreduce #(\d+)", str(e))
+                assert seq and int(seq.group(1)) <= 4 * len(buckets), (r, e)
 
 
 def _wait_for(name):
@@ -391,10 +396,10 @@ def _set(name):
 
 def test_fused_steps_leave_the_slot_a_queued_task_needs(proc_client):
     """Rank 0's worker is busy with a task that waits for one queued on rank
-    1's worker behind rank 1's fused task, which waits for rank 0's. Ranks
-    that wait leave their worker's slot, as distributed.secede does, so the
-    queued task runs and everything finishes (without it: a deadlock, ended
-    here by the timeout with an error)."""
+    1's worker behind rank 1's fused task, which waits for rank 0's. A
+    fused task, a rank of an SPMD job, leaves its worker's thread slot
+    (distributed.secede), so the queued task runs and everything finishes
+    (without it: a deadlock, ended here by the timeout with an error)."""
     import uuid
 
     ws = workers_of(proc_client)
@@ -416,8 +421,8 @@ def test_fused_steps_leave_the_slot_a_queued_task_needs(proc_client):
 
 def test_fused_steps_fail_when_a_rank_dies():
     """A rank's worker killed in the middle of a block of fused steps: the
-    other ranks stop waiting for it and the trainer raises
-    WorkerLostError naming the rank, instead of hanging."""
+    other ranks' collectives fail (the scheduler's SPMD watch tells them)
+    and the trainer raises WorkerLostError naming the rank, instead of hanging."""
     import signal
 
     from distributed import Client, LocalCluster
