@@ -330,12 +330,15 @@ def test_fused_steps_are_the_same_bits_in_fewer_tasks(proc_client):
                 out[fused] = [trainer.parameters(r) for r in range(4)]
                 assert [t.step for t in timings] == [0, 1, 2, 3, 4, 6, 7, 8]
                 assert all(t.seconds > 0 and t.compute > 0 for t in timings)
-                token = trainer.token
+                token, buckets = trainer.token, len(trainer.step_graph["levels"])
     for r in range(4):
         for n in out[1][0]:
             assert torch.equal(out[4][r][n], out[1][0][n]), (r, n)
     steps = {e.key for e in tr.events if f"torch-steps-{token}" in str(e.key)}
     assert len(steps) == 4 * 3, sorted(steps)  # blocks of 4 and 1, then 3: three tasks per rank for 8 steps
+    # each fused step's buckets averaged by the ranks' SPMD communicator, inside their block's task
+    collectives = [e for e in tr.events if e.phase == "allreduce" and f"torch-steps-{token}" in str(e.key)]
+    assert buckets > 1 and len(collectives) == 4 * 8 * buckets, (buckets, len(collectives))
     assert_clean(proc_client)
     assert_trainer_gone(proc_client)
 
