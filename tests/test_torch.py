@@ -336,9 +336,10 @@ def test_fused_steps_are_the_same_bits_in_fewer_tasks(proc_client):
             assert torch.equal(out[4][r][n], out[1][0][n]), (r, n)
     steps = {e.key for e in tr.events if f"torch-steps-{token}" in str(e.key)}
     assert len(steps) == 4 * 3, sorted(steps)  # blocks of 4 and 1, then 3: three tasks per rank for 8 steps
-    # each fused step's buckets averaged by the ranks' SPMD communicator, inside their block's task
+    # each fused step's buckets (several at 4 kB) averaged in one all-reduce of the ranks' SPMD communicator,
+    # inside their block's task
     collectives = [e for e in tr.events if e.phase == "allreduce" and f"torch-steps-{token}" in str(e.key)]
-    assert buckets > 1 and len(collectives) == 4 * 8 * buckets, (buckets, len(collectives))
+    assert buckets > 1 and len(collectives) == 4 * 8, (buckets, len(collectives))
     assert_clean(proc_client)
     assert_trainer_gone(proc_client)
 

@@ -166,22 +166,24 @@ def _unpack(flat: Flat, bucket: Bucket, vec: np.ndarray, out: list) -> None:
         out[i] = t[at:at + spec.size].view(spec.shape)
 
 
-def pack(flat: Flat, grads: Sequence[torch.Tensor | None]) -> list[np.ndarray]:
-    """Each bucket's gradients (``grads`` holds the ``used`` flags last; zeros for a None) in a new flat vector:
-    what a fused step hands to the communicator's all-reduce."""
-    out = []
+def pack(flat: Flat, grads: Sequence[torch.Tensor | None]) -> np.ndarray:
+    """Every bucket's gradients (``grads`` holds the ``used`` flags last; zeros for a None), one
+    bucket after the other in a new flat vector: what a fused step averages in one all-reduce."""
+    out = np.empty(sum(b.size for b in flat.buckets), np.dtype(flat.dtype))
+    at = 0
     for bucket in flat.buckets:
-        vec = np.empty(bucket.size, np.dtype(flat.dtype))
-        _pack(flat, bucket, grads, vec)
-        out.append(vec)
+        _pack(flat, bucket, grads, out[at:at + bucket.size])
+        at += bucket.size
     return out
 
 
-def unpack(flat: Flat, vectors: Sequence[np.ndarray]) -> list[torch.Tensor]:
-    """Every tensor (the ``used`` flags last) as a view of its bucket's averaged vector (``vectors``)."""
+def unpack(flat: Flat, vector: np.ndarray) -> list[torch.Tensor]:
+    """Every tensor (the ``used`` flags last) as a view of the averaged :func:`pack` vector."""
     out: list[Any] = [None] * len(flat.specs)
-    for bucket, vec in zip(flat.buckets, vectors):
-        _unpack(flat, bucket, vec, out)
+    at = 0
+    for bucket in flat.buckets:
+        _unpack(flat, bucket, vector[at:at + bucket.size], out)
+        at += bucket.size
     return out
 
 

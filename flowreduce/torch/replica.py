@@ -243,17 +243,17 @@ def steps_fused(comm: Any, replica: Replica, after: Any, written: list | None, s
                 flat: direct.Flat, count: int, deterministic: bool | str, key: str = "") -> int:
     """``count`` whole optimizer steps in one task (the trainer's ``steps_per_task``), a rank of an
     SPMD job (``comm``: its :class:`~flowreduce.spmd.comm.Communicator`): a pending update first
-    (as :func:`update_direct`), then per step ``micro`` micro-batches, each bucket of the gradients
-    (the ``used`` flags in the first) averaged over the ranks by ``comm.allreduce`` (op mean, the
-    trainer's ``deterministic``: the bits of :func:`direct.average`) and applied. The other ranks'
+    (as :func:`update_direct`), then per step ``micro`` micro-batches, the gradients (every bucket,
+    the ``used`` flags in the first, in one vector: one collective per step) averaged over the ranks
+    by ``comm.allreduce`` (op mean, the trainer's ``deterministic``: elementwise, so the bits of
+    :func:`direct.average`) and applied. The other ranks'
     tasks run at the same time, each on its worker; nothing goes through the scheduler between the steps."""
     apply_direct(replica, flat, written, slices, key)
     for _ in range(count):
         _micro_batches(replica, micro)
         params = replica.params()
         grads = [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])]
-        averaged = [comm.allreduce(vec, op="mean", deterministic=deterministic) for vec in direct.pack(flat, grads)]
-        tensors = direct.unpack(flat, averaged)
+        tensors = direct.unpack(flat, comm.allreduce(direct.pack(flat, grads), op="mean", deterministic=deterministic))
         _apply(replica, tensors[:-1], tensors[-1], time.time())
     return len(replica.log)
 

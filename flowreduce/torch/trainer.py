@@ -33,8 +33,8 @@ With ``steps_per_task=K`` (one host, every bucket averaged in the step
 tasks, no module buffers) :meth:`train` submits one task per rank for every
 K steps instead: the ranks of an SPMD job (:mod:`flowreduce.spmd`), whose
 tasks average each step's gradient buckets with the job's communicator
-(``comm.allreduce``, through shared memory), with no scheduler between the
-steps.
+(one ``comm.allreduce`` per step, through shared memory), with no scheduler
+between the steps.
 
 The first step after :meth:`finish` has no update to fuse (a
 ``torch-backward`` task); :meth:`finish` runs the last step's update alone
