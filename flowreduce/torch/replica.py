@@ -246,8 +246,8 @@ def steps_fused(comm: Any, replica: Replica, after: Any, written: list | None, s
     (as :func:`update_direct`), then per step ``micro`` micro-batches, the gradients (every bucket,
     the ``used`` flags in the first, in one vector: one collective per step) averaged over the ranks
     by ``comm.allreduce`` (op mean, the trainer's ``deterministic``: elementwise, so the bits of
-    :func:`direct.average`) and applied. The other ranks'
-    tasks run at the same time, each on its worker; nothing goes through the scheduler between the steps."""
+    :func:`direct.average`) and applied. The other ranks' tasks run at the same time, each on its
+    worker; nothing goes through the scheduler between the steps."""
     apply_direct(replica, flat, written, slices, key)
     for _ in range(count):
         _micro_batches(replica, micro)

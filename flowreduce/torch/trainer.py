@@ -192,8 +192,8 @@ class Trainer:
         this many optimizer steps in one task per rank, the ranks of an SPMD
         job averaging each step's gradients with its communicator
         (:meth:`flowreduce.spmd.comm.Communicator.allreduce`, through shared
-        memory), with no scheduler round trip between them. The numbers are the same bits as one step per
-        task. Default: :data:`STEPS_PER_TASK` where steps can be fused, else
+        memory), with no scheduler round trip between them. The numbers are
+        the same bits as one step per task. Default: :data:`STEPS_PER_TASK` where steps can be fused, else
         1; ``1``: every step a task of its own on Dask's task stream.
         :attr:`step_graph` says what runs.
     """
