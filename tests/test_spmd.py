@@ -24,7 +24,7 @@ from distributed import Client, LocalCluster, wait
 from utils import wait_until
 
 import flowreduce
-from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, WorkerLostError
+from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, OptionError, WorkerLostError
 
 ALGORITHMS = [a for a in flowreduce.ALGORITHMS if a != "auto"] + ["auto"]
 LENGTHS = (0, 1, 1000, 1001)
@@ -289,6 +289,67 @@ def test_no_scheduler_message_after_the_first_collective(fresh_client):
     assert sum(extra.values()) <= 4, f"2,000 collectives sent the scheduler more than 1 did: {dict(extra)}"
 
 
+# -- deterministic all-reduces ---------------------------------------------------------------------------------------
+
+#: route -> the algorithm between hosts it asks for (the bits must not depend on either)
+DETERMINISTIC_ROUTES = {"shm": "auto", "shm-per-worker+dask": "ring", "dask": "butterfly"}
+DTYPES = ("float32", "float64")
+#: and one above the shared-memory exchange's split (64 kB: each rank folds a slice)
+DETERMINISTIC_LENGTHS = (*LENGTHS, 20_000)
+
+
+def _floats(rank: int, n: int, dtype: str) -> np.ndarray:
+    """Values of many magnitudes and both signs: the order of additions shows in the last bits."""
+    rng = np.random.default_rng(rank + 1000 * n)
+    return (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n)).astype(dtype)
+
+
+def _deterministic(comm, mode, algorithm):
+    return {(n, dtype, op): comm.allreduce(_floats(comm.rank, n, dtype), op=op, algorithm=algorithm,
+                                           deterministic=mode)
+            for n in DETERMINISTIC_LENGTHS for dtype in DTYPES for op in ("sum", "mean")}
+
+
+@pytest.mark.parametrize("ranks", range(1, 9))
+@pytest.mark.parametrize("mode", [True, "exact"])
+def test_deterministic_allreduce_is_the_reference_on_every_route(client, mode, ranks):
+    """``deterministic=True``: ``flowreduce.reference_reduce(..., order="tree")``'s bits; ``"exact"``: its
+    exact sum's; on every rank, whatever the host grouping (ranks sharing the 2 workers) and algorithm."""
+    want = {(n, dtype, op): flowreduce.reference_reduce([_floats(r, n, dtype) for r in range(ranks)], op,
+                                                        order="tree" if mode is True else "exact")
+            for n in DETERMINISTIC_LENGTHS for dtype in DTYPES for op in ("sum", "mean")}
+    for route, algorithm in DETERMINISTIC_ROUTES.items():
+        with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+            results = client.gather(flowreduce.spmd(client, _deterministic, ranks=ranks, mode=mode,
+                                                    algorithm=algorithm, timeout=30))
+        for rank, got in enumerate(results):
+            for what, expected in want.items():
+                assert got[what].dtype == expected.dtype and got[what].shape == expected.shape, (route, rank, what)
+                assert got[what].tobytes() == expected.tobytes(), (route, rank, what)
+
+
+def test_the_data_tells_the_orders_apart():
+    """The inputs above make the reference tree's sum, the exact sum and left-to-right sums differ."""
+    xs = [_floats(r, 1001, "float32") for r in range(7)]
+    in_order = functools.reduce(np.add, xs)
+    tree = flowreduce.reference_reduce(xs, "sum", order="tree")
+    exact = flowreduce.reference_reduce(xs, "sum")
+    assert len({in_order.tobytes(), tree.tobytes(), exact.tobytes()}) == 3
+
+
+def test_deterministic_options_are_checked(client):
+    def asks(comm, **options):
+        return comm.allreduce(np.ones(3), **options)
+
+    with pytest.raises(OptionError, match="deterministic must be False, True or 'exact', got 'bogus'"):
+        client.gather(flowreduce.spmd(client, asks, ranks=2, deterministic="bogus"))
+    with pytest.raises(OptionError, match="op 'prod' on float64 has no exact form"):
+        client.gather(flowreduce.spmd(client, asks, ranks=2, op="prod", deterministic="exact"))
+    ints = client.gather(flowreduce.spmd(client, lambda comm: comm.allreduce(np.arange(3), deterministic="exact"),
+                                         ranks=3))
+    assert [x.tolist() for x in ints] == [[0, 3, 6]] * 3  # integers are exact already
+
+
 # -- failures never hang ---------------------------------------------------------------------------------------------
 
 def _forever(comm, fault, at):
@@ -360,21 +421,22 @@ def test_restarts_complete_a_job_whose_worker_was_killed(fresh_client):
     assert all(r.tolist() == [6] for _, r in results)
 
 
-def _disagreeing(comm, what):
+def _disagreeing(comm, what, deterministic):
     if what == "shape":
         x = np.ones(1001 if comm.rank == 2 else 1000)
     else:
         x = np.ones(1000, dtype=np.float32 if comm.rank == 2 else np.float64)
-    return comm.allreduce(x)
+    return comm.allreduce(x, deterministic=deterministic)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("what", ["shape", "dtype"])
 @pytest.mark.parametrize("route", ROUTES)
-def test_ranks_disagreeing_on_shape_or_dtype_fail_naming_the_ranks(client, route, what):
-    """Every route (shared memory, Dask's comm between leaders, both) checks what it received: an
-    InputError naming rank 2 and one that disagrees with it, never numpy's broadcasting error."""
+def test_ranks_disagreeing_on_shape_or_dtype_fail_naming_the_ranks(client, route, what, deterministic):
+    """Every route (shared memory, Dask's comm between leaders, both), in either order, checks what
+    it received: an InputError naming rank 2 and one that disagrees with it, never numpy's error."""
     with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
-        futures = flowreduce.spmd(client, _disagreeing, ranks=4, what=what, timeout=30)
+        futures = flowreduce.spmd(client, _disagreeing, ranks=4, what=what, deterministic=deterministic, timeout=30)
         errors, _ = _errors(client, futures, 60)
     assert all(isinstance(e, FlowreduceError) for e in errors), [f"{type(e).__name__}: {e}" for e in errors]
     origins = [e for e in errors if isinstance(e, InputError)]

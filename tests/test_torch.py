@@ -330,12 +330,16 @@ def test_fused_steps_are_the_same_bits_in_fewer_tasks(proc_client):
                 out[fused] = [trainer.parameters(r) for r in range(4)]
                 assert [t.step for t in timings] == [0, 1, 2, 3, 4, 6, 7, 8]
                 assert all(t.seconds > 0 and t.compute > 0 for t in timings)
-                token = trainer.token
+                token, buckets = trainer.token, len(trainer.step_graph["levels"])
     for r in range(4):
         for n in out[1][0]:
             assert torch.equal(out[4][r][n], out[1][0][n]), (r, n)
     steps = {e.key for e in tr.events if f"torch-steps-{token}" in str(e.key)}
     assert len(steps) == 4 * 3, sorted(steps)  # blocks of 4 and 1, then 3: three tasks per rank for 8 steps
+    # each fused step's buckets (several at 4 kB) averaged in one all-reduce of the ranks' SPMD communicator,
+    # inside their block's task
+    collectives = [e for e in tr.events if e.phase == "allreduce" and f"torch-steps-{token}" in str(e.key)]
+    assert buckets > 1 and len(collectives) == 4 * 8, (buckets, len(collectives))
     assert_clean(proc_client)
     assert_trainer_gone(proc_client)
 
@@ -354,8 +358,13 @@ def _shard_failing_on_rank_2(rank, ranks):
 
 def test_a_rank_failing_in_fused_steps_stops_the_others(proc_client):
     """Rank 2's task fails in the middle of a block of fused steps (its data
-    source raises): it stamps its mailbox failed, the other ranks stop
-    waiting for it, and train() raises rank 2's error; nothing keeps running."""
+    source raises at its fourth step): the SPMD job fails, the other ranks'
+    pending collective raises (a FlowreduceError naming rank 2's error) instead
+    of waiting for it, and train() raises rank 2's error; nothing keeps running."""
+    import re
+
+    from flowreduce.errors import FlowreduceError
+
     ws = workers_of(proc_client)
     with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
                  data=_shard_failing_on_rank_2, workers=ws, threads=1, steps_per_task=50) as trainer:
@@ -366,14 +375,14 @@ def test_a_rank_failing_in_fused_steps_stops_the_others(proc_client):
         assert wait_until(lambda: not any(proc_client.processing().values()), 30), proc_client.processing()
         errors = [f.exception() for f in trainer._last]
         assert isinstance(errors[2], LookupError)
-        import re
-
-        # the others stopped by step 3 (one still waiting for a third rank at step 2 sees rank 2's mark
-        # there too), naming rank 2 and any rank that stopped before them
+        buckets = trainer.step_graph["levels"]
+        # the others stopped in step 4's all-reduces at the latest, naming rank 2's error
         for r, e in enumerate(errors):
             if r != 2:
-                named = re.search(r"rank ([\d, ]+) of the trainer failed before step (\d+)", str(e))
-                assert named and "2" in named.group(1).split(", ") and int(named.group(2)) <= 3, (r, e)
+                assert isinstance(e, FlowreduceError) and not isinstance(e, LookupError), (r, e)
+                assert re.search(r"rank 2 (raised|failed).*LookupError", str(e)), (r, e)
+                seq = re.search(r"allreduce #(\d+)", str(e))
+                assert seq and int(seq.group(1)) <= 4 * len(buckets), (r, e)
 
 
 def _wait_for(name):
@@ -391,10 +400,10 @@ def _set(name):
 
 def test_fused_steps_leave_the_slot_a_queued_task_needs(proc_client):
     """Rank 0's worker is busy with a task that waits for one queued on rank
-    1's worker behind rank 1's fused task, which waits for rank 0's. Ranks
-    that wait leave their worker's slot, as distributed.secede does, so the
-    queued task runs and everything finishes (without it: a deadlock, ended
-    here by the timeout with an error)."""
+    1's worker behind rank 1's fused task, which waits for rank 0's. A
+    fused task, a rank of an SPMD job, leaves its worker's thread slot
+    (distributed.secede), so the queued task runs and everything finishes
+    (without it: a deadlock, ended here by the timeout with an error)."""
     import uuid
 
     ws = workers_of(proc_client)
@@ -416,8 +425,8 @@ def test_fused_steps_leave_the_slot_a_queued_task_needs(proc_client):
 
 def test_fused_steps_fail_when_a_rank_dies():
     """A rank's worker killed in the middle of a block of fused steps: the
-    other ranks stop waiting for it and the trainer raises
-    WorkerLostError naming the rank, instead of hanging."""
+    other ranks' collectives fail (the scheduler's SPMD watch tells them)
+    and the trainer raises WorkerLostError naming the rank, instead of hanging."""
     import signal
 
     from distributed import Client, LocalCluster

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch: save the trained model and optimizer (state_dict, torch.save) to FILE")
     parser.add_argument("--steps-per-task", type=int, default=None, metavar="K",
                         help="torch: run K optimizer steps in one task per rank, the ranks averaging gradients "
-                             "through shared-memory mailboxes between them (one host, shared-memory step; "
+                             "with an SPMD communicator between them (one host, shared-memory step; "
                              "default: 10 where steps can be fused; 1: every step a task of its own)")
     parser.add_argument("--elastic", action="store_true",
                         help="keep training when workers leave (the survivors re-shard the data and re-run the "

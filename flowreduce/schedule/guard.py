@@ -358,7 +358,7 @@ class PinGuard(SchedulerPlugin):
 
 
 #: Key prefixes of tasks whose values may hold a shared-memory lease: a call's, and
-#: :class:`flowreduce.torch.Trainer`'s (its step blocks and mailboxes).
+#: :class:`flowreduce.torch.Trainer`'s (its step tasks' buckets).
 LEASING = ("flowreduce-", "torch-")
 
 

@@ -18,6 +18,12 @@ collective is hierarchical:
 Every collective of a job must be called by every rank of the communicator,
 in the same order (as in MPI). Results are new arrays, the same bits on
 every rank (each element is combined in one place, or in the same order).
+
+``allreduce(..., deterministic=True | "exact")`` gathers every rank's input
+instead (inside the host group through its shared segments, then between
+the leaders) and folds it in rank order with flowreduce's reference
+(:func:`flowreduce.kernels.dense.tree_fold`): the bits do not depend on the
+algorithm nor on the host grouping.
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ from flowreduce.algorithms import ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.cost import choose
-from flowreduce.errors import FlowreduceError, InputTypeError, OptionError, raised_as
+from flowreduce.errors import FlowreduceError, InputError, InputTypeError, OptionError, raised_as
+from flowreduce.kernels.dense import tree_fold
 from flowreduce.ops import Op, resolve_op
+from flowreduce.reproducible import supported, tree_ordered
+from flowreduce.schedule.reproducible import mode as deterministic_mode
 from flowreduce.spmd import warm
 from flowreduce.spmd.layout import Layout
 from flowreduce.spmd.mailbox import Mailbox
@@ -232,7 +241,7 @@ class Communicator:
         return found
 
     # -- collectives ----------------------------------------------------------------
-    def allreduce(self, x: Any, op: Any = "sum", algorithm: str = "auto") -> Any:
+    def allreduce(self, x: Any, op: Any = "sum", algorithm: str = "auto", deterministic: bool | str = False) -> Any:
         """``op`` over every rank's ``x``, a new array (or tensor) of ``x``'s kind on every rank.
 
         ``x``: a numpy array or CPU tensor, the same shape and dtype on every
@@ -241,15 +250,38 @@ class Communicator:
         ``algorithm``: the plan between hosts (``flowreduce.ALGORITHMS``;
         ``auto``: the cost model's choice); inside a host the exchange is
         always through shared memory.
+
+        ``deterministic``: every rank gets the same bits in every mode.
+
+        * ``False``: the fastest order (ranks of a host in rank order, then
+          the plan's between hosts): the bits may change with the algorithm
+          and with how the ranks are grouped on hosts.
+        * ``True``: floats combined in the reference tree's order over the
+          ranks, ``flowreduce.reference_reduce(xs, op, order="tree")``.
+        * ``"exact"``: float32 and float64 sums and means are the exact sum
+          rounded once (a mean: then divided by the rank count),
+          ``flowreduce.reference_reduce(xs, op)``; other float ops and dtypes
+          (and bfloat16 tensors, reduced in float32) raise
+          :class:`~flowreduce.errors.OptionError`.
+
+        With ``True`` and ``"exact"`` the bits are the same whatever the
+        algorithm and host grouping, and equal to ``flowreduce.allreduce(...,
+        deterministic=...)``'s: every rank's input is gathered and folded in
+        rank order (integers, booleans, min and max are exact in any order:
+        they take the ordinary route).
         """
+        mode = deterministic_mode(deterministic)
         what, deadline, start = self._begin("allreduce")
         a, back = as_numpy(x)
         resolved = self._op(op)
         flat = np.ascontiguousarray(a).reshape(-1)
         acc = resolved.accumulator(flat.dtype) or flat.dtype
-        plan = self.plan_for(algorithm, flat.size * acc.itemsize)
+        fold = self._ordered_op(resolved, mode, flat.dtype, x) if mode else None
+        plan = self.plan_for(algorithm, flat.size * acc.itemsize) if fold is None else None
 
         def body() -> tuple[np.ndarray, int, int]:
+            if fold is not None:
+                return self._gather_fold(flat, fold, what, deadline)
             sent = received = 0
             host = self._shm()
             part = host.allreduce(flat, resolved, acc, what, deadline) if host is not None else flat
@@ -272,10 +304,71 @@ class Communicator:
             out = warm.empty(part.size, acc)
             np.copyto(out, part, casting="unsafe")
             part = out
-        out = part
-        out = resolved.finish(out, self.size, owned=True)
-        self._record("allreduce", start, a.nbytes, sent, received, plan.algorithm if plan is not None else "")
+        out = part if fold is not None else resolved.finish(part, self.size, owned=True)  # the fold divided a mean
+        how = ("exact" if fold.exact else "tree") if fold is not None else plan.algorithm if plan is not None else ""
+        self._record("allreduce", start, a.nbytes, sent, received, how)
         return back(out.reshape(a.shape))
+
+    def _ordered_op(self, op: Op, mode: bool | str, dtype: np.dtype, x: Any) -> Op | None:
+        """What ``deterministic=mode`` folds every rank's input with (None: any order gives the same bits)."""
+        if not tree_ordered(op.name, dtype):
+            return None
+        if mode != "exact":
+            return op
+        if op.name not in ("sum", "mean"):
+            raise OptionError(f"deterministic='exact' makes float sums and means exact; op {op.name!r} on {dtype} "
+                              "has no exact form (pass deterministic=True or False)")
+        if not supported(dtype) or "bfloat16" in str(getattr(x, "dtype", "")):
+            raise OptionError(f"deterministic='exact' sums float32 and float64 exactly, not {getattr(x, 'dtype', dtype)}"
+                              " (a bfloat16 or float16 sum would be rounded twice); pass deterministic=True or False")
+        return op.exactly()
+
+    def _gather_fold(self, flat: np.ndarray, fold_op: Op, what: str,
+                     deadline: float | None) -> tuple[np.ndarray, int, int]:
+        """Every rank's ``flat`` folded in rank order by :func:`tree_fold` (mean's division included):
+        on one host, each rank folds its slice of the group's inputs read in place; across hosts,
+        the leaders gather every input, fold it, and hand the result to their group."""
+        size, host = self.size, self._shm()
+
+        def fold(parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+            return tree_fold(fold_op, size, parts, out)
+
+        if len(self.leaders) == 1:  # the host group is every rank, in rank order
+            if host is None:
+                return fold([flat], warm.empty(flat.size, flat.dtype)), 0, 0
+            return host.allreduce(flat, fold_op, flat.dtype, what, deadline, fold=fold), 0, 0
+        mine = host.allgather(flat, what, deadline) if host is not None else [flat]
+        out: np.ndarray | None = None
+        sent = received = 0
+        if self.leader:
+            parts, sent, received = self._between_leaders(mine, f"o{self.seq}", what, deadline)
+            bad = [r for r in range(size) if parts[r].size != flat.size or parts[r].dtype != flat.dtype]
+            if bad:
+                theirs = ", ".join(f"rank {r} gave {parts[r].size} x {parts[r].dtype.str!r}" for r in bad)
+                raise InputError(f"{what}: {theirs}, rank {self.rank} {flat.size} x {flat.dtype.str!r}: every rank "
+                                 "must give the same shape and dtype")
+            out = fold([parts[r] for r in range(size)], warm.empty(flat.size, flat.dtype))
+        if host is not None:
+            out = host.broadcast(out if self.leader else None, 0, what, deadline)
+        assert out is not None
+        return out, sent, received
+
+    def _between_leaders(self, mine: list[np.ndarray], tag: str, what: str,
+                         deadline: float | None) -> tuple[dict[int, np.ndarray], int, int]:
+        """On a leader: its group's arrays (``mine``, in group order) sent to every other leader and
+        theirs taken; every rank's array by rank, and the bytes sent and received."""
+        parts: dict[int, np.ndarray] = dict(zip(self.group, mine))
+        sent = received = 0
+        for r in self.leaders:
+            if r != self.rank:
+                self._send(r, tag, mine)
+                sent += sum(m.nbytes for m in mine)
+        for i, r in enumerate(self.leaders):
+            if r != self.rank:
+                theirs = self._take(r, tag, what, deadline)
+                received += sum(t.nbytes for t in theirs)
+                parts.update(zip(self.layout.groups[i], theirs))
+        return parts, sent, received
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Rank ``root``'s ``x``, a new array on every rank (others' ``x`` only tells the kind
@@ -328,16 +421,7 @@ class Communicator:
                 return mine, 0, 0
             blob: np.ndarray | None = None
             if self.leader:
-                parts: dict[int, np.ndarray] = dict(zip(self.group, mine))
-                for r in self.leaders:
-                    if r != self.rank:
-                        self._send(r, tag, mine)
-                        sent += sum(m.nbytes for m in mine)
-                for i, r in enumerate(self.leaders):
-                    if r != self.rank:
-                        theirs = self._take(r, tag, what, deadline)
-                        received += sum(t.nbytes for t in theirs)
-                        parts.update(zip(self.layout.groups[i], theirs))
+                parts, sent, received = self._between_leaders(mine, tag, what, deadline)
                 everything = [parts[r] for r in range(self.size)]
                 if host is None:
                     return everything, sent, received

@@ -281,9 +281,12 @@ class HostGroup:
         return region
 
     # -- collectives ------------------------------------------------------------
-    def allreduce(self, x: np.ndarray, op: Op, acc: np.dtype, what: str, deadline: float | None) -> np.ndarray:
+    def allreduce(self, x: np.ndarray, op: Op, acc: np.dtype, what: str, deadline: float | None,
+                  fold: Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray] | None = None) -> np.ndarray:
         """``op`` over the group's ``x`` (1-d, C-contiguous, same dtype and size everywhere),
-        in ``acc``; unfinished (a mean is not divided here)."""
+        in ``acc``; unfinished (a mean is not divided here). ``fold(parts, out)``: how the group's
+        arrays (in group order, read in place) are combined into ``out`` instead of left to right
+        with ``op`` (elementwise: each rank may fold a slice)."""
         size = x.size
         part = -(-size // self.n) * acc.itemsize
         self._ensure(max(x.nbytes, part))
@@ -300,13 +303,14 @@ class HostGroup:
                 raise InputError(f"{what}: rank {self.local[i]} gave {nbytes} bytes of {got!r}, rank {self.rank} "
                                  f"{x.nbytes} bytes of {x.dtype.str!r}: every rank must give the same shape and dtype")
             views.append(buf.view(x.dtype))
+        combine = fold or (lambda parts, into: _fold(op, parts, into))
         out = warm.empty(size, acc)
         if x.nbytes < SPLIT_BYTES or size < self.n:
-            _fold(op, views, out)
+            combine(views, out)
             return out
         lo, hi = size * self.me // self.n, size * (self.me + 1) // self.n
         mine = self._region(OUT, (hi - lo) * acc.itemsize).view(acc)
-        _fold(op, [v[lo:hi] for v in views], mine)
+        combine([v[lo:hi] for v in views], mine)
         self._write_record(OUT, mine.nbytes)
         self._arrive(what, deadline)
         for i in range(self.n):

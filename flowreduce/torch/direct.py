@@ -25,8 +25,8 @@ first, ``bucket_bytes`` each); the flags saying which parameters a rank used
 travel in the first bucket (one reduction per step for both).
 
 With ``deterministic=True`` (:attr:`Flat.ordered`) every sum over ranks,
-on every route here (averaged in the step tasks, by a reduce level, or in
-fused steps' mailboxes), is the reference tree's
+on every route here (averaged in the step tasks or by a reduce level), is
+the reference tree's
 (:func:`flowreduce.kernels.dense.tree_fold`), divided by the rank count as
 ``flowreduce.reference_reduce(..., "mean", order="tree")`` does; otherwise
 ranks are added one after the other (the reduce level: its own worker's
@@ -166,6 +166,27 @@ def _unpack(flat: Flat, bucket: Bucket, vec: np.ndarray, out: list) -> None:
         out[i] = t[at:at + spec.size].view(spec.shape)
 
 
+def pack(flat: Flat, grads: Sequence[torch.Tensor | None]) -> np.ndarray:
+    """Every bucket's gradients (``grads`` holds the ``used`` flags last; zeros for a None), one
+    bucket after the other in a new flat vector: what a fused step averages in one all-reduce."""
+    out = np.empty(sum(b.size for b in flat.buckets), np.dtype(flat.dtype))
+    at = 0
+    for bucket in flat.buckets:
+        _pack(flat, bucket, grads, out[at:at + bucket.size])
+        at += bucket.size
+    return out
+
+
+def unpack(flat: Flat, vector: np.ndarray) -> list[torch.Tensor]:
+    """Every tensor (the ``used`` flags last) as a view of the averaged :func:`pack` vector."""
+    out: list[Any] = [None] * len(flat.specs)
+    at = 0
+    for bucket in flat.buckets:
+        _unpack(flat, bucket, vector[at:at + bucket.size], out)
+        at += bucket.size
+    return out
+
+
 def reduce_bucket(ranks: int, bucket: int, lo: int, hi: int, written: Sequence[tuple], key: str = "") -> Any:
     """Elements [lo, hi) of ``bucket``: the mean over every worker's segment
     (``written``: each worker's :func:`write`, this worker's first)."""
@@ -246,155 +267,4 @@ def _tree_mean_of(values: Sequence[Any], op: Op = MEAN) -> np.ndarray:
     for _, check in reads:
         if check is not None:
             check[0].check(check[1])
-    return out
-
-
-# -- fused steps: several optimizer steps in one task per rank ---------------------------------
-#: Bytes before a mailbox's two slots: each slot's step stamp (int64), padded to a cache line.
-STAMPS = 64
-#: The stamp a rank's failing fused task leaves in both its slots: its peers stop waiting and fail too.
-FAILED = -2
-#: Seconds a fused step waits for its peers when ``flowreduce.timeout`` is not set.
-WAIT_SECONDS = 600.0
-#: Machines whose stores reach other cores in program order (x86's total store order): a
-#: stamp written after the data is never seen before it, with no fence (Python has none).
-ORDERED_STORES = ("x86_64", "AMD64", "i386", "i686")
-#: Seconds between checks, while waiting for peers, that their workers are alive.
-ALIVE_EVERY = 1.0
-#: Seconds a fused task waits for its peers before it leaves its worker's thread
-#: slot (``distributed.secede``): a peer may be queued behind a task that needs this worker.
-SECEDE_AFTER = 0.05
-
-
-class PeerFailed(RuntimeError):
-    """A fused step's peer rank failed first: the other ranks stop with this; the trainer raises the peer's own error."""
-
-
-@dataclass
-class Waiting:
-    """A fused task's state across its steps: whether it left its worker's slot."""
-
-    seceded: bool = False
-
-    def long_wait(self) -> None:
-        """Leave the worker's thread slot, once (a task not run by a worker thread has none)."""
-        if not self.seceded:
-            self.seceded = True
-            from distributed import secede
-
-            try:
-                secede()
-            except (KeyError, ValueError, AttributeError):  # not in a worker's task thread
-                pass
-
-
-def mailbox_bytes(flat: Flat) -> int:
-    """A rank's mailbox: two stamps, then two slots of every bucket's gradients."""
-    return STAMPS + 2 * sum(b.size for b in flat.buckets) * np.dtype(flat.dtype).itemsize
-
-
-def mailbox(flat: Flat, owner: str = "") -> shm_kernels.Block | None:
-    """A rank's mailbox for fused steps (:func:`exchange`), leased from its
-    worker's pool with both stamps cleared; None when no segment can be had,
-    or the machine may reorder stores (:data:`ORDERED_STORES`)."""
-    import platform
-
-    if platform.machine() not in ORDERED_STORES:
-        return None
-    pool = shm_pool.pool()
-    nbytes = mailbox_bytes(flat)
-    try:
-        lease = shm_kernels.Lease(pool, pool.lease(nbytes, owner))
-    except shm_pool.Unavailable:  # logged once by the pool
-        return None
-    block = shm_kernels.Block(lease, np.uint8, nbytes)
-    block.array[:STAMPS].view(np.int64)[:] = -1
-    return block
-
-
-class Mailbox:
-    """Views of a rank's mailbox: its own (a Block, written) or a peer's (read in place)."""
-
-    def fail(self) -> None:
-        """Stamp both slots :data:`FAILED` (this rank's task is failing)."""
-        self.stamps[:2] = FAILED
-
-    def check(self) -> None:
-        """Raise if the segment was given back and leased again (e.g. its value was spilled)."""
-        if self.segment.stamped() != self.generation:
-            raise RuntimeError(f"mailbox segment {self.segment.name} was leased again during fused steps "
-                               "(was the trainer's mailbox spilled or released?)")
-
-    def __init__(self, value: Any, flat: Flat, own: bool = False):
-        if own and not isinstance(value, shm_kernels.Block):  # a handle: its lease is on another worker
-            raise RuntimeError("this rank's mailbox is not in its worker's memory any more (was it moved "
-                               "or released?); its segment cannot be written here")
-        if isinstance(value, shm_kernels.Block):
-            buf, self.segment, self.generation = value.array, value.lease.segment, value.lease.generation
-        else:
-            self.segment = value.handle.segment()
-            buf, self.generation = value.handle.arrays(self.segment)[0], value.handle.generation
-        dtype = np.dtype(flat.dtype)
-        size = sum(b.size for b in flat.buckets)
-        self.stamps = buf[:STAMPS].view(np.int64)
-        self.slots = [buf[STAMPS + i * size * dtype.itemsize:STAMPS + (i + 1) * size * dtype.itemsize].view(dtype)
-                      for i in (0, 1)]
-        starts = np.cumsum([0] + [b.size for b in flat.buckets])
-        self.buckets = [[slot[lo:hi] for lo, hi in zip(starts[:-1], starts[1:])] for slot in self.slots]
-
-
-def exchange(flat: Flat, boxes: Sequence[Mailbox], rank: int, stamp: int, grads: Sequence[torch.Tensor | None],
-             timeout: float, waiting: Waiting | None = None) -> list[torch.Tensor]:
-    """One step's all-reduce inside a fused task: this rank's gradients (the
-    ``used`` flags last) written into slot ``stamp % 2`` of its mailbox and
-    stamped, then, once every peer's slot carries the same stamp, every
-    bucket averaged over all ranks in rank order, or the reference tree's
-    with :attr:`Flat.ordered`, or exactly with :attr:`Flat.exact` (the bits of :func:`average`: every rank adds
-    in the same order). A rank writes a
-    slot again two steps later, after every peer has stamped the step in
-    between, so after every peer has averaged this one. Raises
-    :class:`~flowreduce.errors.WorkerLostError` when a peer's worker is gone,
-    :class:`TimeoutError` after ``timeout`` seconds without every peer.
-    A wait past :data:`SECEDE_AFTER` leaves the worker's thread slot
-    (``waiting``), so that whatever a late peer waits for can run here."""
-    import time
-
-    from flowreduce.errors import WorkerLostError
-
-    slot = stamp % 2
-    own = boxes[rank]
-    for bucket, dst in zip(flat.buckets, own.buckets[slot]):
-        _pack(flat, bucket, grads, dst)
-    own.stamps[slot] = stamp  # after the data: x86 keeps stores in order, and peers read the stamp first
-    start = checked = time.monotonic()
-    pause = 0.0
-    while True:
-        missing = [r for r, box in enumerate(boxes) if box.stamps[slot] != stamp]
-        if not missing:
-            break
-        failed = [r for r in missing if boxes[r].stamps[slot] == FAILED]
-        if failed:
-            raise PeerFailed(f"rank {', '.join(map(str, failed))} of the trainer failed before step {stamp} "
-                             "(its own error is the trainer's); the other ranks stop with it")
-        now = time.monotonic()
-        if now - checked > ALIVE_EVERY:
-            checked = now
-            gone = [r for r in missing if not shm_pool.owner_alive(boxes[r].segment.name)]
-            if gone:
-                raise WorkerLostError(f"rank {', '.join(map(str, gone))} of the trainer died during step {stamp} "
-                                      "(its worker process is gone); the fused steps cannot go on without it")
-        if now - start > timeout:
-            from flowreduce.errors import AllreduceTimeoutError
-
-            raise AllreduceTimeoutError(f"ranks {missing} of the trainer did not reach step {stamp} within "
-                                        f"{timeout:g} s (flowreduce.timeout; {WAIT_SECONDS:g} s when unset)")
-        if waiting is not None and now - start > SECEDE_AFTER:
-            waiting.long_wait()
-        time.sleep(pause)  # yield the core to the ranks being waited for
-        pause = min(max(2 * pause, 2e-5), 1e-3)
-    out: list[Any] = [None] * len(flat.specs)
-    for b, bucket in enumerate(flat.buckets):
-        _unpack(flat, bucket, _mean_of([box.buckets[slot][b] for box in boxes], flat), out)
-    for box in boxes:  # what was read was still the mailbox it was stamped in
-        box.check()
     return out

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from dask.sizeof import sizeof
 
-from flowreduce.kernels import shm as shm_kernels
 from flowreduce.torch import direct
 
 
@@ -240,30 +239,22 @@ def update_direct(replica: Replica, after: Any, written: list, slices: list, fla
     return len(replica.log)
 
 
-def steps_fused(replica: Replica, after: Any, written: list | None, slices: list, micro: int, flat: direct.Flat,
-                boxes: list, first: int, count: int, timeout: float, key: str = "") -> int:
-    """``count`` whole optimizer steps in one task (the trainer's
-    ``steps_per_task``): a pending update first (as :func:`update_direct`),
-    then per step ``micro`` micro-batches, the gradients averaged with the
-    other ranks' fused tasks through their mailboxes (``boxes``, in rank
-    order: :func:`direct.exchange`, stamps ``first``, ``first + 1``, ...)
-    and applied. The other ranks' tasks run at the same time, each on its
+def steps_fused(comm: Any, replica: Replica, after: Any, written: list | None, slices: list, micro: int,
+                flat: direct.Flat, count: int, deterministic: bool | str, key: str = "") -> int:
+    """``count`` whole optimizer steps in one task (the trainer's ``steps_per_task``), a rank of an
+    SPMD job (``comm``: its :class:`~flowreduce.spmd.comm.Communicator`): a pending update first
+    (as :func:`update_direct`), then per step ``micro`` micro-batches, the gradients (every bucket,
+    the ``used`` flags in the first, in one vector: one collective per step) averaged over the ranks
+    by ``comm.allreduce`` (op mean, the trainer's ``deterministic``: elementwise, so the bits of
+    :func:`direct.average`) and applied. The other ranks' tasks run at the same time, each on its
     worker; nothing goes through the scheduler between the steps."""
-    own = boxes[replica.rank]
-    try:
-        apply_direct(replica, flat, written, slices, key)
-        views = [direct.Mailbox(b, flat, own=r == replica.rank) for r, b in enumerate(boxes)]
-        waiting = direct.Waiting()
-        for stamp in range(first, first + count):
-            _micro_batches(replica, micro)
-            params = replica.params()
-            grads = [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])]
-            tensors = direct.exchange(flat, views, replica.rank, stamp, grads, timeout, waiting)
-            _apply(replica, tensors[:-1], tensors[-1], time.time())
-    except BaseException:
-        if isinstance(own, shm_kernels.Block):  # the peers waiting for this rank stop and fail too
-            direct.Mailbox(own, flat).fail()
-        raise
+    apply_direct(replica, flat, written, slices, key)
+    for _ in range(count):
+        _micro_batches(replica, micro)
+        params = replica.params()
+        grads = [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])]
+        tensors = direct.unpack(flat, comm.allreduce(direct.pack(flat, grads), op="mean", deterministic=deterministic))
+        _apply(replica, tensors[:-1], tensors[-1], time.time())
     return len(replica.log)
 
 

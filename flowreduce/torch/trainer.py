@@ -31,9 +31,10 @@ allow. Step ``k`` submits, without waiting:
 
 With ``steps_per_task=K`` (one host, every bucket averaged in the step
 tasks, no module buffers) :meth:`train` submits one task per rank for every
-K steps instead; the ranks' tasks average each step's gradients through
-shared-memory mailboxes (:func:`flowreduce.torch.direct.exchange`), with no
-scheduler between the steps.
+K steps instead: the ranks of an SPMD job (:mod:`flowreduce.spmd`), whose
+tasks average each step's gradient buckets with the job's communicator
+(one ``comm.allreduce`` per step, through shared memory), with no scheduler
+between the steps.
 
 The first step after :meth:`finish` has no update to fuse (a
 ``torch-backward`` task); :meth:`finish` runs the last step's update alone
@@ -60,12 +61,16 @@ from dask.task_spec import List, Task, TaskRef
 
 import flowreduce
 from flowreduce import config, keys
-from flowreduce.errors import OptionError
+from flowreduce.errors import OptionError, WorkerLostError
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.schedule import guard, hosts, transport
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule.placement import wait_on
 from flowreduce.schedule.shm_plugin import ensure_shm
+from flowreduce.spmd.job import configured_timeout, directory, ensure_spmd, run_rank
+from flowreduce.spmd.layout import Layout
+from flowreduce.spmd.shared import Aborted
+from flowreduce.spmd.watch import rank_key
 from flowreduce.torch import direct
 from flowreduce.torch import replica as _replica
 
@@ -74,6 +79,8 @@ from flowreduce.torch import replica as _replica
 STEPS_PER_TASK = 10
 #: Seconds to let the other ranks' fused tasks stop after one failed, to tell the failure from theirs.
 ORIGIN_SECONDS = 10.0
+#: Seconds a fused step's collective waits for its peers when ``flowreduce.timeout`` is not set.
+WAIT_SECONDS = 600.0
 #: Key prefixes of the trainer's tasks: ``("torch-<phase>-<token>", step, rank)``.
 PHASES = ("build", "backward", "step", "update", "buffers")
 
@@ -102,10 +109,10 @@ class StepTiming:
     comm: float
 
 
-def on_ranks(client: Any, workers: list[str], tasks: dict, wanted: list) -> list:
-    """Submit ``tasks`` (keys ending with their rank), each pinned to its
-    rank's worker; the futures of ``wanted``."""
-    place = {k: workers[k[-1]] for k in tasks}
+def on_ranks(client: Any, workers: list[str], tasks: dict, wanted: list, ranks: dict | None = None) -> list:
+    """Submit ``tasks`` (keys ending with their rank, else ``ranks[key]``),
+    each pinned to its rank's worker; the futures of ``wanted``."""
+    place = {k: workers[k[-1] if ranks is None else ranks[k]] for k in tasks}
     with dask.annotate(workers=place.get, allow_other_workers=False):
         return client.get(tasks, wanted, sync=False)
 
@@ -182,11 +189,11 @@ class Trainer:
     steps_per_task : int, optional
         With the shared-memory step and every bucket averaged in the step
         tasks (no reduce level) and no module buffers: :meth:`train` runs
-        this many optimizer steps in one task per rank, the ranks' tasks
-        averaging each step's gradients through shared-memory mailboxes
-        (:func:`flowreduce.torch.direct.exchange`), with no scheduler round
-        trip between them. The numbers are the same bits as one step per
-        task. Default: :data:`STEPS_PER_TASK` where steps can be fused, else
+        this many optimizer steps in one task per rank, the ranks of an SPMD
+        job averaging each step's gradients with its communicator
+        (:meth:`flowreduce.spmd.comm.Communicator.allreduce`, through shared
+        memory), with no scheduler round trip between them. The numbers are
+        the same bits as one step per task. Default: :data:`STEPS_PER_TASK` where steps can be fused, else
         1; ``1``: every step a task of its own on Dask's task stream.
         :attr:`step_graph` says what runs.
     """
@@ -245,8 +252,6 @@ class Trainer:
         self._reduced: list | None = None  # the last submitted step's all-reduce, not applied yet
         self._buffers: Any = None  # rank 0's module buffers after its last forward
         self._inflight: list[list[Any]] = []
-        self._boxes: list | None = None  # the ranks' mailboxes for fused steps, once made
-        self._stamp = 0  # the next fused step's stamp: consecutive over fused steps only
 
     def _direct_layout(self) -> direct.Flat | None:
         """The shared-memory step's layout, when it applies: every rank on
@@ -286,8 +291,7 @@ class Trainer:
         """Whether steps can be fused: the shared-memory step with no reduce
         level, and no buffers to broadcast every step."""
         flat = self._flat
-        return (flat is not None and flat.share and set(flat.levels) == {1} and not self._broadcasts
-                and self._boxes != [])  # [] once the mailboxes could not be had
+        return flat is not None and flat.share and set(flat.levels) == {1} and not self._broadcasts
 
     def _block(self, asked: int | None = None) -> int:
         """Steps per task asked for (by :meth:`train`, else the trainer), or the default."""
@@ -296,22 +300,11 @@ class Trainer:
                 return k
         return STEPS_PER_TASK
 
-    def _mailboxes(self) -> list | None:
-        """The ranks' mailboxes (made once, kept until the trainer goes); None if one cannot be had."""
-        if self._boxes is None:
-            assert self._flat is not None
-            tasks = {self.key("mailbox", r): Task(self.key("mailbox", r), direct.mailbox, self._flat)
-                     for r in range(self._p)}
-            futures = self._on_ranks(tasks, list(tasks))
-            boxes = self.client.gather(futures)  # handles of a few hundred bytes
-            self._boxes = futures if all(b is not None for b in boxes) else []
-        return self._boxes or None
-
     def key(self, phase: str, *index: int) -> tuple:
         return (f"torch-{phase}-{self.token}", *index)
 
-    def _on_ranks(self, tasks: dict, wanted: list) -> list:
-        return on_ranks(self.client, self._ws, tasks, wanted)
+    def _on_ranks(self, tasks: dict, wanted: list, ranks: dict | None = None) -> list:
+        return on_ranks(self.client, self._ws, tasks, wanted, ranks)
 
     # -- training ------------------------------------------------------------------------------
     def step(self) -> StepRecord:
@@ -397,7 +390,7 @@ class Trainer:
         of ``steps_per_task`` steps, this call's or the trainer's, when they can be fused)."""
         first = len(self.steps)
         size = self._block(steps_per_task)
-        fused = size > 1 and self._can_fuse() and self._mailboxes() is not None
+        fused = size > 1 and self._can_fuse()
         size = size if fused else 1
         blocks = [min(size, steps - done) for done in range(0, steps, size)]
         run = self.steps_fused if fused else (lambda count: self.step())
@@ -415,41 +408,62 @@ class Trainer:
     def steps_fused(self, count: int) -> list[StepRecord]:
         """Submit ``count`` optimizer steps as one task per rank (see
         ``steps_per_task``); returns at once unless two blocks are in flight."""
-        boxes = self._mailboxes() if self._can_fuse() else None
-        if boxes is None:
+        if not self._can_fuse():
             raise ValueError(f"these steps cannot be fused: {self.step_graph}")
-        n, flat = len(self.steps), self._flat
-        timeout = guard.resolve_timeout(None) or direct.WAIT_SECONDS
+        n = len(self.steps)
+        ensure_spmd(self.client)
+        layout = self._block_layout(n)
         written, slices = self._pending_direct()
-        tasks = {}
+        tasks, ranks = {}, {}
         for r in range(self._p):
-            k = self.key("steps", n, r)
-            tasks[k] = Task(k, _replica.steps_fused, TaskRef(self.replicas[r].key), TaskRef(self._last[r].key),
-                            written, slices, self.accumulate, flat, List(*(TaskRef(b.key) for b in boxes)),
-                            self._stamp, count, timeout, repr(k))
-        self._last = self._on_ranks(tasks, list(tasks))
+            k = rank_key(layout.run, r)
+            # run_rank leaves the worker's thread pool at once: a rank waiting for its peers never holds
+            # the slot a task queued on its worker needs
+            tasks[k] = Task(k, run_rank, layout, r, _replica.steps_fused, {}, TaskRef(self.replicas[r].key),
+                            TaskRef(self._last[r].key), written, slices, self.accumulate, self._flat, count,
+                            self._mode, repr(k))
+            ranks[k] = r
+        self._last = self._on_ranks(tasks, list(tasks), ranks)
         self._reduced = None
-        self._stamp += count
         recs = [StepRecord(n + i) for i in range(count)]
         self.steps.extend(recs)
         self._inflight.append(list(self._last))
         if len(self._inflight) > 2:
-            # the ranks' fused tasks wait for each other: one that fails (a peer died) ends the wait
+            # a rank that fails fails its peers' collectives: the wait ends
             self._raise_first(self._inflight.pop(0))
         return recs
 
+    def _block_layout(self, first: int) -> Layout:
+        """The peer table of the SPMD job running the block of fused steps from step ``first``: every
+        rank on its worker, all in one host group (the trainer fuses steps only on one host with shared
+        memory, so the averages are in rank order, the bits of one step per task), the collectives'
+        timeout ``flowreduce.timeout`` (:data:`WAIT_SECONDS` when unset)."""
+        timeout = configured_timeout(None) or WAIT_SECONDS
+        return Layout(f"torch-steps-{self.token}-{first}", 0, tuple(self._ws), (0,) * self._p, timeout,
+                      directory=directory())
+
     def _raise_first(self, futures: list) -> None:
-        """Wait until ``futures`` are all done or one failed; raise the first failure."""
+        """Wait until ``futures`` are all done or one failed; raise the first failure: the origin
+        of a failed block of fused steps, not the peers it failed (:class:`~flowreduce.spmd.shared.Aborted`),
+        and a rank whose worker left as :class:`~flowreduce.errors.WorkerLostError`."""
         pending = list(futures)
         while pending:
             done = wait_on(self.client, pending, return_when="FIRST_COMPLETED").done
             if any(f.status == "error" for f in done):
-                # fused ranks stop within moments of a failing peer: raise the failure itself, not theirs
-                with contextlib.suppress(Exception):
-                    wait_on(self.client, futures, timeout=ORIGIN_SECONDS)
+                alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+                lost = [r for r, w in enumerate(self._ws) if w not in alive]
+                if not lost:  # fused ranks stop within moments of a failing peer: raise the failure, not theirs
+                    with contextlib.suppress(Exception):
+                        wait_on(self.client, futures, timeout=ORIGIN_SECONDS)
                 failed = [f for f in futures if f.status == "error"]
-                origin = next((f for f in failed if not isinstance(f.exception(), direct.PeerFailed)), failed[0])
-                origin.result()
+                origin = next((f for f in failed if not isinstance(f.exception(), Aborted)), None)
+                if origin is not None:
+                    origin.result()
+                if lost:  # a lost rank's task never ends (its replica went with its worker): its peers tell
+                    raise WorkerLostError(
+                        f"rank {', '.join(map(str, lost))} of the trainer died during fused steps (its worker "
+                        f"left the cluster); the other ranks stopped: {failed[0].exception()}")
+                failed[0].result()
             pending = [f for f in pending if f not in done]
 
     def finish(self) -> None:
@@ -530,7 +544,7 @@ class Trainer:
     def close(self) -> None:
         """Drop the replicas and every future (the workers free them)."""
         self.replicas, self._last, self.steps, self._inflight = [], [], [], []
-        self._reduced = self._buffers = self._boxes = None
+        self._reduced = self._buffers = None
 
     def __enter__(self) -> Trainer:
         return self
