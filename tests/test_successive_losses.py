@@ -69,6 +69,20 @@ def client(cluster):
         assert_clean(c)
 
 
+def _process_started() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def settled_workers(client) -> list[str]:
+    """Four ranks' workers: the longest running, sorted. A nanny that restarted a killed worker may
+    still be settling it (CI saw a second start of the same name, refused as "name taken", end the
+    worker that had registered, mid-call): the killed ones' successors are the spares."""
+    started = client.run(_process_started)
+    return sorted(sorted(started, key=lambda w: started[w])[:4])
+
+
 def _scheduler_state(key, dask_scheduler=None):
     ts = dask_scheduler.tasks.get(key)
     return ts.state if ts is not None else None
@@ -101,7 +115,7 @@ def test_two_workers_killed_one_after_the_other_after_the_call(client, algorithm
     right sum. Pinned or scattered: ranks 1 and 2 fail naming their rank and
     a key (rank 1's result needs rank 2's input, which failed; a scattered
     one used to be cancelled, "already forgotten"), ranks 0 and 3 keep theirs."""
-    ws = sorted(client.nthreads())[:4]
+    ws = settled_workers(client)
     inputs = {kind: _inputs(client, ws, kind) for kind in KINDS}
     outs = {kind: flowreduce.allreduce(client, parts, algorithm=algorithm) for kind, parts in inputs.items()}
     wait([f for out in outs.values() for f in out], timeout=HANG)
@@ -139,7 +153,7 @@ def test_a_call_done_before_its_watch_arrived_still_names_a_lost_scattered_input
         original(c, token, outputs, inputs, timeout, hold)
 
     monkeypatch.setattr(guard, "watch", late)
-    ws = sorted(client.nthreads())[:4]
+    ws = settled_workers(client)
     parts = _inputs(client, ws, "scattered")
     out = flowreduce.allreduce(client, parts, algorithm="direct")
     monkeypatch.undo()
@@ -166,7 +180,7 @@ def test_a_worker_lost_before_the_watch_arrived_names_the_scattered_input(client
     from flowreduce.schedule import guard
 
     original = guard.watch
-    ws = sorted(client.nthreads())[:4]
+    ws = settled_workers(client)
 
     def late(c, token, outputs, inputs, timeout, hold=False):
         flush(c)  # the graph is there
@@ -192,7 +206,7 @@ def test_two_workers_killed_during_the_call(client, algorithm):
     workers of rank 2, then of rank 1, are SIGKILLed. Lineage: the call
     recovers twice and every rank gets the right sum, its inputs untouched.
     Pinned or scattered: every rank fails naming rank 1 or 2 and its input's key."""
-    ws = sorted(client.nthreads())[:4]
+    ws = settled_workers(client)
     inputs = {kind: _inputs(client, ws, kind, range(3)) for kind in KINDS}
     wait([f for parts in inputs.values() for f in parts], timeout=HANG)
     name = f"flowreduce-test-{uuid.uuid4().hex}"
