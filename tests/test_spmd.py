@@ -445,6 +445,24 @@ def test_ranks_disagreeing_on_shape_or_dtype_fail_naming_the_ranks(client, route
         assert "every rank must give the same shape and dtype" in str(e) and "rank 2" in str(e), str(e)
 
 
+def _paths(comm):
+    total = comm.allreduce(np.ones(1000))
+    return float(total[0]), [e.path for e in comm.events]
+
+
+def test_no_shared_memory_where_stores_may_be_reordered(client, monkeypatch):
+    """The shared-memory protocol counts on stores seen in program order (x86): on another machine
+    (as the client sees it: it makes the peer table) every rank is a group of its own, over Dask's comm."""
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    results = client.gather(flowreduce.spmd(client, _paths, ranks=4, timeout=30))
+    assert results == [(4.0, ["dask"])] * 4
+    monkeypatch.undo()
+    assert {p for _, paths in client.gather(flowreduce.spmd(client, _paths, ranks=4, timeout=30)) for p in paths} \
+        <= {"shm", "shm+dask"}, "on this x86 machine the ranks of a host share memory"
+
+
 def _fails_in_subgroup(comm):
     evens, odds = comm.subgroup([0, 2]), comm.subgroup([1, 3])
     mine, x = evens or odds, np.ones(10)

@@ -25,7 +25,7 @@ from flowreduce.schedule.hosts import worker_places
 from flowreduce.spmd.comm import Communicator
 from flowreduce.spmd.layout import Layout, prefix, round_robin
 from flowreduce.spmd.mailbox import EXTENSION, SpmdWorkerPlugin
-from flowreduce.spmd.shared import sweep
+from flowreduce.spmd.shared import stores_ordered, sweep
 from flowreduce.spmd.watch import SpmdSchedulerPlugin, rank_key
 
 logger = logging.getLogger("flowreduce")
@@ -120,7 +120,7 @@ def layout_of(client: Any, job: str, attempt: int, where: Sequence[str], timeout
     transport = dask.config.get("flowreduce.spmd.transport", default="auto")
     if transport not in TRANSPORTS:
         raise OptionError(f"flowreduce.spmd.transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
-    if transport == "dask" or not config.get("shm.enabled"):
+    if transport == "dask" or not config.get("shm.enabled") or not stores_ordered():
         hosts = tuple(range(len(where)))
     elif transport == "worker":
         distinct = sorted(set(where))

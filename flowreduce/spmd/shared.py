@@ -31,8 +31,10 @@ failed) and the deadline. Names start with :meth:`Layout.prefix`, so a
 sweep removes everything of a failed attempt (:func:`sweep`).
 
 x86 stores are not reordered with other stores, nor loads with loads: a
-counter written after the data is seen after it. (Another architecture
-would need a fence here.)
+counter written after the data is seen after it. Another architecture
+would need a fence, which Python cannot issue: there no rank shares memory
+(:func:`stores_ordered`; every rank is a host group of its own, and the
+trainer does not fuse steps).
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ MAX_SLEEP, CHECK_EVERY = 1e-3, 2e-3
 
 class Aborted(FlowreduceError, RuntimeError):
     """The job failed elsewhere (a rank raised, a worker left, a collective timed out)."""
+
+
+#: Machines (``platform.machine()``) whose stores are seen in program order (see the module).
+ORDERED_STORES = ("x86_64", "AMD64", "i386", "i686")
+
+
+def stores_ordered() -> bool:
+    import platform
+
+    return platform.machine() in ORDERED_STORES
 
 
 def _page(n: int) -> int:

@@ -69,7 +69,7 @@ from flowreduce.schedule.placement import wait_on
 from flowreduce.schedule.shm_plugin import ensure_shm
 from flowreduce.spmd.job import configured_timeout, directory, ensure_spmd, run_rank
 from flowreduce.spmd.layout import Layout
-from flowreduce.spmd.shared import Aborted
+from flowreduce.spmd.shared import Aborted, stores_ordered
 from flowreduce.spmd.watch import rank_key
 from flowreduce.torch import direct
 from flowreduce.torch import replica as _replica
@@ -291,7 +291,8 @@ class Trainer:
         """Whether steps can be fused: the shared-memory step with no reduce
         level, and no buffers to broadcast every step."""
         flat = self._flat
-        return flat is not None and flat.share and set(flat.levels) == {1} and not self._broadcasts
+        # the communicator's shared memory needs ordered stores (flowreduce.spmd.shared)
+        return flat is not None and flat.share and set(flat.levels) == {1} and not self._broadcasts and stores_ordered()
 
     def _block(self, asked: int | None = None) -> int:
         """Steps per task asked for (by :meth:`train`, else the trainer), or the default."""
