@@ -400,6 +400,23 @@ def test_a_killed_worker_fails_every_rank(fresh_client):
     assert took < 20
 
 
+def _kill_all(comm, at):
+    x = np.ones(100)
+    for i in range(10**9):
+        if i == at:
+            os.kill(os.getpid(), signal.SIGKILL)  # every rank: both workers die, their nannies restart them
+        comm.allreduce(x)
+
+
+def test_every_worker_killed_fails_every_rank_and_leaves_no_segment(fresh_client):
+    """With every worker of the job gone at once, the rank tasks Dask retries on the restarted workers
+    (anywhere: not waiting in no-worker for workers that left) fail at once naming the lost worker,
+    and sweep what the dead ranks left in shared memory (the autouse fixture checks)."""
+    futures = flowreduce.spmd(fresh_client, _kill_all, ranks=4, at=20)
+    errors, _ = _errors(fresh_client, futures, 120)
+    assert all(isinstance(e, WorkerLostError) and "left the cluster" in str(e) for e in errors), errors
+
+
 def test_a_timeout_fails_every_rank(client):
     futures = flowreduce.spmd(client, _forever, ranks=4, fault="late", at=20, timeout=1)
     start = time.monotonic()

@@ -53,6 +53,9 @@ def run_rank(layout: Layout, rank: int, fn: Callable[..., Any], kwargs: dict[str
     """Task: rank ``rank`` of the job, ``fn(comm, *args, **kwargs)``."""
     worker = get_worker()
     if worker.address != layout.workers[rank]:
+        # the job failed with that worker: what its ranks left in shared memory here goes (a worker killed
+        # with SIGKILL never sweeps, and with every rank of a host gone nobody else would)
+        sweep(layout.directory, layout.prefix())
         raise WorkerLostError(f"rank {rank} of spmd job {layout.run} cannot run: its worker {layout.workers[rank]} "
                               f"left the cluster (the task was moved to {worker.address}); every rank of the job fails")
     mailbox = worker.extensions.get(EXTENSION)

@@ -205,6 +205,9 @@ class HostGroup:
                 except FileNotFoundError:
                     if self.q[0]:  # the peer failed (its input disagreed...) and took its segments down
                         raise self._aborted(what) from None
+                    why = self.external()  # the job failed elsewhere (a worker left) and its segments were swept
+                    if why is not None:
+                        raise Aborted(f"{what} on rank {self.rank}: {why}") from None
                     raise
                 for old in [g for g in maps if g < gen - 1]:
                     del maps[old]

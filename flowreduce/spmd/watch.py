@@ -100,8 +100,11 @@ class SpmdSchedulerPlugin(SchedulerPlugin):
             for r in lost:
                 ts = scheduler.tasks.get(rank_key(run, r))
                 if ts is not None and ts.state in ("no-worker", "waiting", "released"):
-                    ts.loose_restrictions = True  # run it anywhere: it fails at once, naming its lost worker
-                    if ts.state == "no-worker":
+                    # run it anywhere: it fails at once, naming its lost worker. Not loose restrictions: a
+                    # task waiting in no-worker for a worker that left is only retried where it may run, so
+                    # with every worker gone (a nanny restarting them all) it would wait there for good
+                    ts.worker_restrictions, ts.loose_restrictions = None, False
+                    if ts.state == "no-worker" and scheduler.running:
                         recs[ts.key] = "processing"
             if recs:
                 scheduler.transitions(recs, stimulus_id=f"flowreduce-spmd-lost-{run}")
