@@ -71,7 +71,8 @@ def _refill(cluster, client, n: int = 4) -> None:
     and (rarely, on a loaded machine) a nanny never brings its worker back:
     replace those."""
     wait_until(lambda: all(w.status.name in ("running", "closed") for w in cluster.workers.values()), HANG)
-    if not wait_until(lambda: len(client.nthreads()) >= n, 20):
+    closed = sum(w.status.name == "closed" for w in cluster.workers.values())  # retired: they never come back
+    if not wait_until(lambda: len(client.nthreads()) >= n - closed, 20):
         alive = set(client.nthreads())
         for w in cluster.workers.values():
             if w.status.name == "running" and w.worker_address not in alive:
