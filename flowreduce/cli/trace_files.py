@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only for the annotation: the commands import tracing when they run
     from flowreduce.tracing.capture import Trace
@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # only for the annotation: the commands import tracing when t
 def write_all(tr: Trace, out_dir: str, title: str = "") -> dict[str, str]:
     """Write every export of ``tr`` into ``out_dir``; returns name -> path."""
     from flowreduce.tracing.export import to_chrome, to_csv
+    from flowreduce.tracing.spmd_summary import spmd_jobs, summarize_spmd
     from flowreduce.tracing.summary import summarize
 
     os.makedirs(out_dir, exist_ok=True)
@@ -22,25 +23,21 @@ def write_all(tr: Trace, out_dir: str, title: str = "") -> dict[str, str]:
         "trace.json": to_chrome(tr, os.path.join(out_dir, "trace.json")),
         "trace.csv": to_csv(tr, os.path.join(out_dir, "trace.csv")),
     }
+
+    def summary(stem: str, s: Any) -> None:
+        """``s`` as ``<stem>.txt`` (the table) and ``<stem>.json``."""
+        for name, text in ((f"{stem}.txt", str(s)), (f"{stem}.json", json.dumps(s.to_dict(), indent=1, default=str))):
+            paths[name] = os.path.join(out_dir, name)
+            with open(paths[name], "w") as f:
+                f.write(text)
+
     token = None
     if tr.last_call is not None:  # a trace of user tasks only (bench's baseline) has no summary
         s = summarize(tr)
         token = s.token
-        with open(os.path.join(out_dir, "summary.txt"), "w") as f:
-            f.write(str(s))
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(s.to_dict(), f, indent=1, default=str)
-        paths["summary.txt"] = os.path.join(out_dir, "summary.txt")
-        paths["summary.json"] = os.path.join(out_dir, "summary.json")
-    from flowreduce.tracing.spmd_summary import spmd_jobs, summarize_spmd
-
+        summary("summary", s)
     if spmd_jobs(tr):  # the last SPMD job's summary
-        s_spmd = summarize_spmd(tr)
-        for name, text in (("spmd_summary.txt", str(s_spmd)),
-                           ("spmd_summary.json", json.dumps(s_spmd.to_dict(), indent=1, default=str))):
-            paths[name] = os.path.join(out_dir, name)
-            with open(paths[name], "w") as f:
-                f.write(text)
+        summary("spmd_summary", summarize_spmd(tr))
     try:
         from flowreduce.tracing.plot import plot_timeline
 
