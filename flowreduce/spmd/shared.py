@@ -203,11 +203,9 @@ class HostGroup:
                 try:
                     buf = maps[gen] = np.frombuffer(_open(f"{self.data_base}{self.local[i]}-g{gen}"), np.uint8)
                 except FileNotFoundError:
-                    if self.q[0]:  # the peer failed (its input disagreed...) and took its segments down
-                        raise self._aborted(what) from None
-                    why = self.external()  # the job failed elsewhere (a worker left) and its segments were swept
-                    if why is not None:
-                        raise Aborted(f"{what} on rank {self.rank}: {why}") from None
+                    failure = self._failure(what)  # the job failed and its segments were taken down
+                    if failure is not None:
+                        raise failure from None
                     raise
                 for old in [g for g in maps if g < gen - 1]:
                     del maps[old]
@@ -259,9 +257,9 @@ class HostGroup:
                     sleep = min(sleep * 1.5, MAX_SLEEP)
                 if now - checked > CHECK_EVERY:
                     checked = now
-                    why = self.external()
-                    if why is not None:
-                        raise Aborted(f"{what} on rank {self.rank}: {why}")
+                    failure = self._failure(what)
+                    if failure is not None:
+                        raise failure
                     if deadline is not None and now > deadline:
                         late = [self.local[i] for i in range(self.n) if st[i] < target]
                         raise AllreduceTimeoutError(
@@ -276,6 +274,14 @@ class HostGroup:
             name = self.retired.pop(0)[1]
             _unlink(name)
             self.mine.remove(name)
+
+    def _failure(self, what: str) -> Aborted | None:
+        """The job's failure, if a rank of the host (the abort word) or anyone else
+        (``external``: a peer on another worker, the scheduler) said so."""
+        if self.q[0]:
+            return self._aborted(what)
+        why = self.external()
+        return None if why is None else Aborted(f"{what} on rank {self.rank}: {why}")
 
     def _aborted(self, what: str) -> Aborted:
         n = int(self.words[1])
