@@ -87,15 +87,21 @@ def applies(held: Any, op: Op) -> bool:
     floats = [d for d in dtypes if d.kind in "fc"]
     if not floats or op.name in ORDERLESS:
         return False
-    if op.name not in ("sum", "mean"):
-        raise OptionError(f"deterministic='exact' makes float sums and means exact; op {op.name!r} on {floats[0]} "
-                          "has no exact form (pass deterministic=False)")
+    exact_op(op, floats[0])
     refused = _refused(held)
     if refused is not None:
         raise OptionError(f"deterministic='exact' takes numpy arrays and torch tensors of float32 or float64 (and "
                           f"integers, booleans), one per rank or in pytrees; got {refused} (pass "
                           "deterministic=False)")
     return True
+
+
+def exact_op(op: Op, dtype: Any) -> None:
+    """An :class:`~flowreduce.errors.OptionError` for a float op ``deterministic="exact"``
+    cannot make exact: all but sums and means (prod, other ufuncs, callables)."""
+    if op.name not in ("sum", "mean"):
+        raise OptionError(f"deterministic='exact' makes float sums and means exact; op {op.name!r} on {dtype} "
+                          "has no exact form (pass deterministic=True or False)")
 
 
 def _refused(held: Any) -> str | None:

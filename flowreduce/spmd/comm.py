@@ -45,6 +45,7 @@ from flowreduce.errors import FlowreduceError, InputError, InputTypeError, Optio
 from flowreduce.kernels.dense import tree_fold
 from flowreduce.ops import Op, resolve_op
 from flowreduce.reproducible import supported, tree_ordered
+from flowreduce.schedule.reproducible import exact_op
 from flowreduce.schedule.reproducible import mode as deterministic_mode
 from flowreduce.spmd import warm
 from flowreduce.spmd.layout import Layout
@@ -315,9 +316,7 @@ class Communicator:
             return None
         if mode != "exact":
             return op
-        if op.name not in ("sum", "mean"):
-            raise OptionError(f"deterministic='exact' makes float sums and means exact; op {op.name!r} on {dtype} "
-                              "has no exact form (pass deterministic=True or False)")
+        exact_op(op, dtype)
         if not supported(dtype) or "bfloat16" in str(getattr(x, "dtype", "")):
             raise OptionError(f"deterministic='exact' sums float32 and float64 exactly, not {getattr(x, 'dtype', dtype)}"
                               " (a bfloat16 or float16 sum would be rounded twice); pass deterministic=True or False")
