@@ -159,6 +159,30 @@ def test_floats_are_the_same_bits_on_every_rank_and_tensors_stay_tensors(client,
         assert bf[0] == "torch.bfloat16" and bf[1].tolist() == [5.0, 5.0, 5.0]
 
 
+def _wide_floats(rank: int, n: int) -> np.ndarray:
+    """float32s of magnitudes 1e-6..1e6, so that another order of the sum gives other bits."""
+    rng = np.random.default_rng(rank)
+    return (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 7, n)).astype(np.float32)
+
+
+def _sums_of_wide_floats(comm, lengths):
+    return [comm.allreduce(_wide_floats(comm.rank, n)) for n in lengths]
+
+
+def test_one_host_sums_floats_left_to_right_in_rank_order(client):
+    """deterministic=False on one host: ((x0 + x1) + x2) + ..., the documented order, at every length (the
+    small slots' one-step path, its one-element case, and the reduce-scatter from 64 KiB)."""
+    lengths = [1, 2, 3, 1001, 40_000]
+    results = client.gather(flowreduce.spmd(client, _sums_of_wide_floats, ranks=5, lengths=lengths, timeout=30))
+    for i, n in enumerate(lengths):
+        want = _wide_floats(0, n)
+        for r in range(1, 5):
+            want = want + _wide_floats(r, n)
+        for rank, got in enumerate(results):
+            assert got[i].dtype == np.float32
+            assert got[i].tobytes() == want.tobytes(), (n, rank)
+
+
 def _subgroups(comm):
     evens = comm.subgroup(range(0, comm.size, 2))
     x = np.array([comm.rank])
@@ -352,8 +376,8 @@ def test_deterministic_options_are_checked(client):
 
 # -- failures never hang ---------------------------------------------------------------------------------------------
 
-def _forever(comm, fault, at):
-    x = np.ones(100)
+def _forever(comm, fault, at, size=100):
+    x = np.ones(size)
     for i in range(10**9):
         if i == at and comm.rank == 2 and comm.attempt == 0:
             if fault == "raise":
@@ -504,7 +528,8 @@ def test_a_failure_in_a_subgroup_fails_the_job(client, route):
 def test_closing_the_cluster_under_a_running_job_leaves_no_segment(shm_dir):
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
         with Client(cluster) as c:
-            futures = flowreduce.spmd(c, _forever, ranks=4, fault=None, at=-1)
+            # past the small slots (64 KiB), so that every rank has a data segment
+            futures = flowreduce.spmd(c, _forever, ranks=4, fault=None, at=-1, size=10_000)
             deadline = time.monotonic() + 30
             while len(_segments(shm_dir)) < 4 and time.monotonic() < deadline:  # every rank's data segment
                 time.sleep(0.05)

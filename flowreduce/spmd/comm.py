@@ -33,6 +33,7 @@ import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -138,6 +139,7 @@ class Communicator:
         self.closed = False
         self._plans: dict[tuple[str, int], Plan] = {}
         self._ops: dict[Any, Op] = {}
+        self._accs: dict[tuple[str, bool, np.dtype], np.dtype] = {}
         self._subs: dict[tuple[int, ...], itertools.count] = {}
         self._children: list[Communicator] = []
         mailbox.open(self.run, (layout.directory, layout.prefix()), rank, self)
@@ -207,15 +209,20 @@ class Communicator:
                                  source=rank, also=self.runs[1:])
 
     def _record(self, name: str, start: float, nbytes: int, sent: int, received: int, algorithm: str = "") -> None:
+        peers, path, rank = self._route
+        event = Event(name, self.seq, start, time.time(), nbytes, sent, received, peers, path, algorithm)
+        self.events.append(event)
+        self.mailbox.log.append((self.run, rank, event))
+
+    @cached_property
+    def _route(self) -> tuple[tuple[int, ...], str, int]:
+        """What every event of this rank says: its peers and its rank (the job's: a subgroup's collective
+        lies on its rank's timeline) and the path (set once ``members`` is)."""
         path = ("shm" if len(self.group) > 1 else "") + ("+dask" if len(self.leaders) > 1 else "")
         peers = tuple(r for r in self.group if r != self.rank)
         if self.leader and len(self.leaders) > 1:
             peers += tuple(r for r in self.leaders if r != self.rank)
-        # in the job's ranks, so that a subgroup's collective lies on its rank's timeline
-        event = Event(name, self.seq, start, time.time(), nbytes, sent, received,
-                      tuple(self.members[r] for r in peers), path.lstrip("+") or "local", algorithm)
-        self.events.append(event)
-        self.mailbox.log.append((self.run, self.members[self.rank], event))
+        return tuple(self.members[r] for r in peers), path.lstrip("+") or "local", self.members[self.rank]
 
     def _op(self, op: Any) -> Op:
         found = self._ops.get(op) if isinstance(op, (str, np.ufunc)) else None
@@ -224,6 +231,13 @@ class Communicator:
                 found = resolve_op(op)
             if isinstance(op, (str, np.ufunc)):
                 self._ops[op] = found
+        return found
+
+    def _accumulator(self, op: Op, dtype: np.dtype) -> np.dtype:
+        key = (op.name, op.mean, dtype)  # what the accumulator depends on (hashing the Op is slower)
+        found = self._accs.get(key)
+        if found is None:
+            found = self._accs[key] = op.accumulator(dtype) or dtype
         return found
 
     def plan_for(self, algorithm: str, nbytes: int) -> Plan | None:
@@ -275,8 +289,8 @@ class Communicator:
         what, deadline, start = self._begin("allreduce")
         a, back = as_numpy(x)
         resolved = self._op(op)
-        flat = np.ascontiguousarray(a).reshape(-1)
-        acc = resolved.accumulator(flat.dtype) or flat.dtype
+        flat = a if a.ndim == 1 and a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
+        acc = self._accumulator(resolved, flat.dtype)
         fold = self._ordered_op(resolved, mode, flat.dtype, x) if mode else None
         plan = self.plan_for(algorithm, flat.size * acc.itemsize) if fold is None else None
 
@@ -299,8 +313,9 @@ class Communicator:
             return part, sent, received
 
         part, sent, received = self._collective(what, body)
-        # a result is the caller's own: never the input itself nor a view of it (a plan's final may be one)
-        fresh = part.dtype == acc and part is not flat and not np.may_share_memory(part, flat)
+        # a result is the caller's own: never the input itself nor a view of it (a plan's final may be
+        # one; what the host group returns is always new)
+        fresh = part.dtype == acc and (self.host is not None or (part is not flat and not np.may_share_memory(part, flat)))
         if not fresh:
             out = warm.empty(part.size, acc)
             np.copyto(out, part, casting="unsafe")
@@ -308,7 +323,7 @@ class Communicator:
         out = part if fold is not None else resolved.finish(part, self.size, owned=True)  # the fold divided a mean
         how = ("exact" if fold.exact else "tree") if fold is not None else plan.algorithm if plan is not None else ""
         self._record("allreduce", start, a.nbytes, sent, received, how)
-        return back(out.reshape(a.shape))
+        return back(out if a.ndim == 1 else out.reshape(a.shape))
 
     def _ordered_op(self, op: Op, mode: bool | str, dtype: np.dtype, x: Any) -> Op | None:
         """What ``deterministic=mode`` folds every rank's input with (None: any order gives the same bits)."""
@@ -436,7 +451,7 @@ class Communicator:
     def barrier(self) -> None:
         """Return once every rank has called it."""
         what, deadline, start = self._begin("barrier")
-        tag = f"z{self.seq}"
+        tag = f"z{self.seq}" if len(self.leaders) > 1 else ""
 
         def body() -> None:
             host = self._shm()

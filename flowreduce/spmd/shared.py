@@ -1,11 +1,17 @@
 """The ranks of one host exchanging through POSIX shared memory, no message at all.
 
-Each host group of a job has one small *control* segment and each of its
-ranks one *data* segment of three regions (two inputs, used by collectives
-in turn, and one output for the reduce-scatter's slice)::
+Each host group of a job has one *control* segment and each of its ranks
+one *data* segment of three regions (two inputs, used by collectives in
+turn, and one output for the reduce-scatter's slice)::
 
     control:  [abort word, message] [rank 0: step | region 0 | region 1 | out] [rank 1: ...] ...
+              [small slots, turn 0: rank 0 | rank 1 | ...] [turn 1: ...]
     data:     [ input region 0 | input region 1 | out ]     (one segment per rank, grown as needed)
+
+An all-reduce under :data:`SPLIT_BYTES` writes to its rank's small slot of
+the turn instead: the group's inputs then lie at a fixed stride in one
+mapping, and one ufunc ``reduce`` over them is the whole fold (at 1e3 a
+collective's own Python, not the bytes, is what the ranks wait for).
 
 A collective is one or two *steps*. In a step every rank writes its region,
 then bumps its step counter; then it waits until every peer's counter
@@ -125,6 +131,17 @@ def dtype_code(dtype: np.dtype) -> int:
     return int.from_bytes(dtype.str.encode()[:8].ljust(8, b"\0"), "little", signed=True)
 
 
+_codes: dict[np.dtype, int] = {}
+
+
+def _code(dtype: np.dtype) -> int:
+    """:func:`dtype_code`, remembered."""
+    found = _codes.get(dtype)
+    if found is None:
+        found = _codes[dtype] = dtype_code(dtype)
+    return found
+
+
 def encode_meta(dtype: np.dtype, shape: Sequence[int]) -> bytes:
     meta = f"{dtype.str};{','.join(map(str, shape))}".encode()
     if len(meta) > META:
@@ -150,13 +167,21 @@ class HostGroup:
         self.base = f"{base}-"  # every segment of this group's, and only of it
         self.control_path = os.path.join(self.dir, f"{base}-ctl")
         self.data_base = os.path.join(self.dir, f"{base}-r")
-        self.ctl = _create(self.control_path, _page(HEADER + SLOT * self.n), exclusive=False)
-        self.words = np.frombuffer(self.ctl, dtype=np.int64)
+        small_at = _page(HEADER + SLOT * self.n)  # pages of small slots are only allocated when written
+        self.ctl = _create(self.control_path, small_at + 2 * self.n * SPLIT_BYTES, exclusive=False)
+        #: turn -> the group's small slots, one row of SPLIT_BYTES per rank
+        self.small = np.frombuffer(self.ctl, np.uint8, 2 * self.n * SPLIT_BYTES, small_at).reshape(2, self.n, -1)
+        self.words = np.frombuffer(self.ctl, dtype=np.int64, count=small_at // 8)
         self.bytes = np.frombuffer(self.ctl, dtype=np.uint8)
         self.stamps = self.words[HEADER // 8::SLOT // 8][:self.n]
         #: the same words as Python ints, read and written faster one at a time than through numpy
         self.q = memoryview(self.ctl).cast("q")
         self.stamp_at = tuple((HEADER + SLOT * i) // 8 for i in range(self.n))
+        self.peer_stamps = tuple(a for i, a in enumerate(self.stamp_at) if i != self.me)
+        #: turn -> the word of each rank's record of its small slot (the input region's record)
+        self.small_records = tuple(tuple(self._record(i, turn) for i in range(self.n)) for turn in (0, 1))
+        #: (turn, bytes, dtype) -> (my small slot, the group's slots as rows), sliced once
+        self.small_views: dict[tuple[int, int, np.dtype], tuple[np.ndarray, np.ndarray]] = {}
         #: (peer, region) -> (generation, bytes, dtype code, its bytes): a region read again is not sliced again
         self.views: dict[tuple[int, int], tuple[int, int, int, np.ndarray]] = {}
         self.step = 0
@@ -236,35 +261,11 @@ class HostGroup:
         """Bump my counter and wait for every peer's."""
         self.step += 1
         target = self.step
-        q, at = self.q, self.stamp_at
-        q[at[self.me]] = target
-        st = self.stamps
-        if not all(q[a] >= target for a in at):
-            spins, sleep = 0, 5e-5
-            begun = checked = time.monotonic()
-            while not all(q[a] >= target for a in at):
-                if q[0]:
-                    raise self._aborted(what)
-                spins += 1
-                if spins & 63 and sleep == 5e-5:  # the common case: give the core to a peer, check nothing else
-                    os.sched_yield()
-                    continue
-                now = time.monotonic()
-                if now - begun < YIELD_SECONDS:
-                    os.sched_yield()
-                else:
-                    time.sleep(sleep)
-                    sleep = min(sleep * 1.5, MAX_SLEEP)
-                if now - checked > CHECK_EVERY:
-                    checked = now
-                    failure = self._failure(what)
-                    if failure is not None:
-                        raise failure
-                    if deadline is not None and now > deadline:
-                        late = [self.local[i] for i in range(self.n) if st[i] < target]
-                        raise AllreduceTimeoutError(
-                            f"{what} on rank {self.rank} timed out waiting for rank(s) {late} of its host "
-                            f"(step {target}; they are at {[int(st[i]) for i in range(self.n) if st[i] < target]})")
+        q = self.q
+        q[self.stamp_at[self.me]] = target
+        for at in self.peer_stamps:  # one peer at a time: one word read per poll
+            if q[at] < target:
+                self._wait(at, target, what, deadline)
         if q[0]:
             raise self._aborted(what)
         if not self.control_unlinked:  # every peer has mapped the control segment: its name is not needed
@@ -274,6 +275,36 @@ class HostGroup:
             name = self.retired.pop(0)[1]
             _unlink(name)
             self.mine.remove(name)
+
+    def _wait(self, at: int, target: int, what: str, deadline: float | None) -> None:
+        """Until the stamp at word ``at`` reaches ``target``: yield the core at every poll, after
+        :data:`YIELD_SECONDS` sleep between polls; check the abort word, the job and the deadline."""
+        q, st = self.q, self.stamps
+        spins, sleep = 0, 5e-5
+        begun = checked = time.monotonic()
+        while q[at] < target:
+            if q[0]:
+                raise self._aborted(what)
+            spins += 1
+            if spins & 63 and sleep == 5e-5:  # the common case: give the core to a peer, check nothing else
+                os.sched_yield()
+                continue
+            now = time.monotonic()
+            if now - begun < YIELD_SECONDS:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(sleep * 1.5, MAX_SLEEP)
+            if now - checked > CHECK_EVERY:
+                checked = now
+                failure = self._failure(what)
+                if failure is not None:
+                    raise failure
+                if deadline is not None and now > deadline:
+                    late = [self.local[i] for i in range(self.n) if st[i] < target]
+                    raise AllreduceTimeoutError(
+                        f"{what} on rank {self.rank} timed out waiting for rank(s) {late} of its host "
+                        f"(step {target}; they are at {[int(st[i]) for i in range(self.n) if st[i] < target]})")
 
     def _failure(self, what: str) -> Aborted | None:
         """The job's failure, if a rank of the host (the abort word) or anyone else
@@ -309,24 +340,23 @@ class HostGroup:
         arrays (in group order, read in place) are combined into ``out`` instead of left to right
         with ``op`` (elementwise: each rank may fold a slice)."""
         size = x.size
+        code = _code(x.dtype)
+        if x.nbytes < SPLIT_BYTES:
+            return self._small_allreduce(x, op, acc, code, what, deadline, fold)
         part = -(-size // self.n) * acc.itemsize
         self._ensure(max(x.nbytes, part))
         region = self._next_region()
-        code = dtype_code(x.dtype)
         np.copyto(self._region(region, x.nbytes).view(x.dtype), x)
         self._write_record(region, x.nbytes, code=code)
         self._arrive(what, deadline)
         views = []
         for i in range(self.n):
             buf, nbytes, theirs = self._peer_region(i, region, what)
-            if nbytes != x.nbytes or theirs != code:
-                got = theirs.to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace")
-                raise InputError(f"{what}: rank {self.local[i]} gave {nbytes} bytes of {got!r}, rank {self.rank} "
-                                 f"{x.nbytes} bytes of {x.dtype.str!r}: every rank must give the same shape and dtype")
+            self._check(i, nbytes, theirs, x, code, what)
             views.append(buf.view(x.dtype))
         combine = fold or (lambda parts, into: _fold(op, parts, into))
         out = warm.empty(size, acc)
-        if x.nbytes < SPLIT_BYTES or size < self.n:
+        if size < self.n:
             combine(views, out)
             return out
         lo, hi = size * self.me // self.n, size * (self.me + 1) // self.n
@@ -339,6 +369,41 @@ class HostGroup:
             buf, _, _ = self._peer_region(i, OUT, what)
             out[a:b] = buf.view(acc)[:b - a]
         return out
+
+    def _small_allreduce(self, x: np.ndarray, op: Op, acc: np.dtype, code: int, what: str,
+                         deadline: float | None,
+                         fold: Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray] | None) -> np.ndarray:
+        """One step through the turn's small slots (``x`` under :data:`SPLIT_BYTES`)."""
+        turn = self._next_region()
+        nbytes = x.nbytes
+        views = self.small_views.get((turn, nbytes, x.dtype))
+        if views is None:
+            block = self.small[turn, :, :nbytes].view(x.dtype)  # (ranks, size): the group's inputs, in order
+            views = self.small_views[turn, nbytes, x.dtype] = (block[self.me], block)
+        mine, block = views
+        np.copyto(mine, x)
+        q, records = self.q, self.small_records[turn]
+        q[records[self.me] + 1] = nbytes
+        q[records[self.me] + 3] = code
+        self._arrive(what, deadline)
+        for i, w in enumerate(records):
+            if q[w + 1] != nbytes or q[w + 3] != code:
+                self._check(i, q[w + 1], q[w + 3], x, code, what)
+        out = np.empty(x.size, acc)
+        if fold is not None:
+            return fold(list(block), out)
+        if op.in_place and acc == x.dtype and x.size > 1 and isinstance(op.func, np.ufunc):
+            # one call; the rows are combined one after the other, in order (numpy iterates the
+            # contiguous axis inside), so the bits are _fold's
+            return op.func.reduce(block, axis=0, out=out)
+        return _fold(op, list(block), out)
+
+    def _check(self, i: int, nbytes: int, theirs: int, x: np.ndarray, code: int, what: str) -> None:
+        """Raise if peer ``i`` (which wrote ``nbytes`` of dtype code ``theirs``) disagrees with ``x``."""
+        if nbytes != x.nbytes or theirs != code:
+            got = theirs.to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace")
+            raise InputError(f"{what}: rank {self.local[i]} gave {nbytes} bytes of {got!r}, rank {self.rank} "
+                             f"{x.nbytes} bytes of {x.dtype.str!r}: every rank must give the same shape and dtype")
 
     def broadcast(self, x: np.ndarray | None, root: int, what: str, deadline: float | None) -> np.ndarray:
         """The array of the group's rank ``root`` (an index into the group), a copy on every rank."""
@@ -387,6 +452,7 @@ class HostGroup:
             sweep(self.dir, self.base)
         self.peers.clear()
         self.views.clear()
+        self.small_views.clear()
         self.data = None
 
 
@@ -395,8 +461,14 @@ def _fold(op: Op, parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
     if op.in_place:
         if out.nbytes > FOLD_BLOCK_BYTES:
             return op.fold(parts, out)
-        np.copyto(out, parts[0], casting="unsafe")  # small: no blocks (what fold adds is call overhead)
-        for p in parts[1:]:
+        # small: no blocks (what fold adds is call overhead), and no copy of the first part if it need not be cast
+        if len(parts) > 1 and parts[0].dtype == out.dtype:
+            op.func(parts[0], parts[1], out=out)
+            rest = parts[2:]
+        else:
+            np.copyto(out, parts[0], casting="unsafe")
+            rest = parts[1:]
+        for p in rest:
             op.func(out, p, out=out)
         return out
     acc: Any = parts[0]
