@@ -87,7 +87,10 @@ def run_flowreduce(sizes: list[int], repeat: int, warmup: int,
     import flowreduce
 
     with dask.config.set({"flowreduce.spmd.transport": transport}), \
-            LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0",
+                         # a rank's RSS counts the peers' shared pages it reads: at 1e8 (4.7 GB) the nanny's
+                         # default limit (a quarter of the machine) would restart it mid-job
+                         memory_limit=0) as cluster, \
             Client(cluster) as client:
         futures = flowreduce.spmd(client, _rank, ranks=4, sizes=sizes, repeat=repeat, warmup=warmup)
         return client.gather(futures)[0]
