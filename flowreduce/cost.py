@@ -126,6 +126,10 @@ DEFAULT_INTER = Link(alpha=4e-3, beta=8 / 10e9)
 #: per byte): side by side on this project's machine (noisy, 2026-11), the
 #: three-level collective beat the fastest Dask plan by 2-3x from 1e7 elements.
 DEFAULT_SHM = Link(alpha=4e-3, beta=1 / 2e10)
+#: One step of a host group (:mod:`flowreduce.shm.host_group`): its workers polling each other's counters
+#: in shared memory, no scheduler between them (an SPMD all-reduce of 1e3 float64 over 4 ranks on 2 cores,
+#: a barrier and a step, took 60-110 us, docs/spmd.md).
+HOST_GROUP_STEP = 1e-4
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,27 @@ class CostModel:
         engine = replace(self, level=self.message, task=0.0, call=0.0, intra=intra)
         return (self.call + 3 * self.level + (workers + 1 + ranks) * self.task + combine + copies
                 + engine._time(workers, plan.chunks, card, loads, nbytes))
+
+    def p2p_host_time(self, plan: Plan, nbytes: float, ranks: int, split_bytes: int) -> float:
+        """``method="p2p"`` with ``plan`` ``shm-direct`` over workers of one host: their engines run it
+        as one all-reduce of a host group (:mod:`flowreduce.shm.host_group`), no message. The task
+        levels and each worker's combining and copies are :meth:`p2p_time`'s; the engine's part is
+        each worker writing its sum into shared memory, then, under ``split_bytes``, folding every
+        worker's (one step), from it folding its slice and copying every slice (two steps)."""
+        workers = plan.ranks
+        per_worker = math.ceil(ranks / workers)
+        link = self.shm or DEFAULT_SHM
+        body = (per_worker - 1) * nbytes * (1 / self.reduce_rate + 1 / self.copy_rate) + nbytes * link.beta
+        if nbytes < split_bytes:
+            steps = 1
+            body += workers * nbytes * link.beta + (workers - 1) * nbytes / self.reduce_rate
+        else:
+            steps = 2
+            body += ((workers - 1) / workers * nbytes * (link.beta + 1 / self.reduce_rate)
+                     + nbytes * link.beta + nbytes / self.copy_rate)
+        if self.cores and self.cores < workers:
+            body = body * workers / self.cores
+        return self.call + 3 * self.level + (workers + 1 + ranks) * self.task + steps * HOST_GROUP_STEP + body
 
     def shm_direct_time(self, plan: Plan, nbytes: float) -> float:
         """The one-level intra-host collective over shared memory: 3 levels,

@@ -82,6 +82,25 @@ def test_shm_direct_is_priced_on_the_shared_memory_link():
     assert m.predict(plan, 8e3) > m.predict(flowreduce.choose(4, 8e3, model=m), 8e3)
 
 
+def test_p2p_on_one_host_is_priced_as_one_collective_of_a_host_group():
+    """method="p2p" with shm-direct over workers of one host (flowreduce.shm.host_group): the task
+    levels of any p2p run, then one step under ``split_bytes`` and two from it, bytes at the shm link's
+    rate: less than the engine's plans through messages (a message per dependent step) at every size."""
+    from flowreduce.cost import HOST_GROUP_STEP
+
+    m = CostModel(cores=2)
+    plan = flowreduce.plan("shm-direct", 4)
+    split = 64 << 10
+    assert m.p2p_host_time(plan, 0, 4, split) == pytest.approx(m.call + 3 * m.level + 9 * m.task + HOST_GROUP_STEP)
+    jump = m.p2p_host_time(plan, split, 4, split) - m.p2p_host_time(plan, split - 8, 4, split)
+    eight_bytes = m.p2p_host_time(plan, split - 8, 4, split) - m.p2p_host_time(plan, split - 16, 4, split)
+    assert jump > 100 * eight_bytes  # the second step
+    for nbytes in (8e3, 8e5, 8e7):
+        messages = flowreduce.choose(4, nbytes, model=m)
+        assert m.p2p_host_time(plan, nbytes, 4, split) < m.p2p_time(messages, nbytes, 4), nbytes
+    assert m.p2p_host_time(plan, 8e7, 8, split) > m.p2p_host_time(plan, 8e7, 4, split)  # ranks sharing a worker
+
+
 @pytest.mark.parametrize("chunks", [1, 2, 3, 8])
 @pytest.mark.parametrize("algorithm,opts", [("hierarchical", {"groups": [[0, 1, 2], [3, 4]]}),
                                             *[(a, {}) for a in DENSE if a != "hierarchical"]])

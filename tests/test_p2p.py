@@ -581,6 +581,73 @@ def test_a_value_broadcast_to_workers_of_one_host_is_written_once(proc_client):
     del out, futures
 
 
+def _host_runs(dask_worker=None):
+    return dask_worker.extensions[engine.EXTENSION].host_runs
+
+
+@pytest.mark.parametrize("n", [0, 1, 1001, 100_000])
+def test_workers_of_one_host_run_auto_as_one_collective_of_a_host_group(proc_client, n):
+    """method="p2p" over workers of one host, algorithm auto: the plan is shm-direct, and the engines
+    run it as one all-reduce of a host group (flowreduce.shm.host_group: every worker's values in shared
+    memory, one step under 64 KiB and two from it, no engine message). The same bits as the same plan
+    through Dask's comm, ranks sharing workers combined there first; every segment given back after."""
+    p = 6
+    arrays = [np.random.default_rng(r).standard_normal(n) * 10.0 ** (r % 5) for r in range(p)]
+    futures = scatter_ranks(proc_client, arrays)
+    engine.ensure_p2p(proc_client)
+    runs, sends = sum(proc_client.run(_host_runs).values()), sum(proc_client.run(_shared_sends).values())
+    out = flowreduce.allreduce(proc_client, futures, method="p2p")
+    got = proc_client.gather(out)
+    assert flowreduce.describe(out).plan.algorithm == "shm-direct"
+    assert sum(proc_client.run(_host_runs).values()) - runs == 4  # every worker, once
+    assert sum(proc_client.run(_shared_sends).values()) == sends  # and no message
+    through_dask = proc_client.gather(flowreduce.allreduce(proc_client, futures, algorithm="shm-direct",
+                                                           method="p2p", transport="dask"))
+    for g in got:
+        assert g.tobytes() == through_dask[0].tobytes()
+    np.testing.assert_allclose(got[0], np.sum(arrays, axis=0), rtol=1e-9)
+    assert wait_until(lambda: not any(proc_client.run(_leased).values()), 10)
+    assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
+
+
+def _die_in_host_group(dask_worker=None):
+    """Arm this worker to SIGKILL itself as its engine enters a host group's all-reduce (its peers wait
+    for it in shared memory)."""
+    import os
+    import signal
+
+    from flowreduce.shm.host_group import HostGroup
+
+    def dying(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    HostGroup.allreduce = dying
+
+
+@pytest.mark.parametrize("n", [1000, 100_000])
+def test_a_worker_killed_inside_a_host_group_run_restarts_it_on_the_survivors(killable, n):
+    """A worker dies as its engine enters the host group while the other two wait for it there: their
+    wait ends (the run failed), the run restarts over the two survivors, and every rank's result is
+    right; no run, key or segment is left."""
+    p = 6
+    workers = sorted(killable.nthreads())
+    futures = [killable.submit(np.arange, n * r, n * (r + 1), workers=[workers[r % 3]],
+                               allow_other_workers=True, pure=False) for r in range(p)]
+    engine.ensure_p2p(killable)
+    killable.run(_die_in_host_group, workers=[workers[1]])
+    wait(futures)
+    out = flowreduce.allreduce(killable, futures, method="p2p")
+    want = np.arange(n * p).reshape(p, n).sum(0)
+    for f in out:
+        np.testing.assert_array_equal(f.result(timeout=60), want)
+    assert flowreduce.describe(out).plan.algorithm == "shm-direct"
+    assert workers[1] not in killable.nthreads()  # it did die mid-run
+    assert wait_until(lambda: not _held(killable), 10), _held(killable)
+    del out, futures, f
+    gc.collect()
+    assert_clean(killable)
+
+
 def _die_at_first_message(dask_worker=None):
     """Arm this worker to SIGKILL itself when its engine receives a run's first values (mid-run: the
     peers have computed and sent a step, this worker has handed in)."""

@@ -46,15 +46,22 @@ def test_a_buffer_is_lent_again_only_after_its_array_and_views_are_gone():
 
 def test_sizes_share_buffers_by_grain_and_small_arrays_are_plain():
     b = Buffers()
-    a = b.empty(N, np.float64)
+    large = 2 * GRAIN // 8
+    a = b.empty(large, np.float64)
     m = _mapping(a)
     del a
     gc.collect()
-    c = b.empty((N * 8 - GRAIN // 2) // 4, np.int32)  # within the same grain
+    c = b.empty((large * 8 - GRAIN // 2) // 4, np.int32)  # within the same grain
     assert _mapping(c) is m and c.dtype == np.int32 and c.flags.writeable
+    below = b.empty(3 * MIN_BYTES // 8, np.float64)  # under a grain: classes of powers of two
+    m = _mapping(below)
+    del below
+    gc.collect()
+    d = b.empty(MIN_BYTES * 4 - 1, np.uint8)  # 4 x MIN_BYTES is the class of 3 x MIN_BYTES
+    assert _mapping(d) is m
     small = b.empty(10, np.float64)
     assert small.base is None  # plain np.empty
-    assert b.stats()["result_buffers_lent"] == 1
+    assert b.stats()["result_buffers_lent"] == 2
 
 
 def test_free_buffers_are_bounded_and_dropped_when_idle():
@@ -81,7 +88,7 @@ def test_a_buffer_is_kept_only_while_the_host_has_memory_to_spare(monkeypatch):
 
     available, total = result_buffers.host_memory()  # this Linux host's, read as the pool reads it
     assert 0 < available <= total
-    b = Buffers(limit=1 << 30, idle=60)
+    b = Buffers(limit=1 << 30, idle=60, recheck=0)  # read at every give-back (by default a reading lasts 0.1 s)
     for share, kept in ((0.9, 1), (0.1, 0)):
         monkeypatch.setattr(result_buffers, "host_memory", lambda s=share: (int(s * total), total))
         x = b.empty(N, np.float64)

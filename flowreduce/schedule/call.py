@@ -81,8 +81,11 @@ from flowreduce.schedule.inputs import (
 from flowreduce.schedule.peer_reads import ensure_peer_handlers, reading
 from flowreduce.schedule.records import CallRecord, PytreeRecord
 from flowreduce.schedule.shm_plugin import ensure_shm
+from flowreduce.shm import pool as _shm_pool
+from flowreduce.shm.host_group import SPLIT_BYTES, stores_ordered
 
 logger = logging.getLogger("flowreduce")
+
 
 def describe(futures: Sequence[Any]) -> CallRecord | PytreeRecord:
     """The :class:`~flowreduce.schedule.records.CallRecord` of the
@@ -854,7 +857,27 @@ def p2p_route(client: Client | None, ranks: Ranks, settings: Settings) -> P2PRou
     levels = hosts.rank_levels(client, engines, ranks.places, settings.topology)
     nbytes = math.prod(held.shape) * np.dtype(held.dtype).itemsize
     plan = choose_plan(len(engines), nbytes, levels, model, settings)
-    return P2PRoute(plan, model, engines, nbytes, model.p2p_time(plan, nbytes, len(workers), levels[0]))
+    predicted = model.p2p_time(plan, nbytes, len(workers), levels[0])
+    if _through_host(engines, ranks, settings, nbytes):  # shm-direct, run as one collective of a host group
+        shared = plan if plan.algorithm == _transport.DIRECT else _transport.direct_plan(len(engines), engines)
+        price = model.p2p_host_time(shared, nbytes, len(workers), SPLIT_BYTES)
+        if plan.algorithm == _transport.DIRECT or price < predicted:
+            plan, predicted = shared, price
+    return P2PRoute(plan, model, engines, nbytes, predicted)
+
+
+def _through_host(engines: Sequence[str], ranks: Ranks, settings: Settings, nbytes: int) -> bool:
+    """Whether the engines can run the call as one all-reduce of a host group
+    (:func:`flowreduce.schedule.p2p.through_host` decides on the workers): two or more workers of one
+    host sharing memory, no chunks asked, no tree order to keep (``deterministic=True`` on floats),
+    and ``auto`` or ``shm-direct`` asked."""
+    held = cast(ArrayMeta, ranks.held)
+    if (len(engines) < 2 or settings.algorithm not in ("auto", _transport.DIRECT) or settings.chunks_for(nbytes)
+            or (settings.deterministic and tree_ordered(settings.op.name, np.dtype(held.dtype)))
+            or not _shm_pool.config()["enabled"] or not stores_ordered()):
+        return False
+    domains = _transport.memory_domains(list(engines), ranks.places, settings.transport)
+    return _transport.IN_PROCESS not in domains and _transport.one_host(engines, domains)
 
 
 def p2p_spec(ranks: Ranks, settings: Settings, route: P2PRoute) -> Any:

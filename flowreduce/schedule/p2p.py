@@ -30,6 +30,7 @@ import asyncio
 import copy
 import logging
 import pickle
+import threading
 import weakref
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -46,6 +47,7 @@ from distributed.protocol import to_serialize
 
 from flowreduce import arrays
 from flowreduce.algorithms.ir import REDUCE
+from flowreduce.algorithms.shm_direct import NAME as SHM_DIRECT
 from flowreduce.dashboard.store import NAME as DASHBOARD
 from flowreduce.errors import InputError, InputTypeError, WorkerLostError, refused
 from flowreduce.kernels import dense as _kernels
@@ -63,6 +65,7 @@ from flowreduce.schedule.engine_log import serve as _serve_engine_log
 from flowreduce.schedule.inputs import ArrayMeta, OtherMeta, meta_of
 from flowreduce.schedule.peer_reads import leave_slot
 from flowreduce.shm import pool as _shm_pool
+from flowreduce.shm.host_group import HostGroup, Pooled, stores_ordered
 
 logger = logging.getLogger("flowreduce")
 
@@ -136,6 +139,8 @@ class Run:
         #: the big values of a message written into a segment, by their (chunk, node)s, while peers of this
         #: host read them: the same values for several peers (a broadcast) are written once
         self.written: dict[tuple[tuple[int, int], ...], Written] = {}
+        #: the run is one collective of the host group of its workers (:func:`through_host`), no message
+        self.through_host = through_host(spec)
 
     # -- data in --------------------------------------------------------------
     async def hand_in(self, index: int, xs: Sequence[Any]) -> None:
@@ -169,11 +174,67 @@ class Run:
         if self.engine.runs.get(self.id) is not self:  # failed meanwhile
             return
         self.inputs[index] = x
+        if self.through_host:
+            await self._through_host(index, x, cast)
+            return
         for c in range(self.spec.chunks):
             for n in self.prog.views[index]:
                 s = self.prog.site(c, n)
                 self._available(c, n, _kernels.split(x, s.start, s.stop, cast), here=True)
         self._drain()
+        self._maybe_done()
+
+    async def _through_host(self, index: int, x: np.ndarray, cast: np.dtype | None) -> None:
+        """This worker's part of a run through shared memory: one all-reduce of the host group of the
+        run's workers (:class:`~flowreduce.shm.host_group.HostGroup`, as an SPMD job's ranks do), in
+        a thread of its own, since it waits for its peers (the worker's executor may be busy). The
+        group is made for the run and taken down after it; the run failing anywhere (a peer, a lost
+        worker, the scheduler) ends its wait within milliseconds."""
+        spec, prog = self.spec, self.prog
+        flat = np.ascontiguousarray(x).reshape(-1)
+        acc = cast if cast is not None else flat.dtype
+        what = f"all-reduce run {self.id} (worker {index} of {len(spec.addresses)}, through shared memory)"
+        base = f"{HOST_GROUP_PREFIX}{self.id}"
+        directory = str(_shm_pool.config()["directory"])
+
+        def failed() -> str | None:
+            exc = self.engine.failed.get(self.id)
+            return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+        def collective() -> np.ndarray:
+            group = HostGroup(directory, base, range(len(spec.addresses)), index, failed, HOST_GROUP_YIELD,
+                              Pooled(directory, self.id))
+            try:
+                out = group.allreduce(flat, prog.op, acc, what, None)
+                if group.mine:  # peers may still read my segment: the pool leases it again once they are done
+                    group.barrier(what, None)
+            except BaseException as e:
+                group.abort(f"{what} failed on {self.engine.address}: {type(e).__name__}: {e}")
+                group.close(failed=True)
+                raise
+            group.close(failed=False)
+            return out
+
+        t0 = _now()
+        self.offloaded += 1
+        try:
+            out = await _in_thread(collective, f"flowreduce-{self.id}")
+        except Exception as e:
+            if self.engine.runs.get(self.id) is self:
+                self.engine.fail(self.id, e, tell=True)
+            return
+        finally:
+            self.offloaded -= 1
+        if self.engine.runs.get(self.id) is not self:  # failed meanwhile
+            return
+        self.engine.host_runs += 1
+        nbytes = flat.size * prog.itemsize
+        for m in prog.local_nodes:
+            self.engine.log.node(self.id, 0, m, t0, nbytes, 1)
+        self.finals[index] = {c: (prog.op.finish(out, spec.ranks, owned=True),) if c == 0 else ()
+                              for c in range(spec.chunks)}
+        self._finish(index)
+        self.left = 0
         self._maybe_done()
 
     def deliver(self, items: Sequence[Item]) -> None:
@@ -380,6 +441,47 @@ class Run:
         self.inputs.clear()
         self.handed.clear()
         self.outbox.clear()
+
+
+#: The start of the names of a run's host group segments (with the run's id).
+HOST_GROUP_PREFIX = "frp2p-"
+#: Seconds a run's host group keeps yielding its core while it waits for its peers, before it sleeps
+#: between polls (an SPMD rank yields for 50 ms: here the worker's event loop shares the process and
+#: waits for the GIL the polling thread keeps taking back).
+HOST_GROUP_YIELD = 1e-3
+
+
+def through_host(spec: Spec) -> bool:
+    """Whether run ``spec`` is one all-reduce of a host group (:meth:`Run._through_host`): its plan
+    is ``shm-direct`` over two or more workers that all share one host's memory, on a machine whose
+    stores are seen in order (:func:`~flowreduce.shm.host_group.stores_ordered`), and it carries no
+    partial sums of ``deterministic=True`` (the group folds the workers in order, as the plan does)."""
+    d = spec.domains
+    return (spec.algorithm == SHM_DIRECT and len(spec.addresses) > 1 and bool(d) and None not in d
+            and len(set(d)) == 1 and not spec.ordered and stores_ordered())
+
+
+async def _in_thread(fn: Callable[[], Any], name: str) -> Any:
+    """``fn()`` on a new thread (not a pool's: runs waiting for each other must not wait for a slot)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            value, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the worker's loop closed meanwhile: nobody awaits it
+            pass
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await done
 
 
 class Written:
@@ -636,6 +738,7 @@ class Engine:
         #: values for a worker of this host at least this big go through a shared segment
         self.shm_min_bytes = int(_shm_pool.config()["min-bytes"])
         self.shared_sends = 0  # messages whose big values went through a segment (tests read it)
+        self.host_runs = 0  # runs done here as one collective of a host group (tests read it)
         #: call token -> rank -> its input, kept from its arrive task until the scheduler says the call ended
         self.arrived: dict[str, dict[int, np.ndarray]] = {}
         #: call token -> its latest run here, for its results waiting since their rank arrived

@@ -36,8 +36,9 @@ import numpy.typing as npt
 from flowreduce.shm import pool as shm_pool
 from flowreduce.shm.pool import GRAIN  # sized as the segments are, so calls of nearby sizes share them
 
-#: Results smaller than this are plain ``np.empty`` (few pages to fault).
-MIN_BYTES = 1 << 20
+#: Results smaller than this are plain ``np.empty`` (few pages to fault). An SPMD job's collectives of a
+#: few hundred KB, thousands of times, are why it is not higher.
+MIN_BYTES = 64 << 10
 #: A freed buffer is kept only while this share of the host's memory stays
 #: available to everybody (``MemAvailable``): every worker of the host keeps
 #: its own pool, and their bounds are per worker, so this is the one bound that
@@ -59,8 +60,12 @@ def host_memory() -> tuple[int, int] | None:
 class Buffers:
     """Free private buffers by size; :meth:`empty` lends one as an array."""
 
-    def __init__(self, limit: int = 1 << 30, idle: float = 30.0):
+    def __init__(self, limit: int = 1 << 30, idle: float = 30.0, recheck: float = 0.1):
         self.limit, self.idle = limit, idle
+        #: seconds a reading of the host's memory is trusted (reading it takes ~30 us, and an SPMD job may
+        #: give a buffer back every millisecond)
+        self.recheck = recheck
+        self._host: tuple[float, bool] = (-float("inf"), True)  # (when read, whether the host had memory to spare)
         self._free: dict[int, list[tuple[mmap.mmap, float]]] = defaultdict(list)
         self._free_bytes = 0
         self._lent = 0  # buffers behind live arrays (for stats and tests)
@@ -74,7 +79,8 @@ class Buffers:
         nbytes = count * dtype.itemsize
         if nbytes < MIN_BYTES or self.closed:
             return np.empty(count, dtype)
-        size = -(-nbytes // GRAIN) * GRAIN
+        # sizes in classes, so that results of nearby sizes share buffers: GRAIN's multiples, powers of two below
+        size = -(-nbytes // GRAIN) * GRAIN if nbytes >= GRAIN else 1 << (nbytes - 1).bit_length()
         with self._lock:
             free = self._free.get(size)
             buf = free.pop()[0] if free else None
@@ -94,14 +100,23 @@ class Buffers:
             self._lent -= 1
             if self.closed or self._free_bytes + size > self.limit:
                 return
-        host = host_memory()
-        if host is not None and host[0] < HOST_RESERVE * host[1]:  # the host is short of memory: let it go
+        if not self._spare():  # the host is short of memory: let it go
             return
         with self._lock:
             if self.closed or self._free_bytes + size > self.limit:
                 return
             self._free[size].append((buf, time.monotonic()))
             self._free_bytes += size
+
+    def _spare(self) -> bool:
+        """Whether the host has memory to spare (:data:`HOST_RESERVE`), read at most every ``recheck`` s."""
+        read_at, spare = self._host
+        now = time.monotonic()
+        if now - read_at >= self.recheck:
+            host = host_memory()
+            spare = host is None or host[0] >= HOST_RESERVE * host[1]
+            self._host = (now, spare)
+        return spare
 
     def release_idle(self, now: float | None = None) -> int:
         """Drop free buffers unused for :attr:`idle` seconds; how many."""

@@ -5,7 +5,7 @@ the job's :class:`~flowreduce.spmd.layout.Layout`; every collective after
 that sends nothing to the scheduler and makes no task. The shape of each
 collective is hierarchical:
 
-1. inside the host group, through shared memory (:class:`~flowreduce.spmd.shared.HostGroup`;
+1. inside the host group, through shared memory (:class:`~flowreduce.shm.host_group.HostGroup`;
    nothing to do for a rank alone on its host);
 2. between the groups' leaders (each group's lowest rank), over Dask's comm
    worker to worker (:class:`~flowreduce.spmd.mailbox.Mailbox`): an
@@ -48,11 +48,11 @@ from flowreduce.ops import Op, resolve_op
 from flowreduce.reproducible import supported, tree_ordered
 from flowreduce.schedule.reproducible import exact_op
 from flowreduce.schedule.reproducible import mode as deterministic_mode
-from flowreduce.spmd import warm
+from flowreduce.shm.host_group import Aborted, HostGroup
+from flowreduce.shm.result_buffers import buffers
 from flowreduce.spmd.layout import Layout
 from flowreduce.spmd.mailbox import Mailbox
 from flowreduce.spmd.planrun import run_plan
-from flowreduce.spmd.shared import Aborted, HostGroup
 
 #: Events a communicator keeps (the newest).
 EVENTS = 10_000
@@ -163,7 +163,9 @@ class Communicator:
 
     def _shm(self) -> HostGroup | None:
         if self.host is None and len(self.group) > 1:
-            self.host = HostGroup(self.layout, self.rank, self._why)
+            layout = self.layout
+            self.host = HostGroup(layout.directory, f"{layout.prefix()}g{layout.group_of[self.rank]}", self.group,
+                                  self.rank, self._why)
         return self.host
 
     def _begin(self, name: str) -> tuple[str, float | None, float]:
@@ -317,7 +319,7 @@ class Communicator:
         # one; what the host group returns is always new)
         fresh = part.dtype == acc and (self.host is not None or (part is not flat and not np.may_share_memory(part, flat)))
         if not fresh:
-            out = warm.empty(part.size, acc)
+            out = buffers().empty(part.size, acc)
             np.copyto(out, part, casting="unsafe")
             part = out
         out = part if fold is not None else resolved.finish(part, self.size, owned=True)  # the fold divided a mean
@@ -349,7 +351,7 @@ class Communicator:
 
         if len(self.leaders) == 1:  # the host group is every rank, in rank order
             if host is None:
-                return fold([flat], warm.empty(flat.size, flat.dtype)), 0, 0
+                return fold([flat], buffers().empty(flat.size, flat.dtype)), 0, 0
             return host.allreduce(flat, fold_op, flat.dtype, what, deadline, fold=fold), 0, 0
         mine = host.allgather(flat, what, deadline) if host is not None else [flat]
         out: np.ndarray | None = None
@@ -361,7 +363,7 @@ class Communicator:
                 theirs = ", ".join(f"rank {r} gave {parts[r].size} x {parts[r].dtype.str!r}" for r in bad)
                 raise InputError(f"{what}: {theirs}, rank {self.rank} {flat.size} x {flat.dtype.str!r}: every rank "
                                  "must give the same shape and dtype")
-            out = fold([parts[r] for r in range(size)], warm.empty(flat.size, flat.dtype))
+            out = fold([parts[r] for r in range(size)], buffers().empty(flat.size, flat.dtype))
         if host is not None:
             out = host.broadcast(out if self.leader else None, 0, what, deadline)
         assert out is not None

@@ -22,10 +22,10 @@ from distributed import Future, get_worker, rejoin, secede, wait
 
 from flowreduce.errors import InputError, OptionError, WorkerLostError
 from flowreduce.schedule.hosts import worker_places
+from flowreduce.shm.host_group import stores_ordered, sweep
 from flowreduce.spmd.comm import Communicator
 from flowreduce.spmd.layout import Layout, prefix, round_robin
 from flowreduce.spmd.mailbox import EXTENSION, SpmdWorkerPlugin
-from flowreduce.spmd.shared import stores_ordered, sweep
 from flowreduce.spmd.watch import SpmdSchedulerPlugin, rank_key
 
 logger = logging.getLogger("flowreduce")

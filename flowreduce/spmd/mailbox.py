@@ -26,7 +26,7 @@ from distributed.protocol import to_serialize
 
 from flowreduce.dashboard.record import SPMD_LAST
 from flowreduce.errors import AllreduceTimeoutError, refused
-from flowreduce.spmd.shared import Aborted, sweep
+from flowreduce.shm.host_group import Aborted, sweep
 
 logger = logging.getLogger("flowreduce")
 

@@ -67,9 +67,9 @@ from flowreduce.schedule import guard, hosts, transport
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule.placement import wait_on
 from flowreduce.schedule.shm_plugin import ensure_shm
+from flowreduce.shm.host_group import Aborted, stores_ordered
 from flowreduce.spmd.job import configured_timeout, directory, ensure_spmd, run_rank
 from flowreduce.spmd.layout import Layout
-from flowreduce.spmd.shared import Aborted, stores_ordered
 from flowreduce.spmd.watch import rank_key
 from flowreduce.torch import direct
 from flowreduce.torch import replica as _replica
@@ -291,7 +291,7 @@ class Trainer:
         """Whether steps can be fused: the shared-memory step with no reduce
         level, and no buffers to broadcast every step."""
         flat = self._flat
-        # the communicator's shared memory needs ordered stores (flowreduce.spmd.shared)
+        # the communicator's shared memory needs ordered stores (flowreduce.shm.host_group)
         return flat is not None and flat.share and set(flat.levels) == {1} and not self._broadcasts and stores_ordered()
 
     def _block(self, asked: int | None = None) -> int:
@@ -445,7 +445,7 @@ class Trainer:
 
     def _raise_first(self, futures: list) -> None:
         """Wait until ``futures`` are all done or one failed; raise the first failure: the origin
-        of a failed block of fused steps, not the peers it failed (:class:`~flowreduce.spmd.shared.Aborted`),
+        of a failed block of fused steps, not the peers it failed (:class:`~flowreduce.shm.host_group.Aborted`),
         and a rank whose worker left as :class:`~flowreduce.errors.WorkerLostError`."""
         pending = list(futures)
         while pending:

@@ -1,5 +1,9 @@
 """The ranks of one host exchanging through POSIX shared memory, no message at all.
 
+Used by SPMD jobs' communicators (:mod:`flowreduce.spmd.comm`) for every
+collective inside a host, and by the p2p engine (:mod:`flowreduce.schedule.p2p`)
+for a run whose workers all share one host (its ``shm-direct`` plan).
+
 Each host group of a job has one *control* segment and each of its ranks
 one *data* segment of three regions (two inputs, used by collectives in
 turn, and one output for the reduce-scatter's slice)::
@@ -33,8 +37,9 @@ every peer has passed the next step (they have mapped it, if they read it).
 Failure: a rank that fails sets the abort word (with why), and every rank
 polling a counter raises; the communicator also gives a callable checked
 while waiting (a peer on another worker or the scheduler said the job
-failed) and the deadline. Names start with :meth:`Layout.prefix`, so a
-sweep removes everything of a failed attempt (:func:`sweep`).
+failed) and the deadline. Names start with the group's ``base`` (an SPMD
+job's: :meth:`flowreduce.spmd.layout.Layout.prefix`), so a sweep removes
+everything of a failed attempt (:func:`sweep`).
 
 x86 stores are not reordered with other stores, nor loads with loads: a
 counter written after the data is seen after it. Another architecture
@@ -56,15 +61,17 @@ import numpy as np
 
 from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, OptionError
 from flowreduce.ops import FOLD_BLOCK_BYTES, Op
-from flowreduce.spmd import warm
-from flowreduce.spmd.layout import Layout
+from flowreduce.shm import pool as shm_pool
+from flowreduce.shm.result_buffers import buffers
 
 #: From this many bytes an all-reduce is a reduce-scatter and an all-gather (two steps, the work split).
 SPLIT_BYTES = 64 << 10
 HEADER = 1024  # abort word, message length, message
-SLOT = 512  # per rank: step counter (64 bytes), then three regions' records of 128 bytes
+SLOT = 768  # per rank: step counter (64 bytes), three regions' records, two data segments' names
 REGION = 128  # generation, bytes, meta length, dtype code, meta (dtype and shape)
 META = REGION - 32
+NAMED = 128  # a data segment: its size, its name's length, its name (one per generation parity)
+NAME_AT = 64 + 3 * REGION
 OUT = 2  # the output region's index
 #: How long a waiting rank keeps yielding its core (at every poll) before it sleeps: the ranks of a host
 #: often outnumber its free cores, so a rank that waits gives its core away at once.
@@ -155,18 +162,91 @@ def decode_meta(meta: bytes) -> tuple[np.dtype, tuple[int, ...]]:
     return np.dtype(dt), tuple(int(s) for s in shape.split(",") if s)
 
 
-class HostGroup:
-    """One rank's view of its host group (``layout.groups[...]``, more than one rank)."""
+class Files:
+    """Where a group's data segments live by default: files of the group's own, named after it
+    (so that a sweep of its names takes them all), unlinked when retired."""
 
-    def __init__(self, layout: Layout, rank: int, external: Callable[[], str | None]):
-        self.layout, self.rank, self.external = layout, rank, external
-        self.local = layout.groups[layout.group_of[rank]]
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def create(self, name: str, size: int) -> tuple[str, np.ndarray]:
+        """A new segment of ``size`` bytes, named ``name`` here (the name peers open, and its bytes)."""
+        return name, np.frombuffer(_create(os.path.join(self.directory, name), size, exclusive=True), np.uint8)
+
+    def open(self, name: str, size: int) -> np.ndarray:
+        """A peer's segment (raises FileNotFoundError if it is gone)."""
+        return np.frombuffer(_open(os.path.join(self.directory, name)), np.uint8)
+
+    def retire(self, name: str, failed: bool) -> None:
+        """One of mine that no peer reads any more (``failed``: one peers may still read)."""
+        _unlink(os.path.join(self.directory, name))
+
+
+class Pooled(Files):
+    """Data segments leased from this process's segment pool (:mod:`flowreduce.shm.pool`): pages
+    already touched, and peers' segments kept mapped from one group to the next (the p2p engine
+    makes a group per run). Files of the group's own when the pool has none to lease."""
+
+    def __init__(self, directory: str, owner: str):
+        super().__init__(directory)
+        self.owner = owner  # the lease's owner: the run
+        self.leases: dict[str, tuple[shm_pool.Segment, int]] = {}
+
+    def create(self, name: str, size: int) -> tuple[str, np.ndarray]:
+        try:
+            seg = shm_pool.pool().lease(size, owner=self.owner)
+        except shm_pool.Unavailable:
+            return super().create(name, size)
+        self.leases[seg.name] = (seg, seg.generation)
+        return seg.name, seg.buf[shm_pool.HEADER:shm_pool.HEADER + size]
+
+    def open(self, name: str, size: int) -> np.ndarray:
+        if not shm_pool.SEGMENT_NAME.fullmatch(name):
+            return super().open(name, size)
+        pool, need = shm_pool.pool(), shm_pool.HEADER + size
+        try:
+            seg = pool.attach(name, need)
+            if seg.buf.size < need:  # mapped before for a smaller lease of it: map it again, whole
+                pool.forget_peer(name)
+                seg = pool.attach(name, need)
+        except RuntimeError as e:  # gone (the pool says so with a RuntimeError)
+            raise FileNotFoundError(str(e)) from None
+        return seg.buf[shm_pool.HEADER:need]
+
+    def retire(self, name: str, failed: bool) -> None:
+        found = self.leases.pop(name, None)
+        if found is None:
+            return super().retire(name, failed)
+        seg, generation = found  # reused by the next lease, unless peers may still read it
+        (shm_pool.pool().discard if failed else shm_pool.pool().give_back)(seg, generation)
+
+
+class HostGroup:
+    """One rank's view of its host group.
+
+    ``members``: the group's ranks (more than one), in the order they are
+    folded; ``rank``: this one (named in errors, as every member); ``base``:
+    the start of every segment name of the group in ``directory``, unique to
+    the group and the attempt (a sweep of it removes everything of theirs);
+    ``external()``: why the job failed, said elsewhere (None: it did not);
+    ``segments``: where the data segments come from (:class:`Files`, or the
+    segment pool's warm ones, :class:`Pooled`)."""
+
+    def __init__(self, directory: str, base: str, members: Sequence[int], rank: int,
+                 external: Callable[[], str | None], yield_seconds: float = YIELD_SECONDS,
+                 segments: Files | None = None):
+        self.rank, self.external = rank, external
+        self.segments = segments if segments is not None else Files(directory)
+        #: how long a wait keeps yielding its core before it sleeps between polls: an SPMD rank's
+        #: thread has its worker to itself; the engine's shares its process with the event loop,
+        #: whose every turn needs the GIL the polling thread keeps taking back
+        self.yield_seconds = yield_seconds
+        self.local = tuple(members)
         self.n, self.me = len(self.local), self.local.index(rank)
-        self.dir = layout.directory
-        base = f"{layout.prefix()}g{layout.group_of[rank]}"
+        self.dir = directory
         self.base = f"{base}-"  # every segment of this group's, and only of it
         self.control_path = os.path.join(self.dir, f"{base}-ctl")
-        self.data_base = os.path.join(self.dir, f"{base}-r")
+        self.data_base = f"{base}-r"
         small_at = _page(HEADER + SLOT * self.n)  # pages of small slots are only allocated when written
         self.ctl = _create(self.control_path, small_at + 2 * self.n * SPLIT_BYTES, exclusive=False)
         #: turn -> the group's small slots, one row of SPLIT_BYTES per rank
@@ -188,7 +268,7 @@ class HostGroup:
         self.turn = 0  # which input region the next collective writes
         self.gen, self.cap = 0, 0
         self.data: np.ndarray | None = None
-        self.mine: list[str] = []  # names of my data segments not unlinked yet
+        self.mine: list[str] = []  # names of my data segments not retired yet
         self.retired: list[tuple[int, str]] = []  # (step after which no peer needs it, name)
         self.peers: dict[int, dict[int, np.ndarray]] = {i: {} for i in range(self.n)}
         self.control_unlinked = False
@@ -226,7 +306,7 @@ class HostGroup:
             buf = maps.get(gen)  # type: ignore[assignment]
             if buf is None:
                 try:
-                    buf = maps[gen] = np.frombuffer(_open(f"{self.data_base}{self.local[i]}-g{gen}"), np.uint8)
+                    buf = maps[gen] = self.segments.open(*self._peer_segment(i, gen))
                 except FileNotFoundError:
                     failure = self._failure(what)  # the job failed and its segments were taken down
                     if failure is not None:
@@ -234,23 +314,38 @@ class HostGroup:
                     raise
                 for old in [g for g in maps if g < gen - 1]:
                     del maps[old]
-        cap = buf.size // 3
+        cap = buf.size // 3 // mmap.PAGESIZE * mmap.PAGESIZE  # as the writer cut it (_ensure)
         view = buf[region * cap:region * cap + nbytes]
         self.views[i, region] = (gen, nbytes, code, view)
         return view, nbytes, code
 
     def _ensure(self, nbytes: int) -> None:
-        """A data segment whose regions hold ``nbytes`` (a new generation if the current is smaller)."""
+        """A data segment whose regions hold ``nbytes`` (a new generation if the current is smaller),
+        its name published in my slot for the generation's parity: a peer reading a region of
+        generation ``g`` finds it there until I make ``g + 2``, two collectives later at least,
+        once every peer is past this one."""
         if nbytes <= self.cap and self.data is not None:
             return
         cap = _page(max(nbytes, 2 * self.cap, 4096))
         gen = self.gen + 1
-        name = f"{self.data_base}{self.rank}-g{gen}"
-        mm = _create(name, 3 * cap, exclusive=True)
+        name, data = self.segments.create(f"{self.data_base}{self.rank}-g{gen}", 3 * cap)
+        raw = name.encode()
+        if len(raw) > NAMED - 16:
+            raise RuntimeError(f"shared-memory segment name {name!r} is longer than {NAMED - 16} bytes")
+        at = HEADER + SLOT * self.me + NAME_AT + NAMED * (gen % 2)
+        self.q[at // 8] = data.size
+        self.q[at // 8 + 1] = len(raw)
+        self.bytes[at + 16:at + 16 + len(raw)] = np.frombuffer(raw, np.uint8)
         if self.mine:
             self.retired.append((self.step + 1, self.mine[-1]))
         self.mine.append(name)
-        self.data, self.cap, self.gen = np.frombuffer(mm, np.uint8), cap, gen
+        self.data, self.cap, self.gen = data, data.size // 3 // mmap.PAGESIZE * mmap.PAGESIZE, gen
+
+    def _peer_segment(self, i: int, gen: int) -> tuple[str, int]:
+        """The name and size peer ``i`` published for its data segment of generation ``gen``."""
+        at = HEADER + SLOT * i + NAME_AT + NAMED * (gen % 2)
+        size, length = self.q[at // 8], self.q[at // 8 + 1]
+        return self.bytes[at + 16:at + 16 + length].tobytes().decode(), size
 
     def _region(self, region: int, nbytes: int) -> np.ndarray:
         assert self.data is not None
@@ -273,12 +368,12 @@ class HostGroup:
             self.control_unlinked = True
         while self.retired and self.retired[0][0] <= target:
             name = self.retired.pop(0)[1]
-            _unlink(name)
+            self.segments.retire(name, failed=False)
             self.mine.remove(name)
 
     def _wait(self, at: int, target: int, what: str, deadline: float | None) -> None:
         """Until the stamp at word ``at`` reaches ``target``: yield the core at every poll, after
-        :data:`YIELD_SECONDS` sleep between polls; check the abort word, the job and the deadline."""
+        ``yield_seconds`` sleep between polls; check the abort word, the job and the deadline."""
         q, st = self.q, self.stamps
         spins, sleep = 0, 5e-5
         begun = checked = time.monotonic()
@@ -290,7 +385,7 @@ class HostGroup:
                 os.sched_yield()
                 continue
             now = time.monotonic()
-            if now - begun < YIELD_SECONDS:
+            if now - begun < self.yield_seconds:
                 os.sched_yield()
             else:
                 time.sleep(sleep)
@@ -355,7 +450,7 @@ class HostGroup:
             self._check(i, nbytes, theirs, x, code, what)
             views.append(buf.view(x.dtype))
         combine = fold or (lambda parts, into: _fold(op, parts, into))
-        out = warm.empty(size, acc)
+        out = buffers().empty(size, acc)
         if size < self.n:
             combine(views, out)
             return out
@@ -416,10 +511,10 @@ class HostGroup:
         self._arrive(what, deadline)
         if self.me == root:
             assert x is not None
-            return warm.copy(x)
+            return _copy(x)
         buf, _, _ = self._peer_region(root, region, what)
         dtype, shape = decode_meta(self._peer_meta(root, region))
-        return warm.copy(buf.view(dtype).reshape(shape))
+        return _copy(buf.view(dtype).reshape(shape))
 
     def allgather(self, x: np.ndarray, what: str, deadline: float | None) -> list[np.ndarray]:
         """Every rank's array of the group, copies, in group order."""
@@ -431,11 +526,11 @@ class HostGroup:
         out = []
         for i in range(self.n):
             if i == self.me:
-                out.append(warm.copy(x))
+                out.append(_copy(x))
                 continue
             buf, _, _ = self._peer_region(i, region, what)
             dtype, shape = decode_meta(self._peer_meta(i, region))
-            out.append(warm.copy(buf.view(dtype).reshape(shape)))
+            out.append(_copy(buf.view(dtype).reshape(shape)))
         return out
 
     def barrier(self, what: str, deadline: float | None) -> None:
@@ -443,9 +538,10 @@ class HostGroup:
         self._arrive(what, deadline)
 
     def close(self, failed: bool) -> None:
-        """Unlink my segments (all of my group's if the job failed: a dead peer's too)."""
+        """Retire my segments (and unlink all of my group's names if the job failed: a dead peer's too).
+        Not ``failed``, a caller whose peers may still read my regions has passed a barrier first."""
         for name in self.mine:
-            _unlink(name)
+            self.segments.retire(name, failed)
         self.mine.clear()
         _unlink(self.control_path)
         if failed:  # a dead peer's too; not another group's (with transport "worker", one directory holds several)
@@ -454,6 +550,13 @@ class HostGroup:
         self.views.clear()
         self.small_views.clear()
         self.data = None
+
+
+def _copy(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` (same shape and dtype) in warm memory."""
+    out = buffers().empty(a.size, a.dtype).reshape(a.shape)
+    np.copyto(out, a)
+    return out
 
 
 def _fold(op: Op, parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
