@@ -31,7 +31,8 @@ import sys
 import time
 
 
-def _rank(comm, sizes, algorithms, repeat):
+def _rank(comm, sizes, algorithms, repeat, variants=("copy",)):
+    import itertools
     import time as _time
 
     import numpy as _np
@@ -41,9 +42,14 @@ def _rank(comm, sizes, algorithms, repeat):
     orig_send, orig_take = comm._send, comm._take
     orig_loop_send, orig_put = box._send, box._put
 
+    def send_uncopied(rank, key, value):  # diagnostic only: what the communicator's copy of a sent value costs
+        box.send(comm.layout.workers[rank], comm.run, f"{key}:{comm.rank}>{rank}", value)
+
+    sender = [orig_send]
+
     def send(rank, key, value):
         t = _time.time()
-        orig_send(rank, key, value)
+        sender[0](rank, key, value)
         log.append(("send", f"{key}:{comm.rank}>{rank}", rank, t, _time.time(), getattr(value, "nbytes", 0)))
 
     def take(rank, key, what, deadline):
@@ -68,16 +74,17 @@ def _rank(comm, sizes, algorithms, repeat):
         for n in sizes:
             x = _np.full(n, comm.rank + 1, dtype=_np.float64)
             for algorithm in algorithms:
-                for i in range(repeat + 1):  # the first is a warm-up
+                for i, variant in itertools.product(range(repeat + 1), variants):  # variants alternate
+                    sender[0] = orig_send if variant == "copy" else send_uncopied
                     comm.barrier()
                     del log[:]
                     t0 = _time.time()
                     y = comm.allreduce(x, algorithm=algorithm)
                     t1 = _time.time()
                     ok = bool(_np.all(y == comm.size * (comm.size + 1) // 2))
-                    if i:
-                        out.append({"size": n, "algorithm": algorithm, "rep": i, "start": t0, "stop": t1,
-                                    "ok": ok, "plan": comm.events[-1].algorithm,
+                    if i:  # the first of each variant is a warm-up
+                        out.append({"size": n, "algorithm": algorithm, "variant": variant, "rep": i, "start": t0,
+                                    "stop": t1, "ok": ok, "plan": comm.events[-1].algorithm,
                                     "log": [e for e in log if e[1].startswith("a")]})
     finally:
         comm._send, comm._take = orig_send, orig_take
@@ -94,6 +101,10 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="1e5,1e6,1e7")
     p.add_argument("--algorithms", default="ring,butterfly")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--uncopied", action="store_true",
+                   help="also time every repetition with the sent values not copied (diagnostic: the copy's cost; "
+                        "safe here, where nobody changes them)")
+    p.add_argument("--quiet", action="store_true", help="only the summary")
     p.add_argument("--rate", type=float, default=125e6, help="link bytes/s (for the link time column)")
     args = p.parse_args(argv)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
@@ -101,16 +112,22 @@ def main(argv=None) -> int:
     with Client(os.environ["DASK_SCHEDULER_ADDRESS"], timeout="30s") as client:
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         futures = flowreduce.spmd(client, _rank, ranks=len(workers), workers=workers, timeout=300,
-                                  sizes=sizes, algorithms=algorithms, repeat=args.repeat)
+                                  sizes=sizes, algorithms=algorithms, repeat=args.repeat,
+                                  variants=("copy", "uncopied") if args.uncopied else ("copy",))
         per_rank = client.gather(futures)
     p_ = len(per_rank)
+    summary: dict = {}
     for k, first in enumerate(per_rank[0]):
         rows = [pr[k] for pr in per_rank]
         t0 = min(r["start"] for r in rows)
         wall = max(r["stop"] for r in rows) - t0
+        ok = all(r["ok"] for r in rows)
+        summary.setdefault((first["size"], first["algorithm"], first["plan"], first["variant"]), []).append((wall, ok))
+        if args.quiet:
+            continue
         print(f"\n## size {first['size']:.0e} ({first['size'] * 8} B) algorithm={first['algorithm']} "
-              f"(plan {first['plan']}) rep {first['rep']}: slowest rank {wall * 1e3:.1f} ms, "
-              f"correct {all(r['ok'] for r in rows)}")
+              f"(plan {first['plan']}) {first['variant']} rep {first['rep']}: slowest rank {wall * 1e3:.1f} ms, "
+              f"correct {ok}")
         for r, row in enumerate(rows):
             sends = sum(e[4] - e[3] for e in row["log"] if e[0] == "send")
             takes = sum(e[4] - e[3] for e in row["log"] if e[0] == "take")
@@ -144,6 +161,11 @@ def main(argv=None) -> int:
         if transit:
             print(f"  loop->arrived minus link time: median {statistics.median(transit):.1f} ms over "
                   f"{len(transit)} messages (p={p_})")
+    print("\n# summary: the slowest rank's time (collective start on the first rank to end on the last), per repetition")
+    for (n, algorithm, plan, variant), got in summary.items():
+        times = [w * 1e3 for w, _ in got]
+        print(f"  size {n:.0e} algorithm={algorithm} (plan {plan}) {variant:>8}: median {statistics.median(times):8.1f} "
+              f"ms over {len(times)} ({', '.join(f'{t:.0f}' for t in times)}), correct {all(o for _, o in got)}")
     return 0
 
 
