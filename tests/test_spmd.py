@@ -361,6 +361,30 @@ def test_the_data_tells_the_orders_apart():
     assert len({in_order.tobytes(), tree.tobytes(), exact.tobytes()}) == 3
 
 
+class _Unused:
+    """A mailbox the test never sends through."""
+
+    def open(self, *args, **kwargs):
+        pass
+
+
+def test_auto_between_hosts_prices_the_hosts_links():
+    """The host groups' leaders are on different hosts: ``auto`` prices their plan on the hosts' links,
+    as the communicator runs it (messages, no tasks), so an 8 MB all-reduce between 4 hosts does not
+    send every peer the whole vector (recursive doubling of radix 4: 3 vectors out, 3 in per leader,
+    1.7x butterfly on the emulated 1 Gbit/s network, benchmarks/results/spmd_netem-2026-11-28.txt)."""
+    from flowreduce.spmd.comm import Communicator
+    from flowreduce.spmd.layout import Layout
+
+    hosts, nbytes = 4, 8_000_000
+    layout = Layout("auto-test", 0, tuple(f"tcp://10.0.0.{i}:1234" for i in range(hosts)), tuple(range(hosts)))
+    comm = Communicator(layout, 0, _Unused())
+    plan = comm.plan_for("auto", nbytes)
+    optimal = 2 * (hosts - 1) / hosts * nbytes  # a bandwidth-optimal plan's bytes out (and in) per leader
+    assert plan.cost(nbytes).max_rank_bytes <= 2 * optimal * 1.001, plan.algorithm
+    assert comm.plan_for("auto", 8000).ranks == hosts and comm.plan_for("auto", 8000).chunks == 1
+
+
 def test_deterministic_options_are_checked(client):
     def asks(comm, **options):
         return comm.allreduce(np.ones(3), **options)

@@ -24,6 +24,18 @@ vectors (1e3 elements) cost a few hundred microseconds or more of latency
 bandwidth bound: time grows about linearly with bytes (1e7 -> 1e8 about 10x)
 and busbw levels off at loopback-TCP speed, usually below MPI's shared-memory
 transport (around 1 GB/s or less here).
+
+Multi-host launch (the caller starts every rank, e.g. each in its own network
+namespace: ``benchmarks/netem/spmd_vs_gloo.py``)::
+
+    GLOO_SOCKET_IFNAME=fr-eth1 python benchmarks/peers/gloo_allreduce.py \\
+        --rank 1 --world-size 4 --init-method tcp://10.77.0.10:29500 --sizes 1e3,1e6
+
+With ``--rank`` this process is that one rank (nothing is spawned; ``--ranks``
+and ``--port`` are ignored), meeting the others at ``--init-method`` (rank 0
+listens there); gloo's interface is ``GLOO_SOCKET_IFNAME`` from the
+environment (unset: gloo picks one from the hostname). Rank 0 prints the
+table and writes ``--json``; timing and checks are as above.
 """
 
 from __future__ import annotations
@@ -75,11 +87,12 @@ def bench_size(n: int, dtype: str, repeat: int, warmup: int) -> tuple[list[float
     return times, bool(flag.item())
 
 
-def worker(rank: int, ranks: int, port: int, args) -> None:
+def worker(rank: int, ranks: int, port: int, args, init_method: str | None = None) -> None:
     torch.set_num_threads(1)
+    init_method = init_method or f"tcp://127.0.0.1:{port}"
     dist.init_process_group(
         backend="gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         world_size=ranks,
         rank=rank,
     )
@@ -87,7 +100,8 @@ def worker(rank: int, ranks: int, port: int, args) -> None:
     try:
         if rank == 0:
             C.print_banner("gloo", ranks, args,
-                           info=f"torch {torch.__version__}, backend gloo, tcp://127.0.0.1:{port}")
+                           info=f"torch {torch.__version__}, backend gloo, {init_method}, "
+                                f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '')}")
         rows = []
         for n in args.sizes:
             times, ok = bench_size(n, args.dtype, args.repeat, args.warmup)
@@ -107,8 +121,24 @@ def worker(rank: int, ranks: int, port: int, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = C.make_parser(__doc__.split("\n\n")[0], spawns_ranks=True).parse_args(argv)
+    parser = C.make_parser(__doc__.split("\n\n")[0], spawns_ranks=True)
+    parser.add_argument("--rank", type=int, default=None,
+                        help="be this one rank (multi-host launch; the caller starts every rank)")
+    parser.add_argument("--world-size", type=int, default=None, help="ranks in all (with --rank)")
+    parser.add_argument("--init-method", default=None,
+                        help="rendezvous URL (with --rank), e.g. tcp://10.77.0.10:29500")
+    args = parser.parse_args(argv)
     C.check_args(args)
+    if args.rank is not None:
+        if args.world_size is None or args.init_method is None:
+            raise SystemExit("--rank needs --world-size and --init-method")
+        if not 0 <= args.rank < args.world_size:
+            raise SystemExit(f"--rank must be in 0..{args.world_size - 1}")
+        try:
+            worker(args.rank, args.world_size, 0, args, init_method=args.init_method)
+        except SystemExit as e:
+            return int(e.code or 0)
+        return 0
     if args.ranks < 1:
         raise SystemExit("--ranks must be >= 1")
     # Keep gloo on the loopback interface (no dependence on hostname lookup).
