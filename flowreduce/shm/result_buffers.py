@@ -42,8 +42,10 @@ MIN_BYTES = 64 << 10
 #: A freed buffer is kept only while this share of the host's memory stays
 #: available to everybody (``MemAvailable``): every worker of the host keeps
 #: its own pool, and their bounds are per worker, so this is the one bound that
-#: sees them all (and whatever else runs there).
-HOST_RESERVE = 0.5
+#: sees them all (and whatever else runs there). A quarter, not a half: 4 SPMD ranks all-reducing 1e8
+#: float64 hold ~14 GB of this 24 GB machine, and a result made in fresh pages took 1.35-1.9 s a call
+#: against 0.43 s in a kept buffer (4 processes through flowreduce.shm.host_group, 2026-11-28).
+HOST_RESERVE = 0.25
 
 
 def host_memory() -> tuple[int, int] | None:
