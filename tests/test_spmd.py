@@ -159,6 +159,60 @@ def test_floats_are_the_same_bits_on_every_rank_and_tensors_stay_tensors(client,
         assert bf[0] == "torch.bfloat16" and bf[1].tolist() == [5.0, 5.0, 5.0]
 
 
+@pytest.mark.parametrize("algorithm", ["butterfly", "ring", "recursive-doubling", "reduce-broadcast", "tree"])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_a_plan_between_leaders_runs_in_chunks(algorithm, chunks):
+    """run_plan over 5 ranks on threads, a mailbox of queues between them: with chunks, each rank walks
+    the plan node by node and chunk by chunk (sending a step's first chunk before computing the next),
+    and the sums are numpy's at lengths that do and do not split evenly (7: chunks of no element)."""
+    import queue
+    import threading
+
+    from flowreduce.ops import resolve_op
+    from flowreduce.spmd.planrun import run_plan
+
+    p = 5
+    plan = flowreduce.plan(algorithm, p, chunks=chunks)
+    for n in (7, 1000, 1001):
+        xs = [_input(r, n) for r in range(p)]
+        boxes: dict = {}
+        lock = threading.Lock()
+
+        def box(src, dest, key):
+            with lock:
+                return boxes.setdefault((src, dest, key), queue.Queue())
+
+        results: dict = {}
+
+        def rank(r):
+            results[r] = run_plan(plan, r, xs[r], resolve_op("sum"),
+                                  lambda dest, key, v, r=r: box(r, dest, key).put(v.copy()),
+                                  lambda src, key, r=r: box(src, r, key).get(timeout=30))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(p)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for r in range(p):
+            np.testing.assert_array_equal(results[r][0], np.sum(xs, axis=0), err_msg=f"rank {r} n={n}")
+
+
+def _big_between_leaders(comm, n):
+    x = np.full(n, comm.rank + 1, dtype=np.int64)
+    return comm.plan_for("auto", x.nbytes).chunks, comm.allreduce(x)
+
+
+def test_a_big_vector_between_hosts_runs_in_chunks(client):
+    """Every rank alone (transport dask): from 16 MiB the leaders' plan runs in chunks of 8 MiB."""
+    n = 2 * (8 << 20) // 8 + 5
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        got = client.gather(flowreduce.spmd(client, _big_between_leaders, ranks=3, n=n, timeout=60))
+    for chunks, y in got:
+        assert chunks == 2
+        assert y.shape == (n,) and bool(np.all(y == 6))
+
+
 def _wide_floats(rank: int, n: int) -> np.ndarray:
     """float32s of magnitudes 1e-6..1e6, so that another order of the sum gives other bits."""
     rng = np.random.default_rng(rank)

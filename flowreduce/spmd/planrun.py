@@ -13,7 +13,7 @@ element range of segment ``k`` of ``n`` elements over ``S`` segments is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -22,8 +22,8 @@ from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Plan
 from flowreduce.errors import InputError
 from flowreduce.ops import Op
 
-Send = Callable[[int, int, np.ndarray], None]  # (plan rank, node, value)
-Receive = Callable[[int, int], np.ndarray]  # (plan rank, node) -> value
+Send = Callable[[int, Hashable, np.ndarray], None]  # (plan rank, node's key, value)
+Receive = Callable[[int, Hashable], np.ndarray]  # (plan rank, node's key) -> value
 
 
 def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Receive,
@@ -32,53 +32,70 @@ def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Re
     with the bytes it sent and received. A value received with another size or
     dtype than this rank's would make of it (the ranks gave different shapes or
     dtypes) is an :class:`~flowreduce.errors.InputError` naming both ranks
-    (``who``: a plan rank's name for it)."""
-    if plan.chunks != 1:
-        raise ValueError(f"run_plan runs one chunk; got a plan of {plan.chunks}")
-    n, segs, nodes = x.size, plan.segments, plan.nodes
+    (``who``: a plan rank's name for it).
+
+    A plan of ``C`` chunks runs on ``C`` slices of ``x`` (chunk ``c``: elements
+    ``[n*c//C, n*(c+1)//C)``), node after node and, for each node, chunk after
+    chunk: a rank sends a step's first chunk before it computes the next, so a
+    chunk is reduced while the next is on the wire (a node's key is then
+    ``"<node>c<chunk>"``). Every value a rank waits for comes earlier in that
+    order, on every rank, so the walk cannot deadlock."""
+    n, chunks, nodes = x.size, plan.chunks, plan.nodes
     consumers = plan.consumers()
-    values: dict[int, np.ndarray] = {}
+    cuts = [n * c // chunks for c in range(chunks + 1)]
+    values: list[dict[int, np.ndarray]] = [{} for _ in range(chunks)]
     sent = received = 0
+    for node in nodes:
+        if node.rank != me:
+            continue
+        dests = sorted({nodes[c].rank for c in consumers[node.id]} - {me})
+        for c in range(chunks):
+            key: Hashable = node.id if chunks == 1 else f"{node.id}c{c}"
+            value, got = _node(plan, me, node, x[cuts[c]:cuts[c + 1]], op, values[c], chunks, c, receive, who)
+            received += got
+            values[c][node.id] = value
+            for dest in dests:
+                send(dest, key, value)
+                sent += value.nbytes
+    finals = [values[c][plan.finals[me]] for c in range(chunks)]
+    for c, final in enumerate(finals):
+        if final.size != cuts[c + 1] - cuts[c]:
+            raise ValueError(f"the plan's final node holds {final.size} of {cuts[c + 1] - cuts[c]} elements")
+    return (finals[0] if chunks == 1 else np.concatenate(finals)), sent, received
+
+
+def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[int, np.ndarray], chunks: int,
+          c: int, receive: Receive, who: Callable[[int], int]) -> tuple[np.ndarray, int]:
+    """Node ``node``'s value on chunk ``x`` (``values``: the chunk's values here so far), and the
+    bytes received for it."""
+    n, segs, nodes = x.size, plan.segments, plan.nodes
+    received = 0
 
     def edge(k: int) -> int:
         return n * k // segs
 
-    for node in nodes:
-        if node.rank != me:
-            continue
-        if node.kind == VIEW:
-            value = x[edge(node.lo):edge(node.hi)]
-        else:
-            parts = []
-            for i in node.inputs:
-                src = nodes[i]
-                got = values.get(i)
-                if got is None:
-                    got = values[i] = np.asarray(receive(src.rank, i))
-                    received += got.nbytes
-                    if got.dtype != x.dtype or got.size != edge(src.hi) - edge(src.lo):
-                        raise InputError(
-                            f"rank {who(src.rank)} sent {got.size} elements of {got.dtype.str!r} where rank {who(me)}, "
-                            f"with {n} of {x.dtype.str!r}, expects {edge(src.hi) - edge(src.lo)} of "
-                            f"{x.dtype.str!r}: every rank must give the same shape and dtype")
-                lo, hi = max(src.lo, node.lo), min(src.hi, node.hi)
-                if lo < hi or node.kind == REDUCE:
-                    parts.append(got[edge(lo) - edge(src.lo):edge(hi) - edge(src.lo)])
-            if node.kind == REDUCE:
-                value = np.array(parts[0], dtype=x.dtype, copy=True)
-                for p in parts[1:]:
-                    value = op.combine(value, p, out=value) if op.in_place else np.asarray(op.func(value, p), x.dtype)
-            elif node.kind == GATHER:
-                value = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            else:
-                raise ValueError(f"unknown node kind {node.kind!r}")
-        values[node.id] = value
-        for dest in sorted({nodes[c].rank for c in consumers[node.id]} - {me}):
-            send(dest, node.id, value)
-            sent += value.nbytes
-    final = values[plan.finals[me]]
-    return (final if final.size == n else _whole(final, n)), sent, received
-
-
-def _whole(final: Any, n: int) -> np.ndarray:
-    raise ValueError(f"the plan's final node holds {np.asarray(final).size} of {n} elements")
+    if node.kind == VIEW:
+        return x[edge(node.lo):edge(node.hi)], 0
+    parts = []
+    for i in node.inputs:
+        src = nodes[i]
+        got = values.get(i)
+        if got is None:
+            got = values[i] = np.asarray(receive(src.rank, i if chunks == 1 else f"{i}c{c}"))
+            received += got.nbytes
+            if got.dtype != x.dtype or got.size != edge(src.hi) - edge(src.lo):
+                raise InputError(
+                    f"rank {who(src.rank)} sent {got.size} elements of {got.dtype.str!r} where rank {who(me)}, "
+                    f"with {n} of {x.dtype.str!r} in chunk {c}, expects {edge(src.hi) - edge(src.lo)} of "
+                    f"{x.dtype.str!r}: every rank must give the same shape and dtype")
+        lo, hi = max(src.lo, node.lo), min(src.hi, node.hi)
+        if lo < hi or node.kind == REDUCE:
+            parts.append(got[edge(lo) - edge(src.lo):edge(hi) - edge(src.lo)])
+    if node.kind == REDUCE:
+        value = np.array(parts[0], dtype=x.dtype, copy=True)
+        for p in parts[1:]:
+            value = op.combine(value, p, out=value) if op.in_place else np.asarray(op.func(value, p), x.dtype)
+        return value, received
+    if node.kind == GATHER:
+        return (parts[0] if len(parts) == 1 else np.concatenate(parts)), received
+    raise ValueError(f"unknown node kind {node.kind!r}")
