@@ -204,8 +204,10 @@ def _big_between_leaders(comm, n):
 
 
 def test_a_big_vector_between_hosts_runs_in_chunks(client):
-    """Every rank alone (transport dask): from 16 MiB the leaders' plan runs in chunks of 8 MiB."""
-    n = 2 * (8 << 20) // 8 + 5
+    """Every rank alone (transport dask): a vector of two PIPELINE_BYTES and more runs in chunks."""
+    from flowreduce.spmd.comm import PIPELINE_BYTES
+
+    n = 2 * PIPELINE_BYTES // 8 + 5
     with dask.config.set({"flowreduce.spmd.transport": "dask"}):
         got = client.gather(flowreduce.spmd(client, _big_between_leaders, ranks=3, n=n, timeout=60))
     for chunks, y in got:
