@@ -124,6 +124,18 @@ def _unlink(path: str) -> None:
         pass
 
 
+def _cap(size: int) -> int:
+    """The bytes of each of the three regions of a data segment of ``size`` bytes, whole pages
+    (the writer cuts its segment so, and every reader the same)."""
+    return size // 3 // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+def _name_at(i: int, gen: int) -> int:
+    """The byte in the control segment where rank ``i`` (of the group) names its data segment of
+    generation ``gen`` (one place per generation parity)."""
+    return HEADER + SLOT * i + NAME_AT + NAMED * (gen % 2)
+
+
 def sweep(directory: str, prefix: str) -> list[str]:
     """Unlink every segment whose name starts with ``prefix``; the names removed."""
     gone = []
@@ -314,7 +326,7 @@ class HostGroup:
                     raise
                 for old in [g for g in maps if g < gen - 1]:
                     del maps[old]
-        cap = buf.size // 3 // mmap.PAGESIZE * mmap.PAGESIZE  # as the writer cut it (_ensure)
+        cap = _cap(buf.size)
         view = buf[region * cap:region * cap + nbytes]
         self.views[i, region] = (gen, nbytes, code, view)
         return view, nbytes, code
@@ -332,18 +344,18 @@ class HostGroup:
         raw = name.encode()
         if len(raw) > NAMED - 16:
             raise RuntimeError(f"shared-memory segment name {name!r} is longer than {NAMED - 16} bytes")
-        at = HEADER + SLOT * self.me + NAME_AT + NAMED * (gen % 2)
+        at = _name_at(self.me, gen)
         self.q[at // 8] = data.size
         self.q[at // 8 + 1] = len(raw)
         self.bytes[at + 16:at + 16 + len(raw)] = np.frombuffer(raw, np.uint8)
         if self.mine:
             self.retired.append((self.step + 1, self.mine[-1]))
         self.mine.append(name)
-        self.data, self.cap, self.gen = data, data.size // 3 // mmap.PAGESIZE * mmap.PAGESIZE, gen
+        self.data, self.cap, self.gen = data, _cap(data.size), gen
 
     def _peer_segment(self, i: int, gen: int) -> tuple[str, int]:
         """The name and size peer ``i`` published for its data segment of generation ``gen``."""
-        at = HEADER + SLOT * i + NAME_AT + NAMED * (gen % 2)
+        at = _name_at(i, gen)
         size, length = self.q[at // 8], self.q[at // 8 + 1]
         return self.bytes[at + 16:at + 16 + length].tobytes().decode(), size
 
@@ -451,9 +463,6 @@ class HostGroup:
             views.append(buf.view(x.dtype))
         combine = fold or (lambda parts, into: _fold(op, parts, into))
         out = buffers().empty(size, acc)
-        if size < self.n:
-            combine(views, out)
-            return out
         lo, hi = size * self.me // self.n, size * (self.me + 1) // self.n
         mine = self._region(OUT, (hi - lo) * acc.itemsize).view(acc)
         combine([v[lo:hi] for v in views], mine)
