@@ -50,7 +50,7 @@ def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Re
             continue
         dests = sorted({nodes[c].rank for c in consumers[node.id]} - {me})
         for c in range(chunks):
-            key: Hashable = node.id if chunks == 1 else f"{node.id}c{c}"
+            key = _key(node.id, c, chunks)
             value, got = _node(plan, me, node, x[cuts[c]:cuts[c + 1]], op, values[c], chunks, c, receive, who)
             received += got
             values[c][node.id] = value
@@ -62,6 +62,11 @@ def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Re
         if final.size != cuts[c + 1] - cuts[c]:
             raise ValueError(f"the plan's final node holds {final.size} of {cuts[c + 1] - cuts[c]} elements")
     return (finals[0] if chunks == 1 else np.concatenate(finals)), sent, received
+
+
+def _key(node: int, c: int, chunks: int) -> Hashable:
+    """What node ``node``'s value in chunk ``c`` is sent as: the node, or ``"<node>c<chunk>"``."""
+    return node if chunks == 1 else f"{node}c{c}"
 
 
 def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[int, np.ndarray], chunks: int,
@@ -81,7 +86,7 @@ def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[in
         src = nodes[i]
         got = values.get(i)
         if got is None:
-            got = values[i] = np.asarray(receive(src.rank, i if chunks == 1 else f"{i}c{c}"))
+            got = values[i] = np.asarray(receive(src.rank, _key(i, c, chunks)))
             received += got.nbytes
             if got.dtype != x.dtype or got.size != edge(src.hi) - edge(src.lo):
                 raise InputError(
