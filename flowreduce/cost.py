@@ -230,17 +230,21 @@ class CostModel:
         the engine is the plan priced as for tasks but with no task and a
         message (``message``, or the inter-host α) per dependent step."""
         workers = plan.ranks
-        per_worker = math.ceil(ranks / workers)
-        combine = (per_worker - 1) * nbytes / self.reduce_rate
-        copies = (per_worker - 1) * nbytes / self.copy_rate
-        if self.cores and self.cores < workers:
-            combine, copies = combine * workers / self.cores, copies * workers / self.cores
         card = self.card(plan, nbytes)
         loads = self.loads(plan, groups, nbytes)
         intra = Link(self.message, (self.intra or Link(self.level, 1.0 / self.bandwidth)).beta)
         engine = replace(self, level=self.message, task=0.0, call=0.0, intra=intra)
-        return (self.call + 3 * self.level + (workers + 1 + ranks) * self.task + combine + copies
-                + engine._time(workers, plan.chunks, card, loads, nbytes))
+        return self._p2p_tasks(workers, ranks, nbytes) + engine._time(workers, plan.chunks, card, loads, nbytes)
+
+    def _p2p_tasks(self, workers: int, ranks: int, nbytes: float) -> float:
+        """What every p2p run costs besides the engine's exchange: the call, three task levels of a
+        hand-in per worker and an output per rank, and each worker combining its ranks' inputs and
+        copying the result out for each but one (the workers sharing the cores)."""
+        per_worker = math.ceil(ranks / workers)
+        local = (per_worker - 1) * nbytes * (1 / self.reduce_rate + 1 / self.copy_rate)
+        if self.cores and self.cores < workers:
+            local = local * workers / self.cores
+        return self.call + 3 * self.level + (workers + 1 + ranks) * self.task + local
 
     def p2p_host_time(self, plan: Plan, nbytes: float, ranks: int, split_bytes: int) -> float:
         """``method="p2p"`` with ``plan`` ``shm-direct`` over workers of one host: their engines run it
@@ -249,9 +253,8 @@ class CostModel:
         each worker writing its sum into shared memory, then, under ``split_bytes``, folding every
         worker's (one step), from it folding its slice and copying every slice (two steps)."""
         workers = plan.ranks
-        per_worker = math.ceil(ranks / workers)
         link = self.shm or DEFAULT_SHM
-        body = (per_worker - 1) * nbytes * (1 / self.reduce_rate + 1 / self.copy_rate) + nbytes * link.beta
+        body = nbytes * link.beta
         if nbytes < split_bytes:
             steps = 1
             body += workers * nbytes * link.beta + (workers - 1) * nbytes / self.reduce_rate
@@ -261,7 +264,7 @@ class CostModel:
                      + nbytes * link.beta + nbytes / self.copy_rate)
         if self.cores and self.cores < workers:
             body = body * workers / self.cores
-        return self.call + 3 * self.level + (workers + 1 + ranks) * self.task + steps * HOST_GROUP_STEP + body
+        return self._p2p_tasks(workers, ranks, nbytes) + steps * HOST_GROUP_STEP + body
 
     def shm_direct_time(self, plan: Plan, nbytes: float) -> float:
         """The one-level intra-host collective over shared memory: 3 levels,
