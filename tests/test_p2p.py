@@ -610,6 +610,21 @@ def test_workers_of_one_host_run_auto_as_one_collective_of_a_host_group(proc_cli
     assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
 
 
+def test_no_host_group_where_shared_memory_is_off():
+    """flowreduce.shm.enabled false on the workers: shm-direct named on the engine runs as the plan
+    through Dask's comm, never as a host group in /dev/shm (the client's config says the same)."""
+    arrays = _inputs(6, 100_000, "sum")
+    with dask.config.set({"flowreduce.shm.enabled": False}), \
+            LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        futures = scatter_ranks(client, arrays)
+        engine.ensure_p2p(client)
+        out = flowreduce.allreduce(client, futures, algorithm="shm-direct", method="p2p")
+        for f in out:
+            np.testing.assert_array_equal(f.result(timeout=60), _expected(arrays, "sum"))
+        assert sum(client.run(_host_runs).values()) == 0
+
+
 def _die_in_host_group(dask_worker=None):
     """Arm this worker to SIGKILL itself as its engine enters a host group's all-reduce (its peers wait
     for it in shared memory)."""

@@ -81,8 +81,7 @@ from flowreduce.schedule.inputs import (
 from flowreduce.schedule.peer_reads import ensure_peer_handlers, reading
 from flowreduce.schedule.records import CallRecord, PytreeRecord
 from flowreduce.schedule.shm_plugin import ensure_shm
-from flowreduce.shm import pool as _shm_pool
-from flowreduce.shm.host_group import SPLIT_BYTES, stores_ordered
+from flowreduce.shm.host_group import SPLIT_BYTES
 
 logger = logging.getLogger("flowreduce")
 
@@ -858,7 +857,7 @@ def p2p_route(client: Client | None, ranks: Ranks, settings: Settings) -> P2PRou
     nbytes = math.prod(held.shape) * np.dtype(held.dtype).itemsize
     plan = choose_plan(len(engines), nbytes, levels, model, settings)
     predicted = model.p2p_time(plan, nbytes, len(workers), levels[0])
-    if _through_host(engines, ranks, settings, nbytes):  # shm-direct, run as one collective of a host group
+    if _host_group_fits(engines, ranks, settings, nbytes):  # shm-direct, run as one collective of a host group
         shared = plan if plan.algorithm == _transport.DIRECT else _transport.direct_plan(len(engines), engines)
         price = model.p2p_host_time(shared, nbytes, len(workers), SPLIT_BYTES)
         if plan.algorithm == _transport.DIRECT or price < predicted:
@@ -866,29 +865,35 @@ def p2p_route(client: Client | None, ranks: Ranks, settings: Settings) -> P2PRou
     return P2PRoute(plan, model, engines, nbytes, predicted)
 
 
-def _through_host(engines: Sequence[str], ranks: Ranks, settings: Settings, nbytes: int) -> bool:
-    """Whether the engines can run the call as one all-reduce of a host group
-    (:func:`flowreduce.schedule.p2p.through_host` decides on the workers): two or more workers of one
-    host sharing memory, no chunks asked, no tree order to keep (``deterministic=True`` on floats),
-    and ``auto`` or ``shm-direct`` asked."""
-    held = cast(ArrayMeta, ranks.held)
-    if (len(engines) < 2 or settings.algorithm not in ("auto", _transport.DIRECT) or settings.chunks_for(nbytes)
-            or (settings.deterministic and tree_ordered(settings.op.name, np.dtype(held.dtype)))
-            or not _shm_pool.config()["enabled"] or not stores_ordered()):
+def _host_group_fits(engines: Sequence[str], ranks: Ranks, settings: Settings, nbytes: int) -> bool:
+    """Whether the engines would run the call's ``shm-direct`` plan as one all-reduce of a host group
+    (:func:`flowreduce.schedule.p2p.host_group_route`, what the workers decide by), with ``auto`` or
+    ``shm-direct`` asked and no chunks."""
+    if settings.algorithm not in ("auto", _transport.DIRECT) or settings.chunks_for(nbytes):
         return False
-    domains = _transport.memory_domains(list(engines), ranks.places, settings.transport)
-    return _transport.IN_PROCESS not in domains and _transport.one_host(engines, domains)
+    return _p2p.host_group_route(_transport.DIRECT, _engine_domains(engines, ranks, settings),
+                                 _engine_ordered(ranks, settings))
+
+
+def _engine_domains(engines: Sequence[str], ranks: Ranks, settings: Settings) -> list[Any]:
+    """Per engine, the memory domain it shares with the others of its host; None: values go through
+    Dask's comm (one process: handed over by reference already)."""
+    return [None if d == _transport.IN_PROCESS else d
+            for d in _transport.memory_domains(list(engines), ranks.places, settings.transport)]
+
+
+def _engine_ordered(ranks: Ranks, settings: Settings) -> bool:
+    """Whether the engines keep ``deterministic=True``'s tree order (floats: integers are exact in any)."""
+    return settings.deterministic and tree_ordered(settings.op.name, np.dtype(cast(ArrayMeta, ranks.held).dtype))
 
 
 def p2p_spec(ranks: Ranks, settings: Settings, route: P2PRoute) -> Any:
     """The engine's spec of ``route`` for these ranks."""
     held = cast(ArrayMeta, ranks.held)
     # workers of one host exchange big values through shared segments (one process: by reference already)
-    domains = [None if d == _transport.IN_PROCESS else d
-               for d in _transport.memory_domains(list(route.engines), ranks.places, settings.transport)]
-    ordered = settings.deterministic and tree_ordered(settings.op.name, np.dtype(held.dtype))
     return _p2p.Spec.of(route.plan, settings.op, np.dtype(held.dtype), tuple(held.shape), list(ranks.workers),
-                        ranks.in_place, domains, native=held.native, ordered=ordered)
+                        ranks.in_place, _engine_domains(route.engines, ranks, settings), native=held.native,
+                        ordered=_engine_ordered(ranks, settings))
 
 
 def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute | None = None) -> Job:

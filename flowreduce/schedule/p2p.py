@@ -452,13 +452,19 @@ HOST_GROUP_YIELD = 1e-3
 
 
 def through_host(spec: Spec) -> bool:
-    """Whether run ``spec`` is one all-reduce of a host group (:meth:`Run._through_host`): its plan
-    is ``shm-direct`` over two or more workers that all share one host's memory, on a machine whose
-    stores are seen in order (:func:`~flowreduce.shm.host_group.stores_ordered`), and it carries no
-    partial sums of ``deterministic=True`` (the group folds the workers in order, as the plan does)."""
-    d = spec.domains
-    return (spec.algorithm == SHM_DIRECT and len(spec.addresses) > 1 and bool(d) and None not in d
-            and len(set(d)) == 1 and not spec.ordered and stores_ordered())
+    """Whether run ``spec`` is one all-reduce of a host group (:meth:`Run._through_host`)."""
+    return host_group_route(spec.algorithm, spec.domains, spec.ordered)
+
+
+def host_group_route(algorithm: str, domains: Sequence[Any], ordered: bool) -> bool:
+    """Whether a run of ``algorithm`` over workers of memory ``domains`` (per worker; None: no shared
+    memory) is one all-reduce of a host group: ``shm-direct`` over two or more workers that all share
+    one host's memory, shared memory on (``flowreduce.shm.enabled``) on a machine whose stores are
+    seen in order (:func:`~flowreduce.shm.host_group.stores_ordered`), and no partial sums of
+    ``deterministic=True`` (``ordered``; the group folds the workers in order, as the plan does).
+    The client prices the route by it, and each worker runs it by it."""
+    return (algorithm == SHM_DIRECT and len(domains) > 1 and None not in domains and len(set(domains)) == 1
+            and not ordered and bool(_shm_pool.config()["enabled"]) and stores_ordered())
 
 
 async def _in_thread(fn: Callable[[], Any], name: str) -> Any:
