@@ -19,13 +19,13 @@ job, each with its own numbering; their ranks are the job's.
 
 from __future__ import annotations
 
-import io
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flowreduce.phases import SPMD_PHASES
 from flowreduce.tracing.events import Event
+from flowreduce.tracing.summary import text_console
 
 
 @dataclass
@@ -88,11 +88,9 @@ class SpmdSummary:
         return d
 
     def __str__(self) -> str:
-        from rich.console import Console
         from rich.table import Table
 
-        buf = io.StringIO()
-        con = Console(file=buf, width=120, color_system=None, force_terminal=False)
+        buf, con = text_console()
         ms = 1e3
         con.print(f"spmd job {self.job}: {self.ranks} ranks, {len(self.collectives)} collectives, "
                   f"{(self.stop - self.start) * ms:.1f} ms (first rank task start -> last stop), paths "

@@ -72,6 +72,15 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> flo
 
 
 # -- results ----------------------------------------------------------------------
+
+def text_console() -> tuple[io.StringIO, Any]:
+    """A rich console that prints plain text, 120 columns wide, into the buffer returned with it
+    (what a summary's ``str`` is made with)."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    return buf, Console(file=buf, width=120, color_system=None, force_terminal=False)
+
 @dataclass
 class RankStats:
     rank: int
@@ -158,11 +167,9 @@ class Summary:
         return d
 
     def __str__(self) -> str:
-        from rich.console import Console
         from rich.table import Table
 
-        buf = io.StringIO()
-        con = Console(file=buf, width=120, color_system=None, force_terminal=False)
+        buf, con = text_console()
         ms = 1e3
         con.print(f"{self.algorithm}: {self.ranks} ranks x {self.nbytes / 1e6:.3g} MB, {self.chunks} chunk(s), "
                   f"token {self.token[:8]}")
