@@ -610,6 +610,49 @@ def test_workers_of_one_host_run_auto_as_one_collective_of_a_host_group(proc_cli
     assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
 
 
+def _published_runs(dask_worker=None):
+    return dask_worker.extensions[engine.EXTENSION].published_runs
+
+
+def _held_back_floats(name: str, r: int, n: int) -> np.ndarray:
+    Event(name).wait()
+    return np.random.default_rng(r).standard_normal(n) * 10.0 ** (r % 5)
+
+
+@pytest.mark.parametrize("n", [1, 1001, 100_000, 300_000])
+def test_a_call_placed_on_arrival_on_one_host_folds_the_inputs_where_they_arrived(proc_client, n):
+    """A call on inputs still computing, over workers of one host: each input, up to
+    engine.PUBLISH_BYTES, is copied into a shared segment as it arrives, and when the call begins each
+    worker folds every rank's input from there, in rank order, with no wait for its peers. Every rank
+    gets the bits of the left fold over the ranks (ranks sharing workers too); a bigger input runs as
+    the host group's all-reduce (the same bits on every rank); every segment is given back when the
+    call ends."""
+    p = 6
+    workers = sorted(proc_client.nthreads())
+    name = f"go-{uuid.uuid4().hex}"
+    futures = [proc_client.submit(_held_back_floats, name, r, n, workers=[workers[r % 4]], pure=False)
+               for r in range(p)]
+    engine.ensure_p2p(proc_client)
+    published, runs = sum(proc_client.run(_published_runs).values()), sum(proc_client.run(_host_runs).values())
+    out = flowreduce.allreduce(proc_client, futures)
+    Event(name, client=proc_client).set()
+    got = proc_client.gather(out)
+    arrays = [np.random.default_rng(r).standard_normal(n) * 10.0 ** (r % 5) for r in range(p)]
+    want = arrays[0].copy()
+    for a in arrays[1:]:
+        want += a
+    published_here = n * 8 <= engine.PUBLISH_BYTES
+    for g in got:  # the host group combines a worker's ranks first (rank r with r + 4 here): other bits
+        assert g.tobytes() == (want if published_here else got[0]).tobytes()
+    np.testing.assert_allclose(got[0], want, rtol=1e-9)
+    folded = sum(proc_client.run(_published_runs).values()) - published
+    assert folded == (4 if published_here else 0)
+    assert sum(proc_client.run(_host_runs).values()) - runs == 4  # every worker, once
+    assert wait_until(lambda: not any(proc_client.run(_leased).values()), 10)
+    assert wait_until(lambda: not _held(proc_client), 10), _held(proc_client)
+    del out, futures
+
+
 def test_no_host_group_where_shared_memory_is_off():
     """flowreduce.shm.enabled false on the workers: shm-direct named on the engine runs as the plan
     through Dask's comm, never as a host group in /dev/shm (the client's config says the same)."""

@@ -91,6 +91,19 @@ def test_idle_segments_and_peers_are_released(directory):
     assert other.stats()["peers"] == 0
 
 
+def test_a_peer_mapped_for_a_smaller_lease_is_mapped_again_whole(directory):
+    """A reader maps a peer's segment for the bytes of one lease; the owner reuses the segment for a
+    bigger payload: the next attach maps it again, whole, instead of handing back the short mapping."""
+    writer, reader = Pool(directory, limit=8 * GRAIN), Pool(directory, limit=8 * GRAIN)
+    s = writer.lease(GRAIN)
+    assert reader.attach(s.name, shm_pool.HEADER + 8).size == shm_pool.HEADER + 8
+    s.view(np.float64, 100)[:] = np.arange(100.0)
+    bigger = reader.attach(s.name, shm_pool.HEADER + 800)
+    assert bigger.size == shm_pool.HEADER + 800
+    np.testing.assert_array_equal(bigger.view(np.float64, 100), np.arange(100.0))
+    writer.close()
+
+
 def test_attach_reads_the_writers_bytes(directory):
     writer, reader = Pool(directory, limit=8 * GRAIN), Pool(directory, limit=8 * GRAIN)
     s = writer.lease(GRAIN)

@@ -167,11 +167,14 @@ def test_one_result_kept_alone_with_every_input_let_go_still_gets_every_rank(cli
     out = flowreduce.allreduce(client, inputs)
     let_go = [f.key for f in out[1:]]
     first = out[0]
-    del inputs, out
-    gc.collect()
 
     def known(dask_scheduler=None):
         return [str(k) for k in keys + let_go if k in dask_scheduler.tasks]
+
+    # the call's graph reached the scheduler (a question to it may overtake the graph, handled concurrently)
+    assert wait_until(lambda: len(client.run_on_scheduler(known)) == len(keys + let_go), HANG)
+    del inputs, out
+    gc.collect()
 
     # the scheduler let go of the other results (and of the inputs, but for the call) before they are computed
     assert wait_until(lambda: not set(map(str, let_go)) & set(client.run_on_scheduler(known)), HANG)

@@ -978,7 +978,9 @@ class OnArrival:
         route = p2p_route(None, ranks, self.settings)  # no topology= here: the hosts are the arrivals' places
         record = CallRecord(self.token, route.plan, route.nbytes, route.predicted, workers, tuple(held.shape),
                             held.dtype, self.input_keys, method="p2p")
-        return p2p_spec(ranks, self.settings, route), pickle.dumps(record), dashboard.record_of(record).message()
+        # on one host, each worker folds the inputs where they arrived (published), if every rank's was
+        spec = _p2p.with_published(p2p_spec(ranks, self.settings, route), [a[3] for a in arrivals])
+        return spec, pickle.dumps(record), dashboard.record_of(record).message()
 
 
     def _gathered(self, workers: tuple[str, ...], metas: Sequence[Any]) -> tuple[Any, bytes, dict[str, Any]]:

@@ -218,9 +218,6 @@ class Pooled(Files):
         pool, need = shm_pool.pool(), shm_pool.HEADER + size
         try:
             seg = pool.attach(name, need)
-            if seg.buf.size < need:  # mapped before for a smaller lease of it: map it again, whole
-                pool.forget_peer(name)
-                seg = pool.attach(name, need)
         except RuntimeError as e:  # gone (the pool says so with a RuntimeError)
             raise FileNotFoundError(str(e)) from None
         return seg.buf[shm_pool.HEADER:need]

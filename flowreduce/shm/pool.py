@@ -432,7 +432,8 @@ class Pool:
             if own is not None:
                 return own
             seg = self._peers.get(name)
-            if seg is not None and (seg.writable or not writable):
+            # mapped before for a smaller lease of it (the owner reuses its segments): mapped again, whole
+            if seg is not None and (seg.writable or not writable) and seg.size >= size:
                 self._peers.move_to_end(name)
                 seg.used = time.monotonic()
                 return seg
