@@ -13,8 +13,15 @@ import shutil
 import uuid
 from pathlib import Path
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
+
+# A task fetching a value from a worker the test just killed retries its connection until Dask's connect
+# timeout (30 s by default) before it asks the scheduler who else holds the value: recovery tests stalled
+# 30 s whenever such a fetch was in flight. Local connections take milliseconds; 10 s keeps the retry and
+# the suite's time (LocalCluster's workers get the parent's config). docs/failures.md says the same to users.
+dask.config.set({"distributed.comm.timeouts.connect": "10s"})
 
 
 @pytest.fixture(scope="session")
