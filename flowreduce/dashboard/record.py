@@ -124,10 +124,10 @@ def record_of(info: Any, *, group: str = "", transport: str | None = None) -> Da
 
 # -- SPMD jobs (flowreduce.spmd) -------------------------------------------------------
 #: Prefix of an SPMD rank's task key, ``flowreduce-spmd-rank-<token>.<attempt>-<rank>``
-#: (:func:`flowreduce.spmd.watch.rank_key`); spelled here, below every layer that reads it.
+#: (:func:`flowreduce.schedule.spmd_watch.rank_key`); spelled here, below every layer that reads it.
 SPMD_PREFIX = "flowreduce-spmd-rank-"
 #: The worker handler the dashboard asks for the last collective of each rank there
-#: (:meth:`flowreduce.spmd.mailbox.Mailbox.last`): the page polls, the ranks send nothing.
+#: (:meth:`flowreduce.schedule.spmd_mailbox.Mailbox.last`): the page polls, the ranks send nothing.
 SPMD_LAST = "flowreduce_spmd_last"
 #: State of one SPMD job (one attempt), from its ranks' task states.
 JOB_STATES = ("submitted", "running", "done", "failed", "cancelled")

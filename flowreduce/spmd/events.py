@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowreduce.spmd.mailbox import EXTENSION
+from flowreduce.schedule.spmd_mailbox import EXTENSION
 
 
 def _read(run: str | None = None, dask_worker: Any = None) -> list[dict[str, Any]]:

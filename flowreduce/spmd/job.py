@@ -25,8 +25,8 @@ from flowreduce.schedule.hosts import worker_places
 from flowreduce.shm.host_group import stores_ordered, sweep
 from flowreduce.spmd.comm import Communicator
 from flowreduce.spmd.layout import Layout, prefix, round_robin
-from flowreduce.spmd.mailbox import EXTENSION, SpmdWorkerPlugin
-from flowreduce.spmd.watch import SpmdSchedulerPlugin, rank_key
+from flowreduce.schedule.spmd_mailbox import EXTENSION, SpmdWorkerPlugin
+from flowreduce.schedule.spmd_watch import SpmdSchedulerPlugin, rank_key
 
 logger = logging.getLogger("flowreduce")
 

@@ -70,7 +70,7 @@ from flowreduce.schedule.shm_plugin import ensure_shm
 from flowreduce.shm.host_group import Aborted, stores_ordered
 from flowreduce.spmd.job import configured_timeout, directory, ensure_spmd, run_rank
 from flowreduce.spmd.layout import Layout
-from flowreduce.spmd.watch import rank_key
+from flowreduce.schedule.spmd_watch import rank_key
 from flowreduce.torch import direct
 from flowreduce.torch import replica as _replica
 

@@ -24,7 +24,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from flowreduce.dashboard.record import SPMD_PREFIX, parse_spmd_key
-from flowreduce.spmd.mailbox import ABORT
+from flowreduce.schedule.spmd_mailbox import ABORT
 
 logger = logging.getLogger("flowreduce")
 
