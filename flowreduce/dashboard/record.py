@@ -122,6 +122,11 @@ def record_of(info: Any, *, group: str = "", transport: str | None = None) -> Da
         widths=tuple(n.width for n in plan.nodes) if len(plan.nodes) <= MAX_WIDTHS else ())
 
 
+#: The name of flowreduce's one scheduler plugin and one worker plugin (:mod:`flowreduce.schedule.extension`),
+#: spelled here, below every layer that finds them: the page finds its store in the scheduler's.
+EXTENSION = "flowreduce"
+
+
 # -- SPMD jobs (flowreduce.spmd) -------------------------------------------------------
 #: Prefix of an SPMD rank's task key, ``flowreduce-spmd-rank-<token>.<attempt>-<rank>``
 #: (:func:`flowreduce.schedule.spmd_watch.rank_key`); spelled here, below every layer that reads it.

@@ -1,4 +1,5 @@
-"""The scheduler side of SPMD jobs: the owner of their failure paths.
+"""The scheduler side of SPMD jobs, a part of flowreduce's scheduler
+extension (:mod:`flowreduce.schedule.extension`): the owner of their failure paths.
 
 :class:`SpmdSchedulerPlugin` learns each attempt's ranks from their tasks'
 keys (:func:`rank_key`) and worker restrictions as the scheduler sees them,
@@ -42,10 +43,8 @@ def parse_key(key: Hashable) -> tuple[str, int] | None:
 
 
 class SpmdSchedulerPlugin(SchedulerPlugin):
-    """Tells an attempt's workers when it cannot finish (see the module)."""
-
-    name = "flowreduce-spmd-scheduler"
-    idempotent = True
+    """The SPMD jobs' part of flowreduce's scheduler extension: tells an
+    attempt's workers when it cannot finish (see the module)."""
 
     def __init__(self) -> None:
         self.scheduler: Any = None

@@ -49,10 +49,10 @@ from flowreduce.ops import Op, resolve_op
 from flowreduce.reproducible import supported, tree_ordered
 from flowreduce.schedule.reproducible import exact_op
 from flowreduce.schedule.reproducible import mode as deterministic_mode
+from flowreduce.schedule.spmd_mailbox import Mailbox
 from flowreduce.shm.host_group import Aborted, HostGroup
 from flowreduce.shm.result_buffers import buffers
 from flowreduce.spmd.layout import Layout
-from flowreduce.schedule.spmd_mailbox import Mailbox
 from flowreduce.spmd.planrun import run_plan
 
 #: Events a communicator keeps (the newest).

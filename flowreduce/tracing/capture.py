@@ -132,14 +132,15 @@ def _worker_snapshot(marks: dict, shm_marks: dict | None = None, engine_marks: d
     from distributed.metrics import time
 
     from flowreduce.kernels.shm import COPIES
-    from flowreduce.schedule.engine_log import log_of
-    from flowreduce.schedule.p2p import EXTENSION
+    from flowreduce.schedule.p2p import engine_of
+    from flowreduce.schedule.spmd_mailbox import mailbox_of
 
     w = dask_worker
-    elog = log_of(w, EXTENSION)
+    found = engine_of(w)
+    elog = found.log if found is not None else None
     engine, engine_lost = elog.since((engine_marks or {}).get(w.address, 0) if engine_marks is not None else None) \
         if elog is not None else ([], 0)
-    box = w.extensions.get("flowreduce-spmd")  # flowreduce.schedule.spmd_mailbox.EXTENSION
+    box = mailbox_of(w)
     spmd, spmd_last, spmd_lost = spmd_since(box.log, (spmd_marks or {}).get(w.address, "")
                                             if spmd_marks is not None else None) if box is not None \
         else ([], "", False)
