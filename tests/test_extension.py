@@ -61,6 +61,8 @@ def test_one_plugin_on_the_scheduler_and_on_every_worker_whatever_ran(preload):
         jobs = flowreduce.spmd(client, _summed, [np.full(3, r + 1.0) for r in range(4)], timeout=30)
         np.testing.assert_array_equal(client.gather(jobs)[0], np.full(3, 10.0))
         assert flowreduce.dashboard.install(client)
+        with Client(cluster) as other:  # a client that never ran a call asks the scheduler itself
+            assert flowreduce.dashboard.install(other)
         _check(client, workers=2, calls=2)
 
         cluster.scale(3)

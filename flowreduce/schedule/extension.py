@@ -88,6 +88,7 @@ class SchedulerExtension(SchedulerPlugin):
         self.spmd = SpmdSchedulerPlugin()
         self.dashboard: DashboardStore = DashboardPlugin()
         self._hooks: dict[str, list[Callable[..., Any]]] = {}
+        self._transitions: list[Callable[..., Any]] = []
 
     def parts(self) -> tuple[SchedulerPlugin, ...]:
         return (self.p2p, self.guard, self.spmd, self.dashboard)
@@ -110,6 +111,7 @@ class SchedulerExtension(SchedulerPlugin):
         # only the parts that have a hook are called for it: transition runs for every task
         self._hooks = {hook: [getattr(p, hook) for p in self.parts() if _overrides(p, SchedulerPlugin, hook)]
                        for hook in _SCHEDULER_HOOKS}
+        self._transitions = self._hooks["transition"]
 
     def _each(self, hook: str, *args: Any, **kwargs: Any) -> list[Any]:
         out = []
@@ -127,7 +129,7 @@ class SchedulerExtension(SchedulerPlugin):
         return asyncio.gather(*pending, return_exceptions=True) if pending else None
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        for method in self._hooks["transition"]:
+        for method in self._transitions:
             try:
                 method(key, start, finish, *args, **kwargs)
             except Exception:
