@@ -120,6 +120,12 @@ def _sessions(dask_scheduler=None) -> int:
                if isinstance(a, BokehTornado) and "/flowreduce" in a.app_paths)
 
 
+def _in_store(dask_scheduler=None) -> int:
+    from flowreduce.dashboard.store import store_of
+
+    return len(store_of(dask_scheduler).listing())
+
+
 def _refresh_seconds(repeat: int, dask_scheduler=None) -> float:
     """Median seconds of one page refresh on the scheduler (a fresh page each time: all data sent)."""
     from flowreduce.dashboard.page import FlowreducePage
@@ -230,8 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f" + browser {pair[v]['browser_cpu']:.2f} s" for v in VARIANTS), file=sys.stderr, flush=True)
         show(False)
         refresh = client.run_on_scheduler(_refresh_seconds, 20)
-        in_store = client.run_on_scheduler(lambda dask_scheduler: len(
-            dask_scheduler.plugins["flowreduce-dashboard"].listing()))
+        in_store = client.run_on_scheduler(_in_store)
 
     opened = [t for b in blocks for t in b["open"]["seconds"]]
     paused = [t for b in blocks for t in b["paused"]["seconds"]]

@@ -41,9 +41,10 @@ def _noop(*args, **kwargs) -> None:
 
 def set_recording(on: bool, dask_worker=None) -> int:
     """On a worker: the engine log's methods back (``on``) or replaced by no-ops; its entries so far."""
-    from flowreduce.schedule.engine_log import log_of
+    from flowreduce.schedule.p2p import engine_of
 
-    log = log_of(dask_worker)
+    engine = engine_of(dask_worker)
+    log = engine.log if engine is not None else None
     if log is None:
         return 0
     pc = dask_worker.periodic_callbacks.get("flowreduce-engine-log")

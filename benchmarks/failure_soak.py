@@ -37,9 +37,9 @@ def _rss(dask_worker=None, dask_scheduler=None) -> int:
 
 def _guard_state(dask_scheduler=None) -> dict:
     """How much the guard holds: watched calls, keys it tracks, recovery counters."""
-    from flowreduce.schedule.guard import PinGuard
+    from flowreduce.schedule.guard import guard_of
 
-    g = dask_scheduler.plugins[PinGuard.name]
+    g = guard_of(dask_scheduler)
     return {"watches": len(g.watches), "outputs": len(g.watch_of), "inputs": len(g.input_ranks),
             "processing": len(g.since), "tries": len(g.tries)}
 

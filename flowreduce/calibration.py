@@ -148,9 +148,9 @@ def calibrate(client: Any, *, small: Sequence[int] = SMALL, large: Sequence[int]
     fits: dict[str, dict] = {}
     links: dict[str, Any] = {}  # CostModel fields: intra, inter
     if "intra" in pairs and not pairs["intra"][0].startswith("inproc://"):  # in-process: nothing to share
-        from flowreduce.schedule.shm_plugin import ensure_shm
+        from flowreduce.schedule.extension import ensure_extension
 
-        ensure_shm(client)
+        ensure_extension(client)
         pairs["shm"] = pairs["intra"]
     for cls, (a, b) in pairs.items():
         ping_pong(client, a, b, 8, 2)  # warm up the connection

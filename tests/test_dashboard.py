@@ -22,7 +22,7 @@ import flowreduce
 import flowreduce.dashboard
 from flowreduce import keys
 from flowreduce.dashboard import views
-from flowreduce.dashboard.store import NAME, OP, DashboardStore
+from flowreduce.dashboard.store import NAME, OP, DashboardStore, store_of
 
 N = 64
 
@@ -38,7 +38,7 @@ def dash():
 
 def _store_view(dask_scheduler, token=None):
     """What the page would show, computed on the scheduler's loop (as the page is)."""
-    store = dask_scheduler.plugins[NAME]
+    store = store_of(dask_scheduler)
     now = time.time()
     call = store.find(token) if token else views.default_selection(store)
     cells = views.grid(call, dask_scheduler) if call else []
@@ -81,7 +81,7 @@ def _url(cluster, page):
 def test_preloaded_page_is_served_and_listed_before_any_call():
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0",
                       scheduler_kwargs={"preload": ["flowreduce.dashboard"]}) as cluster, Client(cluster) as client:
-        assert client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[NAME].listing()) == []
+        assert client.run_on_scheduler(lambda dask_scheduler: store_of(dask_scheduler).listing()) == []
         with urllib.request.urlopen(_url(cluster, "flowreduce")) as r:
             assert r.status == 200
         with urllib.request.urlopen(_url(cluster, "status")) as r:

@@ -25,7 +25,8 @@ from utils import assert_clean, flowreduce_keys, flush, wait_until
 import flowreduce
 from flowreduce.errors import AllreduceTimeoutError, WorkerLostError
 from flowreduce.keys import parse
-from flowreduce.schedule.guard import PinGuard
+from flowreduce.schedule.extension import ensure_extension
+from flowreduce.schedule.guard import PinGuard, guard_of
 
 # These tests are about faults at a step of the task graph and its recovery: method='tasks' (tests/test_p2p.py covers the engine)
 pytestmark = pytest.mark.usefixtures("method_tasks")
@@ -264,7 +265,7 @@ def test_bounded_attempts_turn_repeated_losses_into_an_error(client):
 
 
 def _set_attempts(n, dask_scheduler=None):
-    dask_scheduler.plugins[PinGuard.name].attempts = n
+    guard_of(dask_scheduler).attempts = n
 
 
 def test_scattered_input_lost_names_rank_and_key_and_survivors_work(client):
@@ -348,9 +349,7 @@ def test_replica_guard_lets_a_retiring_worker_give_its_data_away(client):
     flowreduce task is pinned, except when that worker is retiring: there
     Dask replicates the value away and drops the retiring copy, and keeping
     it made retire_workers replicate and drop forever (issue #15)."""
-    from flowreduce.schedule.guard import ensure_guard
-
-    ensure_guard(client)
+    ensure_extension(client)
     client.amm.stop()  # run it once, below, when the stage is set
     a, b, c = sorted(client.nthreads())[:3]
     token, name = uuid.uuid4().hex, f"flowreduce-test-{uuid.uuid4().hex}"

@@ -23,9 +23,10 @@ from utils import wait_until, workers_of
 
 import flowreduce
 from flowreduce.dashboard.store import OP as PUBLISH
+from flowreduce.dashboard.store import store_of
 from flowreduce.kernels.shm import Handle, received
 from flowreduce.ops import resolve_op
-from flowreduce.schedule.guard import STATES
+from flowreduce.schedule.guard import STATES, guard_of
 from flowreduce.schedule.peer_reads import HANDLER, MAX_HELD_KEYS, named_op
 from flowreduce.shm import pool as shm_pool
 from flowreduce.shm import posts as shm_posts
@@ -136,7 +137,7 @@ def test_states_refuses_more_keys_than_tasks_and_unknown_arguments(client):
 
 
 def _watches(dask_scheduler=None) -> list[str]:
-    return list(dask_scheduler.plugins["flowreduce-pin-guard"].watches)
+    return list(guard_of(dask_scheduler).watches)
 
 
 def _watch(client, **fields) -> None:
@@ -207,11 +208,11 @@ def test_watch_of_a_call_watched_already_is_refused(client):
 
 
 def _malformed(dask_scheduler=None) -> int:
-    return dask_scheduler.plugins["flowreduce-dashboard"].malformed
+    return store_of(dask_scheduler).malformed
 
 
 def _unknown(dask_scheduler=None) -> int:
-    return dask_scheduler.plugins["flowreduce-dashboard"].unknown
+    return store_of(dask_scheduler).unknown
 
 
 def test_a_record_of_a_call_not_on_the_page_is_counted_not_logged(client):

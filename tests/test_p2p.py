@@ -30,6 +30,7 @@ from flowreduce.lower.p2p import Spec, lower_p2p
 from flowreduce.ops import resolve_op
 from flowreduce.schedule import call
 from flowreduce.schedule import p2p as engine
+from flowreduce.schedule.extension import ensure_extension
 
 DENSE = [a for a in flowreduce.ALGORITHMS if a != "auto"]
 
@@ -206,7 +207,7 @@ def test_inputs_that_disagree_are_refused_naming_the_ranks(inproc_client):
 
 def test_the_handler_refuses_what_no_run_sends(inproc_client):
     address = sorted(inproc_client.nthreads())[0]
-    engine.ensure_p2p(inproc_client)
+    ensure_extension(inproc_client)
 
     async def ask(dask_worker, **message):
         return await dask_worker.handlers[engine.RECEIVE](**message)
@@ -263,7 +264,7 @@ def _send_awaits(dask_worker=None):
 
 
 def test_an_engine_refuses_await_messages_it_cannot_read(inproc_client):
-    engine.ensure_p2p(inproc_client)
+    ensure_extension(inproc_client)
     assert inproc_client.run(_send_awaits) == {w: [] for w in inproc_client.nthreads()}
 
 
@@ -291,7 +292,7 @@ def test_an_input_the_engine_refuses_fails_every_rank_and_leaves_nothing(proc_cl
     arrays = _inputs(p, 10, "sum")
     futures = [proc_client.scatter(x, workers=[w], hash=False) for x, w in zip(arrays, workers)]
     spec = Spec.of(make_plan("butterfly", 4), resolve_op("sum"), np.dtype("i8"), (11,), workers, True)
-    engine.ensure_p2p(proc_client)
+    ensure_extension(proc_client)
     graph = engine.lower(spec, futures)
     job = call.Job(graph.tasks, graph.placement, graph.outputs, graph.token, list, (), summary=("test",))
     out = call.submit(proc_client, job)
@@ -354,7 +355,7 @@ def _two_one_thread_workers():
     future there, a butterfly spec over them and a fresh token."""
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
             Client(cluster) as client:
-        engine.ensure_p2p(client)
+        ensure_extension(client)
         workers = sorted(client.nthreads())
         arrays = _inputs(2, 10, "sum")
         futures = [client.scatter(x, workers=[w], hash=False) for x, w in zip(arrays, workers)]
@@ -457,9 +458,9 @@ def test_the_dashboard_draws_a_p2p_call(inproc_client):
 
     def cells(dask_scheduler, token):
         from flowreduce.dashboard import views
-        from flowreduce.dashboard.store import NAME
+        from flowreduce.dashboard.store import store_of
 
-        call = dask_scheduler.plugins[NAME].find(token)
+        call = store_of(dask_scheduler).find(token)
         return [(c.rank, c.column, c.state, c.done, c.tasks) for c in views.grid(call, dask_scheduler)]
 
     def engine_done(got):
@@ -534,7 +535,7 @@ def test_ranks_sharing_a_worker_are_combined_there_first(inproc_client, dtype, o
 
 
 def _shared_sends(dask_worker=None):
-    return dask_worker.extensions[engine.EXTENSION].shared_sends
+    return engine.engine_of(dask_worker).shared_sends
 
 
 def _leased(dask_worker=None):
@@ -552,7 +553,7 @@ def test_workers_of_one_host_exchange_big_values_through_shared_segments(proc_cl
     arrays = _inputs(4, 200_000, "sum")
     futures = scatter_ranks(proc_client, arrays)
     want = _expected(arrays, "sum")
-    engine.ensure_p2p(proc_client)  # the counters live in the engines, there before any call
+    ensure_extension(proc_client)  # the counters live in the engines, there before any call
     for transport in ("dask", "auto"):
         before = sum(proc_client.run(_shared_sends).values())
         out = flowreduce.allreduce(proc_client, futures, algorithm=algorithm, chunks=2, method="p2p",
@@ -571,7 +572,7 @@ def test_a_value_broadcast_to_workers_of_one_host_is_written_once(proc_client):
     (given back after the last): 4 writes, not 6. The same result as through Dask's comm."""
     arrays = _inputs(4, 200_000, "sum")
     futures = scatter_ranks(proc_client, arrays)
-    engine.ensure_p2p(proc_client)
+    ensure_extension(proc_client)
     before = sum(proc_client.run(_shared_sends).values())
     out = flowreduce.allreduce(proc_client, futures, algorithm="reduce-broadcast", method="p2p")
     for f in out:
@@ -582,7 +583,7 @@ def test_a_value_broadcast_to_workers_of_one_host_is_written_once(proc_client):
 
 
 def _host_runs(dask_worker=None):
-    return dask_worker.extensions[engine.EXTENSION].host_runs
+    return engine.engine_of(dask_worker).host_runs
 
 
 @pytest.mark.parametrize("n", [0, 1, 1001, 100_000])
@@ -594,7 +595,7 @@ def test_workers_of_one_host_run_auto_as_one_collective_of_a_host_group(proc_cli
     p = 6
     arrays = [np.random.default_rng(r).standard_normal(n) * 10.0 ** (r % 5) for r in range(p)]
     futures = scatter_ranks(proc_client, arrays)
-    engine.ensure_p2p(proc_client)
+    ensure_extension(proc_client)
     runs, sends = sum(proc_client.run(_host_runs).values()), sum(proc_client.run(_shared_sends).values())
     out = flowreduce.allreduce(proc_client, futures, method="p2p")
     got = proc_client.gather(out)
@@ -661,7 +662,7 @@ def test_no_host_group_where_shared_memory_is_off():
             LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         futures = scatter_ranks(client, arrays)
-        engine.ensure_p2p(client)
+        ensure_extension(client)
         out = flowreduce.allreduce(client, futures, algorithm="shm-direct", method="p2p")
         for f in out:
             np.testing.assert_array_equal(f.result(timeout=60), _expected(arrays, "sum"))
@@ -691,7 +692,7 @@ def test_a_worker_killed_inside_a_host_group_run_restarts_it_on_the_survivors(ki
     workers = sorted(killable.nthreads())
     futures = [killable.submit(np.arange, n * r, n * (r + 1), workers=[workers[r % 3]],
                                allow_other_workers=True, pure=False) for r in range(p)]
-    engine.ensure_p2p(killable)
+    ensure_extension(killable)
     killable.run(_die_in_host_group, workers=[workers[1]])
     wait(futures)
     out = flowreduce.allreduce(killable, futures, method="p2p")
@@ -729,7 +730,7 @@ def test_a_worker_killed_between_engine_steps_restarts_the_run(killable, algorit
     workers = sorted(killable.nthreads())
     futures = [killable.submit(np.arange, 1000 * r, 1000 * (r + 1), workers=[workers[r % 3]],
                                allow_other_workers=True, pure=False) for r in range(p)]
-    engine.ensure_p2p(killable)
+    ensure_extension(killable)
     killable.run(_die_at_first_message, workers=[workers[1]])
     wait(futures)  # computed: the hand-in route these faults are placed in (on arrival: test_workflows)
     out = flowreduce.allreduce(killable, futures, algorithm=algorithm, chunks=2, method="p2p")
@@ -756,7 +757,7 @@ def test_a_worker_killed_inside_a_run_placed_on_arrival_runs_it_again(killable, 
     name = f"go-{uuid.uuid4().hex}"
     futures = [killable.submit(_held_back, name, 1000 * r, 1000 * (r + 1), workers=[workers[r % 3]],
                                allow_other_workers=True, pure=False) for r in range(p)]
-    engine.ensure_p2p(killable)
+    ensure_extension(killable)
     killable.run(_die_at_first_message, workers=[workers[1]])
     out = flowreduce.allreduce(killable, futures, algorithm=algorithm, chunks=2, method="p2p")
     Event(name, client=killable).set()
@@ -788,7 +789,7 @@ def test_an_input_that_fails_while_a_call_placed_on_arrival_runs_again_fails_eve
     name = f"go-{uuid.uuid4().hex}"
     futures = [killable.submit(_once, str(tmp_path / f"rank{r}"), name, 1000 * r, 1000 * (r + 1),
                                workers=[workers[r % 3]], allow_other_workers=True, pure=False) for r in range(p)]
-    engine.ensure_p2p(killable)
+    ensure_extension(killable)
     killable.run(_die_at_first_message, workers=[workers[1]])
     out = flowreduce.allreduce(killable, futures, algorithm="ring", chunks=2, method="p2p", timeout=120)
     Event(name, client=killable).set()

@@ -166,9 +166,9 @@ def test_amm_keeps_the_replica_a_waiting_pinned_task_needs(proc_client):
 
     from distributed import Event
 
-    from flowreduce.schedule.guard import ensure_guard
+    from flowreduce.schedule.extension import ensure_extension
 
-    ensure_guard(proc_client)
+    ensure_extension(proc_client)
     proc_client.amm.stop()  # run it once, below, when the stage is set
     a, b, c = workers_of(proc_client)[:3]
     token, event = uuid.uuid4().hex, f"flowreduce-test-{uuid.uuid4().hex}"

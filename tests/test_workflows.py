@@ -430,7 +430,9 @@ def test_pytrees_in_one_future_still_computing_are_gathered_and_reduced(client):
 
 
 def _shown(token, dask_scheduler=None):
-    call = dask_scheduler.plugins["flowreduce-dashboard"].find(token)
+    from flowreduce.dashboard.store import store_of
+
+    call = store_of(dask_scheduler).find(token)
     return None if call is None or call.record is None else (call.record.algorithm, call.record.ranks)
 
 

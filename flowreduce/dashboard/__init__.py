@@ -7,12 +7,12 @@ straggler (docs/dashboard.md); and the SPMD jobs (``flowreduce.spmd``)
 live or recently ended, with each rank's last collective
 (:mod:`flowreduce.dashboard.jobs`; :func:`spmd_jobs` gives the rows).
 
-The page lives on the scheduler, in a scheduler plugin
-(:class:`~flowreduce.dashboard.plugin.DashboardPlugin`). It is there
+The page lives on the scheduler, fed by a store
+(:class:`~flowreduce.dashboard.plugin.DashboardPlugin`), a part of
+flowreduce's scheduler extension (:mod:`flowreduce.schedule.extension`). It is there
 
-* as soon as a client has run an all-reduce (``allreduce`` calls
-  :func:`publish`, which installs the plugin once per client), or after
-  :func:`install`;
+* as soon as a client has run an all-reduce (which installs the extension
+  once per client), or after :func:`install`;
 * from the scheduler's start with ``--preload flowreduce.dashboard``
   (``dask scheduler --preload flowreduce.dashboard``, dask-jobqueue's
   ``scheduler_options={"preload": ["flowreduce.dashboard"]}``, or the config
@@ -41,9 +41,11 @@ _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def install(client) -> bool:
-    """Install the dashboard's scheduler plugin (and so the page) once per
-    client; a scheduler that has it already keeps its history. False, with a
-    warning logged, when the scheduler cannot take it (the all-reduce goes on)."""
+    """Install the dashboard's store (and so the page) once per client: alone,
+    in the place of flowreduce's extension, which adopts it when it comes; a
+    scheduler that has one already (alone or in the extension) keeps it and
+    its history. False, with a warning logged, when the scheduler cannot take
+    it (the all-reduce goes on)."""
     ok = _installed.get(client)
     if ok is None:
         from flowreduce.dashboard.plugin import DashboardPlugin
@@ -56,6 +58,12 @@ def install(client) -> bool:
             ok = False
         _installed[client] = ok
     return ok
+
+
+def installed(client) -> None:
+    """``client``'s scheduler has the store (flowreduce's extension, just
+    installed, holds one): :func:`install` need not ask it."""
+    _installed[client] = True
 
 
 def publish(client, calls: Sequence[Any], *, group: str = "", transport: str | None = None) -> None:
@@ -78,10 +86,10 @@ async def _spmd_jobs(poll: bool = True, dask_scheduler: Any = None) -> dict[str,
     from distributed.metrics import time
 
     from flowreduce.dashboard import views
-    from flowreduce.dashboard.store import NAME
+    from flowreduce.dashboard.store import store_of
 
-    store = dask_scheduler.plugins.get(NAME)
-    if getattr(store, "spmd", None) is None:  # no page, or one of a flowreduce without SPMD jobs
+    store = store_of(dask_scheduler)
+    if store is None or getattr(store, "spmd", None) is None:  # no page, or one of a flowreduce without SPMD jobs
         return {"jobs": [], "ranks": []}
     if poll:
         await store.spmd.poll(dask_scheduler)
@@ -98,7 +106,8 @@ def spmd_jobs(client, poll: bool = True) -> dict[str, list[dict[str, Any]]]:
 
 
 def dask_setup(scheduler) -> None:
-    """``--preload flowreduce.dashboard``: the plugin (and the page) from the scheduler's start."""
+    """``--preload flowreduce.dashboard``: the store (and the page) from the scheduler's start, alone in the
+    place of flowreduce's extension, which adopts it when a client installs it."""
     from flowreduce.dashboard.plugin import DashboardPlugin
     from flowreduce.dashboard.store import NAME
 

@@ -39,7 +39,7 @@ from tornado.ioloop import IOLoop
 
 from flowreduce.dashboard import views
 from flowreduce.dashboard.record import PACK_COLUMN
-from flowreduce.dashboard.store import NAME
+from flowreduce.dashboard.store import store_of
 
 logger = logging.getLogger("flowreduce.dashboard")
 
@@ -141,7 +141,7 @@ class FlowreducePage(DashboardComponent):
     @without_property_validation
     def update(self) -> None:
         with log_errors():
-            store = self.scheduler.plugins.get(NAME)
+            store = store_of(self.scheduler)
             if store is None:
                 _assign(self.straggler, text="flowreduce has not run on this cluster yet")
                 return

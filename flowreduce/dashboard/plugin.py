@@ -1,6 +1,7 @@
-"""The scheduler plugin a client installs (or ``--preload`` adds): the store
-(:mod:`flowreduce.dashboard.store`) and, where bokeh is installed, the page
-(:mod:`flowreduce.dashboard.page`) it feeds."""
+"""The dashboard's part of flowreduce's scheduler extension (alone in its
+place after ``--preload`` or :func:`flowreduce.dashboard.install`, until the
+extension adopts it): the store (:mod:`flowreduce.dashboard.store`) and,
+where bokeh is installed, the page (:mod:`flowreduce.dashboard.page`) it feeds."""
 
 from __future__ import annotations
 

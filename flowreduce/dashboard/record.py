@@ -122,12 +122,17 @@ def record_of(info: Any, *, group: str = "", transport: str | None = None) -> Da
         widths=tuple(n.width for n in plan.nodes) if len(plan.nodes) <= MAX_WIDTHS else ())
 
 
+#: The name of flowreduce's one scheduler plugin and one worker plugin (:mod:`flowreduce.schedule.extension`),
+#: spelled here, below every layer that finds them: the page finds its store in the scheduler's.
+EXTENSION = "flowreduce"
+
+
 # -- SPMD jobs (flowreduce.spmd) -------------------------------------------------------
 #: Prefix of an SPMD rank's task key, ``flowreduce-spmd-rank-<token>.<attempt>-<rank>``
-#: (:func:`flowreduce.spmd.watch.rank_key`); spelled here, below every layer that reads it.
+#: (:func:`flowreduce.schedule.spmd_watch.rank_key`); spelled here, below every layer that reads it.
 SPMD_PREFIX = "flowreduce-spmd-rank-"
 #: The worker handler the dashboard asks for the last collective of each rank there
-#: (:meth:`flowreduce.spmd.mailbox.Mailbox.last`): the page polls, the ranks send nothing.
+#: (:meth:`flowreduce.schedule.spmd_mailbox.Mailbox.last`): the page polls, the ranks send nothing.
 SPMD_LAST = "flowreduce_spmd_last"
 #: State of one SPMD job (one attempt), from its ranks' task states.
 JOB_STATES = ("submitted", "running", "done", "failed", "cancelled")

@@ -1,5 +1,9 @@
-"""The scheduler side of the dashboard: a scheduler plugin that keeps a
-bounded record of flowreduce calls for the ``/flowreduce`` page.
+"""The scheduler side of the dashboard: a bounded record of flowreduce
+calls for the ``/flowreduce`` page, a part of flowreduce's scheduler
+extension (:mod:`flowreduce.schedule.extension`), or alone in its place
+until the extension comes (``--preload flowreduce.dashboard``,
+:func:`flowreduce.dashboard.install`), which then adopts it; :func:`store_of`
+finds it either way.
 
 What it records, and when (everything else is read from the scheduler's
 own task states when the page refreshes, :mod:`flowreduce.dashboard.views`):
@@ -40,11 +44,12 @@ from distributed.metrics import time
 
 from flowreduce import keys
 from flowreduce.dashboard.jobs import SpmdJobs
-from flowreduce.dashboard.record import ENGINE_OP, SPMD_PREFIX, DashboardRecord
+from flowreduce.dashboard.record import ENGINE_OP, EXTENSION, SPMD_PREFIX, DashboardRecord
 
 logger = logging.getLogger("flowreduce.dashboard")
 
-NAME = "flowreduce-dashboard"
+#: Where the store is on the scheduler: the extension's plugin, or the store itself in its place.
+NAME = EXTENSION
 #: The stream message a client publishes a record with (a handler of the scheduler's client streams).
 OP = "flowreduce-dashboard-publish"
 HISTORY = 100
@@ -100,7 +105,7 @@ class DashboardStore(SchedulerPlugin):
     """Bounded record of flowreduce calls; serves the ``/flowreduce`` page."""
 
     name = NAME
-    idempotent = True  # a second client registering it keeps the first one's history
+    idempotent = True  # a second client registering it keeps the first one's history (or the extension holding one)
 
     def __init__(self, history: int = HISTORY):
         self.calls: dict[str, Call] = {}  # in flight, oldest first
@@ -313,6 +318,12 @@ class DashboardStore(SchedulerPlugin):
 MAX_RANKS, MAX_DIMS, MAX_TEXT = 1 << 16, 64, 256
 #: Most cells one engine progress message may carry.
 MAX_ENGINE_CELLS = 1 << 20
+
+
+def store_of(scheduler: Any) -> DashboardStore | None:
+    """The store on ``scheduler``: the extension's part, or the store alone in its place; None before either."""
+    plugin = scheduler.plugins.get(NAME)
+    return plugin if isinstance(plugin, DashboardStore) else getattr(plugin, "dashboard", None)
 
 
 def _out_of_bounds(rec: DashboardRecord) -> str | None:

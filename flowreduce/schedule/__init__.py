@@ -6,7 +6,9 @@ One module per concept: :mod:`~flowreduce.schedule.call` (the front door:
 rank holds, and the checks that the ranks agree), :mod:`~flowreduce.schedule.placement`
 (which worker runs each rank), :mod:`~flowreduce.schedule.hosts` (which
 ranks share a host), :mod:`~flowreduce.schedule.records` (one record per
-call), :mod:`~flowreduce.schedule.guard` (the lost-worker plugin).
+call), :mod:`~flowreduce.schedule.extension` (flowreduce's one scheduler
+plugin and one worker plugin, made of parts such as
+:mod:`~flowreduce.schedule.guard`, the lost-worker guard).
 
 The package itself imports nothing heavy: ``allreduce`` and ``describe``
 are loaded on first use.

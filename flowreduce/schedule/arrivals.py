@@ -33,14 +33,14 @@ import dask
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.task_spec import Task, TaskRef
 
-from flowreduce import dashboard, keys
+from flowreduce import keys
 from flowreduce.errors import InputError, InputTypeError
 from flowreduce.lower.graph import named_graph
 from flowreduce.phases import ARRIVE, OUTPUT
 from flowreduce.schedule import guard, records
 from flowreduce.schedule import p2p as _p2p
+from flowreduce.schedule.extension import ensure_extension
 from flowreduce.schedule.records import CallRecord
-from flowreduce.schedule.shm_plugin import ensure_shm
 
 Decide = _p2p.Decide
 
@@ -80,10 +80,9 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
     the guard watches it as every call (its ``timeout``, lost inputs)."""
     graph = _p2p.lower_on_futures(futures, algorithm, decide, token=token)
     placed(token)
-    _p2p.ensure_p2p(client)
-    guard.ensure_guard(client)
-    dashboard.install(client)  # its record comes from the scheduler plugin once the call begins
-    ensure_shm(client)  # big values between workers of a host go through shared segments
+    # its record comes from the scheduler's extension once the call begins; big values between workers of a
+    # host go through shared segments
+    ensure_extension(client)
     # the barrier is asked for only to reach the scheduler: its decision is taken there as it waits to run
     # (P2PSchedulerPlugin), and it is let go here at once, after the graph on the same stream
     *out, _ = client.get(named_graph(graph.tasks, token), [*graph.outputs, keys.barrier_key(algorithm, token)],
@@ -104,9 +103,7 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
     from dask.delayed import Delayed
 
     placed(token)
-    _p2p.ensure_p2p(client)  # the engine must be there when the user computes
-    dashboard.install(client)
-    ensure_shm(client)
+    ensure_extension(client)  # the engine must be there when the user computes
     decide = decide_for(token)
     if isinstance(inputs, da.Array):
         if not 0 <= axis < max(inputs.ndim, 1):

@@ -65,6 +65,7 @@ from flowreduce.schedule import guard, hosts, placement, records
 from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule import transport as _transport
+from flowreduce.schedule.extension import ensure_extension
 from flowreduce.schedule.inputs import (
     ArrayMeta,
     SparseMeta,
@@ -78,9 +79,8 @@ from flowreduce.schedule.inputs import (
     common_sparse,
     rank_futures,
 )
-from flowreduce.schedule.peer_reads import ensure_peer_handlers, reading
+from flowreduce.schedule.peer_reads import reading
 from flowreduce.schedule.records import CallRecord, PytreeRecord
-from flowreduce.schedule.shm_plugin import ensure_shm
 from flowreduce.shm.host_group import SPLIT_BYTES
 
 logger = logging.getLogger("flowreduce")
@@ -661,10 +661,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         read = partial(reading, domains=near) if near else reading
         graph = build_direct(plan, inputs, workers, input_keys=keys, op=settings.op, read=read,
                              check=check_values if ranks.check else None, ordered=settings.deterministic)
-        if near or 1 < len(set(workers)) < p:  # peers on other hosts (or unposted) sum the ranks they hold
-            ensure_peer_handlers(client)
-        if near:
-            ensure_shm(client)
+        ensure_extension(client)  # peers on other hosts (or unposted) sum the ranks they hold; posts in shm
         return job(graph, plan, nbytes, levels[0], shape, dtype, how, links, hold=True,
                    predicted=_transport.predict(plan, model, nbytes, workers, domains, levels[0]))
 
@@ -713,7 +710,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
                                          accumulate=settings.op.accumulator(dtype),
                                          ordered=settings.deterministic and tree_ordered(settings.op.name, dtype))
     if how != "dask":
-        ensure_shm(client)
+        ensure_extension(client)
     return job(graph, plan, nbytes, levels[0], shape, dtype.str, how, links)
 
 
@@ -906,9 +903,7 @@ def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute 
     spec = p2p_spec(ranks, settings, route)
     workers = list(ranks.workers)
     graph = _p2p.lower(spec, [fs[0] for fs in ranks.futures])
-    _p2p.ensure_p2p(client)
-    if spec.domains:
-        ensure_shm(client)
+    ensure_extension(client)
     record = CallRecord(graph.token, route.plan, route.nbytes, route.predicted, tuple(workers), spec.shape,
                         spec.dtype, tuple(fs[0].key for fs in ranks.futures), method="p2p",
                         deterministic=spec.ordered)
@@ -1015,7 +1010,7 @@ def _on_arrival(outer: TreeDef, like: Any, settings: Settings, exact: Any, how: 
 def submit(client: Client, job: Job, ranks: Ranks | None = None, timeout: float | None = None) -> list[Any]:
     """Submit a lowered call with every task pinned to its worker, and keep its records;
     the guard watches it (``ranks``' inputs, ``timeout``: docs/failures.md)."""
-    guard.ensure_guard(client)
+    ensure_extension(client)
     with dask.annotate(workers=job.placement.get, allow_other_workers=False):
         futures = client.get(named_graph(job.tasks, job.token), job.keys, sync=False, priority=job.priority)
     inputs = [[f.key for f in fs] for fs in ranks.futures] if ranks is not None else []

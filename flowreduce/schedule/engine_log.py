@@ -1,7 +1,7 @@
 """What the p2p engine did, recorded as it runs: one bounded log per worker
 (:class:`EngineLog`, ``engine.log`` of :class:`flowreduce.schedule.p2p.Engine`)
 that ``flowreduce.trace`` reads (:mod:`flowreduce.tracing.capture`) and that
-feeds the dashboard's ranks x steps grid live (:func:`serve`).
+feeds the dashboard's ranks x steps grid live (:func:`engine_steps_handler`).
 
 Recording is always on and costs one tuple appended to a ``deque`` per
 event (a clock read and an integer increment besides): one per plan node
@@ -23,8 +23,8 @@ it aligns the shared-memory copies: :mod:`flowreduce.tracing.clocks`):
 The dashboard: every :data:`REPORT_MS` a worker whose log grew sends the
 scheduler one stream message per run (:data:`flowreduce.dashboard.record.ENGINE_OP`)
 with how many nodes it computed per (rank, step) since the last one, the
-bytes it sent to each worker, and the first time each cell's total; the p2p scheduler plugin forwards it to
-the dashboard's store (:func:`serve`). That is one message per worker and
+bytes it sent to each worker, and the first time each cell's total; the scheduler extension forwards it to
+the dashboard's store (:func:`engine_steps_handler`). That is one message per worker and
 run every 100 ms at most, on the worker's existing batched stream, rather
 than the page asking every worker at each refresh: no work at all while
 no run moves, nothing on the scheduler beyond folding the counts in.
@@ -203,28 +203,21 @@ def _rank(prog: Any, plan_rank: int) -> int:
     return members[0] if members and len(prog.spec.where) != prog.plan.ranks else plan_rank
 
 
-def log_of(worker: Any, extension: str = "flowreduce-p2p") -> EngineLog | None:
-    """The engine log of a worker, None if the p2p engine is not there."""
-    engine = worker.extensions.get(extension)
-    log = getattr(engine, "log", None)
-    return log if isinstance(log, EngineLog) else None
-
-
-def serve(scheduler: Any) -> None:
-    """On the scheduler (the p2p scheduler plugin's start): take the
-    engines' progress messages and hand them to the dashboard's store, if
-    it is there. Registered before any run can send one (a stream message
-    without a handler would close the worker's stream)."""
+def engine_steps_handler(scheduler: Any) -> dict[str, Any]:
+    """The scheduler's stream handler (the extension registers it with its
+    p2p part's, before any run can send: a stream message without a handler
+    would close the worker's stream) that hands the engines' progress
+    messages to the dashboard's store."""
 
     def engine_steps(**msg: Any) -> None:
-        from flowreduce.dashboard.store import NAME
+        from flowreduce.dashboard.store import store_of
 
-        store = scheduler.plugins.get(NAME)
-        if store is None or not hasattr(store, "engine_steps"):
+        store = store_of(scheduler)
+        if store is None:
             return
         try:
             store.engine_steps(**msg)
         except Exception as e:  # a stream handler that raised would close the worker's stream
             logger.error("flowreduce: %s: could not file engine steps: %r", ENGINE_OP, e)
 
-    scheduler.stream_handlers.setdefault(ENGINE_OP, engine_steps)
+    return {ENGINE_OP: engine_steps}

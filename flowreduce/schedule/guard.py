@@ -1,5 +1,6 @@
-"""The scheduler side of flowreduce: one plugin, installed once per client,
-that keeps a call from hanging or silently losing a rank.
+"""The guard, a part of flowreduce's scheduler extension
+(:mod:`flowreduce.schedule.extension`): it keeps a call from hanging or
+silently losing a rank.
 
 * **Recovery.** When a worker holding part of a call leaves the cluster
   (killed, or retired gracefully), the call's tasks pinned to it are
@@ -32,9 +33,8 @@ that keeps a call from hanging or silently losing a rank.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,9 +46,10 @@ from distributed.metrics import monotonic
 from distributed.scheduler import WorkerState
 
 from flowreduce import config
+from flowreduce.dashboard.record import EXTENSION
 from flowreduce.errors import AllreduceTimeoutError, WorkerLostError, refused
 
-__all__ = ["AllreduceTimeoutError", "KeepPinnedReplicas", "PinGuard", "WorkerLostError", "ensure_guard",
+__all__ = ["AllreduceTimeoutError", "KeepPinnedReplicas", "PinGuard", "WorkerLostError", "guard_of",
            "resolve_timeout", "wait_inputs", "watch"]
 
 logger = logging.getLogger("flowreduce")
@@ -103,8 +104,7 @@ class Watch:
 
 
 class PinGuard(SchedulerPlugin):
-    name = "flowreduce-pin-guard"
-    idempotent = True  # one guard per scheduler, whichever client comes first: its watches survive
+    """One per scheduler, whichever client installs the extension first: its watches survive the others."""
 
     def __init__(self, attempts: int | None = None):
         if attempts is None:
@@ -123,14 +123,18 @@ class PinGuard(SchedulerPlugin):
         # finished call -> (its results still on the scheduler, its patched scattered inputs), and result -> call
         self.lingering: dict[str, tuple[set[Hashable], list[Any]]] = {}
         self.lingering_of: dict[Hashable, str] = {}
-        scheduler.stream_handlers["flowreduce-watch"] = self.watch
-        scheduler.handlers[STATES] = self.states
         amm = scheduler.extensions.get("amm")
         if amm is not None:
             for policy in list(amm.policies):
                 if type(policy) is ReduceReplicas:
                     amm.policies.discard(policy)
                     amm.add_policy(KeepPinnedReplicas())
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        return {STATES: self.states}
+
+    def stream_handlers(self) -> dict[str, Callable[..., Any]]:
+        return {WATCH: self.watch}
 
     def states(self, keys: Any = None, **other: Any) -> list[tuple] | dict[str, str] | None:
         """The :data:`STATES` request (a plain RPC, cheaper than ``run_on_scheduler``,
@@ -176,12 +180,12 @@ class PinGuard(SchedulerPlugin):
         except Exception as e:
             why = repr(e)
         if why is not None:
-            refused("flowreduce-watch", why)
+            refused(WATCH, why)
             return
         try:
             self._watch(token, outputs, inputs, timeout, hold)
         except Exception as e:
-            logger.exception("flowreduce: flowreduce-watch failed for call %s: %r", token, e)
+            logger.exception("flowreduce: %s failed for call %s: %r", WATCH, token, e)
 
     def _watch(self, token: str, outputs: Sequence[Hashable], inputs: Sequence[Sequence[Hashable]],
                timeout: float | None, hold: bool) -> None:
@@ -423,18 +427,17 @@ def _ranks_of(tasks: Sequence[Any]) -> list[int]:
                    and isinstance(info.get("rank"), int)})
 
 
-_guarded: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+#: The client's stream message telling the guard about a call just submitted (:func:`watch`).
+WATCH = "flowreduce-watch"
 #: The guard's scheduler handler answering what the scheduler knows of some keys (:meth:`PinGuard.states`).
 STATES = "flowreduce_states"
 #: Most keys one :data:`STATES` request may name beyond the scheduler's own tasks.
 MAX_STATES_KEYS = 1 << 16
 
 
-def ensure_guard(client: Any) -> None:
-    """Install the guard once per client (and so per scheduler)."""
-    if client not in _guarded:
-        client.register_plugin(PinGuard())  # attempts from the dask config of the first client
-        _guarded[client] = True
+def guard_of(scheduler: Any) -> PinGuard | None:
+    """The guard of the scheduler's extension (None before it is installed)."""
+    return getattr(scheduler.plugins.get(EXTENSION), "guard", None)
 
 
 def wait_inputs(client: Any, ranks: Sequence[Sequence[Any]], timeout: float | None) -> None:
@@ -461,7 +464,7 @@ def wait_inputs(client: Any, ranks: Sequence[Sequence[Any]], timeout: float | No
 def _explain_inputs(keys: list[Hashable], ranks: dict[Hashable, list[int]], dask_scheduler: Any = None) -> str:
     from flowreduce.schedule.stuck import explain
 
-    guard = dask_scheduler.plugins.get(PinGuard.name)
+    guard = guard_of(dask_scheduler)
     return explain(dask_scheduler, keys, ranks, guard.since if guard is not None else {})
 
 
@@ -471,7 +474,8 @@ def watch(client: Any, token: str, outputs: Sequence[Hashable], inputs: Sequence
     rank's input keys, and how long it may take (None: forever); ``hold``:
     keep the inputs until the call is done (its tasks read them without
     depending on them). Sent on the client's stream after the graph, so the
-    scheduler knows the keys by then, and before the caller can release an input."""
-    ensure_guard(client)
-    client._send_to_scheduler({"op": "flowreduce-watch", "token": token, "outputs": list(outputs),
+    scheduler knows the keys by then, and before the caller can release an input;
+    after :func:`flowreduce.schedule.extension.ensure_extension` (a stream message
+    without a handler would close the client's stream)."""
+    client._send_to_scheduler({"op": WATCH, "token": token, "outputs": list(outputs),
                                "inputs": [list(ks) for ks in inputs], "timeout": timeout, "hold": hold})

@@ -2,8 +2,9 @@
 step and chunk (as ``distributed.shuffle`` moves a shuffle's data outside
 the graph). docs/p2p.md tells the whole story.
 
-* :class:`Engine` (``worker.extensions["flowreduce-p2p"]``, installed by
-  :class:`P2PWorkerPlugin`) keeps one :class:`Run` per run id
+* :class:`Engine` (:func:`engine_of` a worker: :class:`P2PWorkerPlugin`'s,
+  a part of flowreduce's worker extension, :mod:`flowreduce.schedule.extension`)
+  keeps one :class:`Run` per run id
   (``"<call token>.<attempt>"``) while the run lasts on that worker.
 * The graph (:func:`flowreduce.lower.p2p.lower_p2p`) hands each rank's input
   in (:func:`hand_in`), waits for all of them (:func:`barrier`, which has a
@@ -31,7 +32,6 @@ import copy
 import logging
 import pickle
 import threading
-import weakref
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass, replace
@@ -48,7 +48,8 @@ from distributed.protocol import to_serialize
 from flowreduce import arrays
 from flowreduce.algorithms.ir import REDUCE
 from flowreduce.algorithms.shm_direct import NAME as SHM_DIRECT
-from flowreduce.dashboard.store import NAME as DASHBOARD
+from flowreduce.dashboard.record import EXTENSION
+from flowreduce.dashboard.store import store_of
 from flowreduce.errors import InputError, InputTypeError, WorkerLostError, refused
 from flowreduce.kernels import dense as _kernels
 from flowreduce.keys import barrier_key, new_token, parse
@@ -59,9 +60,8 @@ from flowreduce.ops import resolve_op
 from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, OUTPUT
 from flowreduce.pytree import flatten, leaves_as, unflatten
 from flowreduce.schedule import hosts
-from flowreduce.schedule.engine_log import EngineLog
+from flowreduce.schedule.engine_log import EngineLog, engine_steps_handler
 from flowreduce.schedule.engine_log import now as _now
-from flowreduce.schedule.engine_log import serve as _serve_engine_log
 from flowreduce.schedule.inputs import ArrayMeta, OtherMeta, meta_of
 from flowreduce.schedule.peer_reads import leave_slot
 from flowreduce.shm import pool as _shm_pool
@@ -70,7 +70,6 @@ from flowreduce.shm.result_buffers import buffers
 
 logger = logging.getLogger("flowreduce")
 
-EXTENSION = "flowreduce-p2p"
 RECEIVE = "flowreduce_p2p_receive"
 FAIL = "flowreduce_p2p_fail"
 #: Worker handler: a GatherRun's values for its first worker, or its result from there.
@@ -1180,31 +1179,30 @@ def _refusal(engine: Engine, run: Any, items: Any, spec: Any) -> str | None:
 
 
 class P2PWorkerPlugin(WorkerPlugin):
-    """Puts an :class:`Engine` and its handlers on every worker."""
+    """The engine's part of flowreduce's worker extension: an :class:`Engine` on every worker."""
 
-    name = "flowreduce-p2p"
-    idempotent = True
-    _engine: Engine | None = None
+    engine: Engine | None = None
 
     def setup(self, worker: Any) -> None:
-        engine = worker.extensions.get(EXTENSION)
-        if engine is None:
-            engine = worker.extensions[EXTENSION] = Engine(worker)
-        worker.handlers[RECEIVE] = engine.receive
-        worker.handlers[FAIL] = engine.failed_elsewhere
-        worker.handlers[OBJECTS] = engine.objects
-        worker.stream_handlers[FAIL] = engine.scheduler_says
-        worker.stream_handlers[DROP] = engine.drop_arrived
-        worker.stream_handlers[BEGUN] = engine.begun_by_scheduler
-        worker.stream_handlers[AWAIT] = engine.await_keys
-        self._engine = engine
+        self.engine = Engine(worker)
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        engine = self.engine
+        assert engine is not None  # set up
+        return {RECEIVE: engine.receive, FAIL: engine.failed_elsewhere, OBJECTS: engine.objects}
+
+    def stream_handlers(self) -> dict[str, Callable[..., Any]]:
+        engine = self.engine
+        assert engine is not None  # set up
+        return {FAIL: engine.scheduler_says, DROP: engine.drop_arrived, BEGUN: engine.begun_by_scheduler,
+                AWAIT: engine.await_keys}
 
     def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:
         """Every task's transition on this worker: an input of a call on
         futures placed on arrival arrives as it goes to memory, before the
         scheduler hears of it (its message goes first on the same stream).
         Nothing else is done while no input is awaited here."""
-        engine = self._engine
+        engine = self.engine
         if engine is None or not engine.awaited or key not in engine.awaited:
             return
         if finish == "memory":
@@ -1212,23 +1210,12 @@ class P2PWorkerPlugin(WorkerPlugin):
         elif finish == "forgotten":
             engine.forget_awaited(key)
 
-    def teardown(self, worker: Any) -> None:
-        worker.handlers.pop(RECEIVE, None)
-        worker.handlers.pop(OBJECTS, None)
-        worker.handlers.pop(FAIL, None)
-        worker.stream_handlers.pop(FAIL, None)
-        worker.stream_handlers.pop(DROP, None)
-        worker.stream_handlers.pop(BEGUN, None)
-        worker.stream_handlers.pop(AWAIT, None)
-        worker.extensions.pop(EXTENSION, None)
 
 
 class P2PSchedulerPlugin(SchedulerPlugin):
-    """Tells a run's workers when it cannot finish: one of them left, or its
-    tasks erred or were forgotten before every output was computed."""
-
-    name = "flowreduce-p2p-scheduler"
-    idempotent = True
+    """The p2p runs' part of flowreduce's scheduler extension. Tells a run's
+    workers when it cannot finish: one of them left, or its tasks erred or
+    were forgotten before every output was computed."""
 
     def __init__(self) -> None:
         self.scheduler: Any = None
@@ -1265,10 +1252,13 @@ class P2PSchedulerPlugin(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        scheduler.stream_handlers[ARRIVED] = self.arrived
-        scheduler.stream_handlers[STALE] = self.stale
-        scheduler.handlers[RECORD] = self.record
-        _serve_engine_log(scheduler)  # the engines' steps, for the dashboard's grid
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        return {RECORD: self.record}
+
+    def stream_handlers(self) -> dict[str, Callable[..., Any]]:
+        # the engines' steps, for the dashboard's grid
+        return {ARRIVED: self.arrived, STALE: self.stale, **engine_steps_handler(self.scheduler)}
 
     def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if not (isinstance(key, tuple) and isinstance(key[0], str) and key[0].startswith("flowreduce-")):
@@ -1552,7 +1542,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         waiter = self.record_waiters.pop(token, None)
         if waiter is not None:
             waiter.set()
-        shown = s.plugins.get(DASHBOARD)
+        shown = store_of(s)
         if shown is not None and isinstance(dashboard, dict):  # the page draws the plan once it is chosen
             shown.publish(record=dashboard)
         return {"status": "OK", "attempt": attempt, "pending": pending}
@@ -1699,7 +1689,7 @@ def restart_on_arrival(s: Any, token: str, tasks: Sequence[Any], gone: Iterable[
     for ts in tasks:
         if ts.worker_restrictions and not ts.worker_restrictions.isdisjoint(gone):
             ts.worker_restrictions = None  # pinned again when its rank arrives again
-    plugin = s.plugins.get(P2PSchedulerPlugin.name)
+    plugin = p2p_of(s)
     if plugin is None:
         return
     on_futures = any(_on_futures(ts) for ts in tasks)
@@ -1777,7 +1767,7 @@ def restart(s: Any, token: str, tasks: Sequence[Any], moves: Mapping[str, str], 
     for ts in barriers:
         _, named, handed = ts.run_spec.args
         ts.run_spec = Task(ts.key, ts.run_spec.func, new, named, handed)
-    plugin = s.plugins.get(P2PSchedulerPlugin.name)
+    plugin = p2p_of(s)
     if plugin is not None:
         found = plugin.active.get(token)
         if found is not None:
@@ -1792,23 +1782,21 @@ def restart(s: Any, token: str, tasks: Sequence[Any], moves: Mapping[str, str], 
     return {ts.key for ts in [*hand_ins, *barriers, *outputs]}
 
 
-_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def p2p_of(scheduler: Any) -> P2PSchedulerPlugin | None:
+    """The p2p part of the scheduler's extension (None before it is installed)."""
+    return getattr(scheduler.plugins.get(EXTENSION), "p2p", None)
 
 
-def ensure_p2p(client: Any) -> None:
-    """Install the worker and scheduler plugins once per client (on every
-    worker, present and future). Not once per scheduler address: a scheduler
-    started later on the same port is another scheduler, without them."""
-    if client not in _installed:
-        client.register_plugin(P2PSchedulerPlugin())
-        client.register_plugin(P2PWorkerPlugin())
-        _installed[client] = True
+def engine_of(worker: Any) -> Engine | None:
+    """The worker's engine (None before the extension is installed there)."""
+    return getattr(getattr(worker.plugins.get(EXTENSION), "p2p", None), "engine", None)
 
 
 def _engine() -> Engine:
-    engine = get_worker().extensions.get(EXTENSION)
+    engine = engine_of(get_worker())
     if engine is None:
-        raise RuntimeError("the flowreduce p2p engine is not installed on this worker (flowreduce.schedule.p2p)")
+        raise RuntimeError("the flowreduce p2p engine is not installed on this worker "
+                           "(flowreduce.schedule.extension.ensure_extension)")
     return engine
 
 
@@ -2041,14 +2029,14 @@ def _as_key(key: Any) -> Any:
 
 def arrivals_held(dask_worker: Any = None) -> dict[str, list[int]]:
     """The ranks whose inputs an engine keeps now, per call (for tests: ``client.run(arrivals_held)``)."""
-    engine = dask_worker.extensions.get(EXTENSION)
+    engine = engine_of(dask_worker)
     return {t: sorted(rs) for t, rs in engine.arrived.items()} if engine is not None else {}
 
 
 def awaited_held(dask_worker: Any = None) -> list[str]:
     """The input keys an engine awaits now for calls on futures placed on arrival, and the calls it keeps
     them for (for tests: ``client.run(awaited_held)``)."""
-    engine = dask_worker.extensions.get(EXTENSION)
+    engine = engine_of(dask_worker)
     if engine is None:
         return []
     return sorted(map(str, engine.awaited)) + [f"call {token}" for token in engine.awaited_by_token]
@@ -2057,7 +2045,7 @@ def awaited_held(dask_worker: Any = None) -> list[str]:
 def runs_held(dask_worker: Any = None) -> list[str]:
     """The runs (and their values) an engine holds now, the calls whose ranks' inputs it keeps since
     they arrived, and the inputs it awaits (for tests: ``client.run(runs_held)``)."""
-    engine = dask_worker.extensions.get(EXTENSION)
+    engine = engine_of(dask_worker)
     if engine is None:
         return []
     return sorted(engine.runs) + [f"arrived {token}" for token in engine.arrived] + [

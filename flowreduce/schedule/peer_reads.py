@@ -19,7 +19,7 @@ recomputation may need that slot.
 A peer worker holding several of the ranks (64 ranks on 4 workers) is
 asked instead to reduce them itself, in rank order, and to send one array
 and what each rank holds (:class:`~flowreduce.lower.direct.Partial`): the
-handler :data:`HANDLER`, which :class:`PeerHandlersPlugin` gives every worker.
+handler :data:`HANDLER`, which :class:`PeerHandlersPlugin` (a part of the worker extension) gives every worker.
 Anything that keeps it from answering (an input it no longer holds, inputs
 it cannot reduce, no handler) makes the reader read those ranks' values
 instead, as above.
@@ -40,8 +40,7 @@ import contextlib
 import logging
 import os
 import time
-import weakref
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from functools import partial
 from typing import Any, cast
 
@@ -457,41 +456,25 @@ async def _withdraw_when_read(pool: Any, post: shm_posts.Post) -> None:
 
 
 class PeerHandlersPlugin(WorkerPlugin):
-    """Gives a worker the handler its reading peers call: :data:`HANDLER`
-    (reduce the ranks held here and send them)."""
+    """The peer reads' part of flowreduce's worker extension: the handler
+    its reading peers call, :data:`HANDLER` (reduce the ranks held here and
+    send them). A worker without it is read value by value over Dask's comm."""
 
-    name = "flowreduce-peer-handlers"
-    idempotent = True
+    worker: Any = None
 
     def setup(self, worker: Any) -> None:
-        async def reduce_handler(keys: Any = None, reduce_with: Any = None, **other: Any) -> dict[str, Any]:
-            if other:
-                return refused(HANDLER, f"unknown arguments {sorted(map(str, other))[:10]}")
-            try:
-                return await reduce_held(worker, keys, reduce_with)
-            except Exception as e:  # never the worker's problem: the reader reads the values instead
-                return refused(HANDLER, f"{e!r}"[:300])
+        self.worker = worker
 
-        worker.handlers[HANDLER] = reduce_handler
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        return {HANDLER: self.reduce_handler}
 
-    def teardown(self, worker: Any) -> None:
-        worker.handlers.pop(HANDLER, None)
-
-
-_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def ensure_peer_handlers(client: Any) -> None:
-    """Install :class:`PeerHandlersPlugin` once per client (on every worker,
-    present and future). If that fails, readers read values over Dask's comm instead."""
-    if client not in _installed:
+    async def reduce_handler(self, keys: Any = None, reduce_with: Any = None, **other: Any) -> dict[str, Any]:
+        if other:
+            return refused(HANDLER, f"unknown arguments {sorted(map(str, other))[:10]}")
         try:
-            client.register_plugin(PeerHandlersPlugin())
-        except Exception as e:
-            logger.warning("flowreduce: could not install the peer-read handlers on the workers (%r); peers "
-                           "will be read value by value over Dask's comm", e)
-            return
-        _installed[client] = True
+            return await reduce_held(self.worker, keys, reduce_with)
+        except Exception as e:  # never the worker's problem: the reader reads the values instead
+            return refused(HANDLER, f"{e!r}"[:300])
 
 
 async def _connect_briefly(worker: Any, address: str) -> None:

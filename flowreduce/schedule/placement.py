@@ -155,10 +155,11 @@ def glance(client: Any, ranks: Sequence[Any]) -> tuple[list[str], int] | None:
     """
     # the guard imports distributed: not at import time (flowreduce.train imports wait_on without it)
     from flowreduce.schedule import guard
+    from flowreduce.schedule.extension import ensure_extension
 
     check_status([[f] for f in ranks])
     keys = list(dict.fromkeys(f.key for f in ranks))
-    guard.ensure_guard(client)
+    ensure_extension(client)
     found = client.sync(getattr(client.scheduler, guard.STATES), keys=keys)
     states = dict(zip(keys, found)) if isinstance(found, (list, tuple)) else None  # None: unknown key, or refused
     if states is None or len({st[3] for st in states.values()}) != 1:

@@ -1,5 +1,6 @@
-"""The worker side of the same-host data plane: a plugin, installed once per
-client, that gives each worker process its shared-memory pool's lifecycle.
+"""The worker side of the same-host data plane: a part of flowreduce's
+worker extension (:mod:`flowreduce.schedule.extension`) that gives each
+worker process its shared-memory pool's lifecycle.
 
 At setup the worker makes its pool (which unlinks segments left by dead
 workers on its host: a nanny's restart after SIGKILL reclaims them); while it
@@ -14,7 +15,6 @@ release and close.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any
 
 from dask.typing import Key
@@ -30,8 +30,7 @@ logger = logging.getLogger("flowreduce")
 
 
 class SharedMemoryPlugin(WorkerPlugin):
-    name = "flowreduce-shm"
-    idempotent = True  # a second client on the cluster keeps the running plugin (and its pool)
+    """The pool's part of the worker extension (a second client keeps the running one, and its pool)."""
 
     def __init__(self, settings: dict[str, Any] | None = None):
         # The shm settings every worker ran with when the plugin was installed. A worker its nanny
@@ -47,7 +46,8 @@ class SharedMemoryPlugin(WorkerPlugin):
         self.worker = worker
         why = None if self.settings is None else shm_pool.settings_refusal(self.settings)
         if why is not None:  # the worker keeps its own configuration
-            logger.error("flowreduce: %s refused its settings (%s): %s", self.name, why, repr(self.settings)[:200])
+            logger.error("flowreduce: the shared-memory pool refused its settings (%s): %s", why,
+                         repr(self.settings)[:200])
         elif self.settings is not None and shm_pool.current() is None:
             dask.config.set({f"flowreduce.shm.{k}": v for k, v in self.settings.items()})
         pool = shm_pool.pool()
@@ -112,12 +112,8 @@ def usage(client: Client) -> dict[str, dict]:
     return client.run(pool_stats)
 
 
-_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def ensure_shm(client: Client) -> None:
-    """Install the plugin once per client (on every worker, present and future)."""
-    if client not in _installed:
-        seen = list(client.run(shm_pool.config).values())
-        client.register_plugin(SharedMemoryPlugin(seen[0] if seen and all(s == seen[0] for s in seen) else None))
-        _installed[client] = True
+def workers_settings(client: Client) -> dict[str, Any] | None:
+    """The shm settings every worker runs with now, if they agree (None: they do not, or no worker):
+    what :class:`SharedMemoryPlugin` gives the workers, present and future."""
+    seen = list(client.run(shm_pool.config).values())
+    return seen[0] if seen and all(s == seen[0] for s in seen) else None

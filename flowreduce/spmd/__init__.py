@@ -5,10 +5,11 @@
 ``comm`` (:class:`flowreduce.spmd.comm.Communicator`) has ``rank``, ``size``,
 ``allreduce``, ``broadcast``, ``allgather``, ``barrier`` and ``subgroup``.
 docs/spmd.md tells the whole story. Modules: ``layout`` (the peer table),
-``mailbox`` (between hosts, and failures, on the workers), ``planrun`` (a
-plan run by its ranks), ``comm`` (the communicator), ``watch`` (the
-scheduler's side: lost workers), ``job`` (the front door), ``events`` (what
-jobs did). A host's ranks exchange through :mod:`flowreduce.shm.host_group`
+``planrun`` (a plan run by its ranks), ``comm`` (the communicator), ``job``
+(the front door), ``events`` (what jobs did). Their worker and scheduler
+sides are parts of flowreduce's one extension (:mod:`flowreduce.schedule.extension`):
+:mod:`flowreduce.schedule.spmd_mailbox` (between hosts, and failures, on the
+workers) and :mod:`flowreduce.schedule.spmd_watch` (lost workers). A host's ranks exchange through :mod:`flowreduce.shm.host_group`
 (the same-host data plane, which the p2p engine uses too), and results of
 64 KiB and more are made in :mod:`flowreduce.shm.result_buffers`.
 """

@@ -8,7 +8,7 @@ collective is hierarchical:
 1. inside the host group, through shared memory (:class:`~flowreduce.shm.host_group.HostGroup`;
    nothing to do for a rank alone on its host);
 2. between the groups' leaders (each group's lowest rank), over Dask's comm
-   worker to worker (:class:`~flowreduce.spmd.mailbox.Mailbox`): an
+   worker to worker (:class:`~flowreduce.schedule.spmd_mailbox.Mailbox`): an
    all-reduce runs a plan of :mod:`flowreduce.algorithms` over the leaders
    (:func:`~flowreduce.spmd.planrun.run_plan`; ``algorithm="auto"``: the
    one :func:`flowreduce.cost.choose` prices lowest), the other collectives
@@ -49,10 +49,10 @@ from flowreduce.ops import Op, resolve_op
 from flowreduce.reproducible import supported, tree_ordered
 from flowreduce.schedule.reproducible import exact_op
 from flowreduce.schedule.reproducible import mode as deterministic_mode
+from flowreduce.schedule.spmd_mailbox import Mailbox
 from flowreduce.shm.host_group import Aborted, HostGroup
 from flowreduce.shm.result_buffers import buffers
 from flowreduce.spmd.layout import Layout
-from flowreduce.spmd.mailbox import Mailbox
 from flowreduce.spmd.planrun import run_plan
 
 #: Events a communicator keeps (the newest).

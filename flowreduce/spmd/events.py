@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowreduce.spmd.mailbox import EXTENSION
+from flowreduce.schedule.spmd_mailbox import mailbox_of
 
 
 def _read(run: str | None = None, dask_worker: Any = None) -> list[dict[str, Any]]:
-    box = dask_worker.extensions.get(EXTENSION)
+    box = mailbox_of(dask_worker)
     if box is None:
         return []
     rows = []

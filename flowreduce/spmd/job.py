@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,33 +20,19 @@ from dask.utils import parse_timedelta
 from distributed import Future, get_worker, rejoin, secede, wait
 
 from flowreduce.errors import InputError, OptionError, WorkerLostError
+from flowreduce.schedule.extension import ensure_extension
 from flowreduce.schedule.hosts import worker_places
+from flowreduce.schedule.spmd_mailbox import mailbox_of
+from flowreduce.schedule.spmd_watch import rank_key
 from flowreduce.shm.host_group import stores_ordered, sweep
 from flowreduce.spmd.comm import Communicator
 from flowreduce.spmd.layout import Layout, prefix, round_robin
-from flowreduce.spmd.mailbox import EXTENSION, SpmdWorkerPlugin
-from flowreduce.spmd.watch import SpmdSchedulerPlugin, rank_key
 
 logger = logging.getLogger("flowreduce")
 
 #: ``flowreduce.spmd.transport``: ranks of a host share memory (auto), ranks of a worker process only
 #: (worker: as if each worker were a host of its own), or none (dask: every rank alone)
 TRANSPORTS = ("auto", "worker", "dask")
-
-_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def ensure_spmd(client: Any) -> None:
-    """Install the worker and scheduler plugins once per client (every worker, present and future),
-    and the dashboard's (the ``/flowreduce`` page lists live jobs: docs/dashboard.md)."""
-    if client not in _installed:
-        from flowreduce.dashboard import install
-
-        install(client)  # never raises: a scheduler that cannot take it only misses the page
-        client.register_plugin(SpmdSchedulerPlugin())
-        client.register_plugin(SpmdWorkerPlugin())
-        _installed[client] = True
-
 
 def run_rank(layout: Layout, rank: int, fn: Callable[..., Any], kwargs: dict[str, Any], *args: Any) -> Any:
     """Task: rank ``rank`` of the job, ``fn(comm, *args, **kwargs)``."""
@@ -58,9 +43,10 @@ def run_rank(layout: Layout, rank: int, fn: Callable[..., Any], kwargs: dict[str
         sweep(layout.directory, layout.prefix())
         raise WorkerLostError(f"rank {rank} of spmd job {layout.run} cannot run: its worker {layout.workers[rank]} "
                               f"left the cluster (the task was moved to {worker.address}); every rank of the job fails")
-    mailbox = worker.extensions.get(EXTENSION)
+    mailbox = mailbox_of(worker)
     if mailbox is None:
-        raise RuntimeError("the flowreduce spmd mailbox is not installed on this worker (flowreduce.spmd.job.ensure_spmd)")
+        raise RuntimeError("the flowreduce spmd mailbox is not installed on this worker "
+                           "(flowreduce.schedule.extension.ensure_extension)")
     comm = Communicator(layout, rank, mailbox)
     secede()
     failed = True
@@ -197,7 +183,7 @@ def spmd(client: Any, fn: Callable[..., Any], *per_rank_args: Sequence[Any], ran
     if not isinstance(restarts, int) or restarts < 0:
         raise OptionError(f"restarts must be an integer >= 0; got {restarts!r}")
     seconds = configured_timeout(timeout)
-    ensure_spmd(client)
+    ensure_extension(client)  # the mailboxes, the scheduler's watch and the page listing live jobs
     job = uuid.uuid4().hex[:16]
     for attempt in range(restarts + 1):
         futures = _submit(client, fn, per_rank_args, size, workers, job, attempt, seconds, kwargs)

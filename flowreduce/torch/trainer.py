@@ -63,14 +63,14 @@ import flowreduce
 from flowreduce import config, keys
 from flowreduce.errors import OptionError, WorkerLostError
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
-from flowreduce.schedule import guard, hosts, transport
+from flowreduce.schedule import hosts, transport
 from flowreduce.schedule import reproducible as _reproducible
+from flowreduce.schedule.extension import ensure_extension
 from flowreduce.schedule.placement import wait_on
-from flowreduce.schedule.shm_plugin import ensure_shm
+from flowreduce.schedule.spmd_watch import rank_key
 from flowreduce.shm.host_group import Aborted, stores_ordered
-from flowreduce.spmd.job import configured_timeout, directory, ensure_spmd, run_rank
+from flowreduce.spmd.job import configured_timeout, directory, run_rank
 from flowreduce.spmd.layout import Layout
-from flowreduce.spmd.watch import rank_key
 from flowreduce.torch import direct
 from flowreduce.torch import replica as _replica
 
@@ -269,10 +269,9 @@ class Trainer:
             return None
         share = self._p > 1 and domains[0] != transport.IN_PROCESS
         if share:
-            ensure_shm(self.client)
-            # the active memory manager must not drop a shared-memory block from its own worker, where its
-            # lease lives, and keep a peer's copy (a handle): the guard's policy keeps it there
-            guard.ensure_guard(self.client)
+            # the pool; and the active memory manager must not drop a shared-memory block from its own worker,
+            # where its lease lives, and keep a peer's copy (a handle): the guard's policy keeps it there
+            ensure_extension(self.client)
         return direct.Flat.of(specs, self.bucket_bytes, self._p, share, self._mode is True, self._mode == "exact")
 
     @property
@@ -412,7 +411,7 @@ class Trainer:
         if not self._can_fuse():
             raise ValueError(f"these steps cannot be fused: {self.step_graph}")
         n = len(self.steps)
-        ensure_spmd(self.client)
+        ensure_extension(self.client)
         layout = self._block_layout(n)
         written, slices = self._pending_direct()
         tasks, ranks = {}, {}

@@ -24,7 +24,7 @@ noted calls so that dask's bounded buffers do not overflow):
   plan nodes computed, messages sent and received, raw worker times), read
   past a cursor, for ``method="p2p"`` calls, whose plan steps are no tasks;
 * each worker's log of SPMD collectives (``Mailbox.log`` of
-  :mod:`flowreduce.spmd.mailbox`: one entry per collective and rank, raw
+  :mod:`flowreduce.schedule.spmd_mailbox`: one entry per collective and rank, raw
   worker times), read past the entry read last: one event per collective
   and rank (phase: the collective), next to the rank's task;
 * the scheduler's transition log (``story``) for when each rank's input
@@ -132,14 +132,15 @@ def _worker_snapshot(marks: dict, shm_marks: dict | None = None, engine_marks: d
     from distributed.metrics import time
 
     from flowreduce.kernels.shm import COPIES
-    from flowreduce.schedule.engine_log import log_of
-    from flowreduce.schedule.p2p import EXTENSION
+    from flowreduce.schedule.p2p import engine_of
+    from flowreduce.schedule.spmd_mailbox import mailbox_of
 
     w = dask_worker
-    elog = log_of(w, EXTENSION)
+    found = engine_of(w)
+    elog = found.log if found is not None else None
     engine, engine_lost = elog.since((engine_marks or {}).get(w.address, 0) if engine_marks is not None else None) \
         if elog is not None else ([], 0)
-    box = w.extensions.get("flowreduce-spmd")  # flowreduce.spmd.mailbox.EXTENSION
+    box = mailbox_of(w)
     spmd, spmd_last, spmd_lost = spmd_since(box.log, (spmd_marks or {}).get(w.address, "")
                                             if spmd_marks is not None else None) if box is not None \
         else ([], "", False)
@@ -676,7 +677,7 @@ class Trace:
                                     + _attempt(run)))
 
     def _spmd_events(self, workers: dict[str, dict], out: list[Event]) -> None:
-        """SPMD collectives (:mod:`flowreduce.spmd.mailbox`'s log, raw worker times): one event per
+        """SPMD collectives (:mod:`flowreduce.schedule.spmd_mailbox`'s log, raw worker times): one event per
         collective and rank, its phase the collective, its key its rank's task's (the
         ``user-compute`` event it lies in)."""
         from flowreduce.dashboard.record import SPMD_PREFIX

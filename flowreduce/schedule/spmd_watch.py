@@ -1,4 +1,5 @@
-"""The scheduler side of SPMD jobs: the owner of their failure paths.
+"""The scheduler side of SPMD jobs, a part of flowreduce's scheduler
+extension (:mod:`flowreduce.schedule.extension`): the owner of their failure paths.
 
 :class:`SpmdSchedulerPlugin` learns each attempt's ranks from their tasks'
 keys (:func:`rank_key`) and worker restrictions as the scheduler sees them,
@@ -24,7 +25,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from flowreduce.dashboard.record import SPMD_PREFIX, parse_spmd_key
-from flowreduce.spmd.mailbox import ABORT
+from flowreduce.schedule.spmd_mailbox import ABORT
 
 logger = logging.getLogger("flowreduce")
 
@@ -42,10 +43,8 @@ def parse_key(key: Hashable) -> tuple[str, int] | None:
 
 
 class SpmdSchedulerPlugin(SchedulerPlugin):
-    """Tells an attempt's workers when it cannot finish (see the module)."""
-
-    name = "flowreduce-spmd-scheduler"
-    idempotent = True
+    """The SPMD jobs' part of flowreduce's scheduler extension: tells an
+    attempt's workers when it cannot finish (see the module)."""
 
     def __init__(self) -> None:
         self.scheduler: Any = None

@@ -1,7 +1,7 @@
 """The worker side of SPMD jobs: values between hosts, and the word that a job failed.
 
-:class:`Mailbox` (``worker.extensions["flowreduce-spmd"]``, installed on
-every worker by :class:`SpmdWorkerPlugin`) keeps, per attempt of a job, the
+:class:`Mailbox` (:func:`mailbox_of` a worker; :class:`SpmdWorkerPlugin`'s,
+a part of flowreduce's worker extension, :mod:`flowreduce.schedule.extension`) keeps, per attempt of a job, the
 values other workers' ranks sent to this worker's ranks (handler
 :data:`DELIVER`, worker to worker on the worker's connection pool, as
 :mod:`flowreduce.schedule.p2p` sends its values) until a rank takes them,
@@ -18,19 +18,18 @@ import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
-from flowreduce.dashboard.record import SPMD_LAST
+from flowreduce.dashboard.record import EXTENSION, SPMD_LAST
 from flowreduce.errors import AllreduceTimeoutError, refused
 from flowreduce.shm.host_group import Aborted, sweep
 
 logger = logging.getLogger("flowreduce")
 
-EXTENSION = "flowreduce-spmd"
 DELIVER = "flowreduce_spmd_deliver"
 ABORT = "flowreduce_spmd_abort"
 #: Failed attempts remembered (a late message for one is dropped, a late rank fails at once).
@@ -208,27 +207,30 @@ def _last_row(run: str, rank: int, running: bool, last: tuple[str, Any] | None) 
 
 
 class SpmdWorkerPlugin(WorkerPlugin):
-    """Puts a :class:`Mailbox` and its handlers on every worker."""
+    """The SPMD jobs' part of flowreduce's worker extension: a :class:`Mailbox` on every worker."""
 
-    name = "flowreduce-spmd"
-    idempotent = True
+    mailbox: Mailbox | None = None
 
     def setup(self, worker: Any) -> None:
-        box = worker.extensions.get(EXTENSION)
-        if box is None:
-            box = worker.extensions[EXTENSION] = Mailbox(worker)
-        worker.handlers[DELIVER] = box.deliver
-        worker.handlers[ABORT] = box.aborted
-        worker.handlers[SPMD_LAST] = box.last
-        worker.stream_handlers[ABORT] = box.scheduler_says
+        self.mailbox = Mailbox(worker)
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        box = self.mailbox
+        assert box is not None  # set up
+        return {DELIVER: box.deliver, ABORT: box.aborted, SPMD_LAST: box.last}
+
+    def stream_handlers(self) -> dict[str, Callable[..., Any]]:
+        box = self.mailbox
+        assert box is not None  # set up
+        return {ABORT: box.scheduler_says}
 
     def teardown(self, worker: Any) -> None:
-        box = worker.extensions.get(EXTENSION)
+        box = self.mailbox
         if box is not None:  # the worker closes under running ranks: their jobs' segments go with it
             for directory, prefix in list(box.segments.values()):
                 sweep(directory, prefix)
-        worker.handlers.pop(DELIVER, None)
-        worker.handlers.pop(ABORT, None)
-        worker.handlers.pop(SPMD_LAST, None)
-        worker.stream_handlers.pop(ABORT, None)
-        worker.extensions.pop(EXTENSION, None)
+
+
+def mailbox_of(worker: Any) -> Mailbox | None:
+    """The worker's mailbox (None before the extension is installed there)."""
+    return getattr(getattr(worker.plugins.get(EXTENSION), "spmd", None), "mailbox", None)
