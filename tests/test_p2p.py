@@ -612,7 +612,7 @@ def test_workers_of_one_host_run_auto_as_one_collective_of_a_host_group(proc_cli
 
 
 def _published_runs(dask_worker=None):
-    return dask_worker.extensions[engine.EXTENSION].published_runs
+    return engine.engine_of(dask_worker).published_runs
 
 
 def _held_back_floats(name: str, r: int, n: int) -> np.ndarray:
@@ -633,7 +633,7 @@ def test_a_call_placed_on_arrival_on_one_host_folds_the_inputs_where_they_arrive
     name = f"go-{uuid.uuid4().hex}"
     futures = [proc_client.submit(_held_back_floats, name, r, n, workers=[workers[r % 4]], pure=False)
                for r in range(p)]
-    engine.ensure_p2p(proc_client)
+    ensure_extension(proc_client)
     published, runs = sum(proc_client.run(_published_runs).values()), sum(proc_client.run(_host_runs).values())
     out = flowreduce.allreduce(proc_client, futures)
     Event(name, client=proc_client).set()
