@@ -9,6 +9,7 @@ to 8 ranks share workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import inspect
@@ -439,6 +440,56 @@ def test_auto_between_hosts_prices_the_hosts_links():
     optimal = 2 * (hosts - 1) / hosts * nbytes  # a bandwidth-optimal plan's bytes out (and in) per leader
     assert plan.cost(nbytes).max_rank_bytes <= 2 * optimal * 1.001, plan.algorithm
     assert comm.plan_for("auto", 8000).ranks == hosts and comm.plan_for("auto", 8000).chunks == 1
+
+
+def _learns_the_link(comm, n):
+    before = comm.link
+    explicit = comm.allreduce(np.ones(n), algorithm="ring")  # an explicit plan measures nothing
+    after_explicit = comm.link
+    y = comm.allreduce(np.full(n, comm.rank + 1.0))
+    link = comm.link
+    return (before, after_explicit, None if link is None else (link.alpha, link.beta),
+            repr(comm.plan_for("auto", 800_000)), float(explicit[0]), float(y[0]))
+
+
+@pytest.mark.parametrize("route", ["shm-per-worker+dask", "dask"])
+def test_the_first_auto_allreduce_between_hosts_measures_the_link(client, route):
+    """``auto`` between hosts prices plans on the link the communicator measured at its first ``auto``
+    all-reduce there (no calibrated model configured): the same numbers on every rank, so every rank
+    picks the same plan, and the plan is the one the cost model picks on that link."""
+    ranks = 4
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        got = client.gather(flowreduce.spmd(client, _learns_the_link, ranks=ranks, n=1000, timeout=60))
+    befores, explicits, links, plans, ones, sums = zip(*got)
+    assert set(befores) == {None} and set(explicits) == {None}
+    assert len(set(links)) == 1 and links[0] is not None, links
+    alpha, beta = links[0]
+    assert alpha > 0 and beta > 0
+    assert len(set(plans)) == 1
+    hosts = 2 if route == "shm-per-worker+dask" else ranks
+    groups = [[g] for g in range(hosts)]
+    model = dataclasses.replace(flowreduce.cost.configured_model(), inter=flowreduce.cost.Link(alpha, beta))
+    engine = dataclasses.replace(model, call=0.0, task=0.0, level=model.message)
+    assert plans[0] == repr(flowreduce.choose(hosts, 800_000, chunks=1, groups=groups, model=engine))
+    assert set(ones) == {float(ranks)} and set(sums) == {ranks * (ranks + 1) / 2}
+
+
+def test_a_calibrated_inter_host_link_is_not_measured(client, tmp_path):
+    """A cost model that names the link between hosts (``flowreduce calibrate``) is the one ``auto`` uses."""
+    path = str(tmp_path / "model.json")
+    link = flowreduce.cost.Link(alpha=2e-3, beta=8 / 1e9)
+    dataclasses.replace(flowreduce.cost.CostModel(), inter=link).to_file(path)
+    client.run(dask.config.set, {"flowreduce.cost-model": path})  # where the ranks read it
+    try:
+        with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+            got = client.gather(flowreduce.spmd(client, _learns_the_link, ranks=3, n=10, timeout=60))
+    finally:
+        client.run(dask.config.set, {"flowreduce.cost-model": None})
+    assert all(g[2] is None for g in got)
+    groups = [[g] for g in range(3)]
+    engine = dataclasses.replace(flowreduce.cost.CostModel(), inter=link, call=0.0, task=0.0, level=2e-3)
+    engine = dataclasses.replace(engine, level=engine.message)
+    assert {g[3] for g in got} == {repr(flowreduce.choose(3, 800_000, chunks=1, groups=groups, model=engine))}
 
 
 def test_deterministic_options_are_checked(client):

@@ -42,7 +42,7 @@ import numpy as np
 from flowreduce.algorithms import ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
-from flowreduce.cost import choose, configured_model
+from flowreduce.cost import CostModel, Link, choose, configured_model
 from flowreduce.errors import FlowreduceError, InputError, InputTypeError, OptionError, raised_as
 from flowreduce.kernels.dense import tree_fold
 from flowreduce.ops import Op, resolve_op
@@ -51,6 +51,7 @@ from flowreduce.schedule.reproducible import exact_op
 from flowreduce.schedule.reproducible import mode as deterministic_mode
 from flowreduce.shm.host_group import Aborted, HostGroup
 from flowreduce.shm.result_buffers import buffers
+from flowreduce.spmd import linkprobe
 from flowreduce.spmd.layout import Layout
 from flowreduce.spmd.mailbox import Mailbox
 from flowreduce.spmd.planrun import run_plan
@@ -107,7 +108,7 @@ def as_numpy(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
     raise InputTypeError(f"a collective takes numpy arrays and torch tensors, not {type(x).__name__}")
 
 
-def _auto(leaders: int, nbytes: int) -> Plan:
+def _auto(leaders: int, nbytes: int, model: CostModel) -> Plan:
     """``algorithm="auto"`` between the host groups' leaders: the plan the cost model prices lowest
     as this communicator runs it. The leaders are on different hosts, so every transfer crosses a
     host link (``groups``: one leader per host), and a plan runs without tasks nor a call to the
@@ -117,7 +118,6 @@ def _auto(leaders: int, nbytes: int) -> Plan:
     per leader, up to 8 MB; between 4 hosts on 1 Gbit/s links that was 1.7x butterfly at 8 MB. The
     default inter-host link is 10 Gbit/s: on a slower network, calibrate it (``flowreduce.cost-model``),
     else recursive doubling stays the pick to ~1 MB, where it was also 1.8x butterfly at 1 Gbit/s.)"""
-    model = configured_model()
     engine = replace(model, call=0.0, task=0.0, level=model.message)
     plan = choose(leaders, nbytes, chunks=1, groups=[[g] for g in range(leaders)], model=engine)
     # in chunks of PIPELINE_BYTES (at most MAX_PIPELINE): a chunk is reduced while the next is on the
@@ -164,6 +164,10 @@ class Communicator:
         self.failed = False
         self.closed = False
         self._plans: dict[tuple[str, int], Plan] = {}
+        #: the link between hosts as the first all-reduce with ``algorithm="auto"`` between hosts measured
+        #: it (:mod:`flowreduce.spmd.linkprobe`); None before, on one host, or when the configured cost
+        #: model names its own inter-host link
+        self.link: Link | None = None
         self._ops: dict[Any, Op] = {}
         self._accs: dict[tuple[str, bool, np.dtype], np.dtype] = {}
         self._subs: dict[tuple[int, ...], itertools.count] = {}
@@ -279,9 +283,36 @@ class Communicator:
         found = self._plans.get(key)
         if found is None:
             with raised_as(OptionError):
-                found = _auto(h, nbytes) if algorithm == "auto" else make_plan(algorithm, h)
+                found = _auto(h, nbytes, self.model()) if algorithm == "auto" else make_plan(algorithm, h)
             self._plans[key] = found
         return found
+
+    def model(self) -> CostModel:
+        """The cost model ``auto`` prices plans between hosts with: the configured one
+        (``flowreduce.cost-model``), on the link this communicator measured (:attr:`link`)
+        unless the configured model names its own."""
+        model = configured_model()
+        return replace(model, inter=self.link) if model.inter is None and self.link is not None else model
+
+    def _learn_link(self, host: HostGroup | None, what: str, deadline: float | None) -> None:
+        """Measure the link between hosts (every rank calls it, in the same collective): the leaders
+        time steps between them, leader 0 round trips to leader 1, and leader 0 tells every leader
+        what it found, each leader its host group (:mod:`flowreduce.spmd.linkprobe`)."""
+        tag, leaders = f"l{self.seq}.", self.leaders
+        value: np.ndarray | None = None
+        if self.leader:
+            link = linkprobe.measure(self.me, len(leaders), lambda i, k, v: self._send(leaders[i], tag + k, v),
+                                     lambda i, k: self._take(leaders[i], tag + k, what, deadline))
+            if link is not None:  # leader 0 decides
+                value = linkprobe.as_array(link)
+                for r in leaders[1:]:
+                    self._send(r, tag + "link", value)
+            else:
+                value = self._take(leaders[0], tag + "link", what, deadline)
+        if host is not None:
+            value = host.broadcast(value if self.leader else None, 0, what, deadline)
+        self.link = linkprobe.from_array(value)
+        self._plans.clear()
 
     # -- collectives ----------------------------------------------------------------
     def allreduce(self, x: Any, op: Any = "sum", algorithm: str = "auto", deterministic: bool | str = False) -> Any:
@@ -320,13 +351,18 @@ class Communicator:
         flat = a if a.ndim == 1 and a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
         acc = self._accumulator(resolved, flat.dtype)
         fold = self._ordered_op(resolved, mode, flat.dtype, x) if mode else None
-        plan = self.plan_for(algorithm, flat.size * acc.itemsize) if fold is None else None
+        nbytes = flat.size * acc.itemsize
+        plan = self.plan_for(algorithm, nbytes) if fold is None else None
 
         def body() -> tuple[np.ndarray, int, int]:
+            nonlocal plan
             if fold is not None:
                 return self._gather_fold(flat, fold, what, deadline)
             sent = received = 0
             host = self._shm()
+            if plan is not None and algorithm == "auto" and self.link is None and configured_model().inter is None:
+                self._learn_link(host, what, deadline)  # the first "auto" between hosts: once
+                plan = self.plan_for(algorithm, nbytes)
             part = host.allreduce(flat, resolved, acc, what, deadline) if host is not None else flat
             if plan is not None:
                 if self.leader:
