@@ -184,10 +184,15 @@ def test_a_plan_between_leaders_runs_in_chunks(algorithm, chunks):
                 return boxes.setdefault((src, dest, key), queue.Queue())
 
         results: dict = {}
+        sent: list = []  # (value sent, its bytes then): run_plan sends values nobody changes afterwards
+
+        def put(r, dest, key, v):
+            with lock:
+                sent.append((v, v.copy()))
+            box(r, dest, key).put(v)
 
         def rank(r):
-            results[r] = run_plan(plan, r, xs[r], resolve_op("sum"),
-                                  lambda dest, key, v, r=r: box(r, dest, key).put(v.copy()),
+            results[r] = run_plan(plan, r, xs[r], resolve_op("sum"), lambda dest, key, v, r=r: put(r, dest, key, v),
                                   lambda src, key, r=r: box(src, r, key).get(timeout=30))
 
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(p)]
@@ -195,8 +200,14 @@ def test_a_plan_between_leaders_runs_in_chunks(algorithm, chunks):
             t.start()
         for t in threads:
             t.join(60)
+        want = np.sum(xs, axis=0)
         for r in range(p):
-            np.testing.assert_array_equal(results[r][0], np.sum(xs, axis=0), err_msg=f"rank {r} n={n}")
+            np.testing.assert_array_equal(results[r][0], want, err_msg=f"rank {r} n={n}")
+        for r in range(p):
+            results[r][0][...] = -1  # the callers change their inputs and results: no message changes
+            xs[r][...] = -1
+        for value, then in sent:
+            np.testing.assert_array_equal(value, then)
 
 
 def _big_between_leaders(comm, n):

@@ -226,11 +226,14 @@ class Communicator:
             self._fail(f"rank {self.rank} failed in {what}: {type(e).__name__}: {e}")
             raise
 
-    def _send(self, rank: int, key: str, value: Any) -> None:
+    def _send(self, rank: int, key: str, value: Any, copy: bool = True) -> None:
         """Send a copy: the value may be a view of the caller's input or the array this rank returns,
         which the caller may change as soon as the collective returns, before the message is out (and
-        a peer on this worker would otherwise get this very array)."""
-        if isinstance(value, np.ndarray):
+        a peer on this worker would otherwise get this very array). ``copy=False``: a value nobody
+        changes once sent (:func:`~flowreduce.spmd.planrun.run_plan`'s)."""
+        if not copy:
+            pass
+        elif isinstance(value, np.ndarray):
             value = value.copy()
         elif isinstance(value, list):
             value = [v.copy() if isinstance(v, np.ndarray) else v for v in value]
@@ -369,9 +372,9 @@ class Communicator:
                     tag = f"a{self.seq}."
                     part, sent, received = run_plan(
                         plan, self.me, np.asarray(part, dtype=acc), resolved,
-                        lambda dest, node, v: self._send(self.leaders[dest], f"{tag}{node}", v),
+                        lambda dest, node, v: self._send(self.leaders[dest], f"{tag}{node}", v, copy=False),
                         lambda src, node: self._take(self.leaders[src], f"{tag}{node}", what, deadline),
-                        lambda r: self.members[self.leaders[r]])
+                        lambda r: self.members[self.leaders[r]], out=buffers().empty(flat.size, acc))
                 if host is not None:
                     part = host.broadcast(part if self.leader else None, 0, what, deadline)
             return part, sent, received
