@@ -451,6 +451,9 @@ def test_auto_between_hosts_prices_the_hosts_links():
     optimal = 2 * (hosts - 1) / hosts * nbytes  # a bandwidth-optimal plan's bytes out (and in) per leader
     assert plan.cost(nbytes).max_rank_bytes <= 2 * optimal * 1.001, plan.algorithm
     assert comm.plan_for("auto", 8000).ranks == hosts and comm.plan_for("auto", 8000).chunks == 1
+    # in chunks, a ring: one flow into each host per step (faster than butterfly's three, 2026-11-28)
+    big = comm.plan_for("auto", 80_000_000)
+    assert big.chunks > 1 and big.algorithm == "ring"
 
 
 def _learns_the_link(comm, n):

@@ -119,17 +119,27 @@ def _auto(leaders: int, nbytes: int, model: CostModel) -> Plan:
     default inter-host link is 10 Gbit/s: on a slower network, calibrate it (``flowreduce.cost-model``),
     else recursive doubling stays the pick to ~1 MB, where it was also 1.8x butterfly at 1 Gbit/s.)"""
     engine = replace(model, call=0.0, task=0.0, level=model.message)
-    plan = choose(leaders, nbytes, chunks=1, groups=[[g] for g in range(leaders)], model=engine)
+    groups = [[g] for g in range(leaders)]
+    plan = choose(leaders, nbytes, chunks=1, groups=groups, model=engine)
     # in chunks of PIPELINE_BYTES (at most MAX_PIPELINE): a chunk is reduced while the next is on the
     # wire. Each message costs ~1.5-2 ms of Python besides its bytes, which the model does not see: on 4
     # emulated hosts at 1 Gbit/s, 1e7 float64 took 1.54x gloo's time in one chunk, 1.28x in 10 of 8 MiB,
     # 1.26x in 16 of 5 MB, 1.45x in 40 of 2 MiB (2026-11-28)
     chunks = min(MAX_PIPELINE, nbytes // PIPELINE_BYTES)
-    return plan.with_chunks(chunks) if chunks > 1 else plan
+    if chunks < 2:
+        return plan
+    # In chunks, a ring (one flow into and out of each host) beat butterfly of radix 4 (three flows into
+    # each host at every step) on the same chunks, which the model prices as equal bytes and fewer
+    # steps: so the ring, unless the model prices it RING_MARGIN over the best (many hosts: its 2(h-1) steps)
+    ring = make_plan("ring", leaders).with_chunks(chunks)
+    plan = plan.with_chunks(chunks)
+    return ring if engine.predict(ring, nbytes, groups) <= RING_MARGIN * engine.predict(plan, nbytes, groups) else plan
 
 
 #: Bytes of a vector per chunk of a plan between hosts, and the most chunks (:func:`_auto`).
 PIPELINE_BYTES, MAX_PIPELINE = 2 << 20, 16
+#: How much slower than the best plan the model may price the ring in chunks and still have it (:func:`_auto`).
+RING_MARGIN = 1.15
 
 
 class Communicator:
