@@ -466,12 +466,11 @@ def _learns_the_link(comm, n):
             repr(comm.plan_for("auto", 800_000)), float(explicit[0]), float(y[0]))
 
 
-@pytest.mark.parametrize("route", ["shm-per-worker+dask", "dask"])
-def test_the_first_auto_allreduce_between_hosts_measures_the_link(client, route):
+@pytest.mark.parametrize(("route", "ranks"), [("shm-per-worker+dask", 4), ("dask", 4), ("dask", 6)])
+def test_the_first_auto_allreduce_between_hosts_measures_the_link(client, route, ranks):
     """``auto`` between hosts prices plans on the link the communicator measured at its first ``auto``
     all-reduce there (no calibrated model configured): the same numbers on every rank, so every rank
     picks the same plan, and the plan is the one the cost model picks on that link."""
-    ranks = 4
     with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
         got = client.gather(flowreduce.spmd(client, _learns_the_link, ranks=ranks, n=1000, timeout=60))
     befores, explicits, links, plans, ones, sums = zip(*got)

@@ -296,11 +296,11 @@ class Communicator:
         found = self._plans.get(key)
         if found is None:
             with raised_as(OptionError):
-                found = _auto(h, nbytes, self.model()) if algorithm == "auto" else make_plan(algorithm, h)
+                found = _auto(h, nbytes, self._model()) if algorithm == "auto" else make_plan(algorithm, h)
             self._plans[key] = found
         return found
 
-    def model(self) -> CostModel:
+    def _model(self) -> CostModel:
         """The cost model ``auto`` prices plans between hosts with: the configured one
         (``flowreduce.cost-model``), on the link this communicator measured (:attr:`link`)
         unless the configured model names its own."""

@@ -12,7 +12,7 @@ So the first all-reduce with ``algorithm="auto"`` between hosts measures
 the link, over the very mailboxes the collectives use, and every rank prices
 its plans with that::
 
-    every leader: ROUNDS x (a token to every other leader, then every other's)
+    leaders 0..3: ROUNDS x (a token to every other of them, then every other's)
                         alpha = the median round on leader 0: a dependent step of a plan
                         with all its messages (the event loops, the hand-overs, the kernel)
     leader 0 -> 1: PINGS x (8 B, echoed)          rtt = the least round trip
@@ -39,6 +39,8 @@ from flowreduce.cost import Link
 
 #: All-to-all rounds of tokens timed (the first, which also opens the connections, is not counted).
 ROUNDS = 6
+#: The leaders that take part in the rounds (a step of radix 4: three messages out, three in, on each).
+ROUND_LEADERS = 4
 #: Small round trips timed between leaders 0 and 1 (the least is kept).
 PINGS = 3
 #: Bytes of each timed transfer, and how many (the least is kept). Larger than a
@@ -62,9 +64,9 @@ def measure(me: int, leaders: int, send: Send, take: Take,
             clock: Callable[[], float] = time.perf_counter) -> Link | None:
     """Leader ``me`` of ``leaders`` (at least 2) takes part; leader 0 returns the link, the others None."""
     token = np.zeros(1)
-    others = [i for i in range(leaders) if i != me]
+    others = [i for i in range(min(leaders, ROUND_LEADERS)) if i != me] if me < ROUND_LEADERS else []
     rounds = []
-    for k in range(ROUNDS):
+    for k in range(ROUNDS if others else 0):
         t = clock()
         for i in others:
             send(i, f"r{k}", token)
