@@ -115,9 +115,12 @@ def _auto(leaders: int, nbytes: int, model: CostModel) -> Plan:
     scheduler: each dependent step costs a message (``model.message``), as for the p2p engine
     (:meth:`~flowreduce.cost.CostModel.p2p_time`). (Priced as tasks on one host, a plan's levels
     outweighed its bytes: 4 leaders took recursive doubling of radix 4, three whole vectors sent
-    per leader, up to 8 MB; between 4 hosts on 1 Gbit/s links that was 1.7x butterfly at 8 MB. The
-    default inter-host link is 10 Gbit/s: on a slower network, calibrate it (``flowreduce.cost-model``),
-    else recursive doubling stays the pick to ~1 MB, where it was also 1.8x butterfly at 1 Gbit/s.)"""
+    per leader, up to 8 MB; between 4 hosts on 1 Gbit/s links that was 1.7x butterfly at 8 MB.)
+    ``model``'s inter-host link is the configured model's, else the one the communicator measured
+    (:mod:`flowreduce.spmd.linkprobe`): with the default 10 Gbit/s link, 800 kB between 4 hosts on
+    1 Gbit/s went to recursive doubling of radix 4 (3.2x gloo's time); on the measured link (α 6-8 ms
+    a step and 98-126 MB/s under load 10) it goes to butterfly of radix 4 (2.6x the same hour, where
+    main's recursive doubling took 3.2x), 1e3 and 1e4 still to recursive doubling (one step), 2026-11-28."""
     engine = replace(model, call=0.0, task=0.0, level=model.message)
     groups = [[g] for g in range(leaders)]
     plan = choose(leaders, nbytes, chunks=1, groups=groups, model=engine)
@@ -130,7 +133,9 @@ def _auto(leaders: int, nbytes: int, model: CostModel) -> Plan:
         return plan
     # In chunks, a ring (one flow into and out of each host) beat butterfly of radix 4 (three flows into
     # each host at every step) on the same chunks, which the model prices as equal bytes and fewer
-    # steps: so the ring, unless the model prices it RING_MARGIN over the best (many hosts: its 2(h-1) steps)
+    # steps: so the ring, unless the model prices it RING_MARGIN over the best (many hosts: its 2(h-1) steps).
+    # 4 emulated hosts, 1 Gbit/s, one job each: 1e6 in 3 chunks 129-150 ms against 139-161, 1e7 in 16
+    # chunks 1191-1384 ms against 1373-1818 (2026-11-28); 1e7 ring in 16 chunks: 1.14x gloo under load 10
     ring = make_plan("ring", leaders).with_chunks(chunks)
     plan = plan.with_chunks(chunks)
     return ring if engine.predict(ring, nbytes, groups) <= RING_MARGIN * engine.predict(plan, nbytes, groups) else plan
