@@ -487,17 +487,21 @@ def test_the_first_auto_allreduce_between_hosts_measures_the_link(client, route,
     assert set(ones) == {float(ranks)} and set(sums) == {ranks * (ranks + 1) / 2}
 
 
+def _configure(key, value):
+    dask.config.set({key: value})
+
+
 def test_a_calibrated_inter_host_link_is_not_measured(client, tmp_path):
     """A cost model that names the link between hosts (``flowreduce calibrate``) is the one ``auto`` uses."""
     path = str(tmp_path / "model.json")
     link = flowreduce.cost.Link(alpha=2e-3, beta=8 / 1e9)
     dataclasses.replace(flowreduce.cost.CostModel(), inter=link).to_file(path)
-    client.run(dask.config.set, {"flowreduce.cost-model": path})  # where the ranks read it
+    client.run(_configure, "flowreduce.cost-model", path)  # where the ranks read it
     try:
         with dask.config.set({"flowreduce.spmd.transport": "dask"}):
             got = client.gather(flowreduce.spmd(client, _learns_the_link, ranks=3, n=10, timeout=60))
     finally:
-        client.run(dask.config.set, {"flowreduce.cost-model": None})
+        client.run(_configure, "flowreduce.cost-model", None)
     assert all(g[2] is None for g in got)
     groups = [[g] for g in range(3)]
     engine = dataclasses.replace(flowreduce.cost.CostModel(), inter=link, call=0.0, task=0.0, level=2e-3)
