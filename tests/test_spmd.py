@@ -9,6 +9,7 @@ to 8 ranks share workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import inspect
@@ -183,10 +184,15 @@ def test_a_plan_between_leaders_runs_in_chunks(algorithm, chunks):
                 return boxes.setdefault((src, dest, key), queue.Queue())
 
         results: dict = {}
+        sent: list = []  # (value sent, its bytes then): run_plan sends values nobody changes afterwards
+
+        def put(r, dest, key, v):
+            with lock:
+                sent.append((v, v.copy()))
+            box(r, dest, key).put(v)
 
         def rank(r):
-            results[r] = run_plan(plan, r, xs[r], resolve_op("sum"),
-                                  lambda dest, key, v, r=r: box(r, dest, key).put(v.copy()),
+            results[r] = run_plan(plan, r, xs[r], resolve_op("sum"), lambda dest, key, v, r=r: put(r, dest, key, v),
                                   lambda src, key, r=r: box(src, r, key).get(timeout=30))
 
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(p)]
@@ -194,8 +200,14 @@ def test_a_plan_between_leaders_runs_in_chunks(algorithm, chunks):
             t.start()
         for t in threads:
             t.join(60)
+        want = np.sum(xs, axis=0)
         for r in range(p):
-            np.testing.assert_array_equal(results[r][0], np.sum(xs, axis=0), err_msg=f"rank {r} n={n}")
+            np.testing.assert_array_equal(results[r][0], want, err_msg=f"rank {r} n={n}")
+        for r in range(p):
+            results[r][0][...] = -1  # the callers change their inputs and results: no message changes
+            xs[r][...] = -1
+        for value, then in sent:
+            np.testing.assert_array_equal(value, then)
 
 
 def _big_between_leaders(comm, n):
@@ -439,6 +451,62 @@ def test_auto_between_hosts_prices_the_hosts_links():
     optimal = 2 * (hosts - 1) / hosts * nbytes  # a bandwidth-optimal plan's bytes out (and in) per leader
     assert plan.cost(nbytes).max_rank_bytes <= 2 * optimal * 1.001, plan.algorithm
     assert comm.plan_for("auto", 8000).ranks == hosts and comm.plan_for("auto", 8000).chunks == 1
+    # in chunks, a ring: one flow into each host per step (faster than butterfly's three, 2026-11-28)
+    big = comm.plan_for("auto", 80_000_000)
+    assert big.chunks > 1 and big.algorithm == "ring"
+
+
+def _learns_the_link(comm, n):
+    before = comm.link
+    explicit = comm.allreduce(np.ones(n), algorithm="ring")  # an explicit plan measures nothing
+    after_explicit = comm.link
+    y = comm.allreduce(np.full(n, comm.rank + 1.0))
+    link = comm.link
+    return (before, after_explicit, None if link is None else (link.alpha, link.beta),
+            repr(comm.plan_for("auto", 800_000)), float(explicit[0]), float(y[0]))
+
+
+@pytest.mark.parametrize(("route", "ranks"), [("shm-per-worker+dask", 4), ("dask", 4), ("dask", 6)])
+def test_the_first_auto_allreduce_between_hosts_measures_the_link(client, route, ranks):
+    """``auto`` between hosts prices plans on the link the communicator measured at its first ``auto``
+    all-reduce there (no calibrated model configured): the same numbers on every rank, so every rank
+    picks the same plan, and the plan is the one the cost model picks on that link."""
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        got = client.gather(flowreduce.spmd(client, _learns_the_link, ranks=ranks, n=1000, timeout=60))
+    befores, explicits, links, plans, ones, sums = zip(*got)
+    assert set(befores) == {None} and set(explicits) == {None}
+    assert len(set(links)) == 1 and links[0] is not None, links
+    alpha, beta = links[0]
+    assert alpha > 0 and beta > 0
+    assert len(set(plans)) == 1
+    hosts = 2 if route == "shm-per-worker+dask" else ranks
+    groups = [[g] for g in range(hosts)]
+    model = dataclasses.replace(flowreduce.cost.configured_model(), inter=flowreduce.cost.Link(alpha, beta))
+    engine = dataclasses.replace(model, call=0.0, task=0.0, level=model.message)
+    assert plans[0] == repr(flowreduce.choose(hosts, 800_000, chunks=1, groups=groups, model=engine))
+    assert set(ones) == {float(ranks)} and set(sums) == {ranks * (ranks + 1) / 2}
+
+
+def _configure(key, value):
+    dask.config.set({key: value})
+
+
+def test_a_calibrated_inter_host_link_is_not_measured(client, tmp_path):
+    """A cost model that names the link between hosts (``flowreduce calibrate``) is the one ``auto`` uses."""
+    path = str(tmp_path / "model.json")
+    link = flowreduce.cost.Link(alpha=2e-3, beta=8 / 1e9)
+    dataclasses.replace(flowreduce.cost.CostModel(), inter=link).to_file(path)
+    client.run(_configure, "flowreduce.cost-model", path)  # where the ranks read it
+    try:
+        with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+            got = client.gather(flowreduce.spmd(client, _learns_the_link, ranks=3, n=10, timeout=60))
+    finally:
+        client.run(_configure, "flowreduce.cost-model", None)
+    assert all(g[2] is None for g in got)
+    groups = [[g] for g in range(3)]
+    engine = dataclasses.replace(flowreduce.cost.CostModel(), inter=link, call=0.0, task=0.0, level=2e-3)
+    engine = dataclasses.replace(engine, level=engine.message)
+    assert {g[3] for g in got} == {repr(flowreduce.choose(3, 800_000, chunks=1, groups=groups, model=engine))}
 
 
 def test_deterministic_options_are_checked(client):

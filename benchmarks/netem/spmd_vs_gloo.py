@@ -78,7 +78,6 @@ def _rank(comm, sizes, repeats, warmups, algorithms):
            "rows": []}
     for n, repeat, warmup in zip(sizes, repeats, warmups):
         x = _np.full(n, comm.rank + 1, dtype=_np.float64)
-        auto = comm.plan_for("auto", x.nbytes)
         for algorithm in algorithms:
             for _ in range(warmup):
                 comm.allreduce(x, algorithm=algorithm)
@@ -89,6 +88,7 @@ def _rank(comm, sizes, repeats, warmups, algorithms):
                 y = comm.allreduce(x, algorithm=algorithm)
                 times[i] = _time.perf_counter() - t0
                 ok = ok and bool(_np.all(y == expect))
+            auto = comm.plan_for("auto", x.nbytes)  # after the first "auto" all-reduce: on the measured link
             event = comm.events[-1] if comm.events[-1].collective == "allreduce" else comm.events[-2]
             worst = _np.max(_np.stack(comm.allgather(times)), axis=0)
             oks = comm.allgather(_np.array([ok]))
@@ -98,6 +98,8 @@ def _rank(comm, sizes, repeats, warmups, algorithms):
                 "plan": event.algorithm, "path": event.path,
                 "auto": f"{auto.algorithm}" + (f" ({auto.segments} segments)" if auto.segments > 1 else ""),
                 "sent": [int(t[0]) for t in traffic], "received": [int(t[1]) for t in traffic]})
+    link = comm.link  # measured by the first "auto" all-reduce (None: none ran, or a calibrated model)
+    out["layout"]["link"] = None if link is None else [link.alpha, link.beta]
     return out
 
 
@@ -188,6 +190,7 @@ def measure(cluster, hosts, sizes, repeats, rounds, algorithms, timeout, log) ->
                 got = run_flowreduce(cluster, sizes, per_round, algorithms, timeout)
                 lay = got["layout"]
                 info["layout"] = lay
+                info.setdefault("links", []).append(lay.get("link"))
                 if len(set(lay["hosts"])) != hosts or len(lay["leaders"]) != hosts or len(lay["group"]) != 1:
                     raise RuntimeError(f"ranks are not one per host group: {lay}")
                 if len({w.rsplit(':', 1)[0] for w in lay["workers"]}) != hosts:
@@ -268,6 +271,9 @@ def driver(args, argv: list[str]) -> int:
         res = measure(cluster, args.hosts, sizes, repeats, args.rounds, algorithms, args.timeout, log)
     lines.append(f"# flowreduce layout: hosts {res['layout']['hosts']}, leaders {res['layout']['leaders']}, "
                  f"workers {res['layout']['workers']}; flowreduce from {res['layout']['flowreduce']}")
+    links = ", ".join("none" if k is None else f"alpha {k[0] * 1e3:.2f} ms, {1 / k[1] / 1e6:.0f} MB/s"
+                      for k in res.get("links", []))
+    lines.append(f"# the link each round's job measured at its first auto all-reduce (comm.link): {links}")
     lines += table(res, args.hosts, sizes, algorithms, rate_bytes(args.rate))
     end = datetime.datetime.now(datetime.timezone.utc)
     lines.append(f"# done {end:%H:%M} UTC ({(end - start).total_seconds() / 60:.1f} min), load average after: "

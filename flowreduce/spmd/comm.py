@@ -42,7 +42,7 @@ import numpy as np
 from flowreduce.algorithms import ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
-from flowreduce.cost import choose, configured_model
+from flowreduce.cost import CostModel, Link, choose, configured_model
 from flowreduce.errors import FlowreduceError, InputError, InputTypeError, OptionError, raised_as
 from flowreduce.kernels.dense import tree_fold
 from flowreduce.ops import Op, resolve_op
@@ -52,6 +52,7 @@ from flowreduce.schedule.reproducible import mode as deterministic_mode
 from flowreduce.schedule.spmd_mailbox import Mailbox
 from flowreduce.shm.host_group import Aborted, HostGroup
 from flowreduce.shm.result_buffers import buffers
+from flowreduce.spmd import linkprobe
 from flowreduce.spmd.layout import Layout
 from flowreduce.spmd.planrun import run_plan
 
@@ -107,29 +108,43 @@ def as_numpy(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
     raise InputTypeError(f"a collective takes numpy arrays and torch tensors, not {type(x).__name__}")
 
 
-def _auto(leaders: int, nbytes: int) -> Plan:
+def _auto(leaders: int, nbytes: int, model: CostModel) -> Plan:
     """``algorithm="auto"`` between the host groups' leaders: the plan the cost model prices lowest
     as this communicator runs it. The leaders are on different hosts, so every transfer crosses a
     host link (``groups``: one leader per host), and a plan runs without tasks nor a call to the
     scheduler: each dependent step costs a message (``model.message``), as for the p2p engine
     (:meth:`~flowreduce.cost.CostModel.p2p_time`). (Priced as tasks on one host, a plan's levels
     outweighed its bytes: 4 leaders took recursive doubling of radix 4, three whole vectors sent
-    per leader, up to 8 MB; between 4 hosts on 1 Gbit/s links that was 1.7x butterfly at 8 MB. The
-    default inter-host link is 10 Gbit/s: on a slower network, calibrate it (``flowreduce.cost-model``),
-    else recursive doubling stays the pick to ~1 MB, where it was also 1.8x butterfly at 1 Gbit/s.)"""
-    model = configured_model()
+    per leader, up to 8 MB; between 4 hosts on 1 Gbit/s links that was 1.7x butterfly at 8 MB.)
+    ``model``'s inter-host link is the configured model's, else the one the communicator measured
+    (:mod:`flowreduce.spmd.linkprobe`): with the default 10 Gbit/s link, 800 kB between 4 hosts on
+    1 Gbit/s went to recursive doubling of radix 4 (3.2x gloo's time); on the measured link (α 6-8 ms
+    a step and 98-126 MB/s under load 10) it goes to butterfly of radix 4 (2.6x the same hour, where
+    main's recursive doubling took 3.2x), 1e3 and 1e4 still to recursive doubling (one step), 2026-11-28."""
     engine = replace(model, call=0.0, task=0.0, level=model.message)
-    plan = choose(leaders, nbytes, chunks=1, groups=[[g] for g in range(leaders)], model=engine)
+    groups = [[g] for g in range(leaders)]
+    plan = choose(leaders, nbytes, chunks=1, groups=groups, model=engine)
     # in chunks of PIPELINE_BYTES (at most MAX_PIPELINE): a chunk is reduced while the next is on the
     # wire. Each message costs ~1.5-2 ms of Python besides its bytes, which the model does not see: on 4
     # emulated hosts at 1 Gbit/s, 1e7 float64 took 1.54x gloo's time in one chunk, 1.28x in 10 of 8 MiB,
     # 1.26x in 16 of 5 MB, 1.45x in 40 of 2 MiB (2026-11-28)
     chunks = min(MAX_PIPELINE, nbytes // PIPELINE_BYTES)
-    return plan.with_chunks(chunks) if chunks > 1 else plan
+    if chunks < 2:
+        return plan
+    # In chunks, a ring (one flow into and out of each host) beat butterfly of radix 4 (three flows into
+    # each host at every step) on the same chunks, which the model prices as equal bytes and fewer
+    # steps: so the ring, unless the model prices it RING_MARGIN over the best (many hosts: its 2(h-1) steps).
+    # 4 emulated hosts, 1 Gbit/s, one job each: 1e6 in 3 chunks 129-150 ms against 139-161, 1e7 in 16
+    # chunks 1191-1384 ms against 1373-1818 (2026-11-28); 1e7 ring in 16 chunks: 1.14x gloo under load 10
+    ring = make_plan("ring", leaders).with_chunks(chunks)
+    plan = plan.with_chunks(chunks)
+    return ring if engine.predict(ring, nbytes, groups) <= RING_MARGIN * engine.predict(plan, nbytes, groups) else plan
 
 
 #: Bytes of a vector per chunk of a plan between hosts, and the most chunks (:func:`_auto`).
 PIPELINE_BYTES, MAX_PIPELINE = 2 << 20, 16
+#: How much slower than the best plan the model may price the ring in chunks and still have it (:func:`_auto`).
+RING_MARGIN = 1.15
 
 
 class Communicator:
@@ -164,6 +179,10 @@ class Communicator:
         self.failed = False
         self.closed = False
         self._plans: dict[tuple[str, int], Plan] = {}
+        #: the link between hosts as the first all-reduce with ``algorithm="auto"`` between hosts measured
+        #: it (:mod:`flowreduce.spmd.linkprobe`); None before, on one host, or when the configured cost
+        #: model names its own inter-host link
+        self.link: Link | None = None
         self._ops: dict[Any, Op] = {}
         self._accs: dict[tuple[str, bool, np.dtype], np.dtype] = {}
         self._subs: dict[tuple[int, ...], itertools.count] = {}
@@ -222,11 +241,14 @@ class Communicator:
             self._fail(f"rank {self.rank} failed in {what}: {type(e).__name__}: {e}")
             raise
 
-    def _send(self, rank: int, key: str, value: Any) -> None:
+    def _send(self, rank: int, key: str, value: Any, copy: bool = True) -> None:
         """Send a copy: the value may be a view of the caller's input or the array this rank returns,
         which the caller may change as soon as the collective returns, before the message is out (and
-        a peer on this worker would otherwise get this very array)."""
-        if isinstance(value, np.ndarray):
+        a peer on this worker would otherwise get this very array). ``copy=False``: a value nobody
+        changes once sent (:func:`~flowreduce.spmd.planrun.run_plan`'s)."""
+        if not copy:
+            pass
+        elif isinstance(value, np.ndarray):
             value = value.copy()
         elif isinstance(value, list):
             value = [v.copy() if isinstance(v, np.ndarray) else v for v in value]
@@ -279,9 +301,36 @@ class Communicator:
         found = self._plans.get(key)
         if found is None:
             with raised_as(OptionError):
-                found = _auto(h, nbytes) if algorithm == "auto" else make_plan(algorithm, h)
+                found = _auto(h, nbytes, self._model()) if algorithm == "auto" else make_plan(algorithm, h)
             self._plans[key] = found
         return found
+
+    def _model(self) -> CostModel:
+        """The cost model ``auto`` prices plans between hosts with: the configured one
+        (``flowreduce.cost-model``), on the link this communicator measured (:attr:`link`)
+        unless the configured model names its own."""
+        model = configured_model()
+        return replace(model, inter=self.link) if model.inter is None and self.link is not None else model
+
+    def _learn_link(self, host: HostGroup | None, what: str, deadline: float | None) -> None:
+        """Measure the link between hosts (every rank calls it, in the same collective): the leaders
+        time steps between them, leader 0 round trips to leader 1, and leader 0 tells every leader
+        what it found, each leader its host group (:mod:`flowreduce.spmd.linkprobe`)."""
+        tag, leaders = f"l{self.seq}.", self.leaders
+        value: np.ndarray | None = None
+        if self.leader:
+            link = linkprobe.measure(self.me, len(leaders), lambda i, k, v: self._send(leaders[i], tag + k, v),
+                                     lambda i, k: self._take(leaders[i], tag + k, what, deadline))
+            if link is not None:  # leader 0 decides
+                value = linkprobe.as_array(link)
+                for r in leaders[1:]:
+                    self._send(r, tag + "link", value)
+            else:
+                value = self._take(leaders[0], tag + "link", what, deadline)
+        if host is not None:
+            value = host.broadcast(value if self.leader else None, 0, what, deadline)
+        self.link = linkprobe.from_array(value)
+        self._plans.clear()
 
     # -- collectives ----------------------------------------------------------------
     def allreduce(self, x: Any, op: Any = "sum", algorithm: str = "auto", deterministic: bool | str = False) -> Any:
@@ -320,22 +369,27 @@ class Communicator:
         flat = a if a.ndim == 1 and a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
         acc = self._accumulator(resolved, flat.dtype)
         fold = self._ordered_op(resolved, mode, flat.dtype, x) if mode else None
-        plan = self.plan_for(algorithm, flat.size * acc.itemsize) if fold is None else None
+        nbytes = flat.size * acc.itemsize
+        plan = self.plan_for(algorithm, nbytes) if fold is None else None
 
         def body() -> tuple[np.ndarray, int, int]:
+            nonlocal plan
             if fold is not None:
                 return self._gather_fold(flat, fold, what, deadline)
             sent = received = 0
             host = self._shm()
+            if plan is not None and algorithm == "auto" and self.link is None and configured_model().inter is None:
+                self._learn_link(host, what, deadline)  # the first "auto" between hosts: once
+                plan = self.plan_for(algorithm, nbytes)
             part = host.allreduce(flat, resolved, acc, what, deadline) if host is not None else flat
             if plan is not None:
                 if self.leader:
                     tag = f"a{self.seq}."
                     part, sent, received = run_plan(
                         plan, self.me, np.asarray(part, dtype=acc), resolved,
-                        lambda dest, node, v: self._send(self.leaders[dest], f"{tag}{node}", v),
+                        lambda dest, node, v: self._send(self.leaders[dest], f"{tag}{node}", v, copy=False),
                         lambda src, node: self._take(self.leaders[src], f"{tag}{node}", what, deadline),
-                        lambda r: self.members[self.leaders[r]])
+                        lambda r: self.members[self.leaders[r]], out=buffers().empty(flat.size, acc))
                 if host is not None:
                     part = host.broadcast(part if self.leader else None, 0, what, deadline)
             return part, sent, received

@@ -27,9 +27,15 @@ Receive = Callable[[int, Hashable], np.ndarray]  # (plan rank, node's key) -> va
 
 
 def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Receive,
-             who: Callable[[int], int] = int) -> tuple[np.ndarray, int, int]:
+             who: Callable[[int], int] = int, out: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
     """Rank ``me``'s result of ``plan`` over ``x`` (1-d, the accumulating dtype),
-    with the bytes it sent and received. A value received with another size or
+    written into ``out`` (default: a new array of ``x``'s size and dtype), with the
+    bytes it sent and received.
+
+    Every value handed to ``send`` is the sender's to forget: it never changes
+    afterwards, and is neither ``x`` nor ``out`` nor a view of them (such values
+    are copied first; the others are this walk's own temporaries, sent as they
+    are). A received value is only read. A value received with another size or
     dtype than this rank's would make of it (the ranks gave different shapes or
     dtypes) is an :class:`~flowreduce.errors.InputError` naming both ranks
     (``who``: a plan rank's name for it).
@@ -40,28 +46,29 @@ def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Re
     chunk is reduced while the next is on the wire (a node's key is then
     ``"<node>c<chunk>"``). Every value a rank waits for comes earlier in that
     order, on every rank, so the walk cannot deadlock."""
-    n, chunks, nodes = x.size, plan.chunks, plan.nodes
+    n, chunks, nodes, final = x.size, plan.chunks, plan.nodes, plan.finals[me]
     consumers = plan.consumers()
     cuts = [n * c // chunks for c in range(chunks + 1)]
     values: list[dict[int, np.ndarray]] = [{} for _ in range(chunks)]
     sent = received = 0
+    if out is None:
+        out = np.empty(n, x.dtype)
     for node in nodes:
         if node.rank != me:
             continue
         dests = sorted({nodes[c].rank for c in consumers[node.id]} - {me})
         for c in range(chunks):
             key = _key(node.id, c, chunks)
-            value, got = _node(plan, me, node, x[cuts[c]:cuts[c + 1]], op, values[c], chunks, c, receive, who)
+            into = out[cuts[c]:cuts[c + 1]] if node.id == final else None
+            value, got = _node(plan, me, node, x[cuts[c]:cuts[c + 1]], op, values[c], chunks, c, receive, who, into)
             received += got
             values[c][node.id] = value
+            if dests and (into is not None or np.may_share_memory(value, x)):
+                value = value.copy()  # the caller may change x and the result once this returns
             for dest in dests:
                 send(dest, key, value)
                 sent += value.nbytes
-    finals = [values[c][plan.finals[me]] for c in range(chunks)]
-    for c, final in enumerate(finals):
-        if final.size != cuts[c + 1] - cuts[c]:
-            raise ValueError(f"the plan's final node holds {final.size} of {cuts[c + 1] - cuts[c]} elements")
-    return (finals[0] if chunks == 1 else np.concatenate(finals)), sent, received
+    return out, sent, received
 
 
 def _key(node: int, c: int, chunks: int) -> Hashable:
@@ -70,9 +77,11 @@ def _key(node: int, c: int, chunks: int) -> Hashable:
 
 
 def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[int, np.ndarray], chunks: int,
-          c: int, receive: Receive, who: Callable[[int], int]) -> tuple[np.ndarray, int]:
+          c: int, receive: Receive, who: Callable[[int], int],
+          into: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Node ``node``'s value on chunk ``x`` (``values``: the chunk's values here so far), and the
-    bytes received for it."""
+    bytes received for it; ``into``: where the value goes (the final node's part of the result),
+    else a new array or a view."""
     n, segs, nodes = x.size, plan.segments, plan.nodes
     received = 0
 
@@ -80,7 +89,12 @@ def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[in
         return n * k // segs
 
     if node.kind == VIEW:
-        return x[edge(node.lo):edge(node.hi)], 0
+        view = x[edge(node.lo):edge(node.hi)]
+        if into is not None:
+            _fits(into, view)
+            np.copyto(into, view)
+            return into, 0
+        return view, 0
     parts = []
     for i in node.inputs:
         src = nodes[i]
@@ -97,10 +111,32 @@ def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[in
         if lo < hi or node.kind == REDUCE:
             parts.append(got[edge(lo) - edge(src.lo):edge(hi) - edge(src.lo)])
     if node.kind == REDUCE:
-        value = np.array(parts[0], dtype=x.dtype, copy=True)
-        for p in parts[1:]:
-            value = op.combine(value, p, out=value) if op.in_place else np.asarray(op.func(value, p), x.dtype)
+        if op.in_place and len(parts) > 1:  # the first combine writes the new value: no copy of parts[0]
+            value = np.empty(parts[0].size, x.dtype) if into is None else _fits(into, parts[0])
+            op.combine(parts[0], parts[1], out=value)
+            rest = parts[2:]
+        else:
+            value = np.array(parts[0], dtype=x.dtype, copy=True) if into is None else _fits(into, parts[0])
+            if into is not None:
+                np.copyto(value, parts[0])
+            rest = parts[1:]
+        for p in rest:
+            if op.in_place:
+                op.combine(value, p, out=value)
+            else:
+                value[...] = np.asarray(op.func(value, p), x.dtype)
         return value, received
     if node.kind == GATHER:
+        if into is not None:
+            np.concatenate(parts, out=_fits(into, sum(p.size for p in parts)))
+            return into, received
         return (parts[0] if len(parts) == 1 else np.concatenate(parts)), received
     raise ValueError(f"unknown node kind {node.kind!r}")
+
+
+def _fits(into: np.ndarray, like: np.ndarray | int) -> np.ndarray:
+    """``into``, which must hold as many elements as ``like`` (the plan's final node and the result's chunk)."""
+    size = like if isinstance(like, int) else like.size
+    if into.size != size:
+        raise ValueError(f"the plan's final node holds {size} of {into.size} elements")
+    return into
