@@ -19,7 +19,7 @@ import dask
 import faults
 import numpy as np
 import pytest
-from distributed import Client, Event, LocalCluster, wait
+from distributed import Client, Event, LocalCluster, SchedulerPlugin, wait
 from utils import assert_clean, scatter_ranks, wait_until, workers_of
 
 import flowreduce
@@ -132,6 +132,46 @@ def test_the_front_door_submits_that_graph(inproc_client, monkeypatch):
                                chunks=4, method="p2p")
     np.testing.assert_array_equal(out[-1].result(), _expected(arrays, "sum"))
     assert sizes == [len(inproc_client.scheduler_info()["workers"]) + 1 + p]  # hand-ins per worker, outputs per rank
+
+
+class GraphSizes(SchedulerPlugin):
+    """Counts the new tasks of every graph the scheduler is sent (distributed's public plugin hook), not
+    the inputs in memory it depends on (``tasks`` lists them too)."""
+
+    name = "test-graph-sizes"
+
+    def __init__(self):
+        self.sizes = []
+
+    def update_graph(self, scheduler, *, tasks, **kwargs):
+        self.sizes.append(sum(scheduler.tasks[k].state != "memory" for k in tasks))
+
+
+def _graph_sizes(dask_scheduler=None, clear=False):
+    plugin = dask_scheduler.plugins[GraphSizes.name]
+    sizes = list(plugin.sizes)
+    if clear:
+        plugin.sizes.clear()
+    return sizes
+
+
+@pytest.mark.parametrize("algorithm", DENSE)
+def test_tasks_per_call_through_the_front_door_at_64_ranks(inproc_client, algorithm):
+    """issue #25's bound, counted where the scheduler receives the graphs: every dense algorithm with
+    method='p2p' sends at most 2 tasks per rank plus O(workers) per call (today a hand-in per worker,
+    a barrier and an output per rank), whatever its steps: a named butterfly over these 64 ranks is
+    1,216 tasks as method='tasks', a ring 12,160."""
+    p, n = 64, 1000
+    w = len(workers_of(inproc_client))
+    futures = scatter_ranks(inproc_client, _inputs(p, n, "sum"))
+    inproc_client.register_plugin(GraphSizes())
+    inproc_client.run_on_scheduler(_graph_sizes, clear=True)
+    out = flowreduce.allreduce(inproc_client, futures, algorithm=algorithm, method="p2p")
+    wait(out)
+    sizes = inproc_client.run_on_scheduler(_graph_sizes, clear=True)
+    assert flowreduce.describe(out).method == "p2p"
+    assert sizes and sum(sizes) <= 2 * p + 2 * w + 1, f"{algorithm}: graphs of {sizes} tasks for {p} ranks on {w} workers"
+    np.testing.assert_array_equal(out[-1].result(), _expected(_inputs(p, n, "sum"), "sum"))
 
 
 def test_method_from_the_dask_config_and_auto_by_default(inproc_client):
