@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gc
 import os
+import uuid
 
 import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import Client, Event, LocalCluster, wait
 from utils import assert_clean, scatter_ranks
 
 import flowreduce
@@ -124,17 +125,22 @@ def test_futures_of_another_cluster_are_refused(inproc_client):
     assert_clean(inproc_client)
 
 
-def _boom(x):
+def _boom(x, name=None):
+    if name is not None:
+        Event(name).wait()
     raise ZeroDivisionError("rank input failed")
 
 
 def test_errored_input_names_the_rank(inproc_client):
     """Failed before the call: the results say which rank's input failed. Failing while the call, placed
     on arrival, waits for it: the results raise that input's own exception, as any Dask task depending on
-    it does (docs/workflows.md)."""
+    it does (docs/workflows.md), whichever of the input's failure and the call's graph reaches the
+    scheduler first (the input fails as soon as the test sets the event)."""
     good = scatter_ranks(inproc_client, [np.ones(3)] * 2)
-    bad = inproc_client.submit(_boom, 1, pure=False)
+    name = f"boom-{uuid.uuid4().hex}"
+    bad = inproc_client.submit(_boom, 1, name, pure=False)
     later = flowreduce.allreduce(inproc_client, [*good, bad])
+    Event(name, client=inproc_client).set()
     wait([bad])
     with pytest.raises(RuntimeError, match="input of rank 2 failed: ZeroDivisionError"):
         inproc_client.gather(flowreduce.allreduce(inproc_client, [*good, bad]))
@@ -142,6 +148,25 @@ def test_errored_input_names_the_rank(inproc_client):
         e = f.exception()
         assert isinstance(e, ZeroDivisionError) and "rank input failed" in str(e), repr(e)
     del later, e, f
+    assert_clean(inproc_client)
+
+
+def test_an_input_failing_as_the_call_is_made_fails_every_result(inproc_client):
+    """The input fails at once, racing the call: found failed when the call is made (the results say
+    which rank's input failed), or failing after (its own exception), also when its failure reaches the
+    scheduler before the call's graph does (the call's result for that rank fails before the call is
+    registered: it used to be missed, and the other ranks waited for good)."""
+    from flowreduce.errors import InputStateError
+
+    for _ in range(10):
+        good = scatter_ranks(inproc_client, [np.ones(3)] * 2)
+        bad = inproc_client.submit(_boom, 1, pure=False)
+        later = flowreduce.allreduce(inproc_client, [*good, bad])
+        wait(later, timeout=30)  # a missed failure leaves ranks 0 and 1 waiting: this raises
+        for f in later:
+            e = f.exception()
+            assert isinstance(e, (ZeroDivisionError, InputStateError)) and "rank input failed" in str(e), repr(e)
+        del later, good, bad, e, f
     assert_clean(inproc_client)
 
 

@@ -1570,10 +1570,12 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self._end(token)
 
     def _placed_on_arrival(self, key: Hashable) -> bool:
-        """Whether task ``key`` is an arrive task, or a barrier or result of a call placed on arrival."""
+        """Whether task ``key`` is an arrive task, or a barrier or result of a call placed on arrival (a
+        result of a call on futures is known by its function: its input may fail, and fail it, before the
+        barrier's transition registered the call)."""
         ts = self.scheduler.tasks.get(key)
         return f"-{ARRIVE}-" in key[0] or (  # type: ignore[index]
-            ts is not None and any(f"-{ARRIVE}-" in d.key[0] for d in ts.dependencies))
+            ts is not None and (_on_futures(ts) or any(f"-{ARRIVE}-" in d.key[0] for d in ts.dependencies)))
 
     def _pin_result(self, key: Hashable) -> None:
         """Rank's arrive task ``key`` is in memory: its result, which depends
