@@ -65,7 +65,7 @@ from flowreduce.schedule.engine_log import now as _now
 from flowreduce.schedule.inputs import ArrayMeta, OtherMeta, meta_of
 from flowreduce.schedule.peer_reads import leave_slot
 from flowreduce.shm import pool as _shm_pool
-from flowreduce.shm.host_group import HostGroup, Pooled, stores_ordered
+from flowreduce.shm.host_group import HostGroup, Pooled, fold_into, stores_ordered
 from flowreduce.shm.result_buffers import buffers
 
 logger = logging.getLogger("flowreduce")
@@ -244,7 +244,7 @@ class Run:
         def fold() -> np.ndarray:
             parts = [mine[r].reshape(-1) if r in mine else _published_view(name, dtype, size)
                      for r, name in enumerate(spec.published or ())]
-            return prog.op.fold(parts, buffers().empty(size, prog.accumulate or dtype))
+            return fold_into(prog.op, parts, buffers().empty(size, prog.accumulate or dtype))
 
         t0 = _now()
         try:

@@ -458,7 +458,7 @@ class HostGroup:
             buf, nbytes, theirs = self._peer_region(i, region, what)
             self._check(i, nbytes, theirs, x, code, what)
             views.append(buf.view(x.dtype))
-        combine = fold or (lambda parts, into: _fold(op, parts, into))
+        combine = fold or (lambda parts, into: fold_into(op, parts, into))
         out = buffers().empty(size, acc)
         lo, hi = size * self.me // self.n, size * (self.me + 1) // self.n
         mine = self._region(OUT, (hi - lo) * acc.itemsize).view(acc)
@@ -495,9 +495,9 @@ class HostGroup:
             return fold(list(block), out)
         if op.in_place and acc == x.dtype and x.size > 1 and isinstance(op.func, np.ufunc):
             # one call; the rows are combined one after the other, in order (numpy iterates the
-            # contiguous axis inside), so the bits are _fold's
+            # contiguous axis inside), so the bits are fold_into's
             return op.func.reduce(block, axis=0, out=out)
-        return _fold(op, list(block), out)
+        return fold_into(op, list(block), out)
 
     def _check(self, i: int, nbytes: int, theirs: int, x: np.ndarray, code: int, what: str) -> None:
         """Raise if peer ``i`` (which wrote ``nbytes`` of dtype code ``theirs``) disagrees with ``x``."""
@@ -565,8 +565,9 @@ def _copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _fold(op: Op, parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
-    """``parts[0] op parts[1] op ...`` in that order, into ``out``."""
+def fold_into(op: Op, parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """``parts[0] op parts[1] op ...`` in that order, into ``out`` (a host group's fold, an SPMD
+    plan's reduce between hosts, the engine's fold of published inputs)."""
     if op.in_place:
         if out.nbytes > FOLD_BLOCK_BYTES:
             return op.fold(parts, out)

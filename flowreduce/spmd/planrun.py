@@ -21,6 +21,7 @@ import numpy as np
 from flowreduce.algorithms.ir import GATHER, REDUCE, VIEW, Plan
 from flowreduce.errors import InputError
 from flowreduce.ops import Op
+from flowreduce.shm.host_group import fold_into
 
 Send = Callable[[int, Hashable, np.ndarray], None]  # (plan rank, node's key, value)
 Receive = Callable[[int, Hashable], np.ndarray]  # (plan rank, node's key) -> value
@@ -111,20 +112,12 @@ def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[in
         if lo < hi or node.kind == REDUCE:
             parts.append(got[edge(lo) - edge(src.lo):edge(hi) - edge(src.lo)])
     if node.kind == REDUCE:
-        if op.in_place and len(parts) > 1:  # the first combine writes the new value: no copy of parts[0]
-            value = np.empty(parts[0].size, x.dtype) if into is None else _fits(into, parts[0])
-            op.combine(parts[0], parts[1], out=value)
-            rest = parts[2:]
-        else:
-            value = np.array(parts[0], dtype=x.dtype, copy=True) if into is None else _fits(into, parts[0])
-            if into is not None:
-                np.copyto(value, parts[0])
-            rest = parts[1:]
-        for p in rest:
-            if op.in_place:
-                op.combine(value, p, out=value)
-            else:
-                value[...] = np.asarray(op.func(value, p), x.dtype)
+        value = np.empty(parts[0].size, x.dtype) if into is None else _fits(into, parts[0])
+        if op.in_place:  # the first combine writes the new value: no copy of parts[0]
+            return fold_into(op, parts, value), received
+        np.copyto(value, parts[0])
+        for p in parts[1:]:
+            value[...] = np.asarray(op.func(value, p), x.dtype)
         return value, received
     if node.kind == GATHER:
         if into is not None:
