@@ -246,11 +246,9 @@ class Communicator:
         which the caller may change as soon as the collective returns, before the message is out (and
         a peer on this worker would otherwise get this very array). ``copy=False``: a value nobody
         changes once sent (:func:`~flowreduce.spmd.planrun.run_plan`'s)."""
-        if not copy:
-            pass
-        elif isinstance(value, np.ndarray):
+        if copy and isinstance(value, np.ndarray):
             value = value.copy()
-        elif isinstance(value, list):
+        elif copy and isinstance(value, list):
             value = [v.copy() if isinstance(v, np.ndarray) else v for v in value]
         self.mailbox.send(self.layout.workers[rank], self.run, f"{key}:{self.rank}>{rank}", value)
 
