@@ -661,7 +661,6 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         read = partial(reading, domains=near) if near else reading
         graph = build_direct(plan, inputs, workers, input_keys=keys, op=settings.op, read=read,
                              check=check_values if ranks.check else None, ordered=settings.deterministic)
-        ensure_extension(client)  # peers on other hosts (or unposted) sum the ranks they hold; posts in shm
         return job(graph, plan, nbytes, levels[0], shape, dtype, how, links, hold=True,
                    predicted=_transport.predict(plan, model, nbytes, workers, domains, levels[0]))
 
@@ -709,8 +708,6 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
                                          op=settings.op, in_place=TASKS_REDUCE_INTO_RECEIVED,
                                          accumulate=settings.op.accumulator(dtype),
                                          ordered=settings.deterministic and tree_ordered(settings.op.name, dtype))
-    if how != "dask":
-        ensure_extension(client)
     return job(graph, plan, nbytes, levels[0], shape, dtype.str, how, links)
 
 
@@ -903,7 +900,6 @@ def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute 
     spec = p2p_spec(ranks, settings, route)
     workers = list(ranks.workers)
     graph = _p2p.lower(spec, [fs[0] for fs in ranks.futures])
-    ensure_extension(client)
     record = CallRecord(graph.token, route.plan, route.nbytes, route.predicted, tuple(workers), spec.shape,
                         spec.dtype, tuple(fs[0].key for fs in ranks.futures), method="p2p",
                         deterministic=spec.ordered)
@@ -1009,7 +1005,9 @@ def _on_arrival(outer: TreeDef, like: Any, settings: Settings, exact: Any, how: 
 
 def submit(client: Client, job: Job, ranks: Ranks | None = None, timeout: float | None = None) -> list[Any]:
     """Submit a lowered call with every task pinned to its worker, and keep its records;
-    the guard watches it (``ranks``' inputs, ``timeout``: docs/failures.md)."""
+    the guard watches it (``ranks``' inputs, ``timeout``: docs/failures.md). Every lowered call is
+    submitted here: the extension its route needs (the engine, peer reads, shared memory, the guard)
+    is installed here, once per client."""
     ensure_extension(client)
     with dask.annotate(workers=job.placement.get, allow_other_workers=False):
         futures = client.get(named_graph(job.tasks, job.token), job.keys, sync=False, priority=job.priority)
