@@ -1,8 +1,8 @@
 """The cost model: link classes, ``auto`` over several hosts, model files.
 
 Pure (no cluster): the model reads everything off plans, so the checks
-compare it with counts made here by hand from ``plan.transfers()`` and with
-the one-host formula it had before link classes existed.
+compare it with counts made here by hand from ``plan.transfers()`` and check
+that each price term moves the prediction as the plan's card says.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pytest
 import flowreduce
 from flowreduce.cost import (
     CONFIG_KEY,
-    DEFAULT_INTER,
     CostModel,
     Link,
     candidates,
@@ -37,34 +36,32 @@ def hosts_of(kind: str, p: int, g: int) -> list[list[int]]:
     return [list(range(h, p, p // g)) for h in range(p // g)]  # "interleaved": host = rank mod (p/g)
 
 
-# -- the one-host model is what it was ---------------------------------------------------
-
-
-def one_host_formula(m: CostModel, plan, n: float) -> float:
-    """The model before link classes (the α-β-γ model on one host), written out again."""
-    card = plan.cost(n)
-    comm = card.max_rank_bytes / m.bandwidth
-    compute = card.reduce_bytes / m.reduce_rate
-    copy = (n if card.copy_bytes else 0.0) / m.copy_rate
-    if m.cores and m.cores < plan.ranks:
-        work = (2 * card.bytes_on_wire / m.bandwidth + card.total_reduce_bytes / m.reduce_rate
-                + card.copy_bytes / m.copy_rate)
-        body = max(work / m.cores, card.critical_bytes / m.bandwidth + copy)
-    else:
-        body = max(comm, compute) + min(comm, compute) / plan.chunks + copy
-    return m.call + card.steps * m.level + card.tasks * m.task + body
+# -- the one-host model reads the plan's card ---------------------------------------------
 
 
 @pytest.mark.parametrize("cores", [None, 2], ids=["core-each", "2-cores"])
 @pytest.mark.parametrize("chunks", [1, 4])
 @pytest.mark.parametrize("algorithm", [a for a in DENSE if a != "shm-direct"])  # priced on the shm link: below
-def test_one_host_predictions_unchanged(algorithm, chunks, cores):
-    m = CostModel(cores=cores, inter=Link(1e-3, 1e-6))  # an inter class must not matter on one host
+def test_one_host_predictions_follow_the_card(algorithm, chunks, cores):
+    """On one host the α-β-γ terms come from the plan's card: a host link
+    never matters, each level, task and call adds its price exactly as often
+    as the card counts them, and a slower link, reduce or copy rate never
+    predicts less (a slower link strictly more once bytes count)."""
+    m = CostModel(cores=cores)
     plan = flowreduce.plan(algorithm, 6, chunks=chunks)
     for n in (8e3, 8e7):
-        want = one_host_formula(m, plan, n)
-        assert m.predict(plan, n) == pytest.approx(want)
-        assert m.predict(plan, n, [list(range(6))]) == pytest.approx(want)
+        t = m.predict(plan, n)
+        card = plan.cost(n)
+        assert replace(m, inter=Link(1e-3, 1e-6)).predict(plan, n) == pytest.approx(t)
+        assert m.predict(plan, n, [list(range(6))]) == pytest.approx(t)
+        assert replace(m, level=m.level + 1).predict(plan, n) == pytest.approx(t + card.steps)
+        assert replace(m, task=m.task + 1).predict(plan, n) == pytest.approx(t + card.tasks)
+        assert replace(m, call=m.call + 1).predict(plan, n) == pytest.approx(t + 1)
+        for rate in ("bandwidth", "reduce_rate", "copy_rate"):
+            assert replace(m, **{rate: getattr(m, rate) / 10}).predict(plan, n) >= t * (1 - 1e-12), rate
+    big = 8e8  # bytes dominate: a link ten times slower costs at least the busiest rank's bytes once more
+    slower = replace(m, bandwidth=m.bandwidth / 10).predict(plan, big)
+    assert slower > m.predict(plan, big) + plan.cost(big).max_rank_bytes / m.bandwidth
 
 
 def test_shm_direct_is_priced_on_the_shared_memory_link():
@@ -292,7 +289,6 @@ def test_dask_config_names_the_model_for_sparse_auto_too(tmp_path):
     assert (configured_pick.algorithm, configured_pick.options) != (default_pick.algorithm, default_pick.options)
 
 
-def test_default_inter_link_is_ten_gigabit_ethernet():
-    assert DEFAULT_INTER.bandwidth == pytest.approx(1.25e9)
+def test_a_link_needs_a_positive_beta():
     with pytest.raises(ValueError, match="beta > 0"):
         Link(1e-3, 0.0)
