@@ -103,13 +103,42 @@ def _private_names_reached(source: str) -> list[str]:
     return found
 
 
+def _private_attributes(package: Path) -> set[str]:
+    """The ``_names`` flowreduce gives its objects: methods and attributes set on ``self``."""
+    import ast
+
+    names: set[str] = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_"):
+                names.add(node.name)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_attributes_read(source: str, private: set[str]) -> list[str]:
+    """Attributes ``x._name`` a test reads whose name is one of flowreduce's private ones."""
+    import ast
+
+    return sorted({node.attr for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Attribute) and node.attr in private})
+
+
 def test_no_test_reaches_a_private_name():
-    """Tests use flowreduce as its packages export it: a private name is free
-    to change without a test noticing."""
+    """Tests use flowreduce as its packages export it: a private name (a
+    module's, or an attribute or method of its objects) is free to change
+    without a test noticing."""
     tests = Path(__file__).parent
     reached = {str(p.relative_to(tests)): names for p in sorted(tests.rglob("*.py"))
                if (names := _private_names_reached(p.read_text()))}
     assert not reached, f"tests reach private names: {reached}"
+    private = _private_attributes(tests.parent / "flowreduce")
+    read = {str(p.relative_to(tests)): names for p in sorted(tests.rglob("*.py"))
+            if (names := _private_attributes_read(p.read_text(), private))}
+    assert not read, f"tests read private attributes of flowreduce's objects: {read}"
+    assert _private_attributes_read("trainer._last[0]", private) == ["_last"]
     assert _private_names_reached("from flowreduce.tracing.capture import _since") == [
         "flowreduce.tracing.capture._since"]
     assert _private_names_reached("import flowreduce.schedule.call as c\nc._locate(1)") == ["c._locate"]

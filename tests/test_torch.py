@@ -373,7 +373,7 @@ def test_a_rank_failing_in_fused_steps_stops_the_others(proc_client):
         caught.value.__traceback__ = None
         del caught
         assert wait_until(lambda: not any(proc_client.processing().values()), 30), proc_client.processing()
-        errors = [f.exception() for f in trainer._last]
+        errors = [f.exception() for f in trainer.latest_tasks]
         assert isinstance(errors[2], LookupError)
         buckets = trainer.step_graph["levels"]
         # the others stopped in step 4's all-reduces at the latest, naming rank 2's error

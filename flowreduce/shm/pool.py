@@ -253,6 +253,13 @@ class Pool:
         with self._lock:
             return [*self._leased, *self._free]
 
+    def shares_memory(self, x: np.ndarray) -> bool:
+        """Whether ``x`` lies in a segment mapped here (own, leased or free, or a peer's): a value
+        that must outlive the pool's reuse of its segments must not."""
+        with self._lock:
+            segs = [s.buf for s in (*self._leased.values(), *self._free.values(), *self._peers.values())]
+        return any(np.shares_memory(x, b) for b in segs)
+
     # -- own segments ----------------------------------------------------
     def lease(self, nbytes: int, owner: str = "") -> Segment:
         """A segment of at least ``nbytes`` for this process to write, reused

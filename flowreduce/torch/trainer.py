@@ -275,6 +275,12 @@ class Trainer:
         return direct.Flat.of(specs, self.bucket_bytes, self._p, share, self._mode is True, self._mode == "exact")
 
     @property
+    def latest_tasks(self) -> list[Any]:
+        """Per rank, the future of its latest task (a step, or a block of fused steps): where a failed
+        :meth:`train` left each rank."""
+        return list(self._last)
+
+    @property
     def step_graph(self) -> dict[str, Any]:
         """How a step averages gradients: ``{"all-reduce": "shared memory"
         | "in-process" | "flowreduce.allreduce", "levels": per bucket, 1 (averaged in
