@@ -182,9 +182,11 @@ class CostModel:
 
     def predict(self, plan: Plan, nbytes: float, groups: Groups | None = None) -> float:
         """Predicted seconds of ``plan`` on ``nbytes`` per rank; ``groups``
-        lists the ranks of each host (default: all on one host)."""
-        if plan.algorithm == "shm-direct" and plan.chunks == 1 and (groups is None or len(groups) < 2):
-            return self.shm_direct_time(plan, nbytes)  # one host: lowered over shared memory
+        lists the ranks of each host (default: all on one host). This is
+        ``plan``'s card as a task graph runs it; a call's route prices what it
+        really runs (:mod:`flowreduce.schedule.routes`: the shared-memory
+        collective by :meth:`shm_direct_time`, ``direct``'s posts by
+        :meth:`direct_shm_time`, the engine by :meth:`p2p_time`)."""
         return self._time(plan.ranks, plan.chunks, lowered_card(plan, self.card(plan, nbytes)),
                           self.loads(plan, groups, nbytes), nbytes, shm_inside=shm_inside(plan))
 
