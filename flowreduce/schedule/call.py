@@ -581,7 +581,9 @@ def choose_plan(p: int, nbytes: int, levels: Sequence[Sequence[Sequence[int]]], 
             return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0], direct=direct)
         if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
             options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
-        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
+        # each variant priced as its route runs it (hierarchical with shm-direct inside: fused, over segments)
+        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0],
+                    lowered=routes.lowered_card, **options)
 
 
 def call_site(workers: Sequence[str], places: Mapping[str, hosts.Place], levels: list[list[list[int]]],

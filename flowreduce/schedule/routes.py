@@ -21,7 +21,7 @@ What decides between shared memory and Dask's comm for a pair of workers
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -31,7 +31,8 @@ from flowreduce.algorithms import direct as _direct
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms import shm_direct as _shm_direct
 from flowreduce.algorithms.hierarchical import DIRECT as DIRECT_INNER
-from flowreduce.algorithms.ir import Plan
+from flowreduce.algorithms.hierarchical import direct_lowered
+from flowreduce.algorithms.ir import CostCard, Plan
 from flowreduce.cost import CostModel, Groups, tune
 from flowreduce.lower import shm_direct, shm_edges, shm_hierarchical
 from flowreduce.lower.direct import build_direct
@@ -214,7 +215,7 @@ class ShmHierarchical(_Described):
                 and not site.ordered)
 
     def price(self, plan: Plan, site: Site) -> float:
-        return site.model.predict(plan, site.nbytes, site.hosts)
+        return site.model.predict(plan, site.nbytes, site.hosts, lowered_card)
 
     def proposals(self, site: Site) -> tuple[Plan, ...]:
         if len(site.levels) != 1 or not hosts_share_memory(site.levels[0], site.domains):
@@ -281,9 +282,11 @@ class DaskGraph(_Described):
         return True
 
     def price(self, plan: Plan, site: Site) -> float:
-        if _priced_as_collective(plan, site):  # see there: a price this route does not earn, kept for now
+        # prices this route does not earn, kept so that choices stay as they were: see _priced_as_collective
+        # and lowered_card
+        if _priced_as_collective(plan, site):
             return site.model.shm_direct_time(plan, site.nbytes)
-        return site.model.predict(plan, site.nbytes, site.hosts)
+        return site.model.predict(plan, site.nbytes, site.hosts, lowered_card)
 
     def lower(self, plan: Plan, site: Site) -> Lowered:
         low = site.built()
@@ -450,7 +453,7 @@ def shm_hierarchical_plan(site: Site, **options: Any) -> Plan:
     p, hosts = len(site.workers), site.levels[0]
     groups = shm_direct.worker_groups(site.workers)
     extra = {"workers": groups} if len(groups) < p else {}
-    return tune("hierarchical", p, site.nbytes, model=site.model, chunks=1, hosts=hosts,
+    return tune("hierarchical", p, site.nbytes, model=site.model, chunks=1, hosts=hosts, lowered=lowered_card,
                 **{**options, "groups": [list(g) for g in hosts], "inner": DIRECT_INNER, **extra})
 
 
@@ -459,6 +462,22 @@ def inside_hosts(site: Site, options: dict) -> bool:
     whose workers share memory, and the call leaves the inner algorithm and the groups open."""
     return (len(site.levels) == 1 and hosts_share_memory(site.levels[0], site.domains)
             and not {"inner", "groups", "group_size", "levels", "workers"} & set(options))
+
+
+def lowered_card(plan: Plan, card: CostCard) -> tuple[CostCard, bool]:
+    """What :data:`SHM_HIERARCHICAL`'s lowering changes in a plan's price
+    (a :data:`flowreduce.cost.Lowered`): ``hierarchical`` with ``shm-direct``
+    inside, one chunk, fuses its views and sums into a task per worker
+    (``card``'s tasks and levels are the graph's) and moves the bytes
+    inside hosts through shared memory. Plans are priced so wherever their
+    plan search runs (:func:`~flowreduce.cost.tune`) and on the Dask graph
+    too (under ``deterministic=True``, or named with ``transport="dask"``),
+    as the cost model priced them before the routes, so that choices stay
+    as they were; pricing that graph by its own card is left to do (#25, item 2)."""
+    if not (plan.algorithm == "hierarchical" and plan.options.get("inner") == DIRECT_INNER and plan.chunks == 1):
+        return card, False
+    tasks, steps = direct_lowered(plan)
+    return replace(card, tasks=tasks, steps=steps), True
 
 
 def _priced_as_collective(plan: Plan, site: Site) -> bool:
