@@ -9,8 +9,10 @@ templates, scipy.sparse and block-sparse inputs):
    and checks once that their inputs agree (:mod:`~flowreduce.schedule.inputs`),
    into one typed :class:`Ranks`;
 3. :func:`lower` chooses the plans (:func:`choose_plan`, the cost model of
-   :func:`~flowreduce.cost.model_for`, the hosts of :mod:`~flowreduce.schedule.hosts`)
-   and lowers them (:mod:`flowreduce.lower`) into one :class:`Job`;
+   :func:`~flowreduce.cost.model_for`, the hosts of :mod:`~flowreduce.schedule.hosts`),
+   and for a dense call, of the candidates, the plan and the route that runs it
+   (:func:`flowreduce.schedule.routes.choose`, once); the route lowers it
+   (:mod:`flowreduce.lower`) into one :class:`Job`;
 4. :func:`submit` hands the graph to the scheduler with every task pinned,
    and keeps the call's records (:mod:`~flowreduce.schedule.records`).
 
@@ -202,7 +204,7 @@ def allreduce(
         so) runs that collective inside each host and its outer algorithm
         between hosts (``inner="shm-direct"``; ``describe(result).links``
         says which transport each pair of workers used);
-        ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.transport`).
+        ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.routes`).
     deterministic : False, True or "exact"
         ``True``: floating-point sums and means (and other order-dependent
         float ops) add the ranks' values in one fixed order, the reference
