@@ -13,6 +13,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from distributed import wait
+from utils import workers_of
 
 import flowreduce
 from flowreduce.cost import CostModel
@@ -36,6 +38,9 @@ def test_every_route_says_what_it_runs_in_its_own_words():
     assert len(set(names)) == len(names) and all(names)
     assert len(set(lines)) == len(lines) and all(line.strip() for line in lines)
     assert {r.method for r in routes.ROUTES} == {routes.TASKS, routes.P2P}
+    assert [routes.named(n).describe() for n in names] == lines  # what a record's route name says
+    with pytest.raises(KeyError):
+        routes.named("carrier pigeon")
     for method in (routes.TASKS, routes.P2P):  # a route of each method takes any plan, and comes last of them
         last = [r for r in routes.ROUTES if r.method == method][-1]
         site = routes.Site(("a", "b"), (None, None), [[[0], [1]]], CostModel(), 8,
@@ -150,3 +155,19 @@ def test_only_the_routes_dispatch_on_a_plans_name():
                 if any(_a_plans_algorithm(s) for s in sides) and any(_names_a_route_plan(s) for s in sides):
                     found.append(f"{rel}:{node.lineno}")
     assert not found, f"lowering decided by a plan's name outside flowreduce/schedule/routes.py: {found}"
+
+
+def test_a_calls_record_names_its_route(proc_client):
+    """``describe(result).route`` names the registered route that ran, of the method the record says."""
+    ws = workers_of(proc_client)
+    parts = [proc_client.submit(np.full, 1000, float(r), workers=[ws[r]], pure=False) for r in range(4)]
+    wait(parts)
+    ran = {}
+    for method, algorithm in (("tasks", "ring"), ("tasks", "auto"), ("p2p", "ring"), ("p2p", "auto")):
+        out = flowreduce.allreduce(proc_client, parts, algorithm=algorithm, method=method)
+        for o in proc_client.gather(out):
+            np.testing.assert_array_equal(o, np.full(1000, 6.0))
+        record = flowreduce.describe(out)
+        assert routes.named(record.route).method == record.method == method
+        ran[method, algorithm] = record.route
+    assert ran["tasks", "ring"] == "dask-graph"

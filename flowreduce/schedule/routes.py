@@ -331,9 +331,6 @@ class HostGroup(_Described):
     def links(self, plan: Plan, site: Site) -> Links:
         return ()  # the record tells none for the engine's runs
 
-    def spec(self, plan: Plan, site: Site) -> Spec:
-        return engine_spec(plan, site)
-
 
 @dataclass(frozen=True)
 class EngineRun(_Described):
@@ -353,9 +350,6 @@ class EngineRun(_Described):
     def links(self, plan: Plan, site: Site) -> Links:
         return ()
 
-    def spec(self, plan: Plan, site: Site) -> Spec:
-        return engine_spec(plan, site)
-
 
 SHM_DIRECT_ROUTE = ShmDirect("shm-direct", TASKS, "shared memory (one host)",
                              "the one-level collective, two tasks per worker and one per rank over its segments")
@@ -373,6 +367,15 @@ ENGINE_RUN = EngineRun("p2p-engine", P2P, "messages between engines (a shared se
 #: Every route, in the order a plan is matched to one (:func:`route_of`): the Dask graph and the
 #: engine's messages take any plan, so they come after the routes of their method that take some.
 ROUTES: tuple[Route, ...] = (SHM_DIRECT_ROUTE, SHM_HIERARCHICAL, DIRECT_READS, DASK_GRAPH, HOST_GROUP, ENGINE_RUN)
+
+
+def named(name: str) -> Route:
+    """The route a call's record names (``flowreduce.describe(result).route``): ``named(...).describe()``
+    says what it runs and how its bytes move."""
+    for r in ROUTES:
+        if r.name == name:
+            return r
+    raise KeyError(f"no route {name!r}; routes: {', '.join(r.name for r in ROUTES)}")
 
 
 def route_of(plan: Plan, site: Site, method: str = TASKS) -> Route:
