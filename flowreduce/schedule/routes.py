@@ -42,7 +42,15 @@ from flowreduce.ops import Op
 from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule.inputs import check_values
 from flowreduce.schedule.peer_reads import reading
-from flowreduce.schedule.transport import IN_PROCESS, Links, hosts_share_memory, links, one_host, sharing
+from flowreduce.schedule.transport import (
+    IN_PROCESS,
+    Links,
+    hosts_share_memory,
+    links,
+    one_host,
+    sharing,
+    through_segments,
+)
 from flowreduce.shm.host_group import SPLIT_BYTES
 
 TASKS, P2P = "tasks", "p2p"
@@ -302,7 +310,7 @@ class DaskGraph(_Described):
 
     @staticmethod
     def _published(plan: Plan, site: Site) -> set[int]:
-        return shm_edges.published_nodes(plan, site.workers, [None if d == IN_PROCESS else d for d in site.domains])
+        return shm_edges.published_nodes(plan, site.workers, list(through_segments(site.domains)))
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,13 @@ def memory_domains(workers: Sequence[str], places: Mapping[str, Any], transport:
     return out
 
 
+def through_segments(domains: Sequence[Any]) -> tuple[Any, ...]:
+    """Per rank, the memory domain whose segments carry its values to the
+    others of its host; None where they go through Dask's comm, or are
+    handed over by reference already (in one process)."""
+    return tuple(None if d == IN_PROCESS else d for d in domains)
+
+
 def one_host(workers: Sequence[str], domains: Sequence[Any]) -> bool:
     """All ranks can reach each other through shared memory, or share one
     process (one worker, or an in-process cluster)."""
