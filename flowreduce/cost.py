@@ -73,13 +73,13 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import product
 from typing import Any
 
 from flowreduce.algorithms import plan as make_plan
-from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS, direct_lowered
+from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS, SCATTER_ALGORITHMS
 from flowreduce.algorithms.ir import CostCard, Plan
 from flowreduce.algorithms.partials import Carried, carried
 from flowreduce.algorithms.sparse import SparsePlan
@@ -92,6 +92,11 @@ CONFIG_KEY = "flowreduce.cost-model"
 FILE_FORMAT = "flowreduce-cost-model"
 
 Groups = Sequence[Sequence[int]]
+#: How a plan's lowering changes its price (a route's, :mod:`flowreduce.schedule.routes`): from the
+#: plan and its card, the card of the graph really built, and whether its transfers inside a host go
+#: through shared memory (priced on :attr:`CostModel.shm`, not as Dask's). None: the plan's own card,
+#: every transfer through Dask's comm.
+Lowered = Callable[[Plan, CostCard], tuple[CostCard, bool]]
 
 
 @dataclass(frozen=True)
@@ -180,16 +185,21 @@ class CostModel:
             return None
         return link_loads(plan, groups, nbytes, carried(plan).widths if self.partials else None)
 
-    def predict(self, plan: Plan, nbytes: float, groups: Groups | None = None) -> float:
+    def predict(self, plan: Plan, nbytes: float, groups: Groups | None = None, lowered: Lowered | None = None
+                ) -> float:
         """Predicted seconds of ``plan`` on ``nbytes`` per rank; ``groups``
-        lists the ranks of each host (default: all on one host)."""
-        if plan.algorithm == "shm-direct" and plan.chunks == 1 and (groups is None or len(groups) < 2):
-            return self.shm_direct_time(plan, nbytes)  # one host: lowered over shared memory
-        return self._time(plan.ranks, plan.chunks, lowered_card(plan, self.card(plan, nbytes)),
-                          self.loads(plan, groups, nbytes), nbytes, shm_inside=shm_inside(plan))
+        lists the ranks of each host (default: all on one host). This is
+        ``plan``'s card as a task graph runs it; a call's route prices what it
+        really runs (:mod:`flowreduce.schedule.routes`: the shared-memory
+        collective by :meth:`shm_direct_time`, ``direct``'s posts by
+        :meth:`direct_shm_time`, the engine by :meth:`p2p_time`, and ``lowered``
+        says what a lowering changes in the card)."""
+        card, shared_inside = (lowered or as_planned)(plan, self.card(plan, nbytes))
+        return self._time(plan.ranks, plan.chunks, card, self.loads(plan, groups, nbytes), nbytes,
+                          shared_inside=shared_inside)
 
     def _time(self, ranks: int, chunks: int, card: CostCard, loads: LinkLoads | None, nbytes: float,
-              shm_inside: bool = False) -> float:
+              shared_inside: bool = False) -> float:
         copy = (nbytes if card.copy_bytes else 0.0) / self.copy_rate
         cores = self.cores if self.cores and self.cores < ranks else None  # set when the ranks share cores
         # every byte costs CPU at both ends and all of it queues on the shared cores
@@ -204,7 +214,7 @@ class CostModel:
                 body = max(comm, compute) + min(comm, compute) / chunks + copy
             return self.call + card.steps * self.level + card.tasks * self.task + body
         intra = self.intra or Link(self.level, 1.0 / self.bandwidth)
-        if shm_inside:  # hierarchical over shared memory inside hosts: only inter-host bytes go through Dask
+        if shared_inside:  # transfers inside hosts through shared memory: only inter-host bytes go through Dask
             intra = self.shm or DEFAULT_SHM
             work -= 2 * (card.bytes_on_wire - loads.inter_total) / self.bandwidth
         inter = self.inter or DEFAULT_INTER
@@ -372,20 +382,9 @@ class CostModel:
 DEFAULT_MODEL = CostModel()
 
 
-def shm_inside(plan: Plan) -> bool:
-    """``hierarchical`` with the shared-memory collective inside each host
-    (priced on :attr:`CostModel.shm` for its intra-host transfers)."""
-    return plan.algorithm == "hierarchical" and plan.options.get("inner") == "shm-direct" and plan.chunks == 1
-
-
-def lowered_card(plan: Plan, card: CostCard) -> CostCard:
-    """``card`` with the tasks and levels of the graph ``plan`` is lowered
-    to, where that differs from its nodes (:func:`shm_inside` plans fuse
-    their views and sums into a task per worker)."""
-    if not shm_inside(plan):
-        return card
-    tasks, steps = direct_lowered(plan)
-    return replace(card, tasks=tasks, steps=steps)
+def as_planned(plan: Plan, card: CostCard) -> tuple[CostCard, bool]:
+    """A plan priced as planned: its own card, every transfer through Dask's comm."""
+    return card, False
 
 _LOADED: dict[tuple[str, float], CostModel] = {}
 
@@ -586,7 +585,7 @@ def card_at(one: CostCard, two: CostCard, chunks: int, nodes: int, nbytes: float
 
 
 def _fastest(model: CostModel, variants: list[tuple[str, dict]], ranks: int, nbytes: float,
-             chunks: int | None, groups: Groups | None) -> tuple[Plan, float]:
+             chunks: int | None, groups: Groups | None, lowered: Lowered = as_planned) -> tuple[Plan, float]:
     gkey = json.dumps([list(g) for g in groups]) if groups is not None and len(groups) > 1 else None
     best, best_t = None, math.inf
     for name, opts in variants:
@@ -599,8 +598,8 @@ def _fastest(model: CostModel, variants: list[tuple[str, dict]], ranks: int, nby
         # fused views read whole inputs in the task: one chunk
         for c in [chunks] if chunks else [1] if base.fused_views else chunk_choices(nbytes):
             card = card_at(one, two, c, len(base.nodes), nbytes)
-            t = model._time(ranks, c, lowered_card(base.with_chunks(c), card), loads, nbytes,
-                            shm_inside=shm_inside(base.with_chunks(c)))
+            card, shared_inside = lowered(base.with_chunks(c), card)
+            t = model._time(ranks, c, card, loads, nbytes, shared_inside=shared_inside)
             if t < best_t:
                 best, best_t = base.with_chunks(c), t
     if best is None:
@@ -616,13 +615,15 @@ def tune(
     model: CostModel | None = None,
     chunks: int | None = None,
     hosts: Groups | None = None,
+    lowered: Lowered = as_planned,
     **options: Any,
 ) -> Plan:
     """The plan of a named ``algorithm`` with what was left open chosen by
     the model: the chunk count, and for ``hierarchical`` the groups (the
     ``hosts``, unless ``groups``/``group_size``/``levels`` are given) and
     the ``inner`` algorithm of every level and the ``outer`` one, priced
-    with the intra-host and inter-host links."""
+    with the intra-host and inter-host links, each variant's card as
+    ``lowered`` says its lowering changes it (:data:`Lowered`)."""
     model = model_for(model, None)
     variants = [options]
     if algorithm == "hierarchical":
@@ -635,7 +636,7 @@ def tune(
     if len(variants) == 1 and chunks:  # nothing to choose
         return make_plan(algorithm, ranks, chunks=chunks, **variants[0])
     make_plan(algorithm, ranks, **variants[0])  # bad options fail here, with the planner's message
-    return _fastest(model, [(algorithm, v) for v in variants], ranks, nbytes, chunks, hosts)[0]
+    return _fastest(model, [(algorithm, v) for v in variants], ranks, nbytes, chunks, hosts, lowered)[0]
 
 
 def choose(

@@ -41,7 +41,7 @@ def hosts_of(kind: str, p: int, g: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("cores", [None, 2], ids=["core-each", "2-cores"])
 @pytest.mark.parametrize("chunks", [1, 4])
-@pytest.mark.parametrize("algorithm", [a for a in DENSE if a != "shm-direct"])  # priced on the shm link: below
+@pytest.mark.parametrize("algorithm", DENSE)  # a plan's own card (routes price their lowering)
 def test_one_host_predictions_follow_the_card(algorithm, chunks, cores):
     """On one host the α-β-γ terms come from the plan's card: a host link
     never matters, each level, task and call adds its price exactly as often
@@ -67,16 +67,18 @@ def test_one_host_predictions_follow_the_card(algorithm, chunks, cores):
 def test_shm_direct_is_priced_on_the_shared_memory_link():
     """Three levels, 2 tasks per worker and one per rank, bytes at the shm
     link's rate: a faster link predicts less; big vectors beat the Dask
-    plans, small ones do not (one level more than recursive doubling)."""
+    plans, small ones do not (one level more than recursive doubling).
+    ``predict`` is the plan's card as a task graph: the collective is its
+    route's price (flowreduce.schedule.routes)."""
     from flowreduce.cost import DEFAULT_SHM
 
     plan = flowreduce.plan("shm-direct", 4)
     m = CostModel(cores=2)
     fast = CostModel(cores=2, shm=Link(DEFAULT_SHM.alpha, DEFAULT_SHM.beta / 2))
-    assert fast.predict(plan, 8e7) < m.predict(plan, 8e7)
-    assert m.predict(plan, 0) == pytest.approx(m.call + 3 * DEFAULT_SHM.alpha + 12 * m.task)
-    assert m.predict(plan, 8e7) < m.predict(flowreduce.choose(4, 8e7, model=m), 8e7)
-    assert m.predict(plan, 8e3) > m.predict(flowreduce.choose(4, 8e3, model=m), 8e3)
+    assert fast.shm_direct_time(plan, 8e7) < m.shm_direct_time(plan, 8e7)
+    assert m.shm_direct_time(plan, 0) == pytest.approx(m.call + 3 * DEFAULT_SHM.alpha + 12 * m.task)
+    assert m.shm_direct_time(plan, 8e7) < m.predict(flowreduce.choose(4, 8e7, model=m), 8e7)
+    assert m.shm_direct_time(plan, 8e3) > m.predict(flowreduce.choose(4, 8e3, model=m), 8e3)
 
 
 def test_p2p_on_one_host_is_priced_as_one_collective_of_a_host_group():

@@ -81,14 +81,15 @@ def _same_host_pick_over_choose(model, p):
     host, where the same-host preference (``shm-direct``, or ``direct``
     reading its peers through shared memory) overrides the model's choice
     among the plans priced over Dask's comm; None if there is none."""
-    from flowreduce.schedule import transport
+    from flowreduce.schedule import routes
 
-    ws = [f"tcp://10.0.0.1:{9000 + r}" for r in range(p)]
-    domains = [("node", "machine")] * p
+    ws = tuple(f"tcp://10.0.0.1:{9000 + r}" for r in range(p))
+    domains = (("node", "machine"),) * p
     for n in np.geomspace(1e4, 1e7, 31):
         nbytes = int(n) * 8
         first = choose(p, nbytes, model=model, direct=True)
-        final = transport.prefer_direct(first, model, nbytes, ws, domains)
+        site = routes.Site(ws, domains, [[list(range(p))]], model, nbytes)
+        final = routes.choose(site, [first, *routes.proposals(site)]).plan
         if final.algorithm != first.algorithm:
             return int(n), final.algorithm
     return None

@@ -293,7 +293,7 @@ LAYOUTS = {"2x2": ([[0, 1], [2, 3]], None, "abcd"),
 def test_cost_card_counts_the_lowered_graph(outer, layout):
     """The cost model prices the graph that runs: its card's tasks and
     levels are those of the shared-memory lowering, not of the plan's nodes."""
-    from flowreduce.cost import lowered_card
+    from flowreduce.schedule.routes import lowered_card
 
     groups, workers, ws = LAYOUTS[layout]
     p = len(ws)
@@ -301,6 +301,7 @@ def test_cost_card_counts_the_lowered_graph(outer, layout):
                              **({"workers": workers} if workers else {}))
     graph = build_hierarchical(plan, [(f"x-{r}",) for r in range(p)], list(ws), size=1000, shape=(1000,),
                                dtype=np.dtype("f8"), op=resolve_op("sum"))
-    card = lowered_card(plan, plan.cost(1.0))
+    card, shared_inside = lowered_card(plan, plan.cost(1.0))
+    assert shared_inside
     assert (card.tasks, card.steps) == (len(graph.tasks), graph_depth(graph))
     assert card.tasks < plan.cost(1.0).tasks

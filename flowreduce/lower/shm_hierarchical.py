@@ -51,7 +51,7 @@ def build_hierarchical(plan: Plan, inputs: Sequence[Any], workers: Sequence[str]
                        accumulate: Any = None, token: str | None = None) -> Graph:
     """The graph of ``plan`` (hierarchical, ``inner="shm-direct"``, one
     chunk) for rank inputs ``inputs`` held on ``workers``; each host's
-    workers must share memory (the caller decides: :mod:`flowreduce.schedule.transport`)."""
+    workers must share memory (the caller decides: :mod:`flowreduce.schedule.routes`)."""
     if plan.options.get("inner") != "shm-direct" or plan.chunks != 1:
         raise ValueError(f"{plan!r} is not hierarchical with inner='shm-direct' on one chunk")
     procs = plan.options.get("workers") or [[r] for r in range(plan.ranks)]

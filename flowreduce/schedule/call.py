@@ -9,8 +9,10 @@ templates, scipy.sparse and block-sparse inputs):
    and checks once that their inputs agree (:mod:`~flowreduce.schedule.inputs`),
    into one typed :class:`Ranks`;
 3. :func:`lower` chooses the plans (:func:`choose_plan`, the cost model of
-   :func:`~flowreduce.cost.model_for`, the hosts of :mod:`~flowreduce.schedule.hosts`)
-   and lowers them (:mod:`flowreduce.lower`) into one :class:`Job`;
+   :func:`~flowreduce.cost.model_for`, the hosts of :mod:`~flowreduce.schedule.hosts`),
+   and for a dense call, of the candidates, the plan and the route that runs it
+   (:func:`flowreduce.schedule.routes.choose`, once); the route lowers it
+   (:mod:`flowreduce.lower`) into one :class:`Job`;
 4. :func:`submit` hands the graph to the scheduler with every task pinned,
    and keeps the call's records (:mod:`~flowreduce.schedule.records`).
 
@@ -26,7 +28,6 @@ import pickle
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any, cast
 
 import dask
@@ -36,7 +37,6 @@ from distributed import Client, Future
 
 from flowreduce import config, dashboard
 from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
-from flowreduce.algorithms import direct as _direct
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.algorithms.sparse import SparsePlan
@@ -45,8 +45,7 @@ from flowreduce.errors import InputError, InputStateError, InputTypeError, Optio
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import new_token, parse
 from flowreduce.lower.buckets import build_pytree_graph
-from flowreduce.lower.direct import build_direct
-from flowreduce.lower.graph import Graph, gathers_every_rank, named_graph
+from flowreduce.lower.graph import Graph, named_graph
 from flowreduce.lower.p2p import engine_workers
 from flowreduce.lower.sparse import (
     BlockCall,
@@ -61,7 +60,7 @@ from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import LEAF, TreeDef, flatten, unflatten
 from flowreduce.reproducible import MAX_RANKS, tree_ordered
 from flowreduce.schedule import arrivals as _arrivals
-from flowreduce.schedule import guard, hosts, placement, records
+from flowreduce.schedule import guard, hosts, placement, records, routes
 from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule import transport as _transport
@@ -72,16 +71,13 @@ from flowreduce.schedule.inputs import (
     TreeMeta,
     check_cluster,
     check_dtypes,
-    check_values,
     checked_array,
     common_array,
     common_layout,
     common_sparse,
     rank_futures,
 )
-from flowreduce.schedule.peer_reads import reading
 from flowreduce.schedule.records import CallRecord, PytreeRecord
-from flowreduce.shm.host_group import SPLIT_BYTES
 
 logger = logging.getLogger("flowreduce")
 
@@ -208,7 +204,7 @@ def allreduce(
         so) runs that collective inside each host and its outer algorithm
         between hosts (``inner="shm-direct"``; ``describe(result).links``
         says which transport each pair of workers used);
-        ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.transport`).
+        ``"dask"``: every byte through Dask's comm (:mod:`flowreduce.schedule.routes`).
     deterministic : False, True or "exact"
         ``True``: floating-point sums and means (and other order-dependent
         float ops) add the ranks' values in one fixed order, the reference
@@ -395,7 +391,7 @@ class Settings:
 def _refuse_unordered_sparse(ranks: Ranks, settings: Settings) -> None:
     """deterministic=True on scipy.sparse inputs, whose kernels cannot keep the tree order: an
     OptionError (integers, min, max... are exact in any order and pass). The p2p route refuses
-    float sums itself (:func:`_p2p_refusal`)."""
+    float sums itself (:func:`p2p_refusal`)."""
     dtype = getattr(ranks.held, "dtype", None)
     if (settings.deterministic and isinstance(ranks.held, SparseInputs) and dtype is not None
             and tree_ordered(settings.op.name, dtype)):
@@ -528,7 +524,7 @@ def glance(client: Client, outer: TreeDef, futures: tuple[tuple[Future, ...], ..
     inputs (:func:`~flowreduce.schedule.placement.glance`: numpy arrays in
     memory) without asking the workers: the plan's tasks check the inputs.
     None when that does not apply."""
-    if not outer.is_leaf or settings.algorithm not in ("auto", _direct.NAME):
+    if not outer.is_leaf or settings.algorithm not in ("auto", routes.DIRECT):
         return None
     seen = placement.glance(client, [fs[0] for fs in futures])
     if seen is None:
@@ -537,11 +533,11 @@ def glance(client: Client, outer: TreeDef, futures: tuple[tuple[Future, ...], ..
     places = hosts.worker_places(client, workers)  # asked once per worker and client, then kept
     model = model_for(settings.model, hosts.shared_cores(workers, places))
     levels = hosts.rank_levels(client, workers, places, settings.topology)
-    plan = dense_plan(nbytes, levels, model, settings, workers,
-                      _transport.memory_domains(workers, places, settings.transport))
-    if plan.algorithm != _direct.NAME or plan.chunks != 1:
+    site = call_site(workers, places, levels, model, nbytes, settings)
+    choice = routes.choose(site, dense_candidates(site, settings))
+    if choice.route is not routes.DIRECT_READS:
         return None
-    return Ranks(outer, futures, tuple(workers), places, Unseen(nbytes), check=True, plan=plan)
+    return Ranks(outer, futures, tuple(workers), places, Unseen(nbytes), check=True, plan=choice.plan)
 
 
 def pricing(model: CostModel, settings: Settings, dtype: Any) -> CostModel:
@@ -556,7 +552,7 @@ def pricing(model: CostModel, settings: Settings, dtype: Any) -> CostModel:
     return model
 
 
-def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings,
+def choose_plan(p: int, nbytes: int, levels: Sequence[Sequence[Sequence[int]]], model: CostModel, settings: Settings,
                 wire: SparseCall | BlockCall | None = None, aggregators: int = 0, direct: bool = False) -> Plan:
     """The plan for ``p`` ranks of ``nbytes`` each, judged by ``model``, the
     ranks grouped by host (and coarser levels) as in ``levels``: ``auto``
@@ -587,24 +583,38 @@ def choose_plan(p: int, nbytes: int, levels: list[list[list[int]]], model: CostM
             return choose(p, nbytes, model=model, chunks=chunks, groups=levels[0], direct=direct)
         if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
             options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
-        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], **options)
+        # each variant priced as its route runs it (hierarchical with shm-direct inside: fused, over segments)
+        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0],
+                    lowered=routes.lowered_card, **options)
 
 
-def dense_plan(nbytes: int, levels: list[list[list[int]]], model: CostModel, settings: Settings,
-               workers: Sequence[str], domains: Sequence[Any]) -> Plan:
-    """The plan of a dense call whose inputs are arrays in memory on
-    ``workers`` (so ``direct`` can read them): :func:`choose_plan`, then
-    ``auto``'s same-host (``shm-direct``) and across-host (``hierarchical``
-    over shared memory) preferences. The one decision both routes of a
-    dense call take: the glance before submitting and :func:`lower`."""
-    if settings.op.exact and settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
-        # deterministic="exact": only these fold exactly
-        return _transport.fastest_gathering(len(workers), model, nbytes, workers, domains, levels[0])
-    plan = choose_plan(len(workers), nbytes, levels, model, settings, direct=True)
-    if settings.algorithm == "auto" and settings.chunks_for(nbytes) is None:
-        plan = _transport.prefer_direct(plan, model, nbytes, workers, domains, levels[0])
-    return _transport.prefer_hierarchical(plan, settings.algorithm, settings.options, settings.chunks_for(nbytes),
-                                          model, nbytes, workers, domains, levels)
+def call_site(workers: Sequence[str], places: Mapping[str, hosts.Place], levels: list[list[list[int]]],
+              model: CostModel, nbytes: int, settings: Settings, *, ordered: bool = False,
+              lowering: routes.Lowering | None = None, engines: routes.Engines | None = None) -> routes.Site:
+    """Where a dense call's plans run (:class:`~flowreduce.schedule.routes.Site`): the ranks' workers and
+    their memory domains under the call's ``transport``, their hosts, the model, the bytes."""
+    domains = _transport.memory_domains(list(workers), places, settings.transport)
+    return routes.Site(tuple(workers), tuple(domains), levels, model, nbytes, ordered, lowering, engines)
+
+
+def dense_candidates(site: routes.Site, settings: Settings) -> list[Plan]:
+    """The plan search of a dense call whose inputs are arrays in memory on
+    the site's workers (so ``direct`` can read them): :func:`choose_plan`,
+    and for ``auto`` what the routes propose besides (``shm-direct`` and
+    ``direct`` over shared memory on one host, ``hierarchical`` over shared
+    memory across hosts); a named ``hierarchical`` that leaves its inner
+    algorithm and groups open runs ``shm-direct`` inside hosts that share
+    memory. :func:`~flowreduce.schedule.routes.choose` picks among them, as
+    each will be lowered. The one plan search of both paths of a dense call:
+    the glance before submitting and :func:`lower`."""
+    chunks = settings.chunks_for(site.nbytes)
+    open_ = settings.algorithm == "auto" and chunks is None
+    if settings.op.exact and open_:  # deterministic="exact": only these fold exactly
+        return routes.gathering(site)
+    plan = choose_plan(len(site.workers), site.nbytes, site.levels, site.model, settings, direct=True)
+    if settings.algorithm == "hierarchical" and chunks in (None, 1) and routes.inside_hosts(site, dict(settings.options)):
+        plan = routes.shm_hierarchical_plan(site, **settings.options)
+    return [plan] + (routes.proposals(site) if open_ else [])
 
 
 @dataclass(frozen=True)
@@ -627,8 +637,9 @@ class Job:
 
 def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = False) -> Job:
     """Choose the plans and lower them to one graph for the whole call;
-    ``may_p2p`` (``method="auto"``): the p2p engine's route where the cost
-    model prices it below the task graph's."""
+    ``may_p2p`` (``method="auto"``): the p2p engine's routes are candidates
+    too, taken where the cost model prices them below the task graph's.
+    A dense call's route is :func:`~flowreduce.schedule.routes.choose`'s."""
     asked = settings
     workers = list(ranks.workers)
     p = len(workers)
@@ -641,33 +652,21 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         return _lower_tensors(ranks, held, levels, model, settings)
     inputs = [fs[0] for fs in ranks.futures]
     keys = tuple(f.key for f in inputs)
+    recorded = "exact" if settings.op.exact else settings.deterministic
 
-    def job(graph: Graph, plan: Plan, nbytes: int, groups: list[list[int]] | None, shape: tuple[int, ...],
-            dtype: str, how: str = "dask", links: _transport.Links = (), hold: bool = False,
-            predicted: float | None = None) -> Job:
-        if predicted is None:
-            predicted = model.predict(plan, nbytes, groups)
-        record = CallRecord(graph.token, plan, nbytes, predicted, tuple(workers), tuple(shape), dtype, keys, how,
-                            links, deterministic="exact" if settings.op.exact else settings.deterministic)
+    def job(graph: Graph, plan: Plan, nbytes: int, shape: tuple[int, ...], dtype: str) -> Job:
+        record = CallRecord(graph.token, plan, nbytes, model.predict(plan, nbytes), tuple(workers), tuple(shape),
+                            dtype, keys, deterministic=recorded)
         summary = ("allreduce %s: %d ranks, %d bytes each, %d tasks", plan, p, nbytes, len(graph.tasks))
-        return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary,
-                   hold=hold)
+        return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
 
-    def direct(plan: Plan, nbytes: int, shape: tuple[int, ...], dtype: str) -> Job:
-        """The one-level plan: its tasks read the peers' inputs themselves (and check them if asked),
-        through posts in shared memory between the workers of a host."""
-        domains = _transport.memory_domains(workers, ranks.places, settings.transport)
-        near, how, links = _transport.direct_reads(plan, workers, domains, nbytes)
-        read = partial(reading, domains=near) if near else reading
-        graph = build_direct(plan, inputs, workers, input_keys=keys, op=settings.op, read=read,
-                             check=check_values if ranks.check else None, ordered=settings.deterministic)
-        return job(graph, plan, nbytes, levels[0], shape, dtype, how, links, hold=True,
-                   predicted=_transport.predict(plan, model, nbytes, workers, domains, levels[0]))
-
-    if isinstance(held, Unseen):
+    if isinstance(held, Unseen):  # glance() chose direct's peer reads, whose tasks check the inputs
+        assert ranks.plan is not None
         levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
-        assert ranks.plan is not None  # glance() chose it
-        return direct(ranks.plan, held.nbytes, (), "")
+        lowering = routes.Lowering(tuple(inputs), keys, 0, (), None, settings.op,
+                                   deterministic=settings.deterministic, check=ranks.check, recorded=recorded)
+        site = call_site(workers, ranks.places, levels, model, held.nbytes, settings, lowering=lowering)
+        return routed_job(site, routes.choose(site, [ranks.plan]))
 
     if isinstance(held, SparseInputs):
         if settings.chunks is None and settings.chunk_bytes is not None:
@@ -676,7 +675,7 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
             sparse = sparse_call(held, op=settings.op, algorithm=settings.algorithm, options=settings.options)
         plan = choose_plan(p, held.size * np.dtype(held.dtype).itemsize, [], model, settings, sparse)
         low = lower_sparse(cast(SparsePlan, plan), inputs, workers, sparse, in_place=TASKS_REDUCE_INTO_RECEIVED)
-        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype.str)
+        return job(low.graph, low.plan, low.nbytes, low.shape, low.dtype.str)
     shape, dtype = held.shape, np.dtype(held.dtype)
     size = math.prod(shape)
     nbytes = size * dtype.itemsize
@@ -688,46 +687,50 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         plan = choose_plan(p, nbytes, [], model, settings, blocks, aggregators=len(aggregators))
         low = lower_blocks(cast(SparsePlan, plan), inputs, workers, blocks, in_place=TASKS_REDUCE_INTO_RECEIVED,
                            aggregators=aggregators)
-        return job(low.graph, low.plan, low.nbytes, None, low.shape, low.dtype.str)
+        return job(low.graph, low.plan, low.nbytes, low.shape, low.dtype.str)
     model = pricing(model, settings, dtype)  # the plan's choice, the route's and the record's prediction
     levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
-    domains = _transport.memory_domains(workers, ranks.places, settings.transport)
-    if settings.algorithm == _transport.DIRECT:  # its groups: the ranks of each worker; one chunk unless asked
-        settings = replace(settings, options=_transport.direct_options(dict(settings.options), workers),
+    if settings.algorithm == routes.SHM_DIRECT:  # its groups: the ranks of each worker; one chunk unless asked
+        settings = replace(settings, options=routes.shm_direct_options(dict(settings.options), workers),
                            chunks=settings.chunks_for(nbytes) or 1)
-    plan = dense_plan(nbytes, levels, model, settings, workers, domains)
-    if settings.op.exact and not _gathers(plan, workers, domains):
-        raise _Ungathered(plan.algorithm)
-    if may_p2p and _p2p_refusal(ranks, asked) is None:  # the route the model prices lower, tasks on a tie
-        route = p2p_route(client, ranks, asked)
-        if route.predicted < _transport.predict(plan, model, nbytes, workers, domains, levels[0]):
-            return lower_p2p(client, ranks, asked, route)
-    if plan.algorithm == _direct.NAME and plan.chunks == 1:
-        return direct(plan, nbytes, shape, dtype.str)
-    graph, how, links = _transport.lower(plan, inputs, workers, domains, size=size, shape=shape, dtype=dtype,
-                                         op=settings.op, in_place=TASKS_REDUCE_INTO_RECEIVED,
-                                         accumulate=settings.op.accumulator(dtype),
-                                         ordered=settings.deterministic and tree_ordered(settings.op.name, dtype))
-    return job(graph, plan, nbytes, levels[0], shape, dtype.str, how, links)
+    lowering = routes.Lowering(tuple(inputs), keys, size, tuple(shape), dtype, settings.op,
+                               settings.op.accumulator(dtype), TASKS_REDUCE_INTO_RECEIVED, settings.deterministic,
+                               ranks.check, recorded)
+    engines, p2p = p2p_candidates(client, ranks, asked) if may_p2p and p2p_refusal(ranks, asked) is None \
+        else (None, [])
+    site = call_site(workers, ranks.places, levels, model, nbytes, settings,
+                     ordered=settings.deterministic and tree_ordered(settings.op.name, dtype), lowering=lowering,
+                     engines=engines)
+    choice = routes.choose(site, dense_candidates(site, settings), p2p + routes.proposals(site, routes.P2P))
+    if settings.op.exact and not routes.gathers(choice):
+        raise _Ungathered(choice.plan.algorithm)
+    return routed_job(site, choice)
+
+
+def routed_job(site: routes.Site, choice: routes.Choice) -> Job:
+    """The job of a dense call's chosen plan on its route (:func:`~flowreduce.schedule.routes.choose`):
+    the route's graph, and the record of what it runs and the route's price of it."""
+    low = site.built()
+    lowered = choice.lower(site)
+    graph, plan = lowered.graph, choice.plan
+    dtype = low.dtype.str if low.dtype is not None else ""
+    record = CallRecord(graph.token, plan, site.nbytes, choice.price, site.workers, low.shape, dtype, low.input_keys,
+                        lowered.how, lowered.links, method=choice.route.method, deterministic=lowered.deterministic,
+                        route=choice.route.name)
+    summary = ("allreduce %s on %s: %d ranks, %d bytes each, %d tasks", plan, choice.route.name, len(site.workers),
+               site.nbytes, len(graph.tasks))
+    return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary,
+               hold=lowered.hold)
 
 
 class _Ungathered(Exception):
     """The plan chosen for an exact call does not bring every rank's values to one place."""
 
 
-def _gathers(plan: Plan, workers: Sequence[str], domains: Sequence[Any]) -> bool:
-    """Whether ``plan``'s lowering under ``deterministic=True`` reduces every
-    rank's own values at once (so it can fold them exactly): ``shm-direct``
-    over shared memory, and the plans whose every reduction takes all ranks'
-    own values (:func:`~flowreduce.lower.graph.gathers_every_rank`: ``direct``,
-    ``butterfly`` and ``recursive-doubling`` of radix p, ``reduce-broadcast``)."""
-    return _transport.uses_shm(plan, workers, domains) or gathers_every_rank(plan)
-
-
 def _exact_fold_job(client: Client, ranks: Ranks, settings: Settings) -> Job | None:
     """``deterministic="exact"`` for one numpy float array per rank on a plan
-    that gathers every rank's values where they are reduced (:func:`_gathers`;
-    what ``auto`` picks, :func:`~flowreduce.schedule.transport.fastest_gathering`): the
+    that gathers every rank's values where they are reduced (:func:`~flowreduce.schedule.routes.gathers`;
+    what ``auto`` picks among :func:`~flowreduce.schedule.routes.gathering`): the
     ordered lowering, folding the values with the exact sum
     (:func:`flowreduce.reproducible.exact_fold`) instead of the reference
     tree, at the default's bytes. None for other plans and inputs, which
@@ -808,7 +811,7 @@ def _by_name(op: Op) -> bool:
     return op.in_place and resolve_op(op.name).func is op.func
 
 
-def _p2p_refusal(ranks: Ranks, settings: Settings, converts: bool = False) -> str | None:
+def p2p_refusal(ranks: Ranks, settings: Settings, converts: bool = False) -> str | None:
     """Why the p2p engine cannot run this call (yet), or None. ``converts``:
     its tasks convert other libraries' arrays (a call placed on arrival)."""
     held = ranks.held
@@ -829,83 +832,45 @@ def _p2p_refusal(ranks: Ranks, settings: Settings, converts: bool = False) -> st
     return None
 
 
-@dataclass(frozen=True)
-class P2PRoute:
-    """The p2p route of a call: the plan over its workers, priced as the engine runs it."""
-
-    plan: Plan
-    model: CostModel
-    engines: tuple[str, ...]
-    nbytes: int
-    predicted: float
-
-
-def p2p_route(client: Client | None, ranks: Ranks, settings: Settings) -> P2PRoute:
-    """The plan (:func:`choose_plan`, as for tasks) over the ranks' distinct
-    workers, and its price (:meth:`CostModel.p2p_time`)."""
+def p2p_candidates(client: Client | None, ranks: Ranks, settings: Settings) -> tuple[routes.Engines, list[Plan]]:
+    """The call as the p2p engine runs it (its distinct workers, their memory domains and hosts, the
+    model) and the engine's plan search: :func:`choose_plan` over the ranks' distinct workers (as for
+    tasks). The engine's routes propose the rest once the site holds these (a host group's ``shm-direct``)."""
     held = cast(ArrayMeta, ranks.held)
-    workers = list(ranks.workers)
-    engines = engine_workers(workers)  # the plan runs over these: a worker's ranks are combined there
+    engines = engine_workers(list(ranks.workers))  # the plan runs over these: a worker's ranks are combined there
     model = pricing(model_for(settings.model, hosts.shared_cores(engines, ranks.places)), settings, held.dtype)
     levels = hosts.rank_levels(client, engines, ranks.places, settings.topology)
     nbytes = math.prod(held.shape) * np.dtype(held.dtype).itemsize
-    plan = choose_plan(len(engines), nbytes, levels, model, settings)
-    predicted = model.p2p_time(plan, nbytes, len(workers), levels[0])
-    if _host_group_fits(engines, ranks, settings, nbytes):  # shm-direct, run as one collective of a host group
-        shared = plan if plan.algorithm == _transport.DIRECT else _transport.direct_plan(len(engines), engines)
-        price = model.p2p_host_time(shared, nbytes, len(workers), SPLIT_BYTES)
-        if plan.algorithm == _transport.DIRECT or price < predicted:
-            plan, predicted = shared, price
-    return P2PRoute(plan, model, engines, nbytes, predicted)
+    domains = _transport.through_segments(_transport.memory_domains(list(engines), ranks.places, settings.transport))
+    asked = settings.algorithm in ("auto", routes.SHM_DIRECT) and not settings.chunks_for(nbytes)
+    found = routes.Engines(tuple(engines), domains, levels[0], model, asked, ranks.in_place, held.native)
+    return found, [choose_plan(len(engines), nbytes, levels, model, settings)]
 
 
-def _host_group_fits(engines: Sequence[str], ranks: Ranks, settings: Settings, nbytes: int) -> bool:
-    """Whether the engines would run the call's ``shm-direct`` plan as one all-reduce of a host group
-    (:func:`flowreduce.schedule.p2p.host_group_route`, what the workers decide by), with ``auto`` or
-    ``shm-direct`` asked and no chunks."""
-    if settings.algorithm not in ("auto", _transport.DIRECT) or settings.chunks_for(nbytes):
-        return False
-    return _p2p.host_group_route(_transport.DIRECT, _engine_domains(engines, ranks, settings),
-                                 _engine_ordered(ranks, settings))
-
-
-def _engine_domains(engines: Sequence[str], ranks: Ranks, settings: Settings) -> list[Any]:
-    """Per engine, the memory domain it shares with the others of its host; None: values go through
-    Dask's comm (one process: handed over by reference already)."""
-    return [None if d == _transport.IN_PROCESS else d
-            for d in _transport.memory_domains(list(engines), ranks.places, settings.transport)]
-
-
-def _engine_ordered(ranks: Ranks, settings: Settings) -> bool:
-    """Whether the engines keep ``deterministic=True``'s tree order (floats: integers are exact in any)."""
-    return settings.deterministic and tree_ordered(settings.op.name, np.dtype(cast(ArrayMeta, ranks.held).dtype))
-
-
-def p2p_spec(ranks: Ranks, settings: Settings, route: P2PRoute) -> Any:
-    """The engine's spec of ``route`` for these ranks."""
+def p2p_site(client: Client | None, ranks: Ranks, settings: Settings) -> tuple[routes.Site, list[Plan]]:
+    """A dense call's site when it runs on the p2p engine, and the engine's candidate plans
+    (:func:`p2p_candidates`, with what the routes propose)."""
     held = cast(ArrayMeta, ranks.held)
-    # workers of one host exchange big values through shared segments (one process: by reference already)
-    return _p2p.Spec.of(route.plan, settings.op, np.dtype(held.dtype), tuple(held.shape), list(ranks.workers),
-                        ranks.in_place, _engine_domains(route.engines, ranks, settings), native=held.native,
-                        ordered=_engine_ordered(ranks, settings))
+    dtype = np.dtype(held.dtype)
+    engines, plans = p2p_candidates(client, ranks, settings)
+    inputs = tuple(fs[0] for fs in ranks.futures)
+    lowering = routes.Lowering(inputs, tuple(f.key for f in inputs), math.prod(held.shape), tuple(held.shape), dtype,
+                               settings.op)
+    site = call_site(ranks.workers, ranks.places, [], engines.model, math.prod(held.shape) * dtype.itemsize,
+                     settings, ordered=settings.deterministic and tree_ordered(settings.op.name, dtype),
+                     lowering=lowering, engines=engines)
+    return site, plans + routes.proposals(site, routes.P2P)
 
 
-def lower_p2p(client: Client, ranks: Ranks, settings: Settings, route: P2PRoute | None = None) -> Job:
-    """method="p2p": ``route`` (else :func:`p2p_route`) run by the workers'
+def lower_p2p(client: Client, ranks: Ranks, settings: Settings) -> Job:
+    """method="p2p": the engine's route the model prices lowest
+    (:func:`~flowreduce.schedule.routes.choose`), run by the workers'
     engine (:mod:`flowreduce.schedule.p2p`), one array per rank."""
-    why = _p2p_refusal(ranks, settings)
+    why = p2p_refusal(ranks, settings)
     if why is not None:
         raise OptionError(f"{why} (use method='tasks')")
-    route = route or p2p_route(client, ranks, settings)
-    spec = p2p_spec(ranks, settings, route)
-    workers = list(ranks.workers)
-    graph = _p2p.lower(spec, [fs[0] for fs in ranks.futures])
-    record = CallRecord(graph.token, route.plan, route.nbytes, route.predicted, tuple(workers), spec.shape,
-                        spec.dtype, tuple(fs[0].key for fs in ranks.futures), method="p2p",
-                        deterministic=spec.ordered)
-    summary = ("allreduce %s (p2p over %d workers): %d ranks, %d bytes each, %d tasks", route.plan,
-               len(route.engines), len(workers), route.nbytes, len(graph.tasks))
-    return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
+    site, plans = p2p_site(client, ranks, settings)
+    return routed_job(site, routes.choose(site, p2p=plans))
 
 
 def _failed_results(client: Client, outer: TreeDef, futures: Sequence[Sequence[Future]], exc: BaseException) -> list[Any]:
@@ -963,14 +928,15 @@ class OnArrival:
                 "Wait for the inputs first (or pass method='tasks', which waits) to reduce these")
         held = replace(checked_array(metas, self.settings.op), native=cast(ArrayMeta, metas[0]).native)
         ranks = Ranks(LEAF, (), workers, places, held)
-        why = _p2p_refusal(ranks, self.settings, converts=True)
+        why = p2p_refusal(ranks, self.settings, converts=True)
         if why is not None:
             raise OptionError(f"{why}; this call did not wait for its inputs (wait for them, or pass method='tasks')")
-        route = p2p_route(None, ranks, self.settings)  # no topology= here: the hosts are the arrivals' places
-        record = CallRecord(self.token, route.plan, route.nbytes, route.predicted, workers, tuple(held.shape),
-                            held.dtype, self.input_keys, method="p2p")
+        site, plans = p2p_site(None, ranks, self.settings)  # no topology= here: the hosts are the arrivals' places
+        choice = routes.choose(site, p2p=plans)
+        record = CallRecord(self.token, choice.plan, site.nbytes, choice.price, workers, tuple(held.shape),
+                            held.dtype, self.input_keys, method="p2p", route=choice.route.name)
         # on one host, each worker folds the inputs where they arrived (published), if every rank's was
-        spec = _p2p.with_published(p2p_spec(ranks, self.settings, route), [a[3] for a in arrivals])
+        spec = _p2p.with_published(routes.engine_spec(choice.plan, site), [a[3] for a in arrivals])
         return spec, pickle.dumps(record), dashboard.record_of(record).message()
 
 

@@ -236,7 +236,7 @@ async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = No
     """:func:`read_peers` as a context: the peers' values (and partials)
     while the block runs. Groups of ranks whose workers share this worker's
     memory domain (``domains``: ``(worker, domain)`` pairs of the call's
-    workers as placed, given by the client: :func:`flowreduce.schedule.transport.direct_reads`)
+    workers as placed, given by the client: :class:`flowreduce.schedule.routes.DirectReads`)
     post their ranks' values (``local``: this task's, ``{rank: value}``) in
     shared memory, one value per group (its ranks' sum in the op's
     accumulating dtype when it has several: a :class:`Partial`), and read

@@ -39,6 +39,9 @@ class CallRecord:
     #: False, or "exact": the correctly rounded sum, composed of ordinary all-reduces
     #: (docs/reproducibility.md); ``plan`` is then the plan of the limbs' all-reduce
     deterministic: bool | str = False
+    #: the route the plan ran on (:data:`flowreduce.schedule.routes.ROUTES`: ``"dask-graph"``,
+    #: ``"shm-direct"``, ``"p2p-engine"``...); empty for calls lowered outside the routes (pytrees, sparse)
+    route: str = ""
 
     def link_transports(self) -> dict[tuple[str, str], str]:
         """``(source worker, destination worker) -> transport`` for every

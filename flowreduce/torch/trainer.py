@@ -63,7 +63,7 @@ import flowreduce
 from flowreduce import config, keys
 from flowreduce.errors import OptionError, WorkerLostError
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
-from flowreduce.schedule import hosts, transport
+from flowreduce.schedule import hosts, routes, transport
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule.extension import ensure_extension
 from flowreduce.schedule.placement import wait_on
@@ -261,7 +261,7 @@ class Trainer:
         through ``flowreduce.allreduce`` more)."""
         how = self.options.get("transport", "auto")
         transport.check(how)
-        if self.algorithm not in ("auto", transport.DIRECT) or len(set(self._ws)) < self._p:
+        if self.algorithm not in ("auto", routes.SHM_DIRECT) or len(set(self._ws)) < self._p:
             return None
         specs = [*self.template["grads"].values(), self.template["used"]]
         domains = transport.memory_domains(self._ws, hosts.worker_places(self.client, self._ws), how)
@@ -333,7 +333,7 @@ class Trainer:
             for b in flat.scattered:
                 per_worker = []
                 for g, (lo, hi) in enumerate(flat.bounds(b)):
-                    k = keys.node_key(transport.DIRECT, "reduce-scatter", tokens[b], 2, g, 0, g)  # ends with its rank
+                    k = keys.node_key(routes.SHM_DIRECT, "reduce-scatter", tokens[b], 2, g, 0, g)  # ends with its rank
                     if flat.ordered:  # every rank's segment in rank order, summed in the reference tree's, or exactly
                         tasks[k] = Task(k, direct.reduce_bucket_ordered, p, b, lo, hi,
                                         List(*(TaskRef(s) for s in step_keys)), g, repr(k), flat.exact)

@@ -1,0 +1,173 @@
+"""The route of a call (flowreduce.schedule.routes): one registry of the ways
+a plan runs, one choice per call, and that choice is what runs.
+
+No cluster: the calls are lowered from placed ranks holding stand-ins for
+futures (objects with a key), as ``call.lower`` does after placing them.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from distributed import wait
+from utils import workers_of
+
+import flowreduce
+from flowreduce.cost import CostModel
+from flowreduce.pytree import LEAF
+from flowreduce.schedule import call, hosts, routes
+from flowreduce.schedule.inputs import ArrayMeta
+
+ROOT = pathlib.Path(flowreduce.__file__).parent
+
+
+class Stand:
+    """What lowering reads of a future: its key."""
+
+    def __init__(self, key):
+        self.key = key
+
+
+def test_every_route_says_what_it_runs_in_its_own_words():
+    names = [r.name for r in routes.ROUTES]
+    lines = [r.describe() for r in routes.ROUTES]
+    assert len(set(names)) == len(names) and all(names)
+    assert len(set(lines)) == len(lines) and all(line.strip() for line in lines)
+    assert {r.method for r in routes.ROUTES} == {routes.TASKS, routes.P2P}
+    assert [routes.named(n).describe() for n in names] == lines  # what a record's route name says
+    with pytest.raises(KeyError):
+        routes.named("carrier pigeon")
+    for method in (routes.TASKS, routes.P2P):  # a route of each method takes any plan, and comes last of them
+        last = [r for r in routes.ROUTES if r.method == method][-1]
+        site = routes.Site(("a", "b"), (None, None), [[[0], [1]]], CostModel(), 8,
+                           engines=routes.Engines(("a", "b"), (None, None), None, CostModel()))
+        assert last.applies(flowreduce.plan("ring", 2), site)
+
+
+def _layouts(p):
+    return {
+        "one host": [f"tcp://10.0.0.1:{9000 + r}" for r in range(p)],
+        "2 ranks a worker": [f"tcp://10.0.0.1:{9000 + r // 2}" for r in range(p)],
+        "two hosts": [f"tcp://10.0.0.{1 + r * 2 // p}:{9000 + r}" for r in range(p)],
+        "one worker": ["tcp://10.0.0.1:9000"] * p,
+    }
+
+
+def _places(workers):
+    host = {w: w.split("//")[1].split(":")[0] for w in workers}
+    return {w: hosts.Place(h, 8, "", h) for w, h in host.items()}
+
+
+CASES = [(p, layout, n, algorithm, det, transport)
+         for p in (3, 4)
+         for layout in _layouts(p)
+         for n in (1, 10**3, 10**5, 10**7)  # 8 B .. 80 MB of float64
+         for algorithm in ("auto", "shm-direct", "direct", "hierarchical", "butterfly")
+         for det in (False, True)
+         for transport in ("auto", "dask")]
+
+
+@pytest.mark.parametrize("p, layout, n, algorithm, det, transport", CASES)
+def test_the_chosen_route_applies_is_priced_lowest_and_is_what_runs(p, layout, n, algorithm, det, transport):
+    """For each call site, the plan and route chosen are the candidate whose route (the first of its
+    method that applies to it) is priced lowest, and the lowered call's record says that route, its
+    price and the transport words that route's lowering gives."""
+    workers = _layouts(p)[layout]
+    places = _places(workers)
+    model = CostModel(cores=2)
+    settings = call.Settings.check("sum", algorithm, None, None, model, None, None, {}, None, transport)
+    if det:
+        settings = replace(settings, deterministic=True)
+    held = ArrayMeta(shape=(n,), dtype=np.dtype("f8").str)
+    ranks = call.Ranks(LEAF, tuple((Stand(("input", r)),) for r in range(p)), tuple(workers), places, held)
+    may_p2p = call.p2p_refusal(ranks, settings) is None
+    job = call.lower(None, ranks, settings, may_p2p=may_p2p)
+    record = job.calls[0]
+
+    # the same decision, made again here from its parts
+    priced = model if not det else model.carrying_partials()
+    levels = hosts.rank_levels(None, workers, places, None)
+    named = settings
+    if algorithm == "shm-direct":  # as the call names it: the ranks of each worker, one chunk
+        named = replace(settings, options=routes.shm_direct_options({}, workers), chunks=1)
+    site = call.call_site(workers, places, levels, priced, n * 8, named, ordered=det)
+    tasks = call.dense_candidates(site, named)
+    engines, p2p = call.p2p_candidates(None, ranks, settings) if may_p2p else (None, [])
+    site = replace(site, engines=engines)
+    p2p = p2p + routes.proposals(site, routes.P2P)
+    candidates = [(q, routes.route_of(q, site, routes.TASKS)) for q in tasks]
+    candidates += [(q, routes.route_of(q, site, routes.P2P)) for q in p2p]
+    choice = routes.choose(site, tasks, p2p)
+
+    assert choice.route.applies(choice.plan, site)
+    assert choice.route is routes.route_of(choice.plan, site, choice.route.method)
+    prices = [r.price(q, site) for q, r in candidates]
+    assert choice.price == min(prices)
+    assert (choice.plan, choice.route) == candidates[prices.index(min(prices))]  # the first on a tie
+    assert (record.plan, record.route, record.method) == (choice.plan, choice.route.name, choice.route.method)
+    assert record.predicted == pytest.approx(choice.price)
+    if choice.route.method == routes.TASKS:
+        inputs = tuple(Stand(("input", r)) for r in range(p))
+        lowering = routes.Lowering(inputs, tuple(f.key for f in inputs), n, (n,), np.dtype("f8"), settings.op)
+        lowered = choice.route.lower(choice.plan, replace(site, lowering=lowering))
+        assert (record.transport, record.links) == (lowered.how, lowered.links)
+        assert len(job.tasks) == len(lowered.graph.tasks)
+
+
+#: Where a plan's name may decide how it is lowered: the routes, the planners and the lowerings
+#: themselves, and the engine's runtime (a worker deciding how to run a spec it was handed).
+DISPATCH_ALLOWED = {"schedule/routes.py", "schedule/p2p.py"}
+ROUTE_PLANS = {"shm-direct", "direct"}
+ROUTE_PLAN_NAMES = {"SHM_DIRECT", "DIRECT", "READ_DIRECT", "NAME"}
+
+
+def _names_a_route_plan(node):
+    if isinstance(node, ast.Constant):
+        return node.value in ROUTE_PLANS
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_route_plan(e) for e in node.elts)
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+    return name in ROUTE_PLAN_NAMES
+
+
+def _a_plans_algorithm(node):
+    """``<a plan>.algorithm``: not what the call asked for (``settings.algorithm``, a trainer's own)."""
+    return (isinstance(node, ast.Attribute) and node.attr == "algorithm"
+            and not (isinstance(node.value, ast.Name) and node.value.id in {"settings", "self", "asked"}))
+
+
+def test_only_the_routes_dispatch_on_a_plans_name():
+    """No module but the routes compares a plan's algorithm with the plans
+    only some routes lower (``shm-direct``, ``direct``): the choice of a
+    lowering is made in one place."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in DISPATCH_ALLOWED or rel.startswith(("algorithms/", "lower/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(_a_plans_algorithm(s) for s in sides) and any(_names_a_route_plan(s) for s in sides):
+                    found.append(f"{rel}:{node.lineno}")
+    assert not found, f"lowering decided by a plan's name outside flowreduce/schedule/routes.py: {found}"
+
+
+def test_a_calls_record_names_its_route(proc_client):
+    """``describe(result).route`` names the registered route that ran, of the method the record says."""
+    ws = workers_of(proc_client)
+    parts = [proc_client.submit(np.full, 1000, float(r), workers=[ws[r]], pure=False) for r in range(4)]
+    wait(parts)
+    ran = {}
+    for method, algorithm in (("tasks", "ring"), ("tasks", "auto"), ("p2p", "ring"), ("p2p", "auto")):
+        out = flowreduce.allreduce(proc_client, parts, algorithm=algorithm, method=method)
+        for o in proc_client.gather(out):
+            np.testing.assert_array_equal(o, np.full(1000, 6.0))
+        record = flowreduce.describe(out)
+        assert routes.named(record.route).method == record.method == method
+        ran[method, algorithm] = record.route
+    assert ran["tasks", "ring"] == "dask-graph"
