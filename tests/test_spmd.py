@@ -381,6 +381,39 @@ def test_no_scheduler_message_after_the_first_collective(fresh_client):
     assert sum(extra.values()) <= 4, f"2,000 collectives sent the scheduler more than 1 did: {dict(extra)}"
 
 
+def _many_small(comm, rounds):
+    return [comm.allreduce(_input(comm.rank, 10 + i % 7), algorithm="butterfly") for i in range(rounds)]
+
+
+def _streams(dask_worker):
+    from flowreduce.schedule.spmd_mailbox import mailbox_of
+
+    box = mailbox_of(dask_worker)
+    return {peer: (id(out.comm), out.dead) for peer, out in box.outboxes.items()}
+
+
+def test_messages_between_workers_go_over_one_stream_per_peer(client):
+    """Every rank alone (over Dask's comm), 4 ranks on 2 workers: hundreds of small all-reduces, the values
+    numpy's, and every message from a worker to the other on one connection kept open for the next job."""
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        got = client.gather(flowreduce.spmd(client, _many_small, ranks=4, rounds=300, timeout=60))
+        before = client.run(_streams)
+        again = client.gather(flowreduce.spmd(client, _many_small, ranks=4, rounds=100, timeout=60))
+        after = client.run(_streams)
+    for i in range(300):
+        want = np.sum([_input(r, 10 + i % 7) for r in range(4)], axis=0)
+        for rank in range(4):
+            np.testing.assert_array_equal(got[rank][i], want, err_msg=f"rank {rank} round {i}")
+            if i < 100:
+                np.testing.assert_array_equal(again[rank][i], want, err_msg=f"rank {rank} round {i}, job 2")
+    workers = sorted(before)
+    for w in workers:
+        others = set(workers) - {w}
+        assert set(before[w]) == others, f"{w} streams to {sorted(before[w])}, not one per other worker"
+        assert after[w] == before[w], f"{w}: a stream was replaced or died between two jobs: {before[w]} {after[w]}"
+        assert not any(dead for _, dead in after[w].values())
+
+
 # -- deterministic all-reduces ---------------------------------------------------------------------------------------
 
 #: route -> the algorithm between hosts it asks for (the bits must not depend on either)
