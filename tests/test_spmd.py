@@ -131,6 +131,23 @@ def test_every_algorithm_between_ranks(client, algorithm, ranks):
                 np.testing.assert_array_equal(got[n], want, err_msg=f"{algorithm} rank {rank} n={n}")
 
 
+def _allreduces_on_the_thread(comm, lengths, algorithm):
+    comm.plan_on_loop = False
+    return _allreduces(comm, lengths, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_between_ranks_on_the_ranks_thread(client, algorithm):
+    """The plan walked on each rank's thread (``plan_on_loop = False``), not its worker's event loop: the same sums."""
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        futures = flowreduce.spmd(client, _allreduces_on_the_thread, ranks=5, lengths=LENGTHS, algorithm=algorithm,
+                                  timeout=30)
+        for rank, got in enumerate(client.gather(futures)):
+            for n in LENGTHS:
+                want = np.sum([_input(r, n) for r in range(5)], axis=0)
+                np.testing.assert_array_equal(got[n], want, err_msg=f"{algorithm} rank {rank} n={n}")
+
+
 def _float_and_torch(comm):
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(comm.rank).standard_normal(1001)

@@ -92,7 +92,20 @@ def _rank(comm, sizes, algorithms, repeat, variants=("copy",)):
         log.append(("arrive", key, None, _time.time(), _time.time(), getattr(value, "nbytes", 0)))
         orig_put(run, key, value)
 
-    comm._send, comm._take = send, take
+    orig_post, orig_take_async = comm._post, comm._take_async
+
+    def post(rank, key, value):  # a plan on the event loop sends
+        t = _time.time()
+        orig_post(rank, key, value)
+        log.append(("send", f"{key}:{comm.rank}>{rank}", rank, t, _time.time(), getattr(value, "nbytes", 0)))
+
+    async def take_async(rank, key, what, deadline):
+        t = _time.time()
+        v = await orig_take_async(rank, key, what, deadline)
+        log.append(("take", f"{key}:{rank}>{comm.rank}", rank, t, _time.time(), getattr(v, "nbytes", 0)))
+        return v
+
+    comm._send, comm._take, comm._post, comm._take_async = send, take, post, take_async
     box._queue, box._write_batch, box._put = queue, write, put
     out = []
     try:
@@ -102,6 +115,7 @@ def _rank(comm, sizes, algorithms, repeat, variants=("copy",)):
                 for i, variant in itertools.product(range(repeat + 1), variants):  # variants alternate
                     sender[0] = send_uncopied if variant == "uncopied" else orig_send
                     box.send = rpc_send if variant == "rpc" else orig_box_send
+                    comm.plan_on_loop = variant not in ("thread", "rpc")
                     switch = _sys.getswitchinterval()
                     if variant.startswith("switch"):  # e.g. switch0.0005
                         _sys.setswitchinterval(float(variant[6:] or 0.0005))
@@ -117,7 +131,8 @@ def _rank(comm, sizes, algorithms, repeat, variants=("copy",)):
                                     "stop": t1, "ok": ok, "plan": comm.events[-1].algorithm,
                                     "log": [e for e in log if e[1].startswith("a")]})
     finally:
-        comm._send, comm._take = orig_send, orig_take
+        comm._send, comm._take, comm._post, comm._take_async = orig_send, orig_take, orig_post, orig_take_async
+        del comm.plan_on_loop
         box._queue, box._write_batch, box._put = orig_queue, orig_write, orig_put
         box.send = orig_box_send
     return out
@@ -136,8 +151,9 @@ def main(argv=None) -> int:
                    help="also time every repetition with the sent values not copied (diagnostic: the copy's cost; "
                         "safe here, where nobody changes them)")
     p.add_argument("--variants", default="copy",
-                   help="comma-separated, alternating per repetition: copy (as the library runs), rpc (one rpc "
-                        "call per message, as before the streams), switchS (sys.setswitchinterval(S) around "
+                   help="comma-separated, alternating per repetition: copy (as the library runs), thread (the plan on "
+                        "the rank's thread, not the event loop), rpc (that and one rpc call per message, as before "
+                        "the streams), switchS (sys.setswitchinterval(S) around "
                         "the barrier and the all-reduce, e.g. switch0.0005)")
     p.add_argument("--quiet", action="store_true", help="only the summary")
     p.add_argument("--rate", type=float, default=125e6, help="link bytes/s (for the link time column)")

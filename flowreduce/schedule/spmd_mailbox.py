@@ -14,11 +14,12 @@ nothing here talks to the scheduler.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -65,6 +66,9 @@ class Mailbox:
         self.begun: OrderedDict[tuple[str, int], float] = OrderedDict()
         #: peer address -> the stream to it (touched on the event loop only)
         self.outboxes: dict[str, _Outbox] = {}
+        #: (run, key) -> the future a plan on the event loop waits on for it, what and whose the wait is
+        #: and the attempts whose failure ends it (:meth:`take_async`)
+        self.waiting: dict[tuple[str, str], tuple[asyncio.Future[Any], str, int, tuple[str, ...]]] = {}
 
     # -- ranks ------------------------------------------------------------------
     def open(self, run: str, segments: tuple[str, str] | None = None, rank: int | None = None,
@@ -120,6 +124,53 @@ class Mailbox:
                     raise AllreduceTimeoutError(f"{what} on rank {rank} timed out waiting for rank {source} "
                                                 f"(message {key} of job attempt {run})")
                 self.cond.wait(1.0 if left is None else min(left, 1.0))
+
+    async def take_async(self, run: str, key: str, *, deadline: float | None, what: str, rank: int, source: int,
+                         also: tuple[str, ...] = ()) -> Any:
+        """:meth:`take` on the worker's event loop (a plan run there, :meth:`call`): the value is handed
+        over by :meth:`_put` where it arrives, with no thread to wake."""
+        with self.cond:
+            box = self.boxes.get(run)
+            if box is not None and key in box:
+                return box.pop(key)
+            why = next((self.failed[r] for r in (run, *also) if r in self.failed), None)
+            if why is not None:
+                raise Aborted(f"{what} on rank {rank}: {why}")
+            future = asyncio.get_running_loop().create_future()
+            self.waiting[run, key] = (future, what, rank, (run, *also))
+        try:
+            if deadline is None:
+                return await future
+            left = deadline - time.monotonic()
+            if left > 0:
+                return await asyncio.wait_for(future, left)
+            raise asyncio.TimeoutError
+        except asyncio.TimeoutError:
+            raise AllreduceTimeoutError(f"{what} on rank {rank} timed out waiting for rank {source} "
+                                        f"(message {key} of job attempt {run})") from None
+        finally:
+            with self.cond:
+                if self.waiting.get((run, key), (None,))[0] is future:
+                    del self.waiting[run, key]
+
+    def call(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coroutine`` on the worker's event loop and wait for its result, from a rank's thread."""
+        loop = self.worker.loop.asyncio_loop
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if not loop.is_running() or loop.is_closed():
+                    future.cancel()
+                    raise Aborted("the worker's event loop stopped under a collective") from None
+
+    def post(self, address: str, run: str, key: str, value: Any) -> None:
+        """:meth:`send` from the worker's event loop (a plan run there)."""
+        if address == self.worker.address:
+            self._put(run, key, value)
+        else:
+            self._queue(address, run, key, value)
 
     def send(self, address: str, run: str, key: str, value: Any) -> None:
         """Deliver ``value`` to the worker at ``address`` (without waiting for it to arrive): queued on
@@ -191,13 +242,21 @@ class Mailbox:
                     self.failed.popitem(last=False)
             self.boxes.pop(run, None)
             self.cond.notify_all()
+            ended = [k for k, (_, _, _, runs) in self.waiting.items() if run in runs]
+            waits = [self.waiting.pop(k) for k in ended]
+        for future, what, rank, _ in waits:
+            _settle(future, error=Aborted(f"{what} on rank {rank}: {why}"))
 
     def _put(self, run: str, key: str, value: Any) -> None:
         with self.cond:
             if run in self.failed or run in self.ended:
                 return
-            self.boxes[run][key] = value
-            self.cond.notify_all()
+            wait = self.waiting.pop((run, key), None)
+            if wait is None:
+                self.boxes[run][key] = value
+                self.cond.notify_all()
+                return
+        _settle(wait[0], value)
 
     # -- handlers -----------------------------------------------------------------
     async def deliver(self, run: Any = None, key: Any = None, value: Any = None, **other: Any) -> dict[str, Any]:
@@ -267,6 +326,26 @@ class _Outbox:
         self.task: asyncio.Future[None] | None = None
         self.comm: Any = None
         self.dead = False
+
+
+def _settle(future: asyncio.Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+    """Set ``future``'s result (or exception), from its event loop or any other thread."""
+    def settle() -> None:
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+    loop = future.get_loop()
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        settle()
+    else:
+        loop.call_soon_threadsafe(settle)
 
 
 def _nbytes(value: Any) -> int:
