@@ -2,13 +2,15 @@
 
 :class:`Mailbox` (:func:`mailbox_of` a worker; :class:`SpmdWorkerPlugin`'s,
 a part of flowreduce's worker extension, :mod:`flowreduce.schedule.extension`) keeps, per attempt of a job, the
-values other workers' ranks sent to this worker's ranks (handler
-:data:`DELIVER`, worker to worker on the worker's connection pool, as
-:mod:`flowreduce.schedule.p2p` sends its values) until a rank takes them,
+values other workers' ranks sent to this worker's ranks (stream message
+:data:`DELIVER`, worker to worker on one stream per peer: a connection of the
+worker's pool handed to the peer's ``handle_stream``) until a rank takes them,
 and why the attempt failed, if it did (handler :data:`ABORT` from a peer,
 stream message :data:`ABORT` from the scheduler's watch). A rank's thread
-sends through the worker's event loop and waits on a condition variable:
-nothing here talks to the scheduler.
+queues what it sends on the worker's event loop and waits on a condition
+variable; a plan run on the event loop (:meth:`Mailbox.call`) sends with
+:meth:`Mailbox.post` and waits with :meth:`Mailbox.take_async`, woken where
+the value arrives. Nothing here talks to the scheduler.
 """
 
 from __future__ import annotations
