@@ -131,6 +131,23 @@ def test_every_algorithm_between_ranks(client, algorithm, ranks):
                 np.testing.assert_array_equal(got[n], want, err_msg=f"{algorithm} rank {rank} n={n}")
 
 
+def _allreduces_on_the_thread(comm, lengths, algorithm):
+    comm.plan_on_loop = False
+    return _allreduces(comm, lengths, algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_between_ranks_on_the_ranks_thread(client, algorithm):
+    """The plan walked on each rank's thread (``plan_on_loop = False``), not its worker's event loop: the same sums."""
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        futures = flowreduce.spmd(client, _allreduces_on_the_thread, ranks=5, lengths=LENGTHS, algorithm=algorithm,
+                                  timeout=30)
+        for rank, got in enumerate(client.gather(futures)):
+            for n in LENGTHS:
+                want = np.sum([_input(r, n) for r in range(5)], axis=0)
+                np.testing.assert_array_equal(got[n], want, err_msg=f"{algorithm} rank {rank} n={n}")
+
+
 def _float_and_torch(comm):
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(comm.rank).standard_normal(1001)
@@ -379,6 +396,39 @@ def test_no_scheduler_message_after_the_first_collective(fresh_client):
     assert sum(one.values()) > 0, "the counter counts nothing"
     extra = many - one
     assert sum(extra.values()) <= 4, f"2,000 collectives sent the scheduler more than 1 did: {dict(extra)}"
+
+
+def _many_small(comm, rounds):
+    return [comm.allreduce(_input(comm.rank, 10 + i % 7), algorithm="butterfly") for i in range(rounds)]
+
+
+def _streams(dask_worker):
+    from flowreduce.schedule.spmd_mailbox import mailbox_of
+
+    box = mailbox_of(dask_worker)
+    return {peer: (id(out.comm), out.dead) for peer, out in box.outboxes.items()}
+
+
+def test_messages_between_workers_go_over_one_stream_per_peer(client):
+    """Every rank alone (over Dask's comm), 4 ranks on 2 workers: hundreds of small all-reduces, the values
+    numpy's, and every message from a worker to the other on one connection kept open for the next job."""
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        got = client.gather(flowreduce.spmd(client, _many_small, ranks=4, rounds=300, timeout=60))
+        before = client.run(_streams)
+        again = client.gather(flowreduce.spmd(client, _many_small, ranks=4, rounds=100, timeout=60))
+        after = client.run(_streams)
+    for i in range(300):
+        want = np.sum([_input(r, 10 + i % 7) for r in range(4)], axis=0)
+        for rank in range(4):
+            np.testing.assert_array_equal(got[rank][i], want, err_msg=f"rank {rank} round {i}")
+            if i < 100:
+                np.testing.assert_array_equal(again[rank][i], want, err_msg=f"rank {rank} round {i}, job 2")
+    workers = sorted(before)
+    for w in workers:
+        others = set(workers) - {w}
+        assert set(before[w]) == others, f"{w} streams to {sorted(before[w])}, not one per other worker"
+        assert after[w] == before[w], f"{w}: a stream was replaced or died between two jobs: {before[w]} {after[w]}"
+        assert not any(dead for _, dead in after[w].values())
 
 
 # -- deterministic all-reduces ---------------------------------------------------------------------------------------

@@ -2,23 +2,26 @@
 
 :class:`Mailbox` (:func:`mailbox_of` a worker; :class:`SpmdWorkerPlugin`'s,
 a part of flowreduce's worker extension, :mod:`flowreduce.schedule.extension`) keeps, per attempt of a job, the
-values other workers' ranks sent to this worker's ranks (handler
-:data:`DELIVER`, worker to worker on the worker's connection pool, as
-:mod:`flowreduce.schedule.p2p` sends its values) until a rank takes them,
+values other workers' ranks sent to this worker's ranks (stream message
+:data:`DELIVER`, worker to worker on one stream per peer: a connection of the
+worker's pool handed to the peer's ``handle_stream``) until a rank takes them,
 and why the attempt failed, if it did (handler :data:`ABORT` from a peer,
 stream message :data:`ABORT` from the scheduler's watch). A rank's thread
-sends through the worker's event loop and waits on a condition variable:
-nothing here talks to the scheduler.
+queues what it sends on the worker's event loop and waits on a condition
+variable; a plan run on the event loop (:meth:`Mailbox.call`) sends with
+:meth:`Mailbox.post` and waits with :meth:`Mailbox.take_async`, woken where
+the value arrives. Nothing here talks to the scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -38,6 +41,8 @@ KEPT = 1024
 LOGGED = 100_000
 #: Ranks whose start time a worker remembers (the newest).
 BEGUN = 10_000
+#: Messages queued together for one peer go in one write up to this many bytes (a larger one goes alone).
+BATCH_BYTES = 64 << 10
 
 
 class Mailbox:
@@ -61,6 +66,11 @@ class Mailbox:
         #: (run, rank) -> when its communicator opened, raw ``time.time()`` (the newest BEGUN): where
         #: ``flowreduce.trace`` puts the start of the rank's task, which dask shifts by an estimate
         self.begun: OrderedDict[tuple[str, int], float] = OrderedDict()
+        #: peer address -> the stream to it (touched on the event loop only)
+        self.outboxes: dict[str, _Outbox] = {}
+        #: (run, key) -> the future a plan on the event loop waits on for it, what and whose the wait is
+        #: and the attempts whose failure ends it (:meth:`take_async`)
+        self.waiting: dict[tuple[str, str], tuple[asyncio.Future[Any], str, int, tuple[str, ...]]] = {}
 
     # -- ranks ------------------------------------------------------------------
     def open(self, run: str, segments: tuple[str, str] | None = None, rank: int | None = None,
@@ -117,19 +127,102 @@ class Mailbox:
                                                 f"(message {key} of job attempt {run})")
                 self.cond.wait(1.0 if left is None else min(left, 1.0))
 
+    async def take_async(self, run: str, key: str, *, deadline: float | None, what: str, rank: int, source: int,
+                         also: tuple[str, ...] = ()) -> Any:
+        """:meth:`take` on the worker's event loop (a plan run there, :meth:`call`): the value is handed
+        over by :meth:`_put` where it arrives, with no thread to wake."""
+        with self.cond:
+            box = self.boxes.get(run)
+            if box is not None and key in box:
+                return box.pop(key)
+            why = next((self.failed[r] for r in (run, *also) if r in self.failed), None)
+            if why is not None:
+                raise Aborted(f"{what} on rank {rank}: {why}")
+            future = asyncio.get_running_loop().create_future()
+            self.waiting[run, key] = (future, what, rank, (run, *also))
+        try:
+            if deadline is None:
+                return await future
+            left = deadline - time.monotonic()
+            if left > 0:
+                return await asyncio.wait_for(future, left)
+            raise asyncio.TimeoutError
+        except asyncio.TimeoutError:
+            raise AllreduceTimeoutError(f"{what} on rank {rank} timed out waiting for rank {source} "
+                                        f"(message {key} of job attempt {run})") from None
+        finally:
+            with self.cond:
+                if self.waiting.get((run, key), (None,))[0] is future:
+                    del self.waiting[run, key]
+
+    def call(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coroutine`` on the worker's event loop and wait for its result, from a rank's thread."""
+        loop = self.worker.loop.asyncio_loop
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if not loop.is_running() or loop.is_closed():
+                    future.cancel()
+                    raise Aborted("the worker's event loop stopped under a collective") from None
+
+    def post(self, address: str, run: str, key: str, value: Any) -> None:
+        """:meth:`send` from the worker's event loop (a plan run there)."""
+        if address == self.worker.address:
+            self._put(run, key, value)
+        else:
+            self._queue(address, run, key, value)
+
     def send(self, address: str, run: str, key: str, value: Any) -> None:
-        """Deliver ``value`` to the worker at ``address`` (without waiting for it to arrive)."""
+        """Deliver ``value`` to the worker at ``address`` (without waiting for it to arrive): queued on
+        this worker's stream to that worker, in the order of the calls (:class:`_Outbox`)."""
         if address == self.worker.address:
             self._put(run, key, value)
             return
-        asyncio.run_coroutine_threadsafe(self._send(address, run, key, value), self.worker.loop.asyncio_loop)
+        self.worker.loop.asyncio_loop.call_soon_threadsafe(self._queue, address, run, key, value)
 
-    async def _send(self, address: str, run: str, key: str, value: Any) -> None:
-        try:  # no reply: the connection is free once written (a lost peer fails the job through the scheduler)
-            await self.worker.rpc(address).flowreduce_spmd_deliver(run=run, key=key, value=to_serialize(value),
-                                                                   reply=False)
+    def _queue(self, address: str, run: str, key: str, value: Any) -> None:
+        """On the event loop: ``value`` onto the stream to ``address`` (opened by the first message)."""
+        out = self.outboxes.get(address)
+        if out is None or out.dead:
+            out = self.outboxes[address] = _Outbox()
+            out.task = asyncio.ensure_future(self._write(address, out))
+        out.pending.append((run, key, value))
+        out.ready.set()
+
+    async def _write(self, address: str, out: _Outbox) -> None:
+        """The writer of the stream to ``address``: one connection of the worker's pool, handed to the
+        peer's :meth:`~distributed.core.Server.handle_stream`; then the queued messages in order, each
+        large one alone (the peer takes it as soon as it is read: a chunk is reduced while the next is on
+        the wire), small ones that queued together in one write. A failed connect or write fails the job
+        attempts of the messages not known written, and the next message opens a new stream."""
+        comm = None
+        batch: list[tuple[str, str, Any]] = []
+        try:
+            comm = out.comm = await self.worker.rpc.connect(address)
+            await comm.write({"op": "connection_stream", "reply": False})
+            while True:
+                while not out.pending:
+                    out.ready.clear()
+                    await out.ready.wait()
+                batch = [out.pending.popleft()]
+                size = _nbytes(batch[0][2])
+                while out.pending and size < BATCH_BYTES and _nbytes(out.pending[0][2]) + size <= BATCH_BYTES:
+                    size += _nbytes(out.pending[0][2])
+                    batch.append(out.pending.popleft())
+                await self._write_batch(comm, batch)
+                batch = []
         except Exception as e:  # the peer is gone: its rank fails the job, or the scheduler says it left
-            self.fail(run, f"sending {key} to {address} failed: {e!r}")
+            out.dead = True
+            for run, key, _ in [*batch, *out.pending]:
+                self.fail(run, f"sending {key} to {address} failed: {e!r}")
+            out.pending.clear()
+        finally:
+            out.dead = True
+            if comm is not None:
+                comm.abort()
+                self.worker.rpc.reuse(address, comm)  # the pool forgets it (closed)
 
     def tell(self, addresses: Iterable[str], run: str, why: str) -> None:
         """Fail ``run`` here and on ``addresses`` (a rank here raised or timed out)."""
@@ -151,13 +244,21 @@ class Mailbox:
                     self.failed.popitem(last=False)
             self.boxes.pop(run, None)
             self.cond.notify_all()
+            ended = [k for k, (_, _, _, runs) in self.waiting.items() if run in runs]
+            waits = [self.waiting.pop(k) for k in ended]
+        for future, what, rank, _ in waits:
+            _settle(future, error=Aborted(f"{what} on rank {rank}: {why}"))
 
     def _put(self, run: str, key: str, value: Any) -> None:
         with self.cond:
             if run in self.failed or run in self.ended:
                 return
-            self.boxes[run][key] = value
-            self.cond.notify_all()
+            wait = self.waiting.pop((run, key), None)
+            if wait is None:
+                self.boxes[run][key] = value
+                self.cond.notify_all()
+                return
+        _settle(wait[0], value)
 
     # -- handlers -----------------------------------------------------------------
     async def deliver(self, run: Any = None, key: Any = None, value: Any = None, **other: Any) -> dict[str, Any]:
@@ -166,6 +267,26 @@ class Mailbox:
                                     f"other arguments {sorted(map(str, other))[:10]}")
         self._put(run, key, value)
         return {"status": "OK"}
+
+    async def _write_batch(self, comm: Any, batch: list[tuple[str, str, Any]]) -> None:
+        await comm.write([{"op": DELIVER, "run": run, "key": key, "value": to_serialize(value)}
+                          for run, key, value in batch])
+
+    def delivered(self, run: Any = None, key: Any = None, value: Any = None, **other: Any) -> None:
+        """Stream handler (:data:`DELIVER` on a peer's stream, :meth:`_write`): as :meth:`deliver`; a
+        message that is not one is logged and dropped (raising would close the stream)."""
+        if other or not isinstance(run, str) or not isinstance(key, str):
+            refused(DELIVER, f"not an SPMD message on a stream: run {type(run).__name__}, key {type(key).__name__}")
+            return
+        self._put(run, key, value)
+
+    def stop(self) -> None:
+        """The worker closes: its streams end (their pool closes the connections too)."""
+        for out in self.outboxes.values():
+            out.dead = True
+            if out.task is not None:
+                out.task.cancel()
+        self.outboxes.clear()
 
     async def aborted(self, run: Any = None, why: Any = None, **other: Any) -> dict[str, Any]:
         if other or not isinstance(run, str):
@@ -198,6 +319,43 @@ class Mailbox:
             self.fail(run, str(why))
 
 
+class _Outbox:
+    """The stream to one peer worker: what is queued for it, and its writer (:meth:`Mailbox._write`)."""
+
+    def __init__(self) -> None:
+        self.pending: deque[tuple[str, str, Any]] = deque()
+        self.ready = asyncio.Event()
+        self.task: asyncio.Future[None] | None = None
+        self.comm: Any = None
+        self.dead = False
+
+
+def _settle(future: asyncio.Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+    """Set ``future``'s result (or exception), from its event loop or any other thread."""
+    def settle() -> None:
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+    loop = future.get_loop()
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        settle()
+    else:
+        loop.call_soon_threadsafe(settle)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return int(getattr(value, "nbytes", 64))
+
+
 def _last_row(run: str, rank: int, running: bool, last: tuple[str, Any] | None) -> list[Any]:
     """``last``: a communicator's :meth:`~flowreduce.spmd.comm.Communicator.last_collective`."""
     if last is None:
@@ -222,11 +380,12 @@ class SpmdWorkerPlugin(WorkerPlugin):
     def stream_handlers(self) -> dict[str, Callable[..., Any]]:
         box = self.mailbox
         assert box is not None  # set up
-        return {ABORT: box.scheduler_says}
+        return {ABORT: box.scheduler_says, DELIVER: box.delivered}
 
     def teardown(self, worker: Any) -> None:
         box = self.mailbox
         if box is not None:  # the worker closes under running ranks: their jobs' segments go with it
+            box.stop()
             for directory, prefix in list(box.segments.values()):
                 sweep(directory, prefix)
 

@@ -13,7 +13,7 @@ element range of segment ``k`` of ``n`` elements over ``S`` segments is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Generator, Hashable
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,33 @@ def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Re
     chunk is reduced while the next is on the wire (a node's key is then
     ``"<node>c<chunk>"``). Every value a rank waits for comes earlier in that
     order, on every rank, so the walk cannot deadlock."""
+    walk = _walk(plan, me, x, op, send, who, out)
+    try:
+        wanted = next(walk)
+        while True:
+            wanted = walk.send(receive(*wanted))
+    except StopIteration as done:
+        return done.value
+
+
+async def run_plan_async(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send,
+                         receive: Callable[[int, Hashable], Awaitable[np.ndarray]],
+                         who: Callable[[int], int] = int,
+                         out: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
+    """:func:`run_plan` on an event loop: ``receive`` is awaited (the walk, its reduces included, runs
+    on the loop, between the arrivals it waits for)."""
+    walk = _walk(plan, me, x, op, send, who, out)
+    try:
+        wanted = next(walk)
+        while True:
+            wanted = walk.send(await receive(*wanted))
+    except StopIteration as done:
+        return done.value
+
+
+def _walk(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, who: Callable[[int], int],
+          out: np.ndarray | None) -> Generator[tuple[int, Hashable], np.ndarray, tuple[np.ndarray, int, int]]:
+    """:func:`run_plan`'s walk: yields the (plan rank, key) of each value it waits for, and is sent the value."""
     n, chunks, nodes, final = x.size, plan.chunks, plan.nodes, plan.finals[me]
     consumers = plan.consumers()
     cuts = [n * c // chunks for c in range(chunks + 1)]
@@ -61,7 +88,8 @@ def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Re
         for c in range(chunks):
             key = _key(node.id, c, chunks)
             into = out[cuts[c]:cuts[c + 1]] if node.id == final else None
-            value, got = _node(plan, me, node, x[cuts[c]:cuts[c + 1]], op, values[c], chunks, c, receive, who, into)
+            value, got = yield from _node(plan, me, node, x[cuts[c]:cuts[c + 1]], op, values[c], chunks, c, who,
+                                          into)
             received += got
             values[c][node.id] = value
             if dests and (into is not None or np.may_share_memory(value, x)):
@@ -78,8 +106,8 @@ def _key(node: int, c: int, chunks: int) -> Hashable:
 
 
 def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[int, np.ndarray], chunks: int,
-          c: int, receive: Receive, who: Callable[[int], int],
-          into: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+          c: int, who: Callable[[int], int], into: np.ndarray | None = None
+          ) -> Generator[tuple[int, Hashable], np.ndarray, tuple[np.ndarray, int]]:
     """Node ``node``'s value on chunk ``x`` (``values``: the chunk's values here so far), and the
     bytes received for it; ``into``: where the value goes (the final node's part of the result),
     else a new array or a view."""
@@ -101,7 +129,7 @@ def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[in
         src = nodes[i]
         got = values.get(i)
         if got is None:
-            got = values[i] = np.asarray(receive(src.rank, _key(i, c, chunks)))
+            got = values[i] = np.asarray((yield src.rank, _key(i, c, chunks)))
             received += got.nbytes
             if got.dtype != x.dtype or got.size != edge(src.hi) - edge(src.lo):
                 raise InputError(
