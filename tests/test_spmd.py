@@ -244,6 +244,65 @@ def test_a_big_vector_between_hosts_runs_in_chunks(client):
         assert y.shape == (n,) and bool(np.all(y == 6))
 
 
+def _named_big(comm, n):
+    return comm.allreduce(np.full(n, comm.rank + 1, dtype=np.int64), algorithm="ring")
+
+
+def test_a_named_plan_over_big_values_between_hosts(client):
+    """Every rank alone (transport dask), a named ring (never cut in chunks) of values past the event
+    loop's limit (LOOP_BYTES): the walk's stretches after them run on a thread, sending from there."""
+    from flowreduce.spmd.planrun import LOOP_BYTES
+
+    n = 3 * (LOOP_BYTES // 8) + 7  # a ring of 3 moves thirds: each past the limit
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        got = client.gather(flowreduce.spmd(client, _named_big, ranks=3, n=n, timeout=60))
+    for y in got:
+        assert y.shape == (n,) and bool(np.all(y == 6))
+
+
+def test_a_walk_on_the_event_loop_hands_big_values_to_a_thread():
+    """Two ranks' butterfly walked on one event loop (run_plan_async), messages through futures: values
+    past LOOP_BYTES are reduced and sent on from another thread, smaller ones on the loop; the sums are
+    numpy's."""
+    import asyncio
+    import threading
+
+    from flowreduce.ops import resolve_op
+    from flowreduce.spmd.planrun import LOOP_BYTES, run_plan_async
+
+    plan = flowreduce.plan("butterfly", 2)
+
+    async def run(n):
+        loop = asyncio.get_running_loop()
+        boxes: dict = {}
+        on_loop: list[bool] = []
+
+        def box(key):
+            return boxes.setdefault(key, loop.create_future())
+
+        def sender(me):
+            def send(dest, node, value):
+                on_loop.append(threading.current_thread() is threading.main_thread())
+                loop.call_soon_threadsafe(lambda: box((dest, me, node)).set_result(value))
+            return send
+
+        def receiver(me):
+            async def receive(src, node):
+                return await box((me, src, node))
+            return receive
+
+        xs = [np.arange(n, dtype=np.int64) * (r + 1) for r in range(2)]
+        got = await asyncio.gather(*(run_plan_async(plan, r, xs[r], resolve_op("sum"), sender(r), receiver(r))
+                                     for r in range(2)))
+        for value, _, _ in got:
+            np.testing.assert_array_equal(value, xs[0] + xs[1])
+        return on_loop
+
+    assert all(asyncio.run(run(1001)))
+    on_loop = asyncio.run(run(2 * (LOOP_BYTES // 8) + 1002))  # halves past the limit
+    assert True in on_loop and False in on_loop, on_loop
+
+
 def _wide_floats(rank: int, n: int) -> np.ndarray:
     """float32s of magnitudes 1e-6..1e6, so that another order of the sum gives other bits."""
     rng = np.random.default_rng(rank)

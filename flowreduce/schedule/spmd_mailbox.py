@@ -168,11 +168,14 @@ class Mailbox:
                     raise Aborted("the worker's event loop stopped under a collective") from None
 
     def post(self, address: str, run: str, key: str, value: Any) -> None:
-        """:meth:`send` from the worker's event loop (a plan run there)."""
+        """:meth:`send` from a plan run on the worker's event loop: written from there at once, or, from
+        the thread such a plan hands a large reduce to, queued as :meth:`send` does."""
         if address == self.worker.address:
             self._put(run, key, value)
-        else:
+        elif _on(self.worker.loop.asyncio_loop):
             self._queue(address, run, key, value)
+        else:
+            self.send(address, run, key, value)
 
     def send(self, address: str, run: str, key: str, value: Any) -> None:
         """Deliver ``value`` to the worker at ``address`` (without waiting for it to arrive): queued on
@@ -330,6 +333,14 @@ class _Outbox:
         self.dead = False
 
 
+def _on(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether this thread runs ``loop``."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def _settle(future: asyncio.Future[Any], value: Any = None, error: BaseException | None = None) -> None:
     """Set ``future``'s result (or exception), from its event loop or any other thread."""
     def settle() -> None:
@@ -340,11 +351,7 @@ def _settle(future: asyncio.Future[Any], value: Any = None, error: BaseException
                 future.set_result(value)
 
     loop = future.get_loop()
-    try:
-        here = asyncio.get_running_loop() is loop
-    except RuntimeError:
-        here = False
-    if here:
+    if _on(loop):
         settle()
     else:
         loop.call_soon_threadsafe(settle)

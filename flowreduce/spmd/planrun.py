@@ -13,6 +13,7 @@ element range of segment ``k`` of ``n`` elements over ``S`` segments is
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Generator, Hashable
 from typing import Any
 
@@ -25,6 +26,12 @@ from flowreduce.shm.host_group import fold_into
 
 Send = Callable[[int, Hashable, np.ndarray], None]  # (plan rank, node's key, value)
 Receive = Callable[[int, Hashable], np.ndarray]  # (plan rank, node's key) -> value
+
+#: A value received by a walk on the event loop over which the walk's next stretch (its reduce, mostly)
+#: runs on a thread: the loop also reads every message of the worker, and a named plan that is not cut
+#: in chunks may reduce hundreds of MB at once (4 MiB adds in about a millisecond here, the engine's
+#: limit for folding on its loop, flowreduce.schedule.p2p.FOLD_INLINE_BYTES)
+LOOP_BYTES = 4 << 20
 
 
 def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Receive,
@@ -60,15 +67,28 @@ async def run_plan_async(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send,
                          receive: Callable[[int, Hashable], Awaitable[np.ndarray]],
                          who: Callable[[int], int] = int,
                          out: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
-    """:func:`run_plan` on an event loop: ``receive`` is awaited (the walk, its reduces included, runs
-    on the loop, between the arrivals it waits for)."""
+    """:func:`run_plan` on an event loop: ``receive`` is awaited, and the walk runs on the loop between
+    the arrivals it waits for, but for its stretches after a value over :data:`LOOP_BYTES`, which run on
+    a thread of the loop's (``send`` may then be called from that thread)."""
+    loop = asyncio.get_running_loop()
     walk = _walk(plan, me, x, op, send, who, out)
+    done, got = _step(walk, None)
+    while not done:
+        value = await receive(*got)
+        if getattr(value, "nbytes", 0) > LOOP_BYTES:
+            done, got = await loop.run_in_executor(None, _step, walk, value)
+        else:
+            done, got = _step(walk, value)
+    return got
+
+
+def _step(walk: Generator[Any, Any, Any], value: Any) -> tuple[bool, Any]:
+    """The walk on to the next value it waits for (False, what it waits for), or to its end (True, its
+    result): a StopIteration cannot cross a thread's future."""
     try:
-        wanted = next(walk)
-        while True:
-            wanted = walk.send(await receive(*wanted))
-    except StopIteration as done:
-        return done.value
+        return False, walk.send(value)
+    except StopIteration as end:
+        return True, end.value
 
 
 def _walk(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, who: Callable[[int], int],
