@@ -274,7 +274,7 @@ class HostGroup:
         #: turn -> the word of each rank's record of its small slot (the input region's record)
         self.small_records = tuple(tuple(self._record(i, turn) for i in range(self.n)) for turn in (0, 1))
         #: (turn, bytes, dtype) -> (my small slot, the group's slots (rows, in group order), the word of
-        #: my slot's record, (index, word) of every rank's record), sliced once
+        #: my slot's record, (index, word) of every peer's record), sliced once
         self.small_views: dict[tuple[int, int, np.dtype],
                                tuple[np.ndarray, tuple[np.ndarray, ...], int, tuple[tuple[int, int], ...]]] = {}
         #: (peer, region) -> (generation, bytes, dtype code, its bytes): a region read again is not sliced again
@@ -497,7 +497,7 @@ class HostGroup:
             block = self.small[turn, :, :nbytes].view(x.dtype)  # (ranks, size): the group's inputs, in order
             words = self.small_records[turn]
             found = self.small_views[turn, nbytes, x.dtype] = (block[self.me], tuple(block), words[self.me],
-                                                               tuple(enumerate(words)))
+                                                               tuple((i, w) for i, w in enumerate(words) if i != self.me))
         mine, rows, w, records = found
         np.copyto(mine, x)
         q = self.q
@@ -511,7 +511,7 @@ class HostGroup:
         if fold is not None:
             return fold(list(rows), out)
         func = op.func
-        if acc == x.dtype and type(func) is np.ufunc:
+        if (acc is x.dtype or acc == x.dtype) and type(func) is np.ufunc:
             # fold_into's left fold, inlined: ((x0 op x1) op x2) op ..., the same bits on every rank (one
             # ufunc.reduce over the rows' block, axis 0, took 8.9 us at 8000 float64 against 7.3 for these)
             func(rows[0], rows[1], out=out)
