@@ -197,19 +197,11 @@ class Communicator:
 
     # -- plumbing -----------------------------------------------------------------
     def _why(self) -> str | None:
-        if not self.mailbox.failed:  # the common case, checked before every collective
-            return None
         for run in self.runs:
             why = self.mailbox.why(run)
             if why is not None:
                 return why
         return None
-
-    def _deadline(self) -> float | None:
-        if self.layout.timeout is None:
-            return None
-        # the first collective also waits for every rank's task to start, which Dask may delay on a busy worker
-        return time.monotonic() + (max(self.layout.timeout, STARTUP_SECONDS) if self.seq <= 1 else self.layout.timeout)
 
     def _shm(self) -> HostGroup | None:
         if self.host is None and len(self.group) > 1:
@@ -222,11 +214,15 @@ class Communicator:
         if self.closed:
             raise FlowreduceError(f"{name} on rank {self.rank}: the communicator of job {self.run} is closed "
                                   "(its rank's function returned)")
-        why = self._why()
-        if why is not None:
-            raise Aborted(f"{name} #{self.seq + 1} on rank {self.rank}: {why}")
-        self.seq += 1
-        return f"{name} #{self.seq} of job {self.run}", self._deadline(), time.time()
+        if self.mailbox.failed:  # some job failed on this worker: this one?
+            why = self._why()
+            if why is not None:
+                raise Aborted(f"{name} #{self.seq + 1} on rank {self.rank}: {why}")
+        self.seq = seq = self.seq + 1
+        timeout = self.layout.timeout
+        # the first collective also waits for every rank's task to start, which Dask may delay on a busy worker
+        deadline = None if timeout is None else time.monotonic() + (max(timeout, STARTUP_SECONDS) if seq <= 1 else timeout)
+        return f"{name} #{seq} of job {self.run}", deadline, time.time()
 
     def _fail(self, why: str) -> None:
         """Fail the job: every rank's pending and next collective raises ``why``."""
@@ -371,7 +367,7 @@ class Communicator:
         rank order (integers, booleans, min and max are exact in any order:
         they take the ordinary route).
         """
-        mode = deterministic_mode(deterministic)
+        mode = deterministic_mode(deterministic) if deterministic is not False else False
         what, deadline, start = self._begin("allreduce")
         a, back = (x, None) if type(x) is np.ndarray else as_numpy(x)
         resolved = self._op(op)
