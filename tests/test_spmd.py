@@ -240,7 +240,7 @@ def _sums_of_wide_floats(comm, lengths):
 
 def test_one_host_sums_floats_left_to_right_in_rank_order(client):
     """deterministic=False on one host: ((x0 + x1) + x2) + ..., the documented order, at every length (the
-    small slots' one-step path, its one-element case, and the reduce-scatter from 64 KiB)."""
+    small slots' one-step path, its one-element case, and the reduce-scatter from SPLIT_BYTES)."""
     lengths = [1, 2, 3, 1001, 40_000]
     results = client.gather(flowreduce.spmd(client, _sums_of_wide_floats, ranks=5, lengths=lengths, timeout=30))
     for i, n in enumerate(lengths):
