@@ -12,7 +12,7 @@ gives the median over all repetitions and checks every result.
 
 * ``flowreduce``: ``flowreduce.spmd`` on a LocalCluster of 4 single-threaded
   worker processes, one rank each, ``comm.allreduce(x)`` (shared memory:
-  one step below 64 KiB, else reduce-scatter + all-gather); the per-rank
+  one step below 128 KiB, ``SPLIT_BYTES``, else reduce-scatter + all-gather); the per-rank
   times are kept in the job and maxed at its end (no collective between
   repetitions but the barrier).
 * ``flowreduce-dask`` (optional, ``--systems``): the same with every rank alone

@@ -630,7 +630,7 @@ def _host_runs(dask_worker=None):
 def test_workers_of_one_host_run_auto_as_one_collective_of_a_host_group(proc_client, n):
     """method="p2p" over workers of one host, algorithm auto: the plan is shm-direct, and the engines
     run it as one all-reduce of a host group (flowreduce.shm.host_group: every worker's values in shared
-    memory, one step under 64 KiB and two from it, no engine message). The same bits as the same plan
+    memory, one step under SPLIT_BYTES (128 KiB) and two from it, no engine message). The same bits as the same plan
     through Dask's comm, ranks sharing workers combined there first; every segment given back after."""
     p = 6
     arrays = [np.random.default_rng(r).standard_normal(n) * 10.0 ** (r % 5) for r in range(p)]

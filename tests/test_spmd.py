@@ -26,6 +26,7 @@ from utils import wait_until
 
 import flowreduce
 from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, OptionError, WorkerLostError
+from flowreduce.shm.host_group import SPLIT_BYTES
 
 ALGORITHMS = [a for a in flowreduce.ALGORITHMS if a != "auto"] + ["auto"]
 LENGTHS = (0, 1, 1000, 1001)
@@ -315,7 +316,7 @@ def _sums_of_wide_floats(comm, lengths):
 
 def test_one_host_sums_floats_left_to_right_in_rank_order(client):
     """deterministic=False on one host: ((x0 + x1) + x2) + ..., the documented order, at every length (the
-    small slots' one-step path, its one-element case, and the reduce-scatter from 64 KiB)."""
+    small slots' one-step path, its one-element case, and the reduce-scatter from SPLIT_BYTES)."""
     lengths = [1, 2, 3, 1001, 40_000]
     results = client.gather(flowreduce.spmd(client, _sums_of_wide_floats, ranks=5, lengths=lengths, timeout=30))
     for i, n in enumerate(lengths):
@@ -325,6 +326,29 @@ def test_one_host_sums_floats_left_to_right_in_rank_order(client):
         for rank, got in enumerate(results):
             assert got[i].dtype == np.float32
             assert got[i].tobytes() == want.tobytes(), (n, rank)
+
+
+def _sums_across_the_split(comm, lengths):
+    ints = [comm.allreduce(np.arange(n, dtype=np.int64) * (comm.rank + 1) + comm.rank) for n in lengths]
+    return ints, [comm.allreduce(_wide_floats(comm.rank, n).astype(np.float64)) for n in lengths]
+
+
+def test_one_host_sums_on_either_side_of_the_split(client):
+    """Just under SPLIT_BYTES (one step through the small slots, every rank folding every slot) and
+    from it (reduce-scatter and all-gather, each rank folding a slice), and sizes the split once put
+    on the other side: integers equal numpy's sum, floats the left fold in rank order, the same bits
+    on every rank."""
+    step = SPLIT_BYTES // 8
+    lengths = [8191, 8192, 10_000, step - 1, step, step + 1, 2 * step + 3]
+    results = client.gather(flowreduce.spmd(client, _sums_across_the_split, ranks=4, lengths=lengths, timeout=30))
+    for i, n in enumerate(lengths):
+        ints = [np.arange(n, dtype=np.int64) * (r + 1) + r for r in range(4)]
+        want = _wide_floats(0, n).astype(np.float64)
+        for r in range(1, 4):
+            want = want + _wide_floats(r, n).astype(np.float64)
+        for rank, (got_ints, got_floats) in enumerate(results):
+            assert got_ints[i].dtype == np.int64 and np.array_equal(got_ints[i], np.sum(ints, axis=0)), (n, rank)
+            assert got_floats[i].tobytes() == want.tobytes(), (n, rank)
 
 
 def _subgroups(comm):
@@ -785,8 +809,8 @@ def test_a_failure_in_a_subgroup_fails_the_job(client, route):
 def test_closing_the_cluster_under_a_running_job_leaves_no_segment(shm_dir):
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
         with Client(cluster) as c:
-            # past the small slots (64 KiB), so that every rank has a data segment
-            futures = flowreduce.spmd(c, _forever, ranks=4, fault=None, at=-1, size=10_000)
+            # past the small slots (SPLIT_BYTES), so that every rank has a data segment
+            futures = flowreduce.spmd(c, _forever, ranks=4, fault=None, at=-1, size=SPLIT_BYTES // 8 + 1000)
             deadline = time.monotonic() + 30
             while len(_segments(shm_dir)) < 4 and time.monotonic() < deadline:  # every rank's data segment
                 time.sleep(0.05)

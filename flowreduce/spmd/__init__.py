@@ -11,7 +11,8 @@ sides are parts of flowreduce's one extension (:mod:`flowreduce.schedule.extensi
 :mod:`flowreduce.schedule.spmd_mailbox` (between hosts, and failures, on the
 workers) and :mod:`flowreduce.schedule.spmd_watch` (lost workers). A host's ranks exchange through :mod:`flowreduce.shm.host_group`
 (the same-host data plane, which the p2p engine uses too), and results of
-64 KiB and more are made in :mod:`flowreduce.shm.result_buffers`.
+its two-step all-reduce (from 128 KiB) and of broadcasts and all-gathers from
+64 KiB are made in :mod:`flowreduce.shm.result_buffers`.
 """
 
 from __future__ import annotations
