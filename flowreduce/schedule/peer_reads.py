@@ -46,6 +46,7 @@ from typing import Any, cast
 
 import numpy as np
 from dask.typing import Key
+from distributed import Reschedule
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowreduce.errors import WorkerLostError, refused
@@ -290,9 +291,14 @@ async def reading(peers: Sequence[tuple[int, str, Hashable]], op: Op | None = No
         began = time.time()
         yield got, partials
         _log_reads(found, repr(key), began)
-        for w, f in found.items():
-            f.acknowledge(slot)
-            done.add(w)
+        try:
+            for w, f in found.items():
+                f.acknowledge(slot)
+                done.add(w)
+        except shm_posts.Overwritten:
+            # the poster posted again for the call's next attempt (a worker was lost) while this task of the
+            # attempt before read it: what it read may mix both, and the task runs again as the new attempt's
+            raise Reschedule() from None
         clean = True
     finally:
         try:

@@ -59,6 +59,11 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class Overwritten(RuntimeError):
+    """A post changed under its reader: its poster posted again (a new attempt of the call, after a
+    worker was lost), so what was read may mix two generations."""
+
+
 @dataclass
 class Post:
     """A value this worker put up: its segment (None for :data:`UNFIT`), the
@@ -152,7 +157,7 @@ class Found:
         if self.segment.stamped() != self.generation:
             if not check:
                 return
-            raise RuntimeError(f"shared-memory post {self.segment.name} was overwritten while it was read "
+            raise Overwritten(f"shared-memory post {self.segment.name} was overwritten while it was read "
                                f"(generation {self.generation}, now {self.segment.stamped()})")
         self.segment.buf[shm_pool.HEADER + slot] = 1
 
