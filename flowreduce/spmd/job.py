@@ -10,6 +10,7 @@ worker with one thread, all run; it rejoins the pool when ``fn`` returns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -64,6 +65,10 @@ def run_rank(layout: Layout, rank: int, fn: Callable[..., Any], kwargs: dict[str
         finally:
             rejoin()
 
+#: Seconds a job waits for a first worker when the cluster has none (one that is starting or restarting its
+#: workers: a SLURM job's are minutes away, a nanny's restart a second)
+WORKERS_SECONDS = 30.0
+
 
 def configured_timeout(timeout: Any) -> float | None:
     """``timeout=`` in seconds, else the dask config ``flowreduce.timeout`` (None: no limit)."""
@@ -81,8 +86,12 @@ def configured_timeout(timeout: Any) -> float | None:
 def place(client: Any, per_rank: Sequence[Sequence[Any]], ranks: int, workers: Sequence[str] | None) -> list[str]:
     """Each rank's worker: where its first future lives, else round-robin over the (sorted) workers."""
     alive = sorted(client.scheduler_info(n_workers=-1)["workers"]) if workers is None else sorted(workers)
+    if not alive:  # a cluster still starting its workers (a batch job's), or restarting them: wait a while
+        with contextlib.suppress(TimeoutError):
+            client.wait_for_workers(1, timeout=WORKERS_SECONDS)
+        alive = sorted(client.scheduler_info(n_workers=-1)["workers"])
     if not alive:
-        raise OptionError("spmd needs at least one worker; the cluster has none")
+        raise OptionError(f"spmd needs at least one worker; the cluster has had none for {WORKERS_SECONDS:g} s")
     spread = round_robin(ranks, alive)
     firsts: dict[int, Future] = {}
     for r in range(ranks):
