@@ -399,18 +399,20 @@ class Communicator:
         they take the ordinary route).
         """
         mode = deterministic_mode(deterministic) if deterministic is not False else False
-        what, deadline, start = self._begin("allreduce")
+        # the arguments are checked before the job's state: every rank that passes a wrong one raises it as
+        # itself, not as the job's failure a faster peer's same error may already have caused
+        if algorithm != "auto" and algorithm not in ALGORITHMS:
+            self.plan_for(algorithm, 0)  # raises
         a, back = (x, None) if type(x) is np.ndarray else as_numpy(x)
         resolved = self._op(op)
         flat = a if a.ndim == 1 and a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
         acc = self._accumulator(resolved, flat.dtype)
         fold = self._ordered_op(resolved, mode, flat.dtype, x) if mode else None
+        what, deadline, start = self._begin("allreduce")
         if fold is None and len(self.leaders) == 1 and len(self.group) > 1:
             # one host, several ranks: the host group's all-reduce is the whole collective, and no more
             # Python than it needs around it (at 1e3 the Python on each rank, four ranks on two cores,
             # is most of a call's time)
-            if algorithm != "auto" and algorithm not in ALGORITHMS:
-                self.plan_for(algorithm, 0)  # raises
             host = self.host or self._shm()
             assert host is not None
             try:
