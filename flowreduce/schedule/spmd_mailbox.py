@@ -115,29 +115,33 @@ class Mailbox:
         (or of a run in ``also``: a subgroup's job)."""
         with self.cond:
             while True:
-                box = self.boxes.get(run)
-                if box is not None and key in box:
-                    return box.pop(key)
-                why = next((self.failed[r] for r in (run, *also) if r in self.failed), None)
-                if why is not None:
-                    raise Aborted(f"{what} on rank {rank}: {why}")
+                found, value = self._taken(run, key, what, rank, also)
+                if found:
+                    return value
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise AllreduceTimeoutError(f"{what} on rank {rank} timed out waiting for rank {source} "
-                                                f"(message {key} of job attempt {run})")
+                    raise _late(what, rank, source, key, run)
                 self.cond.wait(1.0 if left is None else min(left, 1.0))
+
+    def _taken(self, run: str, key: str, what: str, rank: int, also: tuple[str, ...]) -> tuple[bool, Any]:
+        """Under the lock: ``(True, value)`` if the value for ``key`` is here (taken out), ``(False, None)``
+        if not yet; raises if ``run`` (or a run in ``also``) failed."""
+        box = self.boxes.get(run)
+        if box is not None and key in box:
+            return True, box.pop(key)
+        why = next((self.failed[r] for r in (run, *also) if r in self.failed), None)
+        if why is not None:
+            raise Aborted(f"{what} on rank {rank}: {why}")
+        return False, None
 
     async def take_async(self, run: str, key: str, *, deadline: float | None, what: str, rank: int, source: int,
                          also: tuple[str, ...] = ()) -> Any:
         """:meth:`take` on the worker's event loop (a plan run there, :meth:`call`): the value is handed
         over by :meth:`_put` where it arrives, with no thread to wake."""
         with self.cond:
-            box = self.boxes.get(run)
-            if box is not None and key in box:
-                return box.pop(key)
-            why = next((self.failed[r] for r in (run, *also) if r in self.failed), None)
-            if why is not None:
-                raise Aborted(f"{what} on rank {rank}: {why}")
+            found, value = self._taken(run, key, what, rank, also)
+            if found:
+                return value
             future = asyncio.get_running_loop().create_future()
             self.waiting[run, key] = (future, what, rank, (run, *also))
         try:
@@ -148,8 +152,7 @@ class Mailbox:
                 return await asyncio.wait_for(future, left)
             raise asyncio.TimeoutError
         except asyncio.TimeoutError:
-            raise AllreduceTimeoutError(f"{what} on rank {rank} timed out waiting for rank {source} "
-                                        f"(message {key} of job attempt {run})") from None
+            raise _late(what, rank, source, key, run) from None
         finally:
             with self.cond:
                 if self.waiting.get((run, key), (None,))[0] is future:
@@ -331,6 +334,11 @@ class _Outbox:
         self.task: asyncio.Future[None] | None = None
         self.comm: Any = None
         self.dead = False
+
+
+def _late(what: str, rank: int, source: int, key: str, run: str) -> AllreduceTimeoutError:
+    return AllreduceTimeoutError(f"{what} on rank {rank} timed out waiting for rank {source} "
+                                 f"(message {key} of job attempt {run})")
 
 
 def _on(loop: asyncio.AbstractEventLoop) -> bool:
