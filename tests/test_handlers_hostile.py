@@ -223,7 +223,8 @@ def test_a_record_of_a_call_not_on_the_page_is_counted_not_logged(client):
     before = client.run_on_scheduler(_unknown), client.run_on_scheduler(_malformed)
     client._send_to_scheduler({"op": PUBLISH, "record": {"token": "deadbeef", "algorithm": "ring", "ranks": 2,
                                                          "nbytes": 8, "chunks": 1}})
-    assert wait_until(lambda: client.run_on_scheduler(_unknown) == before[0] + 1, 10)
+    # at least: a late report of an earlier call gone from the page counts there too (its own test's concern)
+    assert wait_until(lambda: client.run_on_scheduler(_unknown) >= before[0] + 1, 10)
     assert client.run_on_scheduler(_malformed) == before[1]
     del out
 
