@@ -153,8 +153,10 @@ def _float_and_torch(comm):
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(comm.rank).standard_normal(1001)
     t = torch.arange(7, dtype=torch.float32) * (comm.rank + 1)
+    scalar = torch.tensor(comm.rank + 1, dtype=torch.int64)  # 0-d, as BatchNorm's num_batches_tracked
     return (comm.allreduce(x), comm.allreduce(x, op="mean"), comm.allreduce(t), comm.broadcast(t, root=0),
-            comm.allgather(t), _bfloat16(comm.allreduce(torch.ones(3, dtype=torch.bfloat16))))
+            comm.allgather(t), _bfloat16(comm.allreduce(torch.ones(3, dtype=torch.bfloat16))),
+            (comm.allreduce(scalar), comm.broadcast(scalar, root=1), *comm.allgather(scalar)))
 
 
 def _bfloat16(t):
@@ -167,7 +169,9 @@ def test_floats_are_the_same_bits_on_every_rank_and_tensors_stay_tensors(client,
     with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
         results = client.gather(flowreduce.spmd(client, _float_and_torch, ranks=5, timeout=30))
     xs = [np.random.default_rng(r).standard_normal(1001) for r in range(5)]
-    for total, mean, t, b, g, bf in results:
+    for total, mean, t, b, g, bf, scalars in results:
+        assert [(tuple(s.shape), s.dtype, s.item()) for s in scalars] == \
+            [((), torch.int64, v) for v in (15, 2, *range(1, 6))]
         np.testing.assert_allclose(total, np.sum(xs, axis=0), rtol=1e-12)
         np.testing.assert_array_equal(total, results[0][0])  # bitwise identical across ranks
         np.testing.assert_array_equal(mean, results[0][1])

@@ -104,7 +104,7 @@ def as_numpy(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
         array = t.contiguous().numpy()
 
         def back(a: np.ndarray) -> Any:
-            out = torch.from_numpy(np.ascontiguousarray(a))
+            out = torch.from_numpy(a if a.flags.c_contiguous else a.copy())  # (ascontiguousarray makes 0-d 1-d)
             return out.to(dtype) if out.dtype != dtype and dtype == torch.bfloat16 else out
 
         return array, back
@@ -559,7 +559,7 @@ class Communicator:
         """Every rank's ``x`` (shapes and dtypes may differ), a list of new arrays in rank order."""
         what, deadline, start = self._begin("allgather")
         a, back = as_numpy(x)
-        a = np.ascontiguousarray(a)
+        a = a if a.flags.c_contiguous else a.copy()  # (ascontiguousarray makes 0-d 1-d)
         tag = f"g{self.seq}"
 
         def body() -> tuple[list[np.ndarray], int, int]:
