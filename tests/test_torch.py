@@ -225,17 +225,18 @@ def _init_params():
     return collections.OrderedDict((n, p.detach().clone()) for n, p in Net().named_parameters())
 
 
-#: (model, algorithm, micro-batches, steps per train() call): "auto" on one host is the trainer's
-#: shared-memory step (every bucket averaged in the step tasks for these small gradients; with
-#: "auto-mixed" the 24 kB bucket gets a reduce level), the others go through flowreduce.allreduce;
-#: steps in several train() calls cross finish() between them
-CASES_DDP = {"butterfly": ("net", "butterfly", 1, STEPS), "ring": ("net", "ring", 1, STEPS),
-             "auto": ("net", "auto", 1, STEPS), "auto-mixed-levels": ("net", "auto-mixed", 1, 7),
+#: (model, algorithm, micro-batches, steps per train() call[, steps per task]): by default train()
+#: fuses 10 steps to a task, an SPMD job whose communicator averages each step (and broadcasts rank
+#: 0's BatchNorm buffers); with one step per task "auto" on one host is the trainer's shared-memory
+#: step (every bucket averaged in the step tasks for these small gradients; with "auto-mixed" the
+#: 24 kB bucket gets a reduce level), the others go through flowreduce.allreduce; steps in several
+#: train() calls cross finish() between them
+CASES_DDP = {"butterfly": ("net", "butterfly", 1, STEPS), "ring": ("net", "ring", 1, STEPS, 1),
+             "auto": ("net", "auto", 1, STEPS), "auto-mixed-levels": ("net", "auto-mixed", 1, 7, 1),
              "ring-accumulate3": ("net", "ring", 3, STEPS), "auto-accumulate3": ("net", "auto", 3, 6),
-             "batchnorm-auto": ("bn", "auto", 1, STEPS), "batchnorm-ring": ("bn", "ring", 1, 9),
-             # steps_per_task (default: 10 where steps can be fused, so "auto" above runs 10 to a task):
-             # 1, 4 and 3 to a task, blocks cut short at each train() call's end
-             "auto-one-step-per-task": ("net", "auto", 1, STEPS, 1),
+             "batchnorm-auto": ("bn", "auto", 1, STEPS, 1), "batchnorm-auto-fused": ("bn", "auto", 1, STEPS),
+             "batchnorm-ring": ("bn", "ring", 1, 9, 1), "batchnorm-ring-fused": ("bn", "ring", 1, 9),
+             # 4 and 3 steps to a task, blocks cut short at each train() call's end
              "auto-fused4": ("net", "auto", 1, 7, 4), "auto-accumulate3-fused3": ("net", "auto", 3, 5, 3)}
 
 
@@ -275,8 +276,7 @@ def test_trainer_matches_ddp(proc_client, ddp_results, shm_for_small_values, mon
         assert set(graph["levels"]) == ({1, 2} if case == "auto-mixed-levels" else {1})
     else:
         assert graph["all-reduce"] == "flowreduce.allreduce" and graph["levels"] is None
-    fusable = algorithm == "auto" and case != "auto-mixed-levels" and name != "bn"  # buffers are not fused
-    assert graph["steps_per_task"] == ((fused[0] if fused else 10) if fusable else 1)
+    assert graph["steps_per_task"] == (fused[0] if fused else 10)  # every case's gradients are one dtype
     timings = []
     while len(timings) < STEPS:
         timings += trainer.train(min(per_call, STEPS - len(timings)))
@@ -492,10 +492,12 @@ def test_save_load_and_evaluate(proc_client, tmp_path):
 
 def test_a_trace_holds_backward_update_and_every_buckets_allreduce(proc_client):
     """flowreduce.trace puts the trainer's own tasks and each bucket's
-    all-reduce of a step on one timeline, rank by rank."""
+    all-reduce of a step on one timeline, rank by rank; fused steps, each rank's
+    task of the SPMD job and one all-reduce per step inside it."""
     ws = workers_of(proc_client)[:2]
     with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
-                 data=shard, workers=ws, bucket_bytes=4096, algorithm="ring", threads=1) as trainer:
+                 data=shard, workers=ws, bucket_bytes=4096, algorithm="ring", threads=1,
+                 steps_per_task=1) as trainer:
         trainer.train(1)
         with flowreduce.trace(proc_client) as tr:
             trainer.train(1)
@@ -506,6 +508,15 @@ def test_a_trace_holds_backward_update_and_every_buckets_allreduce(proc_client):
         user = {e.key.split(",", 1)[0].strip("('").rsplit("-", 1)[0] for e in mine if e.phase == "user-compute"}
         assert {"torch-backward", "torch-update"} <= user, user
         assert tokens <= {e.token for e in mine if e.phase in ("reduce", "copy", "split", "fusion")}
+    with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                 data=shard, workers=ws, bucket_bytes=4096, algorithm="ring", threads=1) as trainer:
+        assert trainer.step_graph["steps_per_task"] > 3
+        with flowreduce.trace(proc_client) as tr:
+            trainer.train(3)
+    fused = [e for e in tr.events if str(e.job).startswith("torch-steps-")]
+    for r in range(2):
+        assert len([e for e in fused if e.rank == r and e.phase == "user-compute"]) == 1, r  # one task: 3 steps
+        assert [e.phase for e in fused if e.rank == r and e.phase != "user-compute"] == ["allreduce"] * 3, r
     assert_clean(proc_client)
 
 

@@ -35,8 +35,9 @@ RANKS, STEPS = 4, 3
 #: Each rank's data on its own scale: gradients of very different magnitudes and signs, whose float
 #: sum depends on the order of the additions (the default routes add in different orders)
 SCALES = (1.0, 1e-3, 1e2, 3e-1)
-#: route -> (algorithm, steps_per_task, every bucket through a reduce level)
-ROUTES = {"shm-fused": ("auto", None, False), "shm-reduce-level": ("auto", 1, True), "ring": ("ring", None, False)}
+#: route -> (algorithm, steps_per_task, every bucket through a reduce level); "ring": a step per task
+#: through flowreduce.allreduce (fused, a trainer's steps average through the SPMD job's communicator)
+ROUTES = {"shm-fused": ("auto", None, False), "shm-reduce-level": ("auto", 1, True), "ring": ("ring", 1, False)}
 #: the routes "exact" is checked on -> ROUTES' fields, then the ranks' workers in reverse order and the
 #: trainer's other options (transport="dask": no shared-memory step, flowreduce.allreduce's own pick)
 EXACT_ROUTES = {**{r: (*v, False, {}) for r, v in ROUTES.items()},

@@ -155,6 +155,11 @@ def buffers(replica: Replica, _after: Any = None) -> list[torch.Tensor]:
     return [b.detach().clone() for b in replica.model.buffers()]
 
 
+def buffers_last(replica: Replica, _after: Any = None) -> tuple[list[torch.Tensor]]:
+    """:func:`buffers` as the last item of a tuple, where :func:`step_direct` reads rank 0's."""
+    return (buffers(replica),)
+
+
 def _optimizer_step(replica: Replica, grads: list, used: torch.Tensor) -> None:
     """The averaged gradients into ``.grad`` (None where no rank used the
     parameter, so momentum and weight decay skip it, as DDP), one optimizer
@@ -240,20 +245,26 @@ def update_direct(replica: Replica, after: Any, written: list, slices: list, fla
 
 
 def steps_fused(comm: Any, replica: Replica, after: Any, written: list | None, slices: list, micro: int,
-                flat: direct.Flat, count: int, deterministic: bool | str, key: str = "") -> int:
+                flat: direct.Flat, count: int, deterministic: bool | str, broadcast: bool = False,
+                algorithm: str = "auto", key: str = "") -> int:
     """``count`` whole optimizer steps in one task (the trainer's ``steps_per_task``), a rank of an
     SPMD job (``comm``: its :class:`~flowreduce.spmd.comm.Communicator`): a pending update first
     (as :func:`update_direct`), then per step ``micro`` micro-batches, the gradients (every bucket,
     the ``used`` flags in the first, in one vector: one collective per step) averaged over the ranks
     by ``comm.allreduce`` (op mean, the trainer's ``deterministic``: elementwise, so the bits of
-    :func:`direct.average`) and applied. The other ranks' tasks run at the same time, each on its
-    worker; nothing goes through the scheduler between the steps."""
+    :func:`direct.average`; ``algorithm``: the plan between hosts) and applied; with ``broadcast``,
+    rank 0's module buffers broadcast into every rank's before each step's first forward (DDP's
+    ``broadcast_buffers``). The other ranks' tasks run at the same time, each on its worker; nothing
+    goes through the scheduler between the steps."""
     apply_direct(replica, flat, written, slices, key)
     for _ in range(count):
+        if broadcast:
+            _broadcast(replica, [comm.broadcast(b.detach(), root=0) for b in replica.model.buffers()])
         _micro_batches(replica, micro)
         params = replica.params()
         grads = [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])]
-        tensors = direct.unpack(flat, comm.allreduce(direct.pack(flat, grads), op="mean", deterministic=deterministic))
+        tensors = direct.unpack(flat, comm.allreduce(direct.pack(flat, grads), op="mean", algorithm=algorithm,
+                                                     deterministic=deterministic))
         _apply(replica, tensors[:-1], tensors[-1], time.time())
     return len(replica.log)
 

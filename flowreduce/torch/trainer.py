@@ -69,7 +69,7 @@ from flowreduce.schedule.extension import ensure_extension
 from flowreduce.schedule.placement import wait_on
 from flowreduce.schedule.spmd_watch import rank_key
 from flowreduce.shm.host_group import Aborted, stores_ordered
-from flowreduce.spmd.job import configured_timeout, directory, run_rank
+from flowreduce.spmd.job import configured_timeout, directory, layout_of, run_rank
 from flowreduce.spmd.layout import Layout
 from flowreduce.torch import direct
 from flowreduce.torch import replica as _replica
@@ -249,6 +249,9 @@ class Trainer:
                                   "train in float32")
         self._broadcasts = nbuffers > 0 and self._p > 1
         self._flat = self._direct_layout()
+        #: how a fused step packs its gradients into the one vector its communicator averages: the
+        #: shared-memory step's layout, else the same packing with no shared memory (None: mixed dtypes)
+        self._packing = self._flat or self._packing_of()
         self._reduced: list | None = None  # the last submitted step's all-reduce, not applied yet
         self._buffers: Any = None  # rank 0's module buffers after its last forward
         self._inflight: list[list[Any]] = []
@@ -274,6 +277,12 @@ class Trainer:
             ensure_extension(self.client)
         return direct.Flat.of(specs, self.bucket_bytes, self._p, share, self._mode is True, self._mode == "exact")
 
+    def _packing_of(self) -> direct.Flat | None:
+        specs = [*self.template["grads"].values(), self.template["used"]]
+        if not direct.supports(specs):
+            return None
+        return direct.Flat.of(specs, self.bucket_bytes, self._p, False, self._mode is True, self._mode == "exact")
+
     @property
     def latest_tasks(self) -> list[Any]:
         """Per rank, the future of its latest task (a step, or a block of fused steps): where a failed
@@ -293,11 +302,10 @@ class Trainer:
                 "steps_per_task": fused}
 
     def _can_fuse(self) -> bool:
-        """Whether steps can be fused: the shared-memory step with no reduce
-        level, and no buffers to broadcast every step."""
-        flat = self._flat
-        # the communicator's shared memory needs ordered stores (flowreduce.shm.host_group)
-        return flat is not None and flat.share and set(flat.levels) == {1} and not self._broadcasts and stores_ordered()
+        """Whether steps can be fused into SPMD jobs: the gradients pack into one flat vector (one
+        dtype; :attr:`_packing`). Any algorithm, placement and module buffers: the job's communicator
+        averages each step's vector and broadcasts rank 0's buffers."""
+        return self._packing is not None
 
     def _block(self, asked: int | None = None) -> int:
         """Steps per task asked for (by :meth:`train`, else the trainer), or the default."""
@@ -418,6 +426,8 @@ class Trainer:
             raise ValueError(f"these steps cannot be fused: {self.step_graph}")
         n = len(self.steps)
         ensure_extension(self.client)
+        if self._flat is None:  # a pending update of flowreduce.allreduce's step runs first, in a task of its own
+            self._submit_update()
         layout = self._block_layout(n)
         written, slices = self._pending_direct()
         tasks, ranks = {}, {}
@@ -426,11 +436,15 @@ class Trainer:
             # run_rank leaves the worker's thread pool at once: a rank waiting for its peers never holds
             # the slot a task queued on its worker needs
             tasks[k] = Task(k, run_rank, layout, r, _replica.steps_fused, {}, TaskRef(self.replicas[r].key),
-                            TaskRef(self._last[r].key), written, slices, self.accumulate, self._flat, count,
-                            self._mode, repr(k))
+                            TaskRef(self._last[r].key), written, slices, self.accumulate, self._packing, count,
+                            self._mode, self._broadcasts, self.algorithm, repr(k))
             ranks[k] = r
         self._last = self._on_ranks(tasks, list(tasks), ranks)
         self._reduced = None
+        if self._broadcasts:  # a later step() broadcasts rank 0's buffers as they are after the block
+            self._buffers = self.client.submit(_after, _replica.buffers if self._flat is None else _replica.buffers_last,
+                                               self.replicas[0], self._last[0], workers=[self._ws[0]],
+                                               allow_other_workers=False, pure=False)
         recs = [StepRecord(n + i) for i in range(count)]
         self.steps.extend(recs)
         self._inflight.append(list(self._last))
@@ -445,8 +459,15 @@ class Trainer:
         memory, so the averages are in rank order, the bits of one step per task), the collectives'
         timeout ``flowreduce.timeout`` (:data:`WAIT_SECONDS` when unset)."""
         timeout = configured_timeout(None) or WAIT_SECONDS
-        return Layout(f"torch-steps-{self.token}-{first}", 0, tuple(self._ws), (0,) * self._p, timeout,
-                      directory=directory())
+        job = f"torch-steps-{self.token}-{first}"
+        if self._flat is not None and stores_ordered():  # the communicator's shared memory needs ordered stores
+            return Layout(job, 0, tuple(self._ws), (0,) * self._p, timeout, directory=directory())
+        with dask.config.set(self._spmd_transport()):
+            return layout_of(self.client, job, 0, self._ws, timeout)
+
+    def _spmd_transport(self) -> dict:
+        """The trainer's ``transport`` option as the SPMD job's (``"dask"``: no shared memory)."""
+        return {"flowreduce.spmd.transport": "dask"} if self.options.get("transport") == "dask" else {}
 
     def _raise_first(self, futures: list) -> None:
         """Wait until ``futures`` are all done or one failed; raise the first failure: the origin
@@ -475,6 +496,12 @@ class Trainer:
     def finish(self) -> None:
         """Apply the last submitted step's update and wait until every
         submitted step is done (raises a step's error)."""
+        self._submit_update()
+        self._inflight.clear()
+        self._raise_first(self._last)
+
+    def _submit_update(self) -> None:
+        """Submit the last submitted step's update (if its all-reduce is pending), without waiting."""
         if self._reduced is not None:
             n = len(self.steps) - 1
             update_keys = [self.key("update", n, r) for r in range(self._p)]
@@ -487,8 +514,6 @@ class Trainer:
                     tasks[k] = Task(k, _replica.update_payload, rep, last, TaskRef(self._reduced[r].key))
             self._last = self._on_ranks(tasks, update_keys)
             self._reduced = None
-        self._inflight.clear()
-        self._raise_first(self._last)
 
     def timings(self) -> list[StepTiming]:
         """:class:`StepTiming` of every finished step (one gather of each rank's log of small tuples)."""
