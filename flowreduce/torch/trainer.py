@@ -29,12 +29,13 @@ allow. Step ``k`` submits, without waiting:
    * otherwise: ``flowreduce.allreduce(payloads, op="mean", like=template)``
      (placement, any algorithm, any cluster) between the step tasks.
 
-With ``steps_per_task=K`` (one host, every bucket averaged in the step
-tasks, no module buffers) :meth:`train` submits one task per rank for every
-K steps instead: the ranks of an SPMD job (:mod:`flowreduce.spmd`), whose
-tasks average each step's gradient buckets with the job's communicator
-(one ``comm.allreduce`` per step, through shared memory), with no scheduler
-between the steps.
+:meth:`train` submits one task per rank for every ``steps_per_task=K``
+steps instead (default 10; gradients of one dtype): the ranks of an SPMD job
+(:mod:`flowreduce.spmd`), whose tasks average each step's gradient buckets
+with the job's communicator (one ``comm.allreduce`` per step: shared memory
+inside a host, ``algorithm``'s plan between hosts) and broadcast rank 0's
+module buffers before each step's forward, with no scheduler between the
+steps. ``steps_per_task=1`` (and :meth:`step`) submits the graph above.
 
 The first step after :meth:`finish` has no update to fuse (a
 ``torch-backward`` task); :meth:`finish` runs the last step's update alone
@@ -187,15 +188,16 @@ class Trainer:
     threads : int, optional
         ``torch.set_num_threads`` on every rank's worker.
     steps_per_task : int, optional
-        With the shared-memory step and every bucket averaged in the step
-        tasks (no reduce level) and no module buffers: :meth:`train` runs
-        this many optimizer steps in one task per rank, the ranks of an SPMD
-        job averaging each step's gradients with its communicator
-        (:meth:`flowreduce.spmd.comm.Communicator.allreduce`, through shared
-        memory), with no scheduler round trip between them. The numbers are
-        the same bits as one step per task. Default: :data:`STEPS_PER_TASK` where steps can be fused, else
-        1; ``1``: every step a task of its own on Dask's task stream.
-        :attr:`step_graph` says what runs.
+        :meth:`train` runs this many optimizer steps in one task per rank,
+        the ranks of an SPMD job averaging each step's gradients with its
+        communicator (:meth:`flowreduce.spmd.comm.Communicator.allreduce`:
+        shared memory inside a host, ``algorithm``'s plan between hosts'
+        leaders, ``deterministic`` as given) and broadcasting rank 0's
+        module buffers (:meth:`~flowreduce.spmd.comm.Communicator.broadcast`),
+        with no scheduler round trip between the steps. Default:
+        :data:`STEPS_PER_TASK` where steps can be fused (gradients of one
+        dtype), else 1; ``1``: every step a task of its own on Dask's task
+        stream, through the step graph above. :attr:`step_graph` says what runs.
     """
 
     client: Any
