@@ -166,6 +166,8 @@ class Mailbox:
             try:
                 return future.result(timeout=1.0)
             except concurrent.futures.TimeoutError:
+                if future.done():  # the coroutine's own TimeoutError (AllreduceTimeoutError is one), not the wait's
+                    raise
                 if not loop.is_running() or loop.is_closed():
                     future.cancel()
                     raise Aborted("the worker's event loop stopped under a collective") from None
