@@ -128,7 +128,7 @@ def _rank(comm, sizes, algorithms, repeat, variants=("copy",)):
                     ok = bool(_np.all(y == comm.size * (comm.size + 1) // 2))
                     if i:  # the first of each variant is a warm-up
                         out.append({"size": n, "algorithm": algorithm, "variant": variant, "rep": i, "start": t0,
-                                    "stop": t1, "ok": ok, "plan": comm.events[-1].algorithm,
+                                    "stop": t1, "ok": ok, "plan": comm.last_collective()[1].algorithm,
                                     "log": [e for e in log if e[1].startswith("a")]})
     finally:
         comm._send, comm._take, comm._post, comm._take_async = orig_send, orig_take, orig_post, orig_take_async

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +50,8 @@ from flowreduce.ops import Op, resolve_op
 from flowreduce.reproducible import supported, tree_ordered
 from flowreduce.schedule.reproducible import exact_op
 from flowreduce.schedule.reproducible import mode as deterministic_mode
+from flowreduce.schedule.spmd_log import Event, Record
+from flowreduce.schedule.spmd_log import event as as_event
 from flowreduce.schedule.spmd_mailbox import Mailbox
 from flowreduce.shm.host_group import Aborted, HostGroup
 from flowreduce.shm.result_buffers import buffers
@@ -61,26 +63,6 @@ from flowreduce.spmd.planrun import Send, Walk, plan_walk, walk, walk_async
 EVENTS = 10_000
 #: The least time the first collective waits: it also waits for the other ranks' tasks to start.
 STARTUP_SECONDS = 60.0
-
-
-class Event(NamedTuple):
-    """One collective on one rank: what it was, when (``time.time()`` of the
-    worker), the bytes of the rank's input and of what it sent and received
-    between hosts, the peers it exchanged with (the job's ranks), and the path taken."""
-
-    collective: str
-    seq: int
-    start: float
-    stop: float
-    nbytes: int
-    sent: int
-    received: int
-    peers: tuple[int, ...]
-    path: str  # "local" (one rank), "shm", "dask" or "shm+dask"
-    algorithm: str = ""
-
-
-_new_event = tuple.__new__
 
 
 def as_numpy(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
@@ -161,7 +143,8 @@ class Communicator:
     attempt : int
         0, then one more at each restart of the job (``spmd(..., restarts=k)``).
     events : deque of Event
-        The collectives this rank ran, newest last (:data:`EVENTS` kept).
+        The collectives this rank ran, newest last (:data:`EVENTS` at most; made from its worker's log at
+        each read).
     """
 
     #: whether an exchange between hosts (a plan, a broadcast, an all-gather, a barrier, the link's probe) runs
@@ -183,7 +166,8 @@ class Communicator:
         self.me = layout.group_of[rank]
         self.host: HostGroup | None = None
         self.seq = 0
-        self.events: deque[Event] = deque(maxlen=EVENTS)
+        #: the record of this rank's newest collective (None before the first), in its worker's log
+        self.last: Record | None = None
         self.failed = False
         self.closed = False
         self._plans: dict[tuple[str, int], Plan] = {}
@@ -327,11 +311,19 @@ class Communicator:
                                  source=rank, also=self.runs[1:])
 
     def _record(self, name: str, start: float, nbytes: int, sent: int, received: int, algorithm: str = "") -> None:
+        """One record in the worker's log (:class:`~flowreduce.schedule.spmd_log.Log`): no Event made, no
+        entry appended anywhere else (read back as events by :attr:`events`, ``collect``, traces)."""
         peers, path, rank = self._route
-        # tuple.__new__: Event(...) runs the named tuple's Python __new__ (0.5 us against 0.1, a call at 1e3 is ~40 us)
-        event = _new_event(Event, (name, self.seq, start, time.time(), nbytes, sent, received, peers, path, algorithm))
-        self.events.append(event)
-        self.mailbox.log.append((self.run, rank, event))
+        self.last = self.mailbox.log.add(self.run, rank, name, self.seq, start, time.time(), nbytes, sent, received,
+                                         peers, path, algorithm)
+
+    @property
+    def events(self) -> deque[Event]:
+        """This rank's collectives, newest last: those its worker's log still holds (the newest
+        :data:`~flowreduce.schedule.spmd_log.LOGGED` of all the worker's ranks), at most :data:`EVENTS`.
+        Made from the log's records at each read."""
+        run, rank = self.run, self._route[2]
+        return deque((e for _, _, e in self.mailbox.log.entries(lambda r, k: k == rank and r == run)), maxlen=EVENTS)
 
     @cached_property
     def _route(self) -> tuple[tuple[int, ...], str, int]:
@@ -695,7 +687,7 @@ class Communicator:
         name as the dashboard lists it: ``allreduce``, or ``allreduce in subgroup 0,2`` (job ranks)."""
         newest: tuple[str, Event] | None = None
         for c in self._family():
-            e = c.events[-1] if c.events else None
+            e = None if c.last is None else as_event(c.last)
             if e is not None and (newest is None or e.start > newest[1].start):
                 name = f"{e.collective} in subgroup {','.join(map(str, c.members))}" if c.parents else e.collective
                 newest = (name, e)
