@@ -236,15 +236,9 @@ class Communicator:
         else:
             self._fail(f"rank {self.rank} failed in {what}: {type(e).__name__}: {e}")
 
-    def _send(self, rank: int, key: str, value: Any, copy: bool = True) -> None:
-        """Send a copy: the value may be a view of the caller's input or the array this rank returns,
-        which the caller may change as soon as the collective returns, before the message is out (and
-        a peer on this worker would otherwise get this very array). ``copy=False``: a value nobody
-        changes once sent (:func:`~flowreduce.spmd.planrun.run_plan`'s)."""
-        if copy and isinstance(value, np.ndarray):
-            value = value.copy()
-        elif copy and isinstance(value, list):
-            value = [v.copy() if isinstance(v, np.ndarray) else v for v in value]
+    def _send(self, rank: int, key: str, value: Any) -> None:
+        """Send ``value`` as it is, from this rank's thread: a value nobody changes once sent (a walk's own
+        temporaries, or the copies :meth:`_copies` made of what the rank keeps)."""
         self.mailbox.send(self.layout.workers[rank], self.run, f"{key}:{self.rank}>{rank}", value)
 
     def _run_plan(self, plan: Plan, x: np.ndarray, op: Op, out: np.ndarray, what: str,
@@ -273,7 +267,7 @@ class Communicator:
             return self.mailbox.call(walk_async(
                 steps(lambda dest, key, v: self._post(leaders[dest], f"{tag}{key}", v)),
                 lambda src, key: self._take_async(leaders[src], f"{tag}{key}", what, deadline)))
-        return walk(steps(lambda dest, key, v: self._send(leaders[dest], f"{tag}{key}", v, copy=False)),
+        return walk(steps(lambda dest, key, v: self._send(leaders[dest], f"{tag}{key}", v)),
                     lambda src, key: self._take(leaders[src], f"{tag}{key}", what, deadline))
 
     def _copies(self, value: Any, dests: Sequence[int]) -> list[Any]:
