@@ -149,6 +149,65 @@ def test_every_algorithm_between_ranks_on_the_ranks_thread(client, algorithm):
                 np.testing.assert_array_equal(got[n], want, err_msg=f"{algorithm} rank {rank} n={n}")
 
 
+class _TakeSpy:
+    """A rank's mailbox, counting the takes of its collectives: on the rank's thread (``take``) and on the
+    worker's event loop (``take_async``); everything else is the worker's mailbox's."""
+
+    def __init__(self, box):
+        self.box, self.takes = box, Counter()
+
+    def __getattr__(self, name):
+        return getattr(self.box, name)
+
+    def take(self, *args, **kwargs):
+        self.takes["thread"] += 1
+        return self.box.take(*args, **kwargs)
+
+    async def take_async(self, *args, **kwargs):
+        self.takes["loop"] += 1
+        return await self.box.take_async(*args, **kwargs)
+
+
+def _between_hosts_on_the_loop(comm, lengths):
+    spy = comm.mailbox = _TakeSpy(comm.mailbox)
+    out = {}
+    for n in lengths:
+        x = _input(comm.rank, n)
+        for root in range(comm.size):
+            out["broadcast", n, root] = comm.broadcast(x if comm.rank == root else None, root=root)
+        out["allgather", n] = comm.allgather(x[: n - comm.rank % 2] if n else x)
+        comm.barrier()
+        out["tree", n] = comm.allreduce(x.astype(np.float64), deterministic=True)  # gathered between leaders
+    out["auto"] = comm.allreduce(_input(comm.rank, 1000))  # the first auto between hosts: the link's probe too
+    comm.barrier()
+    return out, dict(spy.takes), comm.link is not None
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+@pytest.mark.parametrize("route", ["shm-per-worker+dask", "dask"])
+def test_broadcast_allgather_barrier_between_hosts_run_on_the_event_loop(client, route, ranks):
+    """Between hosts (every worker a host, or every rank alone), broadcast from every root, all-gather,
+    barrier, the deterministic all-reduce's gather and the link's probe take every value on the worker's
+    event loop, none on the rank's thread; ranks share 2 single-threaded workers; the values are numpy's."""
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        results = client.gather(flowreduce.spmd(client, _between_hosts_on_the_loop, ranks=ranks, lengths=LENGTHS,
+                                                timeout=30))
+    leaders = {0, 1} if route == "shm-per-worker+dask" else set(range(ranks))
+    for rank, (got, takes, measured) in enumerate(results):
+        assert takes.get("thread", 0) == 0, f"rank {rank} took {takes['thread']} values on its thread"
+        assert rank not in leaders or takes.get("loop", 0) > 0, (rank, takes)
+        assert measured, f"rank {rank} did not learn the link"
+        for n in LENGTHS:
+            xs = [_input(r, n) for r in range(ranks)]
+            for root in range(ranks):
+                np.testing.assert_array_equal(got["broadcast", n, root], xs[root], err_msg=f"rank {rank} root {root}")
+            for r, (a, b) in enumerate(zip(got["allgather", n], [x[: n - r % 2] if n else x for r, x in enumerate(xs)])):
+                np.testing.assert_array_equal(a, b, err_msg=f"rank {rank} allgather {n} part {r}")
+            np.testing.assert_array_equal(got["tree", n], flowreduce.reference_reduce(
+                [x.astype(np.float64) for x in xs], "sum", order="tree"))
+        np.testing.assert_array_equal(got["auto"], np.sum([_input(r, 1000) for r in range(ranks)], axis=0))
+
+
 def _float_and_torch(comm):
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(comm.rank).standard_normal(1001)
@@ -696,6 +755,48 @@ def test_a_rank_that_raises_fails_every_rank(client, route):
         assert "rank 2 raised ValueError: rank two gives up" in str(e) or rank == 2, str(e)
         assert rank == 2 or "allreduce #" in str(e)
     assert took < 10
+
+
+def _stops_in(comm, collective, fault):
+    x = np.ones(100)
+    for i in range(10**9):
+        if i == 20 and comm.rank == 2:
+            if fault == "raise":
+                raise ValueError("rank two gives up")
+            time.sleep(4)
+        if collective == "broadcast":
+            comm.broadcast(x, root=i % comm.size)
+        elif collective == "allgather":
+            comm.allgather(x)
+        elif collective == "allreduce":
+            comm.allreduce(x, algorithm="butterfly")
+        else:
+            comm.barrier()
+
+
+@pytest.mark.parametrize("fault", ["raise", "late"])
+@pytest.mark.parametrize("collective", ["broadcast", "allgather", "barrier", "allreduce"])
+def test_a_failure_between_hosts_fails_every_rank_in_any_collective(client, collective, fault):
+    """Every rank alone (their collectives walked on the workers' event loops): a rank that raises, or is
+    late past the timeout, fails every other rank's collective, naming it (a timeout on the loop once
+    looped for good in ``Mailbox.call``: AllreduceTimeoutError is a TimeoutError, as the wait's own)."""
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        futures = flowreduce.spmd(client, _stops_in, ranks=4, collective=collective, fault=fault,
+                                  timeout=1 if fault == "late" else 30)
+        errors, took = _errors(client, futures, 15)
+    assert took < 10
+    for rank, e in enumerate(errors):
+        if rank == 2 and fault == "raise":
+            assert isinstance(e, ValueError), e
+            continue
+        assert isinstance(e, FlowreduceError), (rank, e)
+        assert str(e).startswith(f"{collective} #"), (rank, str(e))
+        if fault == "raise":
+            assert "rank 2 raised ValueError: rank two gives up" in str(e), str(e)
+        else:
+            assert "timed out" in str(e), str(e)
+    if fault == "late":
+        assert any(isinstance(e, AllreduceTimeoutError) and "waiting for rank 2" in str(e) for e in errors), errors
 
 
 def test_a_killed_worker_fails_every_rank(fresh_client):

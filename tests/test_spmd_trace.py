@@ -280,3 +280,41 @@ def test_the_page_lists_the_live_job_and_each_ranks_last_collective(shm_dir):
             wait_for(driver, "flowreduce-spmd-ranks", ranks_at("barrier", 2))
             errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
             assert not errors, errors  # the page rendered: Bokeh logs rendering failures here
+
+
+def test_the_workers_log_is_a_ring_read_past_a_mark():
+    """A worker's log of collectives (flowreduce.schedule.spmd_log.Log, a ring of records made into events
+    only when read): read past a mark in order, the oldest let go when it laps, a lap past the mark counted
+    as lost, and a position taken but not yet stored (a rank's thread between the two) read at the next call."""
+    from flowreduce.schedule.spmd_log import Event, Log
+
+    log = Log(size=8)
+
+    def add(seq, run="j.0", rank=0):
+        return log.add(run, rank, "allreduce", seq, float(seq), seq + 0.5, 8 * seq, 0, 0, (1,), "shm", "")
+
+    assert log.since(None) == ([], -1, False) and log.entries() == []
+    for seq in range(1, 6):
+        add(seq)
+    rows, mark, lost = log.since(-1)
+    assert [r[3] for r in rows] == [1, 2, 3, 4, 5] and mark == 4 and not lost
+    assert rows[0] == ("j.0", 0, "allreduce", 1, 1.0, 1.5, 8, 0, 0, (1,), "shm", "")
+    assert log.since(mark) == ([], 4, False)
+    for seq in range(6, 11):  # 10 records in a ring of 8: 1 and 2 let go, none unread
+        add(seq, rank=seq % 2)
+    rows, mark, lost = log.since(mark)
+    assert [r[3] for r in rows] == [6, 7, 8, 9, 10] and mark == 9 and not lost
+    assert [(rank, e.seq) for _, rank, e in log.entries()] == [(s % 2 if s > 5 else 0, s) for s in range(3, 11)]
+    assert log.entries(lambda run, rank: rank == 1)[-1] == ("j.0", 1, Event("allreduce", 9, 9.0, 9.5, 72, 0, 0,
+                                                                            (1,), "shm", ""))
+    for seq in range(11, 21):  # 10 more: the 2 after the mark were overwritten unread
+        add(seq)
+    rows, mark, lost = log.since(mark)
+    assert lost and [r[3] for r in rows] == list(range(13, 21)) and mark == 19
+    taken = next(log.count)  # position 20 taken by a writer that has not stored its record yet
+    add(22)
+    rows, held, lost = log.since(mark)
+    assert rows == [] and held == mark and not lost, "read past a position not stored yet"
+    log.ring[taken % log.size] = (taken, "j.0", 0, "barrier", 21, 21.0, 21.5, 0, 0, 0, (1,), "shm", "")
+    rows, mark, lost = log.since(held)
+    assert [r[3] for r in rows] == [21, 22] and mark == 21 and not lost

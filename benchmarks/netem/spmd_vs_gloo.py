@@ -89,7 +89,8 @@ def _rank(comm, sizes, repeats, warmups, algorithms):
                 times[i] = _time.perf_counter() - t0
                 ok = ok and bool(_np.all(y == expect))
             auto = comm.plan_for("auto", x.nbytes)  # after the first "auto" all-reduce: on the measured link
-            event = comm.events[-1] if comm.events[-1].collective == "allreduce" else comm.events[-2]
+            events = comm.events  # made from the worker's log at each read: once
+            event = events[-1] if events[-1].collective == "allreduce" else events[-2]
             worst = _np.max(_np.stack(comm.allgather(times)), axis=0)
             oks = comm.allgather(_np.array([ok]))
             traffic = comm.allgather(_np.array([event.sent, event.received]))

@@ -29,6 +29,7 @@ from distributed.protocol import to_serialize
 
 from flowreduce.dashboard.record import EXTENSION, SPMD_LAST
 from flowreduce.errors import AllreduceTimeoutError, refused
+from flowreduce.schedule.spmd_log import Log
 from flowreduce.shm.host_group import Aborted, sweep
 
 logger = logging.getLogger("flowreduce")
@@ -37,8 +38,6 @@ DELIVER = "flowreduce_spmd_deliver"
 ABORT = "flowreduce_spmd_abort"
 #: Failed attempts remembered (a late message for one is dropped, a late rank fails at once).
 KEPT = 1024
-#: Collectives remembered per worker, all its ranks together (the newest; ~200 bytes each).
-LOGGED = 100_000
 #: Ranks whose start time a worker remembers (the newest).
 BEGUN = 10_000
 #: Messages queued together for one peer go in one write up to this many bytes (a larger one goes alone).
@@ -56,9 +55,9 @@ class Mailbox:
         self.segments: dict[str, tuple[str, str]] = {}  # run -> (directory, prefix) of its shared memory
         self.failed: OrderedDict[str, str] = OrderedDict()
         self.ended: OrderedDict[str, None] = OrderedDict()
-        #: (run, rank, event) of every collective of the ranks here, newest last (:mod:`flowreduce.spmd.events`,
-        #: and ``flowreduce.trace``, which reads it past the entry it read last: (run, rank, seq) names an entry)
-        self.log: deque[tuple[str, int, Any]] = deque(maxlen=LOGGED)
+        #: a record of every collective of the ranks here, the newest LOGGED (:mod:`flowreduce.schedule.spmd_log`:
+        #: ``comm.events``, :mod:`flowreduce.spmd.events` and ``flowreduce.trace`` read it)
+        self.log = Log()
         #: run -> rank -> its communicator, while the rank runs here (the dashboard reads their last event)
         self.ranks: dict[str, dict[int, Any]] = defaultdict(dict)
         #: (run, rank) -> its last event (or None), once the rank ended here (the newest KEPT)
@@ -166,6 +165,8 @@ class Mailbox:
             try:
                 return future.result(timeout=1.0)
             except concurrent.futures.TimeoutError:
+                if future.done():  # the coroutine's own TimeoutError (AllreduceTimeoutError is one), not the wait's
+                    raise
                 if not loop.is_running() or loop.is_closed():
                     future.cancel()
                     raise Aborted("the worker's event loop stopped under a collective") from None

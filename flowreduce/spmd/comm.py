@@ -10,9 +10,10 @@ collective is hierarchical:
 2. between the groups' leaders (each group's lowest rank), over Dask's comm
    worker to worker (:class:`~flowreduce.schedule.spmd_mailbox.Mailbox`): an
    all-reduce runs a plan of :mod:`flowreduce.algorithms` over the leaders
-   (:func:`~flowreduce.spmd.planrun.run_plan`; ``algorithm="auto"``: the
+   (:func:`~flowreduce.spmd.planrun.plan_walk`; ``algorithm="auto"``: the
    one :func:`flowreduce.cost.choose` prices lowest), the other collectives
-   send directly;
+   are walks of their own, run the same way (:meth:`Communicator._between`:
+   on the worker's event loop);
 3. inside the group again, the leader's result to its peers.
 
 Every collective of a job must be called by every rank of the communicator,
@@ -35,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -49,37 +50,19 @@ from flowreduce.ops import Op, resolve_op
 from flowreduce.reproducible import supported, tree_ordered
 from flowreduce.schedule.reproducible import exact_op
 from flowreduce.schedule.reproducible import mode as deterministic_mode
+from flowreduce.schedule.spmd_log import Event, Record
+from flowreduce.schedule.spmd_log import event as as_event
 from flowreduce.schedule.spmd_mailbox import Mailbox
 from flowreduce.shm.host_group import Aborted, HostGroup
 from flowreduce.shm.result_buffers import buffers
 from flowreduce.spmd import linkprobe
 from flowreduce.spmd.layout import Layout
-from flowreduce.spmd.planrun import run_plan, run_plan_async
+from flowreduce.spmd.planrun import Send, Walk, plan_walk, walk, walk_async
 
 #: Events a communicator keeps (the newest).
 EVENTS = 10_000
 #: The least time the first collective waits: it also waits for the other ranks' tasks to start.
 STARTUP_SECONDS = 60.0
-
-
-class Event(NamedTuple):
-    """One collective on one rank: what it was, when (``time.time()`` of the
-    worker), the bytes of the rank's input and of what it sent and received
-    between hosts, the peers it exchanged with (the job's ranks), and the path taken."""
-
-    collective: str
-    seq: int
-    start: float
-    stop: float
-    nbytes: int
-    sent: int
-    received: int
-    peers: tuple[int, ...]
-    path: str  # "local" (one rank), "shm", "dask" or "shm+dask"
-    algorithm: str = ""
-
-
-_new_event = tuple.__new__
 
 
 def as_numpy(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
@@ -160,10 +143,12 @@ class Communicator:
     attempt : int
         0, then one more at each restart of the job (``spmd(..., restarts=k)``).
     events : deque of Event
-        The collectives this rank ran, newest last (:data:`EVENTS` kept).
+        The collectives this rank ran, newest last (:data:`EVENTS` at most; made from its worker's log at
+        each read).
     """
 
-    #: whether a plan between hosts runs on the worker's event loop (:meth:`_run_plan`) or on the rank's thread
+    #: whether an exchange between hosts (a plan, a broadcast, an all-gather, a barrier, the link's probe) runs
+    #: on the worker's event loop (:meth:`_between`) or on the rank's thread
     plan_on_loop = True
 
     def __init__(self, layout: Layout, rank: int, mailbox: Mailbox, parents: Sequence[Communicator] = ()):
@@ -181,7 +166,8 @@ class Communicator:
         self.me = layout.group_of[rank]
         self.host: HostGroup | None = None
         self.seq = 0
-        self.events: deque[Event] = deque(maxlen=EVENTS)
+        #: the record of this rank's newest collective (None before the first), in its worker's log
+        self.last: Record | None = None
         self.failed = False
         self.closed = False
         self._plans: dict[tuple[str, int], Plan] = {}
@@ -250,36 +236,61 @@ class Communicator:
         else:
             self._fail(f"rank {self.rank} failed in {what}: {type(e).__name__}: {e}")
 
-    def _send(self, rank: int, key: str, value: Any, copy: bool = True) -> None:
-        """Send a copy: the value may be a view of the caller's input or the array this rank returns,
-        which the caller may change as soon as the collective returns, before the message is out (and
-        a peer on this worker would otherwise get this very array). ``copy=False``: a value nobody
-        changes once sent (:func:`~flowreduce.spmd.planrun.run_plan`'s)."""
-        if copy and isinstance(value, np.ndarray):
-            value = value.copy()
-        elif copy and isinstance(value, list):
-            value = [v.copy() if isinstance(v, np.ndarray) else v for v in value]
+    def _send(self, rank: int, key: str, value: Any) -> None:
+        """Send ``value`` as it is, from this rank's thread: a value nobody changes once sent (a walk's own
+        temporaries, or the copies :meth:`_copies` made of what the rank keeps)."""
         self.mailbox.send(self.layout.workers[rank], self.run, f"{key}:{self.rank}>{rank}", value)
 
     def _run_plan(self, plan: Plan, x: np.ndarray, op: Op, out: np.ndarray, what: str,
                   deadline: float | None) -> tuple[np.ndarray, int, int]:
-        """This leader's part of ``plan`` over ``x`` (:func:`~flowreduce.spmd.planrun.run_plan`) into ``out``.
-        With :attr:`plan_on_loop`, the walk runs on the worker's event loop, where the messages arrive and
-        leave: a step's message is written as soon as the value it needs is read, with no thread to wake on
-        either side (on 4 emulated hosts, a thread hand-over each way cost a message 0.1-3 ms on a loaded
-        2-core machine); else on this rank's thread."""
-        tag, leaders = f"a{self.seq}.", self.leaders
+        """This leader's part of ``plan`` over ``x`` (:func:`~flowreduce.spmd.planrun.run_plan`'s walk) into
+        ``out``, where :meth:`_between` runs it."""
+        leaders, members = self.leaders, self.members
 
         def who(r: int) -> int:
-            return self.members[leaders[r]]
+            return members[leaders[r]]
 
+        return self._between(lambda send: plan_walk(plan, self.me, x, op, send, who, out), f"a{self.seq}.", what,
+                             deadline)
+
+    def _between(self, steps: Callable[[Send], Walk], tag: str, what: str, deadline: float | None) -> Any:
+        """Run a walk between the host groups' leaders (:func:`~flowreduce.spmd.planrun.walk`: ``steps(send)``
+        yields the (leader index, key) of each value it waits for, and sends with ``send(leader index, key,
+        value)``, uncopied: values nobody changes once sent) and return its result. Every exchange between
+        hosts is one: a plan, a broadcast, an all-gather, a barrier, the link's probe. With
+        :attr:`plan_on_loop`, the walk runs on the worker's event loop, where the messages arrive and leave:
+        a step's message is written as soon as the value it needs is read, with no thread to wake on either
+        side (on 4 emulated hosts, a thread hand-over each way cost a message 0.1-3 ms on a loaded 2-core
+        machine), and this rank's thread waits once for its end; else on this rank's thread."""
+        leaders = self.leaders
         if self.plan_on_loop:
-            return self.mailbox.call(run_plan_async(
-                plan, self.me, x, op, lambda dest, node, v: self._post(leaders[dest], f"{tag}{node}", v),
-                lambda src, node: self._take_async(leaders[src], f"{tag}{node}", what, deadline), who, out=out))
-        return run_plan(plan, self.me, x, op,
-                        lambda dest, node, v: self._send(leaders[dest], f"{tag}{node}", v, copy=False),
-                        lambda src, node: self._take(leaders[src], f"{tag}{node}", what, deadline), who, out=out)
+            return self.mailbox.call(walk_async(
+                steps(lambda dest, key, v: self._post(leaders[dest], f"{tag}{key}", v)),
+                lambda src, key: self._take_async(leaders[src], f"{tag}{key}", what, deadline)))
+        return walk(steps(lambda dest, key, v: self._send(leaders[dest], f"{tag}{key}", v)),
+                    lambda src, key: self._take(leaders[src], f"{tag}{key}", what, deadline))
+
+    def _copies(self, value: Any, dests: Sequence[int]) -> list[Any]:
+        """What leader ``dests[i]`` (a leader index) is sent of ``value``, which this rank keeps (or returns):
+        one copy for every leader on another worker (serialised there, read only), a copy each for the
+        leaders on this worker (handed over as they are, and theirs to change). Made on the rank's thread,
+        before a walk on the event loop sends them."""
+        def copy(v: Any) -> Any:
+            if isinstance(v, np.ndarray):
+                return v.copy()
+            return [copy(e) for e in v] if isinstance(v, list) else v
+
+        workers, here = self.layout.workers, self.layout.workers[self.rank]
+        remote: list[Any] = []
+        out = []
+        for d in dests:
+            if workers[self.leaders[d]] == here:
+                out.append(copy(value))
+            else:
+                if not remote:
+                    remote.append(copy(value))
+                out.append(remote[0])
+        return out
 
     def _post(self, rank: int, key: str, value: Any) -> None:
         """:meth:`_send` (uncopied) from the worker's event loop."""
@@ -294,11 +305,19 @@ class Communicator:
                                  source=rank, also=self.runs[1:])
 
     def _record(self, name: str, start: float, nbytes: int, sent: int, received: int, algorithm: str = "") -> None:
+        """One record in the worker's log (:class:`~flowreduce.schedule.spmd_log.Log`): no Event made, no
+        entry appended anywhere else (read back as events by :attr:`events`, ``collect``, traces)."""
         peers, path, rank = self._route
-        # tuple.__new__: Event(...) runs the named tuple's Python __new__ (0.5 us against 0.1, a call at 1e3 is ~40 us)
-        event = _new_event(Event, (name, self.seq, start, time.time(), nbytes, sent, received, peers, path, algorithm))
-        self.events.append(event)
-        self.mailbox.log.append((self.run, rank, event))
+        self.last = self.mailbox.log.add(self.run, rank, name, self.seq, start, time.time(), nbytes, sent, received,
+                                         peers, path, algorithm)
+
+    @property
+    def events(self) -> deque[Event]:
+        """This rank's collectives, newest last: those its worker's log still holds (the newest
+        :data:`~flowreduce.schedule.spmd_log.LOGGED` of all the worker's ranks), at most :data:`EVENTS`.
+        Made from the log's records at each read."""
+        run, rank = self.run, self._route[2]
+        return deque((e for _, _, e in self.mailbox.log.entries(lambda r, k: k == rank and r == run)), maxlen=EVENTS)
 
     @cached_property
     def _route(self) -> tuple[tuple[int, ...], str, int]:
@@ -352,17 +371,20 @@ class Communicator:
         """Measure the link between hosts (every rank calls it, in the same collective): the leaders
         time steps between them, leader 0 round trips to leader 1, and leader 0 tells every leader
         what it found, each leader its host group (:mod:`flowreduce.spmd.linkprobe`)."""
-        tag, leaders = f"l{self.seq}.", self.leaders
         value: np.ndarray | None = None
         if self.leader:
-            link = linkprobe.measure(self.me, len(leaders), lambda i, k, v: self._send(leaders[i], tag + k, v),
-                                     lambda i, k: self._take(leaders[i], tag + k, what, deadline))
-            if link is not None:  # leader 0 decides
-                value = linkprobe.as_array(link)
-                for r in leaders[1:]:
-                    self._send(r, tag + "link", value)
-            else:
-                value = self._take(leaders[0], tag + "link", what, deadline)
+            me, n = self.me, len(self.leaders)
+
+            def steps(send: Send) -> Walk:
+                link = yield from linkprobe.measure(me, n, send)
+                if link is None:
+                    return (yield 0, "link")
+                found = linkprobe.as_array(link)  # leader 0 decides
+                for i in range(1, n):
+                    send(i, "link", found)
+                return found
+
+            value = self._between(steps, f"l{self.seq}.", what, deadline)
         if host is not None:
             value = host.broadcast(value if self.leader else None, 0, what, deadline)
         self.link = linkprobe.from_array(value)
@@ -505,18 +527,23 @@ class Communicator:
                          deadline: float | None) -> tuple[dict[int, np.ndarray], int, int]:
         """On a leader: its group's arrays (``mine``, in group order) sent to every other leader and
         theirs taken; every rank's array by rank, and the bytes sent and received."""
-        parts: dict[int, np.ndarray] = dict(zip(self.group, mine))
-        sent = received = 0
-        for r in self.leaders:
-            if r != self.rank:
-                self._send(r, tag, mine)
+        others = [i for i in range(len(self.leaders)) if i != self.me]
+        copies = self._copies(mine, others)
+        groups = self.layout.groups
+
+        def steps(send: Send) -> Walk:
+            parts: dict[int, np.ndarray] = dict(zip(self.group, mine))
+            sent = received = 0
+            for i, v in zip(others, copies):
+                send(i, "", v)
                 sent += sum(m.nbytes for m in mine)
-        for i, r in enumerate(self.leaders):
-            if r != self.rank:
-                theirs = self._take(r, tag, what, deadline)
+            for i in others:
+                theirs = yield i, ""
                 received += sum(t.nbytes for t in theirs)
-                parts.update(zip(self.layout.groups[i], theirs))
-        return parts, sent, received
+                parts.update(zip(groups[i], theirs))
+            return parts, sent, received
+
+        return self._between(steps, tag, what, deadline)
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Rank ``root``'s ``x``, a new array on every rank (others' ``x`` only tells the kind
@@ -538,15 +565,24 @@ class Communicator:
                     value = host.broadcast(a if self.rank == root else None, self.group.index(root), what, deadline)
                 else:
                     value = np.array(a, copy=True)
+            if len(self.leaders) > 1 and self.leader:
+                if self.me == root_group:
+                    others = [i for i in range(len(self.leaders)) if i != root_group]
+                    sent = value.nbytes * len(others)  # type: ignore[union-attr]
+                    copies = self._copies(value, others)
+
+                    def steps(send: Send) -> Walk:
+                        for i, v in zip(others, copies):
+                            send(i, "", v)
+                        return value
+                        yield  # a walk that waits for nothing
+                else:
+                    def steps(send: Send) -> Walk:
+                        return (yield root_group, "")
+
+                value = self._between(steps, tag, what, deadline)
+                received = 0 if self.me == root_group else value.nbytes
             if len(self.leaders) > 1:
-                if self.leader and self.me == root_group:
-                    for r in self.leaders:
-                        if r != self.rank:
-                            self._send(r, tag, value)
-                            sent += value.nbytes  # type: ignore[union-attr]
-                elif self.leader:
-                    value = self._take(self.leaders[root_group], tag, what, deadline)
-                    received += value.nbytes
                 if self.me != root_group and host is not None:
                     value = host.broadcast(value if self.leader else None, 0, what, deadline)
             return value, sent, received  # type: ignore[return-value]
@@ -601,12 +637,15 @@ class Communicator:
                 host.barrier(what, deadline)
             if len(self.leaders) > 1:
                 if self.leader:
-                    for r in self.leaders:
-                        if r != self.rank:
-                            self._send(r, tag, 0)
-                    for r in self.leaders:
-                        if r != self.rank:
-                            self._take(r, tag, what, deadline)
+                    others = [i for i in range(len(self.leaders)) if i != self.me]
+
+                    def steps(send: Send) -> Walk:
+                        for i in others:
+                            send(i, "", 0)
+                        for i in others:
+                            yield i, ""
+
+                    self._between(steps, tag, what, deadline)
                 if host is not None:
                     host.barrier(what, deadline)
 
@@ -642,7 +681,7 @@ class Communicator:
         name as the dashboard lists it: ``allreduce``, or ``allreduce in subgroup 0,2`` (job ranks)."""
         newest: tuple[str, Event] | None = None
         for c in self._family():
-            e = c.events[-1] if c.events else None
+            e = None if c.last is None else as_event(c.last)
             if e is not None and (newest is None or e.start > newest[1].start):
                 name = f"{e.collective} in subgroup {','.join(map(str, c.members))}" if c.parents else e.collective
                 newest = (name, e)

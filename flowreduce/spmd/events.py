@@ -1,7 +1,8 @@
 """What SPMD jobs did: one event per collective and rank, read from the workers.
 
-Every collective appends one :class:`~flowreduce.spmd.comm.Event` to its
-rank's ``comm.events`` and to its worker's log (``Mailbox.log``, bounded);
+Every collective adds one record to its worker's log (``Mailbox.log``, a
+bounded ring: :mod:`flowreduce.schedule.spmd_log`), read back as
+:class:`~flowreduce.spmd.comm.Event` objects (``comm.events``, and here);
 :func:`collect` reads the workers' logs (one ``client.run``, after the fact:
 nothing is sent while a job runs) as rows ready for a table, a CSV or a
 timeline: the collective (the phase), the rank and its worker, start and
@@ -20,12 +21,11 @@ def _read(run: str | None = None, dask_worker: Any = None) -> list[dict[str, Any
     box = mailbox_of(dask_worker)
     if box is None:
         return []
-    rows = []
-    for job, rank, e in list(box.log):
-        if run is None or job == run or job.startswith(f"{run}/") or job.startswith(f"{run}."):
-            rows.append({"job": job, "rank": rank, "worker": dask_worker.address, "phase": e.collective,
-                         **e._asdict()})
-    return rows
+    def wanted(job: str, rank: int) -> bool:
+        return run is None or job == run or job.startswith(f"{run}/") or job.startswith(f"{run}.")
+
+    return [{"job": job, "rank": rank, "worker": dask_worker.address, "phase": e.collective, **e._asdict()}
+            for job, rank, e in box.log.entries(wanted)]
 
 
 def collect(client: Any, job: str | None = None) -> list[dict[str, Any]]:

@@ -9,8 +9,9 @@ whole vectors where a bandwidth-optimal plan would halve the bytes
 3.2x gloo's time, where butterfly of radix 4 took 1.8x).
 
 So the first all-reduce with ``algorithm="auto"`` between hosts measures
-the link, over the very mailboxes the collectives use, and every rank prices
-its plans with that::
+the link, over the very mailboxes the collectives use and where their steps
+run (the worker's event loop: the probe is a walk, as a plan is, timed there),
+and every rank prices its plans with that::
 
     leaders 0..3: ROUNDS x (a token to every other of them, then every other's)
                         alpha = the median round on leader 0: a dependent step of a plan
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,6 @@ PROBE_BYTES, BIGS = 2 << 20, 2
 FASTEST = 100e9
 
 Send = Callable[[int, str, Any], None]  # (leader index, key, value)
-Take = Callable[[int, str], Any]  # (leader index, key) -> value
 
 
 def fit(step: float, rtt: float, big: float, nbytes: float = PROBE_BYTES) -> Link:
@@ -60,9 +60,12 @@ def fit(step: float, rtt: float, big: float, nbytes: float = PROBE_BYTES) -> Lin
     return Link(alpha=max(step, 0.0), beta=max((big - rtt) / nbytes, 1.0 / FASTEST))
 
 
-def measure(me: int, leaders: int, send: Send, take: Take,
-            clock: Callable[[], float] = time.perf_counter) -> Link | None:
-    """Leader ``me`` of ``leaders`` (at least 2) takes part; leader 0 returns the link, the others None."""
+def measure(me: int, leaders: int, send: Send,
+            clock: Callable[[], float] = time.perf_counter) -> Generator[tuple[int, str], Any, Link | None]:
+    """Leader ``me`` of ``leaders`` (at least 2) takes part; leader 0's walk returns the link, the others'
+    None. A walk (:func:`flowreduce.spmd.planrun.walk`): it yields the (leader, key) of each token it
+    waits for and is sent it, so it runs where a plan's steps run (the worker's event loop) and times
+    them as they run there."""
     token = np.zeros(1)
     others = [i for i in range(min(leaders, ROUND_LEADERS)) if i != me] if me < ROUND_LEADERS else []
     rounds = []
@@ -71,14 +74,14 @@ def measure(me: int, leaders: int, send: Send, take: Take,
         for i in others:
             send(i, f"r{k}", token)
         for i in others:
-            take(i, f"r{k}")
+            yield i, f"r{k}"
         rounds.append(clock() - t)
     if me == 1:
         for k in range(PINGS):
-            take(0, f"p{k}")
+            yield 0, f"p{k}"
             send(0, f"q{k}", token)
         for k in range(BIGS):
-            take(0, f"P{k}")
+            yield 0, f"P{k}"
             send(0, f"Q{k}", token)
     if me != 0:
         return None
@@ -86,13 +89,13 @@ def measure(me: int, leaders: int, send: Send, take: Take,
     for k in range(PINGS):
         t = clock()
         send(1, f"p{k}", token)
-        take(1, f"q{k}")
+        yield 1, f"q{k}"
         small.append(clock() - t)
     payload = np.zeros(PROBE_BYTES // 8)
     for k in range(BIGS):
         t = clock()
         send(1, f"P{k}", payload)
-        take(1, f"Q{k}")
+        yield 1, f"Q{k}"
         big.append(clock() - t)
     return fit(statistics.median(rounds[1:]), min(small), min(big))
 

@@ -9,6 +9,11 @@ node read by other ranks is sent to each of them once. Every rank waits
 only for nodes of lower index, so walking in order cannot deadlock. The
 element range of segment ``k`` of ``n`` elements over ``S`` segments is
 ``[n*k//S, n*(k+1)//S)``, as :mod:`flowreduce.lower.graph` cuts it.
+
+The walk is a generator (:func:`plan_walk`) that yields what it waits for;
+:func:`walk` drives such a walk on a thread, :func:`walk_async` on an event
+loop. Every other exchange between hosts (a broadcast, an all-gather, a
+barrier, the link's probe) is written as a walk too and driven by the same two.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from flowreduce.errors import InputError
 from flowreduce.ops import Op
 from flowreduce.shm.host_group import fold_into
 
-Send = Callable[[int, Hashable, np.ndarray], None]  # (plan rank, node's key, value)
+Send = Callable[[int, Hashable, Any], None]  # (plan rank, node's key, value)
 Receive = Callable[[int, Hashable], np.ndarray]  # (plan rank, node's key) -> value
 
 #: A value received by a walk on the event loop over which the walk's next stretch (its reduce, mostly)
@@ -32,6 +37,9 @@ Receive = Callable[[int, Hashable], np.ndarray]  # (plan rank, node's key) -> va
 #: in chunks may reduce hundreds of MB at once (4 MiB adds in about a millisecond here, the engine's
 #: limit for folding on its loop, flowreduce.schedule.p2p.FOLD_INLINE_BYTES)
 LOOP_BYTES = 4 << 20
+
+
+Walk = Generator[tuple[int, Hashable], Any, Any]  # yields (plan rank, key) of what it waits for, is sent it
 
 
 def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Receive,
@@ -54,46 +62,56 @@ def run_plan(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, receive: Re
     chunk is reduced while the next is on the wire (a node's key is then
     ``"<node>c<chunk>"``). Every value a rank waits for comes earlier in that
     order, on every rank, so the walk cannot deadlock."""
-    walk = _walk(plan, me, x, op, send, who, out)
-    try:
-        wanted = next(walk)
-        while True:
-            wanted = walk.send(receive(*wanted))
-    except StopIteration as done:
-        return done.value
+    return walk(plan_walk(plan, me, x, op, send, who, out), receive)
 
 
 async def run_plan_async(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send,
                          receive: Callable[[int, Hashable], Awaitable[np.ndarray]],
                          who: Callable[[int], int] = int,
                          out: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
-    """:func:`run_plan` on an event loop: ``receive`` is awaited, and the walk runs on the loop between
-    the arrivals it waits for, but for its stretches after a value over :data:`LOOP_BYTES`, which run on
-    a thread of the loop's (``send`` may then be called from that thread)."""
+    """:func:`run_plan` on an event loop (:func:`walk_async`)."""
+    return await walk_async(plan_walk(plan, me, x, op, send, who, out), receive)
+
+
+def walk(steps: Walk, receive: Callable[[int, Hashable], Any]) -> Any:
+    """Run ``steps`` (a plan's walk, or any exchange written as one: it yields the (rank, key) of each
+    value it waits for, is sent the value, and sends through a function of its own) on this thread,
+    taking each value with ``receive``; its result."""
+    try:
+        wanted = next(steps)
+        while True:
+            wanted = steps.send(receive(*wanted))
+    except StopIteration as done:
+        return done.value
+
+
+async def walk_async(steps: Walk, receive: Callable[[int, Hashable], Awaitable[Any]]) -> Any:
+    """:func:`walk` on an event loop: ``receive`` is awaited, and the walk runs on the loop between the
+    arrivals it waits for, but for its stretches after a value over :data:`LOOP_BYTES`, which run on a
+    thread of the loop's (its sends may then be called from that thread)."""
     loop = asyncio.get_running_loop()
-    walk = _walk(plan, me, x, op, send, who, out)
-    done, got = _step(walk, None)
+    done, got = _step(steps, None)
     while not done:
         value = await receive(*got)
         if getattr(value, "nbytes", 0) > LOOP_BYTES:
-            done, got = await loop.run_in_executor(None, _step, walk, value)
+            done, got = await loop.run_in_executor(None, _step, steps, value)
         else:
-            done, got = _step(walk, value)
+            done, got = _step(steps, value)
     return got
 
 
-def _step(walk: Generator[Any, Any, Any], value: Any) -> tuple[bool, Any]:
+def _step(steps: Walk, value: Any) -> tuple[bool, Any]:
     """The walk on to the next value it waits for (False, what it waits for), or to its end (True, its
     result): a StopIteration cannot cross a thread's future."""
     try:
-        return False, walk.send(value)
+        return False, steps.send(value)
     except StopIteration as end:
         return True, end.value
 
 
-def _walk(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, who: Callable[[int], int],
-          out: np.ndarray | None) -> Generator[tuple[int, Hashable], np.ndarray, tuple[np.ndarray, int, int]]:
-    """:func:`run_plan`'s walk: yields the (plan rank, key) of each value it waits for, and is sent the value."""
+def plan_walk(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, who: Callable[[int], int],
+              out: np.ndarray | None) -> Generator[tuple[int, Hashable], np.ndarray, tuple[np.ndarray, int, int]]:
+    """The walk of :func:`run_plan`: yields the (plan rank, key) of each value it waits for, and is sent the value."""
     n, chunks, nodes, final = x.size, plan.chunks, plan.nodes, plan.finals[me]
     consumers = plan.consumers()
     cuts = [n * c // chunks for c in range(chunks + 1)]

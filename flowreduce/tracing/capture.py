@@ -104,25 +104,11 @@ def entries_since(log: Any, mark: tuple | str | None) -> list[dict]:
     return [dict(e) for e in entries]  # the marked entry rotated out: everything is new
 
 
-def spmd_since(log: Any, mark: tuple | str | None) -> tuple[list[tuple], tuple | str, bool]:
-    """Entries of an SPMD mailbox's log (``(run, rank, event)``) appended after the one ``mark``
-    names (``(run, rank, seq)``; ``""``: the log was empty; None: none, only where it ends), as
-    plain tuples ``(run, rank, *event)``; the new mark; whether entries were lost (the marked one
-    rotated out of the bounded log). By value: (run, rank, seq) names one entry."""
-    entries = list(log)  # one C call: ranks' threads appending meanwhile cannot tear it
-    last: tuple | str = (entries[-1][0], entries[-1][1], entries[-1][2].seq) if entries else ""
-    if mark is None:
-        return [], last, False
-    start, lost = 0, False
-    if mark != "":
-        for i in range(len(entries) - 1, -1, -1):
-            run, rank, e = entries[i]
-            if (run, rank, e.seq) == tuple(mark):
-                start = i + 1
-                break
-        else:
-            lost = bool(entries)
-    return [(run, rank, *e) for run, rank, e in entries[start:]], last, lost
+def spmd_since(log: Any, mark: int | str | None) -> tuple[list[tuple], int, bool]:
+    """Records of an SPMD mailbox's log (:class:`flowreduce.schedule.spmd_log.Log`) past the one ``mark``
+    names (its position; ``""``: everything kept; None: none, only where it ends), as plain tuples
+    ``(run, rank, *event)``; the new mark; whether records were lost (overwritten before this read)."""
+    return log.since(-1 if mark == "" else mark)
 
 
 def _worker_snapshot(marks: dict, shm_marks: dict | None = None, engine_marks: dict | None = None,
