@@ -319,8 +319,10 @@ class FlowreduceProcessGroup(_ProcessGroup):
         return self.lane.issue(work, body)
 
     def call(self, name: str, body: Callable[[], Any]) -> Any:
-        """``body()`` on the group's thread after the collectives issued before; its value."""
-        work = self._issue(name, body)
+        """``body()`` on the group's thread after the collectives issued before; its value (not a
+        collective: not counted, since only some ranks may call it, as ``new_group``'s members)."""
+        work = self.lane.issue(CollectiveWork(f"{name} on rank {self.comm.rank} of a flowreduce group of "
+                                              f"{self.comm.size}"), body)
         work.wait()
         return work.future.value()
 
