@@ -9,7 +9,11 @@ against torch references for world sizes 1..4 on 2 single-threaded worker proces
 share processes from 3 on); a failing rank fails every rank; misuse says what to do;
 init_process_group("flowreduce") outside an
 SPMD rank (torch.multiprocessing processes, init_method tcp://) forms its group through the c10d
-store: the same collective checks, and a DDP step."""
+store: the same collective checks, and a DDP step. Asynchronous collectives: async all_reduces of
+a rank stay pending while its peer is held (a Dask Event) and complete in issue order with
+torch's values once it joins; a peer's failure reaches every pending work's wait() and future,
+naming the rank and the collective; destroy_process_group runs what was issued, refuses more
+and ends the groups' threads."""
 
 from __future__ import annotations
 
@@ -331,3 +335,126 @@ def test_misuse_says_what_to_do(client):
     assert outside == "1 StoreComm [1.0, 1.0]"  # the thread's own group, apart from the rank's
     assert wrong.startswith("OptionError") and "communicator" in wrong
     assert "already called" in twice
+
+
+# -- asynchronous collectives: works that complete on the group's thread ----------------------
+def _held(comm, name, ops):
+    """Rank 0 issues ``ops`` all_reduces with async_op=True while rank 1 is held (a Dask Event
+    rank 0 sets once it has looked at its works): none can have completed, since rank 1 has not
+    joined any; then rank 1 joins and every work completes, in issue order."""
+    from distributed import Event
+
+    from flowreduce.torch import init_process_group
+
+    init_process_group(comm)
+    go = Event(name)
+    r = dist.get_rank()
+    if r == 1 and not go.wait(timeout=60):  # bound: without the overlap rank 0 never sets it
+        raise AssertionError("rank 0 never let rank 1 go: its async all_reduce did not return")
+    tensors = [_x(r) * (i + 1) for i in range(len(ops))]
+    order: list[int] = []
+    works = []
+    for i, (t, op) in enumerate(zip(tensors, ops)):
+        work = dist.all_reduce(t, op=getattr(dist.ReduceOp, op), async_op=True)
+        work.get_future().then(lambda _, i=i: order.append(i))  # runs as each completes
+        works.append(work)
+    pending = [w.is_completed() for w in works]
+    if r == 0:
+        go.set()
+    assert works[-1].wait() is True
+    return {"pending": pending, "completed": [w.is_completed() for w in works], "order": order,
+            "futures": [w.get_future().wait()[0] for w in works], "tensors": tensors}
+
+
+def test_async_all_reduce_completes_after_a_held_peer_joins(client):
+    """The works of rank 0 are not completed while rank 1 has not issued its all_reduces (it waits
+    for rank 0 to have looked), and complete in order with torch's values once it has."""
+    import uuid
+
+    ops = ["SUM", "MAX", "SUM", "MIN", "PRODUCT"]
+    futures = flowreduce.spmd(client, _held, ranks=2, name=f"hold-{uuid.uuid4().hex}", ops=ops, timeout=120)
+    results = client.gather(futures)
+    xs = torch.stack([_x(r) for r in range(2)])
+    assert results[0]["pending"] == [False] * len(ops)  # rank 1 had joined none of them
+    for r, out in enumerate(results):
+        assert out["completed"] == [True] * len(ops)  # waiting on the last: every earlier one is done
+        assert out["order"] == list(range(len(ops)))
+        for i, op in enumerate(ops):
+            want = OPS[op](xs * (i + 1), dim=0)
+            assert torch.equal(out["tensors"][i], want), (r, i, op)
+            assert torch.equal(out["futures"][i], want), (r, i, op)
+
+
+def _pending_when_a_peer_fails(comm):
+    """Rank 1 raises; rank 0's all_reduces issued with async_op=True fail at their wait()."""
+    from flowreduce.torch import init_process_group
+    from flowreduce.torch.backend import CollectiveError
+
+    init_process_group(comm)
+    if dist.get_rank() == 1:
+        raise ValueError("rank one gives up")
+    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)]
+    caught = []
+    for w in works:
+        try:
+            w.wait()
+        except CollectiveError as e:
+            caught.append(str(e))
+        try:
+            w.get_future().wait()
+        except CollectiveError as e:
+            caught.append(str(e))
+    return caught, [w.is_completed() for w in works]
+
+
+def test_an_error_in_a_collective_reaches_wait_naming_the_rank(client):
+    futures = flowreduce.spmd(client, _pending_when_a_peer_fails, ranks=2, timeout=60)
+    wait(futures, timeout=60)
+    assert "rank one gives up" in str(futures[1].exception())
+    caught, completed = futures[0].result()
+    assert completed == [True, True, True] and len(caught) == 6, caught
+    for i, why in enumerate(caught):
+        assert f"all_reduce #{i // 2 + 1} on rank 0" in why, why
+        assert "rank 1" in why and "rank one gives up" in why, why
+
+
+def _lifecycle(comm):
+    """Works left pending at destroy_process_group complete (it runs what was issued); the destroyed
+    group refuses more; a subgroup's works too."""
+    import flowreduce.torch
+    from flowreduce.torch.backend import CollectiveError
+
+    flowreduce.torch.init_process_group(comm)
+    r, n = dist.get_rank(), dist.get_world_size()
+    world = dist.group.WORLD
+    sub = dist.new_group([0, n - 1])
+    tensors = [_x(r) for _ in range(3)]
+    works = [dist.all_reduce(tensors[0], async_op=True)]
+    if sub != dist.GroupMember.NON_GROUP_MEMBER:
+        works.append(dist.all_reduce(tensors[1], group=sub, async_op=True))
+    works.append(dist.all_reduce(tensors[2], async_op=True))
+    flowreduce.torch.backend.destroy_process_group()
+    try:
+        world.allreduce([torch.ones(2)])
+        refused = ""
+    except CollectiveError as e:
+        refused = str(e)
+    return [w.is_completed() for w in works], tensors, refused
+
+
+def _lane_threads():
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("flowreduce-torch"))
+
+
+def test_destroy_runs_what_was_issued_and_ends_the_threads(client):
+    n = 3
+    results = client.gather(flowreduce.spmd(client, _lifecycle, ranks=n, timeout=60))
+    xs = torch.stack([_x(r) for r in range(n)])
+    for r, (completed, tensors, refused) in enumerate(results):
+        assert all(completed), (r, completed)
+        assert torch.equal(tensors[0], xs.sum(0)) and torch.equal(tensors[2], xs.sum(0))
+        assert torch.equal(tensors[1], xs[[0, n - 1]].sum(0) if r in (0, n - 1) else _x(r))
+        assert f"rank {r}" in refused and "destroyed" in refused, refused
+    assert client.run(_lane_threads) == {w: [] for w in client.scheduler_info()["workers"]}

@@ -29,8 +29,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised without the extra
     raise ImportError("flowreduce.torch needs PyTorch: pip install 'flowreduce[torch]'") from e
 
-from flowreduce.torch.backend import FlowreduceProcessGroup, init_process_group
+from flowreduce.torch.backend import CollectiveError, FlowreduceProcessGroup, init_process_group
 from flowreduce.torch.elastic import ElasticTrainer
 from flowreduce.torch.trainer import StepRecord, StepTiming, Trainer
 
-__all__ = ["ElasticTrainer", "FlowreduceProcessGroup", "StepRecord", "StepTiming", "Trainer", "init_process_group"]
+__all__ = ["CollectiveError", "ElasticTrainer", "FlowreduceProcessGroup", "StepRecord", "StepTiming", "Trainer", "init_process_group"]

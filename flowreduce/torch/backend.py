@@ -14,12 +14,21 @@ rank=comm.rank, world_size=comm.size, store=HashStore())``: an in-process
 store, no port, no address, no rendezvous (the communicator already knows
 its peers). The group (:class:`FlowreduceProcessGroup`) is a Python
 ``torch.distributed.ProcessGroup``, the route torch's own
-``test/distributed/test_c10d_pypg.py`` takes: every collective calls the
-communicator and returns a completed ``Work`` (a set
-``torch.futures.Future`` wrapped by ``_create_work_from_future``), with the
-tensors it was given updated in place, as DDP's reducer expects.
-``async_op=True`` is accepted and returns that completed work (the
-collective ran during the call; there is no overlap with the caller).
+``test/distributed/test_c10d_pypg.py`` takes. Collectives are asynchronous
+as c10d backends' are: each is checked on the caller's thread, queued on a
+thread of the group's own (:class:`_Lane`, one per group, started with its
+first collective: the collectives of a group run in the order they were
+issued, the same on every rank) and returns a :class:`CollectiveWork` at
+once; ``wait()`` and ``get_future()`` (a ``torch.futures.Future``, what DDP's
+reducer waits on) complete when it has run, with the tensors it was given
+updated in place, or raise its :class:`CollectiveError` naming the rank and
+the collective. A synchronous call (``async_op=False``) is the same plus
+torch's ``wait()``. So DDP's bucket all-reduces run while backward computes
+the next buckets. The communicator is called from the group's thread only
+(``new_group``'s ``comm.subgroup`` too, queued on the default group's);
+``destroy_process_group`` (torch's calls :meth:`FlowreduceProcessGroup.shutdown`)
+runs what was issued (in a failed job each fails at once), refuses more and
+ends the thread.
 ``dist.new_group(ranks)`` gives a group on ``comm.subgroup(ranks)``.
 
 Ranks that share a worker share a process: torch keeps its groups in
@@ -47,7 +56,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -55,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from flowreduce.errors import OptionError
+from flowreduce.errors import FlowreduceError, OptionError
 
 logger = logging.getLogger("flowreduce")
 _C10D: Any = torch._C._distributed_c10d  # its private helpers have no stubs
@@ -160,7 +171,9 @@ def _create(options: Any, backend_options: Any = None) -> FlowreduceProcessGroup
         return FlowreduceProcessGroup(StoreComm(options.store, options.group_rank, options.group_size))
     ranks = [int(r) for r in (options.global_ranks_in_group or ())]
     if ranks and ranks != list(range(comm.size)):
-        sub = comm.subgroup(ranks)
+        world, parent = c10d._get_default_group(), comm  # the rank's: its communicator is called on its thread only
+        sub = world.call("new_group", lambda: parent.subgroup(ranks)) if isinstance(world, FlowreduceProcessGroup) \
+            else comm.subgroup(ranks)
         if sub is None:  # torch asks only the members; a non-member here is torch's or our bug
             raise RuntimeError(f"rank {comm.rank} is not in the new group {ranks}")
         comm = sub
@@ -168,12 +181,6 @@ def _create(options: Any, backend_options: Any = None) -> FlowreduceProcessGroup
         raise RuntimeError(f"torch asks for rank {options.group_rank} of {options.group_size}; the flowreduce "
                            f"communicator is rank {comm.rank} of {comm.size}")
     return FlowreduceProcessGroup(comm)
-
-
-def _done(result: Any) -> Any:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(result)
-    return _C10D._create_work_from_future(fut)
 
 
 def _op(opts: Any) -> str:
@@ -190,19 +197,113 @@ def _check(t: torch.Tensor) -> None:
         raise ValueError(f"the flowreduce backend takes CPU tensors; this one is on {t.device}")
 
 
-#: torch's stubs type ProcessGroup's collectives for its callers; the trampoline calls them with
-#: the arguments these take (PyProcessGroup.hpp), so the base is untyped here
+class CollectiveError(FlowreduceError, RuntimeError):
+    """A collective of the ``flowreduce`` backend failed: raised by its work's ``wait()`` and its
+    future's, naming the rank, the collective and what it raised (torch's errors are RuntimeErrors)."""
+
+
+#: torch's stubs type Work's and ProcessGroup's methods for their callers; the trampolines call them
+#: with the arguments these take (PyProcessGroup.hpp), so the bases are untyped here
+_Work: Any = dist.Work
 _ProcessGroup: Any = dist.ProcessGroup
+
+
+class CollectiveWork(_Work):
+    """What every collective of :class:`FlowreduceProcessGroup` returns: the collective is queued on
+    its group's thread; ``wait()`` (and ``get_future().wait()``, which DDP's reducer waits on)
+    returns once it has run, with the tensors updated in place, or raises its
+    :class:`CollectiveError`; ``is_completed()`` says whether it has run."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.done = threading.Event()
+
+    def __repr__(self) -> str:
+        return f"<flowreduce work: {self.what}{', done' if self.future.done() else ''}>"
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Wait until the collective has run (``timeout``, a ``timedelta``: at most that long, then
+        :class:`TimeoutError`; the communicator's own ``timeout=`` bounds every collective anyway)."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if seconds and not self.done.wait(seconds):
+            raise TimeoutError(f"{self.what}: not done after {seconds:g} s")
+        self.future.wait()  # raises the collective's error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+    def finish(self, result: Any) -> None:
+        self.future.set_result(result)
+        self.done.set()
+
+    def fail(self, e: BaseException) -> None:
+        error = CollectiveError(f"{self.what} failed: {type(e).__name__}: {e}")
+        error.__cause__ = e
+        self.future.set_exception(error)
+        self.done.set()
+
+
+class _Lane:
+    """A group's collectives in the order they were issued, on one thread of the group's own
+    (started with the first): the order is the program's, the same on every rank, as MPI's and
+    gloo's rely on; the communicator is only ever called from this thread while the group lives."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.jobs: queue.SimpleQueue[tuple[CollectiveWork, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.ended: str | None = None
+
+    def issue(self, work: CollectiveWork, body: Callable[[], Any]) -> CollectiveWork:
+        with self.lock:
+            if self.ended is not None:
+                raise CollectiveError(f"{work.what}: {self.ended}")
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self.thread.start()
+            self.jobs.put((work, body))
+        return work
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            work, body = job
+            try:
+                result = body()
+            except BaseException as e:  # noqa: BLE001  (every error goes to the work's waiter)
+                work.fail(e)
+            else:
+                work.finish(result)
+
+    def end(self, why: str) -> None:
+        """Refuse new collectives (``why``), run those issued (a failed job fails each at once,
+        naming its rank), and join the thread."""
+        with self.lock:
+            first, self.ended = self.ended is None, self.ended or why
+            thread = self.thread
+            if first and thread is not None:
+                self.jobs.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
 
 class FlowreduceProcessGroup(_ProcessGroup):
     """A ``torch.distributed`` group whose collectives run on a flowreduce communicator
-    (:class:`flowreduce.spmd.Communicator`). Each returns a completed work; the tensors
-    passed are updated in place."""
+    (:class:`flowreduce.spmd.Communicator`, or a :class:`~flowreduce.torch.storecomm.StoreComm`).
+    Each collective is checked on the caller's thread, queued on the group's thread and returns
+    a :class:`CollectiveWork` at once; the tensors passed are updated in place when it has run."""
 
     def __init__(self, comm: Any) -> None:
         super().__init__(comm.rank, comm.size)
         self.comm = comm
+        self.issued = 0
+        self.lane = _Lane(f"flowreduce-torch-rank{comm.rank}-of{comm.size}")
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
         return BACKEND
@@ -210,11 +311,29 @@ class FlowreduceProcessGroup(_ProcessGroup):
     def __repr__(self) -> str:
         return f"<FlowreduceProcessGroup rank {self.comm.rank} of {self.comm.size}>"
 
+    def _issue(self, name: str, body: Callable[[], Any]) -> CollectiveWork:
+        """``body`` (which returns the future's value) queued on the group's thread."""
+        self.issued += 1
+        work = CollectiveWork(f"{name} #{self.issued} on rank {self.comm.rank} of a flowreduce group of "
+                              f"{self.comm.size}")
+        return self.lane.issue(work, body)
+
+    def call(self, name: str, body: Callable[[], Any]) -> Any:
+        """``body()`` on the group's thread after the collectives issued before; its value (not a
+        collective: not counted, since only some ranks may call it, as ``new_group``'s members)."""
+        work = self.lane.issue(CollectiveWork(f"{name} on rank {self.comm.rank} of a flowreduce group of "
+                                              f"{self.comm.size}"), body)
+        work.wait()
+        return work.future.value()
+
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group`` calls it: the collectives issued run (or fail at once if
+        the job failed), later ones raise, the group's thread ends."""
+        self.lane.end(f"rank {self.comm.rank}'s flowreduce group was destroyed")
+
     # -- reductions -------------------------------------------------------------------
     def _allreduce_into(self, tensors: list[torch.Tensor], op: str) -> None:
         """One collective for every tensor of ``tensors`` (same dtype: flattened into one)."""
-        for t in tensors:
-            _check(t)
         if len(tensors) == 1:
             t = tensors[0]
             out = self.comm.allreduce(t.detach(), op=op)
@@ -232,69 +351,108 @@ class FlowreduceProcessGroup(_ProcessGroup):
             t.detach().copy_(out[offset:offset + n].view(t.shape))
             offset += n
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        self._allreduce_into(list(tensors), _op(opts) if opts is not None else "sum")
-        return _done(tensors)
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CollectiveWork:
+        tensors = list(tensors)
+        for t in tensors:
+            _check(t)
+        op = _op(opts) if opts is not None else "sum"
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        self._allreduce_into(list(tensors), _op(opts) if opts is not None else "sum")
-        return _done(tensors)
+        def body() -> list[torch.Tensor]:
+            self._allreduce_into(tensors, op)
+            return tensors
+
+        return self._issue("all_reduce", body)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CollectiveWork:
+        return self.allreduce(tensors, opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                       opts: Any = None) -> Any:
+                       opts: Any = None) -> CollectiveWork:
         op = _op(opts) if opts is not None else "sum"
-        for out, inputs in zip(output_tensors, input_tensors):
+        for out in output_tensors:
             _check(out)
-            summed = self.comm.allreduce(torch.stack([i.detach() for i in inputs]), op=op)
-            out.detach().copy_(summed[self.comm.rank].view(out.shape))
-        return _done(output_tensors)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        def body() -> list[torch.Tensor]:
+            for out, inputs in zip(output_tensors, input_tensors):
+                summed = self.comm.allreduce(torch.stack([i.detach() for i in inputs]), op=op)
+                out.detach().copy_(summed[self.comm.rank].view(out.shape))
+            return output_tensors
+
+        return self._issue("reduce_scatter", body)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CollectiveWork:
         _check(output)
-        summed = self.comm.allreduce(input.detach(), op=_op(opts) if opts is not None else "sum")
-        output.detach().copy_(torch.chunk(summed, self.comm.size)[self.comm.rank].view(output.shape))
-        return _done(output)
+        op = _op(opts) if opts is not None else "sum"
+
+        def body() -> torch.Tensor:
+            summed = self.comm.allreduce(input.detach(), op=op)
+            output.detach().copy_(torch.chunk(summed, self.comm.size)[self.comm.rank].view(output.shape))
+            return output
+
+        return self._issue("reduce_scatter_tensor", body)
 
     _reduce_scatter_base = reduce_scatter_single
 
     # -- broadcast and gathers ----------------------------------------------------------
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CollectiveWork:
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
             _check(t)
-            value = self.comm.broadcast(t.detach(), root=root)
-            if self.comm.rank != root:
-                t.detach().copy_(value.view(t.shape))
-        return _done(tensors)
+
+        def body() -> list[torch.Tensor]:
+            for t in tensors:
+                value = self.comm.broadcast(t.detach(), root=root)
+                if self.comm.rank != root:
+                    t.detach().copy_(value.view(t.shape))
+            return tensors
+
+        return self._issue("broadcast", body)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                  opts: Any = None) -> Any:
-        for outs, inp in zip(output_tensors, input_tensors):
+                  opts: Any = None) -> CollectiveWork:
+        for inp in input_tensors:
             _check(inp)
-            for out, value in zip(outs, self.comm.allgather(inp.detach())):
-                out.detach().copy_(value.view(out.shape))
-        return _done(output_tensors)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        _check(input)
+        def body() -> list[list[torch.Tensor]]:
+            for outs, inp in zip(output_tensors, input_tensors):
+                for out, value in zip(outs, self.comm.allgather(inp.detach())):
+                    out.detach().copy_(value.view(out.shape))
+            return output_tensors
+
+        return self._issue("all_gather", body)
+
+    def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
         values = self.comm.allgather(input.detach())
         for chunk, value in zip(torch.chunk(output.detach(), self.comm.size), values):
             chunk.copy_(value.view(chunk.shape))
-        return _done(output)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CollectiveWork:
+        _check(input)
+
+        def body() -> torch.Tensor:
+            self._gather_into(output, input)
+            return output
+
+        return self._issue("all_gather_into_tensor", body)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                    opts: Any = None) -> Any:
-        for out, inp in zip(outputs, inputs):
-            self.all_gather_single(out, inp, opts)
-        return _done(outputs)
+                                    opts: Any = None) -> CollectiveWork:
+        for inp in inputs:
+            _check(inp)
+
+        def body() -> list[torch.Tensor]:
+            for out, inp in zip(outputs, inputs):
+                self._gather_into(out, inp)
+            return outputs
+
+        return self._issue("all_gather_into_tensor_coalesced", body)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def barrier(self, opts: Any = None) -> Any:
-        self.comm.barrier()
-        return _done(None)
+    def barrier(self, opts: Any = None) -> CollectiveWork:
+        return self._issue("barrier", lambda: self.comm.barrier())
 
 
 def _destroy_on_close(comm: Any) -> None:
