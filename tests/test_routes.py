@@ -171,3 +171,62 @@ def test_a_calls_record_names_its_route(proc_client):
         assert routes.named(record.route).method == record.method == method
         ran[method, algorithm] = record.route
     assert ran["tasks", "ring"] == "dask-graph"
+
+
+# -- the plan search runs once per call ---------------------------------------------------------------
+
+def _counting(monkeypatch, *names):
+    """Count the calls of these public functions of flowreduce.schedule.call (the plan search's parts)."""
+    seen = {n: 0 for n in names}
+    for n in names:
+        real = getattr(call, n)
+
+        def counted(*args, _real=real, _name=n, **kwargs):
+            seen[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(call, n, counted)
+    return seen
+
+
+SEARCHED = [(p, layout, n, algorithm, det)
+            for p in (3, 4)
+            for layout in ("one host", "2 ranks a worker", "two hosts")
+            for n in (10**3, 10**6, 10**7, 4 * 10**7)  # the glance picks direct-reads, or the inputs are described
+            for algorithm in ("auto", "direct")
+            for det in (False, True)]
+
+
+@pytest.mark.parametrize("p, layout, n, algorithm, det", SEARCHED)
+def test_a_call_searches_its_plans_once(monkeypatch, p, layout, n, algorithm, det):
+    """The glance (numpy arrays in memory: their workers and bytes from the scheduler) searches the
+    plans; when its choice is not direct's peer reads the inputs are described and lowering re-prices
+    those candidates, with the engine's, without a second search; and it chooses what a call
+    described first (no glance) chooses."""
+    from flowreduce.schedule import placement
+
+    workers = _layouts(p)[layout]
+    places = _places(workers)
+    model = CostModel(cores=2)
+    settings = call.Settings.check("sum", algorithm, None, None, model, None, None, {}, None, "auto")
+    if det:
+        settings = replace(settings, deterministic=True)
+    held = ArrayMeta(shape=(n,), dtype=np.dtype("f8").str)
+    monkeypatch.setattr(placement, "glance", lambda client, futures: (list(workers), n * 8))
+    monkeypatch.setattr(hosts, "worker_places", lambda client, ws, **kw: {w: places[w] for w in ws})
+    monkeypatch.setattr(placement, "locate", lambda client, futures, timeout=None: (
+        [[w] for w in workers], [[held] for _ in workers]))
+    futures = [[Stand(("input", r))] for r in range(p)]
+    described = call.Ranks(LEAF, tuple(tuple(fs) for fs in futures), tuple(workers), places, held)
+    expected = call.lower(None, described, settings, may_p2p=True).calls[0]
+
+    seen = _counting(monkeypatch, "dense_candidates", "p2p_candidates", "choose_plan")
+    ranks = call.describe_inputs(None, LEAF, futures, None, settings)
+    record = call.lower(None, ranks, settings, may_p2p=call.p2p_refusal(ranks, settings) is None).calls[0]
+    assert seen["dense_candidates"] == 1, "the task routes' plans were searched more than once"
+    assert seen["p2p_candidates"] <= 1
+    assert seen["choose_plan"] == seen["dense_candidates"] + seen["p2p_candidates"]
+    if record.route == routes.DIRECT_READS.name:  # the glance's choice: direct's tasks check the inputs
+        assert ranks.check and not isinstance(ranks.held, ArrayMeta)
+    else:
+        assert ranks.held == held
+        assert (record.plan, record.route, record.predicted) == (expected.plan, expected.route, expected.predicted)
