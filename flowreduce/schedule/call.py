@@ -40,7 +40,7 @@ from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.algorithms.sparse import SparsePlan
-from flowreduce.cost import CostModel, choose, choose_sparse, model_for, tune
+from flowreduce.cost import CostModel, Lowered, as_planned, choose, choose_sparse, model_for, tune
 from flowreduce.errors import InputError, InputStateError, InputTypeError, OptionError, raised_as
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import new_token, parse
@@ -595,7 +595,8 @@ def pricing(model: CostModel, settings: Settings, dtype: Any) -> CostModel:
 
 
 def choose_plan(p: int, nbytes: int, levels: Sequence[Sequence[Sequence[int]]], model: CostModel, settings: Settings,
-                wire: SparseCall | BlockCall | None = None, aggregators: int = 0, direct: bool = False) -> Plan:
+                wire: SparseCall | BlockCall | None = None, aggregators: int = 0, direct: bool = False,
+                lowered: Lowered = as_planned) -> Plan:
     """The plan for ``p`` ranks of ``nbytes`` each, judged by ``model``, the
     ranks grouped by host (and coarser levels) as in ``levels``: ``auto``
     chooses among all algorithms (among the sparse ones for scipy.sparse
@@ -604,7 +605,10 @@ def choose_plan(p: int, nbytes: int, levels: Sequence[Sequence[Sequence[int]]], 
     what the call leaves open (chunks; hierarchical's groups, inner and
     outer). Block-sparse calls (``wire``) have one plan, over
     ``aggregators`` aggregating workers. Under ``deterministic=True``,
-    ``model`` is the call's :func:`pricing`."""
+    ``model`` is the call's :func:`pricing`. ``lowered``: how the route
+    that will run each variant of a named algorithm changes its card
+    (:func:`flowreduce.schedule.routes.cards`; default: the plan's own,
+    as the Dask graph and the engine run it)."""
     chunks = settings.chunks_for(nbytes)
     options = dict(settings.options)
     with raised_as(OptionError):
@@ -626,8 +630,8 @@ def choose_plan(p: int, nbytes: int, levels: Sequence[Sequence[Sequence[int]]], 
         if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
             options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
         # each variant priced as its route runs it (hierarchical with shm-direct inside: fused, over segments)
-        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0],
-                    lowered=routes.lowered_card, **options)
+        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], lowered=lowered,
+                    **options)
 
 
 def call_site(workers: Sequence[str], places: Mapping[str, hosts.Place], levels: list[list[list[int]]],
@@ -653,7 +657,8 @@ def dense_candidates(site: routes.Site, settings: Settings) -> list[Plan]:
     open_ = settings.algorithm == "auto" and chunks is None
     if settings.op.exact and open_:  # deterministic="exact": only these fold exactly
         return routes.gathering(site)
-    plan = choose_plan(len(site.workers), site.nbytes, site.levels, site.model, settings, direct=True)
+    plan = choose_plan(len(site.workers), site.nbytes, site.levels, site.model, settings, direct=True,
+                       lowered=routes.cards(site))
     if settings.algorithm == "hierarchical" and chunks in (None, 1) and routes.inside_hosts(site, dict(settings.options)):
         plan = routes.shm_hierarchical_plan(site, **settings.options)
     return [plan] + (routes.proposals(site) if open_ else [])
