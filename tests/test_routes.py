@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from distributed import wait
-from utils import workers_of
+from utils import graph_depth, workers_of
 
 import flowreduce
 from flowreduce.cost import CostModel
@@ -230,3 +230,75 @@ def test_a_call_searches_its_plans_once(monkeypatch, p, layout, n, algorithm, de
     else:
         assert ranks.held == held
         assert (record.plan, record.route, record.predicted) == (expected.plan, expected.route, expected.predicted)
+
+
+# -- the Dask graph is priced by the card of the graph it builds ------------------------------------
+
+def _site(workers, n, *, ordered=False, transport="auto", model=None):
+    places = _places(workers)
+    settings = call.Settings.check("sum", "auto", None, None, None, None, None, {}, None, transport)
+    inputs = tuple(Stand(("input", r)) for r in range(len(workers)))
+    lowering = routes.Lowering(inputs, tuple(f.key for f in inputs), n, (n,), np.dtype("f8"), settings.op)
+    return call.call_site(workers, places, hosts.rank_levels(None, workers, places, None), model or CostModel(cores=2),
+                          n * 8, settings, ordered=ordered, lowering=lowering)
+
+
+ONE, TWO = _layouts(4)["one host"], _layouts(4)["two hosts"]
+PAIRS = _layouts(4)["2 ranks a worker"]
+ON_THE_DASK_GRAPH = {  # plans some other route runs elsewhere, and plain ones
+    "shm-direct, transport='dask'": (lambda: flowreduce.plan("shm-direct", 4), ONE, {"transport": "dask"}),
+    "shm-direct of 2 workers, transport='dask'": (lambda: routes.shm_direct_plan(4, PAIRS), PAIRS,
+                                                  {"transport": "dask"}),
+    "shm-direct in 2 chunks": (lambda: flowreduce.plan("shm-direct", 4, chunks=2), ONE, {}),
+    "hierarchical over shm-direct, deterministic": (
+        lambda: flowreduce.plan("hierarchical", 4, groups=[[0, 1], [2, 3]], inner="shm-direct", outer="butterfly"),
+        TWO, {"ordered": True}),
+    "hierarchical over shm-direct, transport='dask'": (
+        lambda: flowreduce.plan("hierarchical", 4, groups=[[0, 1], [2, 3]], inner="shm-direct", outer="ring"),
+        TWO, {"transport": "dask"}),
+    "butterfly in 3 chunks, two hosts": (lambda: flowreduce.plan("butterfly", 4, chunks=3), TWO, {}),
+    "ring": (lambda: flowreduce.plan("ring", 4), ONE, {}),
+    "tree, deterministic": (lambda: flowreduce.plan("tree", 4, chunks=2), ONE, {"ordered": True}),
+}
+
+
+@pytest.mark.parametrize("n", [10**3, 10**6])
+@pytest.mark.parametrize("case", ON_THE_DASK_GRAPH)
+def test_the_dask_graph_is_priced_by_the_graph_it_builds(case, n):
+    """The dask-graph route's price is the cost model over the card of the graph it lowers to: the
+    plan's card, whose tasks and levels are the built graph's, whatever the plan (no collective's
+    price for shm-direct, no fused card for hierarchical over shm-direct: those are their routes')."""
+    make, workers, kw = ON_THE_DASK_GRAPH[case]
+    plan, site = make(), _site(workers, n, **kw)
+    assert routes.route_of(plan, site) is routes.DASK_GRAPH
+    graph = routes.DASK_GRAPH.lower(plan, site).graph
+    tasks, levels = len(graph.tasks), graph_depth(graph)
+    card = site.model.card(plan, site.nbytes)
+    assert (card.tasks, card.steps) == (tasks, levels)
+
+    def built(q, c):  # the card with the real graph's tasks and levels, every byte through Dask's comm
+        return replace(c, tasks=tasks, steps=levels), False
+
+    assert routes.DASK_GRAPH.price(plan, site) == pytest.approx(
+        site.model.predict(plan, site.nbytes, site.hosts, built), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [10**3, 10**6, 10**8])
+@pytest.mark.parametrize("where", ["transport='dask'", "deterministic", "shared memory"])
+def test_a_named_algorithms_variants_are_priced_as_their_route_runs_them(where, n):
+    """A named ``hierarchical`` over ``shm-direct`` with its outer algorithm left open: the search keeps
+    the outer algorithm the route that runs the plan prices lowest (the fused graph over shared
+    memory where that route applies, else the Dask graph's own card)."""
+    from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS
+
+    kw = {"transport='dask'": {"transport": "dask"}, "deterministic": {"ordered": True}, "shared memory": {}}[where]
+    site = _site(TWO, n, **kw)
+    settings = call.Settings.check("sum", "hierarchical", None, None, None, None, None, {"inner": "shm-direct"},
+                                   None, kw.get("transport", "auto"))
+    chosen = call.dense_candidates(site, settings)[0]
+    route = routes.route_of(chosen, site)
+    assert (route is routes.SHM_HIERARCHICAL) == (where == "shared memory")
+    variants = [flowreduce.plan("hierarchical", 4, groups=[[0, 1], [2, 3]], inner="shm-direct", outer=o)
+                for o in ALLREDUCE_ALGORITHMS]
+    best = min(routes.route_of(q, site).price(q, site) for q in variants)
+    assert route.price(chosen, site) == pytest.approx(best, rel=1e-12)

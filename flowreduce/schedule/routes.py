@@ -226,8 +226,8 @@ class ShmHierarchical(_Described):
     def price(self, plan: Plan, site: Site) -> float:
         return site.model.predict(plan, site.nbytes, site.hosts, lowered_card)
 
-    def proposals(self, site: Site) -> tuple[Plan, ...]:
-        if len(site.levels) != 1 or not hosts_share_memory(site.levels[0], site.domains):
+    def proposals(self, site: Site) -> tuple[Plan, ...]:  # only what it runs (not under deterministic=True)
+        if len(site.levels) != 1 or not hosts_share_memory(site.levels[0], site.domains) or site.ordered:
             return ()
         return (shm_hierarchical_plan(site),)
 
@@ -470,8 +470,10 @@ def shm_hierarchical_plan(site: Site, **options: Any) -> Plan:
 
 def inside_hosts(site: Site, options: dict) -> bool:
     """Whether a named ``hierarchical`` call runs ``shm-direct`` inside each host: one level of hosts
-    whose workers share memory, and the call leaves the inner algorithm and the groups open."""
-    return (len(site.levels) == 1 and hosts_share_memory(site.levels[0], site.domains)
+    whose workers share memory, the call leaves the inner algorithm and the groups open, and
+    :data:`SHM_HIERARCHICAL` can run it (not under ``deterministic=True``, whose Dask graph runs the
+    inner algorithm the search prices lowest there)."""
+    return (len(site.levels) == 1 and hosts_share_memory(site.levels[0], site.domains) and not site.ordered
             and not {"inner", "groups", "group_size", "levels", "workers"} & set(options))
 
 
