@@ -33,7 +33,8 @@ from flowreduce.algorithms import shm_direct as _shm_direct
 from flowreduce.algorithms.hierarchical import DIRECT as DIRECT_INNER
 from flowreduce.algorithms.hierarchical import direct_lowered
 from flowreduce.algorithms.ir import CostCard, Plan
-from flowreduce.cost import CostModel, Groups, Lowered, tune
+from flowreduce.cost import CostModel, Groups, tune
+from flowreduce.cost import Lowered as Priced
 from flowreduce.lower import shm_direct, shm_edges, shm_hierarchical
 from flowreduce.lower.direct import build_direct
 from flowreduce.lower.graph import Graph, build_graph, gathers_every_rank
@@ -490,7 +491,7 @@ def lowered_card(plan: Plan, card: CostCard) -> tuple[CostCard, bool]:
     return replace(card, tasks=tasks, steps=steps), True
 
 
-def cards(site: Site) -> Lowered:
+def cards(site: Site) -> Priced:
     """How the task routes at ``site`` change a plan's card while the plan search prices its variants
     (:func:`~flowreduce.cost.tune`'s ``lowered``): :data:`SHM_HIERARCHICAL`'s fused graph
     (:func:`lowered_card`) for the plans it runs there, every other plan's own card (the Dask graph,
