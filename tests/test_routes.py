@@ -302,3 +302,19 @@ def test_a_named_algorithms_variants_are_priced_as_their_route_runs_them(where, 
                 for o in ALLREDUCE_ALGORITHMS]
     best = min(routes.route_of(q, site).price(q, site) for q in variants)
     assert route.price(chosen, site) == pytest.approx(best, rel=1e-12)
+
+
+def test_calls_through_the_front_door_search_their_plans_once(proc_client, monkeypatch):
+    """On worker processes: inputs in memory (the glance), a named algorithm (no glance) and
+    ``deterministic=True`` each search the task routes' plans once, and the engine's at most once."""
+    ws = workers_of(proc_client)
+    for n, kw in ((1000, {}), (10**6, {}), (1000, {"algorithm": "ring"}), (10**5, {"deterministic": True}),
+                  (1000, {"algorithm": "direct", "chunks": 2})):  # the glance picks the Dask graph: inputs described
+        parts = [proc_client.submit(np.full, n, float(r), workers=[ws[r]], pure=False) for r in range(4)]
+        wait(parts)
+        seen = _counting(monkeypatch, "dense_candidates", "p2p_candidates")
+        out = flowreduce.allreduce(proc_client, parts, **kw)
+        for o in proc_client.gather(out):
+            np.testing.assert_array_equal(o, np.full(n, 6.0))
+        assert seen["dense_candidates"] == 1 and seen["p2p_candidates"] <= 1, (n, kw, seen)
+        monkeypatch.undo()
