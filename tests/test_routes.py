@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from distributed import wait
-from utils import workers_of
+from utils import graph_depth, workers_of
 
 import flowreduce
 from flowreduce.cost import CostModel
@@ -171,3 +171,150 @@ def test_a_calls_record_names_its_route(proc_client):
         assert routes.named(record.route).method == record.method == method
         ran[method, algorithm] = record.route
     assert ran["tasks", "ring"] == "dask-graph"
+
+
+# -- the plan search runs once per call ---------------------------------------------------------------
+
+def _counting(monkeypatch, *names):
+    """Count the calls of these public functions of flowreduce.schedule.call (the plan search's parts)."""
+    seen = {n: 0 for n in names}
+    for n in names:
+        real = getattr(call, n)
+
+        def counted(*args, _real=real, _name=n, **kwargs):
+            seen[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(call, n, counted)
+    return seen
+
+
+SEARCHED = [(p, layout, n, algorithm, det)
+            for p in (3, 4)
+            for layout in ("one host", "2 ranks a worker", "two hosts")
+            for n in (10**3, 10**6, 10**7, 4 * 10**7)  # the glance picks direct-reads, or the inputs are described
+            for algorithm in ("auto", "direct")
+            for det in (False, True)]
+
+
+@pytest.mark.parametrize("p, layout, n, algorithm, det", SEARCHED)
+def test_a_call_searches_its_plans_once(monkeypatch, p, layout, n, algorithm, det):
+    """The glance (numpy arrays in memory: their workers and bytes from the scheduler) searches the
+    plans; when its choice is not direct's peer reads the inputs are described and lowering re-prices
+    those candidates, with the engine's, without a second search; and it chooses what a call
+    described first (no glance) chooses."""
+    from flowreduce.schedule import placement
+
+    workers = _layouts(p)[layout]
+    places = _places(workers)
+    model = CostModel(cores=2)
+    settings = call.Settings.check("sum", algorithm, None, None, model, None, None, {}, None, "auto")
+    if det:
+        settings = replace(settings, deterministic=True)
+    held = ArrayMeta(shape=(n,), dtype=np.dtype("f8").str)
+    monkeypatch.setattr(placement, "glance", lambda client, futures: (list(workers), n * 8))
+    monkeypatch.setattr(hosts, "worker_places", lambda client, ws, **kw: {w: places[w] for w in ws})
+    monkeypatch.setattr(placement, "locate", lambda client, futures, timeout=None: (
+        [[w] for w in workers], [[held] for _ in workers]))
+    futures = [[Stand(("input", r))] for r in range(p)]
+    described = call.Ranks(LEAF, tuple(tuple(fs) for fs in futures), tuple(workers), places, held)
+    expected = call.lower(None, described, settings, may_p2p=True).calls[0]
+
+    seen = _counting(monkeypatch, "dense_candidates", "p2p_candidates", "choose_plan")
+    ranks = call.describe_inputs(None, LEAF, futures, None, settings)
+    record = call.lower(None, ranks, settings, may_p2p=call.p2p_refusal(ranks, settings) is None).calls[0]
+    assert seen["dense_candidates"] == 1, "the task routes' plans were searched more than once"
+    assert seen["p2p_candidates"] <= 1
+    assert seen["choose_plan"] == seen["dense_candidates"] + seen["p2p_candidates"]
+    if record.route == routes.DIRECT_READS.name:  # the glance's choice: direct's tasks check the inputs
+        assert ranks.check and not isinstance(ranks.held, ArrayMeta)
+    else:
+        assert ranks.held == held
+        assert (record.plan, record.route, record.predicted) == (expected.plan, expected.route, expected.predicted)
+
+
+# -- the Dask graph is priced by the card of the graph it builds ------------------------------------
+
+def _site(workers, n, *, ordered=False, transport="auto", model=None):
+    places = _places(workers)
+    settings = call.Settings.check("sum", "auto", None, None, None, None, None, {}, None, transport)
+    inputs = tuple(Stand(("input", r)) for r in range(len(workers)))
+    lowering = routes.Lowering(inputs, tuple(f.key for f in inputs), n, (n,), np.dtype("f8"), settings.op)
+    return call.call_site(workers, places, hosts.rank_levels(None, workers, places, None), model or CostModel(cores=2),
+                          n * 8, settings, ordered=ordered, lowering=lowering)
+
+
+ONE, TWO = _layouts(4)["one host"], _layouts(4)["two hosts"]
+PAIRS = _layouts(4)["2 ranks a worker"]
+ON_THE_DASK_GRAPH = {  # plans some other route runs elsewhere, and plain ones
+    "shm-direct, transport='dask'": (lambda: flowreduce.plan("shm-direct", 4), ONE, {"transport": "dask"}),
+    "shm-direct of 2 workers, transport='dask'": (lambda: routes.shm_direct_plan(4, PAIRS), PAIRS,
+                                                  {"transport": "dask"}),
+    "shm-direct in 2 chunks": (lambda: flowreduce.plan("shm-direct", 4, chunks=2), ONE, {}),
+    "hierarchical over shm-direct, deterministic": (
+        lambda: flowreduce.plan("hierarchical", 4, groups=[[0, 1], [2, 3]], inner="shm-direct", outer="butterfly"),
+        TWO, {"ordered": True}),
+    "hierarchical over shm-direct, transport='dask'": (
+        lambda: flowreduce.plan("hierarchical", 4, groups=[[0, 1], [2, 3]], inner="shm-direct", outer="ring"),
+        TWO, {"transport": "dask"}),
+    "butterfly in 3 chunks, two hosts": (lambda: flowreduce.plan("butterfly", 4, chunks=3), TWO, {}),
+    "ring": (lambda: flowreduce.plan("ring", 4), ONE, {}),
+    "tree, deterministic": (lambda: flowreduce.plan("tree", 4, chunks=2), ONE, {"ordered": True}),
+}
+
+
+@pytest.mark.parametrize("n", [10**3, 10**6])
+@pytest.mark.parametrize("case", ON_THE_DASK_GRAPH)
+def test_the_dask_graph_is_priced_by_the_graph_it_builds(case, n):
+    """The dask-graph route's price is the cost model over the card of the graph it lowers to: the
+    plan's card, whose tasks and levels are the built graph's, whatever the plan (no collective's
+    price for shm-direct, no fused card for hierarchical over shm-direct: those are their routes')."""
+    make, workers, kw = ON_THE_DASK_GRAPH[case]
+    plan, site = make(), _site(workers, n, **kw)
+    assert routes.route_of(plan, site) is routes.DASK_GRAPH
+    graph = routes.DASK_GRAPH.lower(plan, site).graph
+    tasks, levels = len(graph.tasks), graph_depth(graph)
+    card = site.model.card(plan, site.nbytes)
+    assert (card.tasks, card.steps) == (tasks, levels)
+
+    def built(q, c):  # the card with the real graph's tasks and levels, every byte through Dask's comm
+        return replace(c, tasks=tasks, steps=levels), False
+
+    assert routes.DASK_GRAPH.price(plan, site) == pytest.approx(
+        site.model.predict(plan, site.nbytes, site.hosts, built), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [10**3, 10**6, 10**8])
+@pytest.mark.parametrize("where", ["transport='dask'", "deterministic", "shared memory"])
+def test_a_named_algorithms_variants_are_priced_as_their_route_runs_them(where, n):
+    """A named ``hierarchical`` over ``shm-direct`` with its outer algorithm left open: the search keeps
+    the outer algorithm the route that runs the plan prices lowest (the fused graph over shared
+    memory where that route applies, else the Dask graph's own card)."""
+    from flowreduce.algorithms.hierarchical import ALLREDUCE_ALGORITHMS
+
+    kw = {"transport='dask'": {"transport": "dask"}, "deterministic": {"ordered": True}, "shared memory": {}}[where]
+    site = _site(TWO, n, **kw)
+    settings = call.Settings.check("sum", "hierarchical", None, None, None, None, None, {"inner": "shm-direct"},
+                                   None, kw.get("transport", "auto"))
+    chosen = call.dense_candidates(site, settings)[0]
+    route = routes.route_of(chosen, site)
+    assert (route is routes.SHM_HIERARCHICAL) == (where == "shared memory")
+    variants = [flowreduce.plan("hierarchical", 4, groups=[[0, 1], [2, 3]], inner="shm-direct", outer=o)
+                for o in ALLREDUCE_ALGORITHMS]
+    best = min(routes.route_of(q, site).price(q, site) for q in variants)
+    assert route.price(chosen, site) == pytest.approx(best, rel=1e-12)
+
+
+def test_calls_through_the_front_door_search_their_plans_once(proc_client, monkeypatch):
+    """On worker processes: inputs in memory (the glance), a named algorithm (no glance) and
+    ``deterministic=True`` each search the task routes' plans once, and the engine's at most once."""
+    ws = workers_of(proc_client)
+    for n, kw in ((1000, {}), (10**6, {}), (1000, {"algorithm": "ring"}), (10**5, {"deterministic": True}),
+                  (1000, {"algorithm": "direct", "chunks": 2})):  # the glance picks the Dask graph: inputs described
+        parts = [proc_client.submit(np.full, n, float(r), workers=[ws[r]], pure=False) for r in range(4)]
+        wait(parts)
+        seen = _counting(monkeypatch, "dense_candidates", "p2p_candidates")
+        out = flowreduce.allreduce(proc_client, parts, **kw)
+        for o in proc_client.gather(out):
+            np.testing.assert_array_equal(o, np.full(n, 6.0))
+        assert seen["dense_candidates"] == 1 and seen["p2p_candidates"] <= 1, (n, kw, seen)
+        monkeypatch.undo()

@@ -40,7 +40,7 @@ from flowreduce.algorithms import ALGORITHMS, SPARSE_ALGORITHMS
 from flowreduce.algorithms import plan as make_plan
 from flowreduce.algorithms.ir import Plan
 from flowreduce.algorithms.sparse import SparsePlan
-from flowreduce.cost import CostModel, choose, choose_sparse, model_for, tune
+from flowreduce.cost import CostModel, Lowered, as_planned, choose, choose_sparse, model_for, tune
 from flowreduce.errors import InputError, InputStateError, InputTypeError, OptionError, raised_as
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES, Layout, make_buckets
 from flowreduce.keys import new_token, parse
@@ -463,8 +463,11 @@ class Ranks:
     ``workers[r]``; ``held`` is what every rank holds. ``check``: the first
     task of each rank checks its input against ``held`` (from a template:
     nothing was waited for), or, for :class:`Unseen` inputs, all ranks'
-    inputs against each other. ``plan``: the plan, when choosing it decided
-    how the inputs are checked (``direct`` on :class:`Unseen` inputs)."""
+    inputs against each other. ``search``: the call's plan search, when it
+    was made before the inputs were described (:func:`glance`: it decided
+    how they are checked, ``direct`` on :class:`Unseen` inputs, or that
+    they are waited for); :func:`lower` runs its choice, or re-prices its
+    candidates, and does not search again."""
 
     outer: TreeDef
     futures: tuple[tuple[Future, ...], ...]
@@ -472,7 +475,7 @@ class Ranks:
     places: Mapping[str, hosts.Place]
     held: Held
     check: bool = False
-    plan: Plan | None = None
+    search: Search | None = None
 
     @property
     def in_place(self) -> bool:
@@ -492,9 +495,10 @@ def describe_inputs(client: Client, outer: TreeDef, futures: list[list[Future]],
     (:func:`glance`); else the inputs are waited for and the workers say
     what they hold."""
     frozen = tuple(tuple(fs) for fs in futures)
-    quick = glance(client, outer, frozen, settings) if like is None else None
-    if quick is not None:
-        return quick
+    seen = glance(client, outer, frozen, settings) if like is None else None
+    if seen is not None and seen.choice.route is routes.DIRECT_READS:  # its tasks check the inputs
+        site = seen.site
+        return Ranks(outer, frozen, site.workers, seen.places, Unseen(site.nbytes), check=True, search=seen)
     if like is not None:
         with raised_as(InputError):
             layout = Layout.from_template(outer, like)
@@ -514,16 +518,50 @@ def describe_inputs(client: Client, outer: TreeDef, futures: list[list[Future]],
         held = common_sparse([m[0] for m in metas])
     else:
         held = checked_array([m[0] for m in metas], settings.op)
-    return Ranks(outer, frozen, tuple(workers), places, held)
+    return Ranks(outer, frozen, tuple(workers), places, held, search=seen)
+
+
+@dataclass(frozen=True)
+class Search:
+    """A dense call's plan search (:func:`dense_candidates`), made once, where
+    the call first knows its ranks' workers and bytes: at the :func:`glance`
+    for numpy arrays in memory, else in :func:`lower`. ``site``: where it
+    was made (no lowering yet); ``places``: the workers' places; ``plans``:
+    the candidates; ``choice``: the one
+    :func:`~flowreduce.schedule.routes.choose` picks among them on the task
+    routes (the glance's: ``direct``'s peer reads, or the inputs are waited
+    for). :func:`lower` re-prices ``plans`` (and the engine's, under
+    ``method="auto"``) on its site when it is this one (:meth:`made_for`)."""
+
+    site: routes.Site
+    places: Mapping[str, hosts.Place]
+    plans: tuple[Plan, ...]
+    choice: routes.Choice
+
+    def made_for(self, site: routes.Site) -> bool:
+        """Whether this search was made for ``site``'s question: the same workers and memory domains,
+        hosts, model, bytes and order (what the glance saw and what the described inputs say agree)."""
+        a, b = self.site, site
+        return ((a.workers, a.domains, a.model, a.nbytes, a.ordered) == (b.workers, b.domains, b.model, b.nbytes,
+                                                                         b.ordered)
+                and [[list(g) for g in level] for level in a.levels] == [[list(g) for g in level] for level in b.levels])
+
+
+#: The dtype a glance prices numpy arrays as (the scheduler knows their bytes, not their dtype): under
+#: deterministic=True a float's partial sums (:func:`pricing`), what the call's values almost always are;
+#: integers there (exact in any order) find the glance's search made for another model, and search again.
+GLANCED_DTYPE = np.dtype("f8")
 
 
 def glance(client: Client, outer: TreeDef, futures: tuple[tuple[Future, ...], ...],
-           settings: Settings) -> Ranks | None:
-    """The ranks of a call whose plan is ``direct`` (named, or ``auto``'s
-    pick at this size), placed from what the scheduler knows of their
-    inputs (:func:`~flowreduce.schedule.placement.glance`: numpy arrays in
-    memory) without asking the workers: the plan's tasks check the inputs.
-    None when that does not apply."""
+           settings: Settings) -> Search | None:
+    """The plan search of a call whose plan may be ``direct`` (named, or
+    ``auto``), made from what the scheduler knows of its inputs
+    (:func:`~flowreduce.schedule.placement.glance`: numpy arrays in memory,
+    their workers and bytes) without asking the workers. When its choice is
+    ``direct``'s peer reads, their tasks check the inputs; else the inputs
+    are described and :func:`lower` re-prices these candidates. None when
+    that does not apply."""
     if not outer.is_leaf or settings.algorithm not in ("auto", routes.DIRECT):
         return None
     seen = placement.glance(client, [fs[0] for fs in futures])
@@ -531,13 +569,17 @@ def glance(client: Client, outer: TreeDef, futures: tuple[tuple[Future, ...], ..
         return None
     workers, nbytes = seen
     places = hosts.worker_places(client, workers)  # asked once per worker and client, then kept
-    model = model_for(settings.model, hosts.shared_cores(workers, places))
+    model = pricing(model_for(settings.model, hosts.shared_cores(workers, places)), settings, GLANCED_DTYPE)
     levels = hosts.rank_levels(client, workers, places, settings.topology)
-    site = call_site(workers, places, levels, model, nbytes, settings)
-    choice = routes.choose(site, dense_candidates(site, settings))
-    if choice.route is not routes.DIRECT_READS:
-        return None
-    return Ranks(outer, futures, tuple(workers), places, Unseen(nbytes), check=True, plan=choice.plan)
+    site = call_site(workers, places, levels, model, nbytes, settings, ordered=ordered(settings, GLANCED_DTYPE))
+    plans = tuple(dense_candidates(site, settings))
+    return Search(site, places, plans, routes.choose(site, plans))
+
+
+def ordered(settings: Settings, dtype: Any) -> bool:
+    """Whether a call's values of ``dtype`` are reduced in the reference tree's order (``deterministic=True``
+    on an op and dtype it orders)."""
+    return settings.deterministic and tree_ordered(settings.op.name, np.dtype(dtype))
 
 
 def pricing(model: CostModel, settings: Settings, dtype: Any) -> CostModel:
@@ -547,13 +589,14 @@ def pricing(model: CostModel, settings: Settings, dtype: Any) -> CostModel:
     means...), every transfer weighed by the partial sums it carries
     (:meth:`CostModel.carrying_partials`); else ``model`` (integers, min,
     max carry one value, as by default)."""
-    if settings.deterministic and tree_ordered(settings.op.name, np.dtype(dtype)):
+    if ordered(settings, dtype):
         return model.carrying_partials()
     return model
 
 
 def choose_plan(p: int, nbytes: int, levels: Sequence[Sequence[Sequence[int]]], model: CostModel, settings: Settings,
-                wire: SparseCall | BlockCall | None = None, aggregators: int = 0, direct: bool = False) -> Plan:
+                wire: SparseCall | BlockCall | None = None, aggregators: int = 0, direct: bool = False,
+                lowered: Lowered = as_planned) -> Plan:
     """The plan for ``p`` ranks of ``nbytes`` each, judged by ``model``, the
     ranks grouped by host (and coarser levels) as in ``levels``: ``auto``
     chooses among all algorithms (among the sparse ones for scipy.sparse
@@ -562,7 +605,10 @@ def choose_plan(p: int, nbytes: int, levels: Sequence[Sequence[Sequence[int]]], 
     what the call leaves open (chunks; hierarchical's groups, inner and
     outer). Block-sparse calls (``wire``) have one plan, over
     ``aggregators`` aggregating workers. Under ``deterministic=True``,
-    ``model`` is the call's :func:`pricing`."""
+    ``model`` is the call's :func:`pricing`. ``lowered``: how the route
+    that will run each variant of a named algorithm changes its card
+    (:func:`flowreduce.schedule.routes.cards`; default: the plan's own,
+    as the Dask graph and the engine run it)."""
     chunks = settings.chunks_for(nbytes)
     options = dict(settings.options)
     with raised_as(OptionError):
@@ -584,8 +630,8 @@ def choose_plan(p: int, nbytes: int, levels: Sequence[Sequence[Sequence[int]]], 
         if settings.algorithm == "hierarchical" and len(levels) > 1 and not {"groups", "group_size", "levels"} & set(options):
             options["levels"] = levels  # tune() defaults the one-level groups to the hosts itself
         # each variant priced as its route runs it (hierarchical with shm-direct inside: fused, over segments)
-        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0],
-                    lowered=routes.lowered_card, **options)
+        return tune(settings.algorithm, p, nbytes, model=model, chunks=chunks, hosts=levels[0], lowered=lowered,
+                    **options)
 
 
 def call_site(workers: Sequence[str], places: Mapping[str, hosts.Place], levels: list[list[list[int]]],
@@ -611,7 +657,8 @@ def dense_candidates(site: routes.Site, settings: Settings) -> list[Plan]:
     open_ = settings.algorithm == "auto" and chunks is None
     if settings.op.exact and open_:  # deterministic="exact": only these fold exactly
         return routes.gathering(site)
-    plan = choose_plan(len(site.workers), site.nbytes, site.levels, site.model, settings, direct=True)
+    plan = choose_plan(len(site.workers), site.nbytes, site.levels, site.model, settings, direct=True,
+                       lowered=routes.cards(site))
     if settings.algorithm == "hierarchical" and chunks in (None, 1) and routes.inside_hosts(site, dict(settings.options)):
         plan = routes.shm_hierarchical_plan(site, **settings.options)
     return [plan] + (routes.proposals(site) if open_ else [])
@@ -661,12 +708,10 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
         return Job(graph.tasks, graph.placement, list(graph.outputs), graph.token, list, (record,), summary=summary)
 
     if isinstance(held, Unseen):  # glance() chose direct's peer reads, whose tasks check the inputs
-        assert ranks.plan is not None
-        levels = hosts.rank_levels(client, workers, ranks.places, settings.topology)
+        assert ranks.search is not None
         lowering = routes.Lowering(tuple(inputs), keys, 0, (), None, settings.op,
                                    deterministic=settings.deterministic, check=ranks.check, recorded=recorded)
-        site = call_site(workers, ranks.places, levels, model, held.nbytes, settings, lowering=lowering)
-        return routed_job(site, routes.choose(site, [ranks.plan]))
+        return routed_job(replace(ranks.search.site, lowering=lowering), ranks.search.choice)
 
     if isinstance(held, SparseInputs):
         if settings.chunks is None and settings.chunk_bytes is not None:
@@ -698,10 +743,11 @@ def lower(client: Client, ranks: Ranks, settings: Settings, may_p2p: bool = Fals
                                ranks.check, recorded)
     engines, p2p = p2p_candidates(client, ranks, asked) if may_p2p and p2p_refusal(ranks, asked) is None \
         else (None, [])
-    site = call_site(workers, ranks.places, levels, model, nbytes, settings,
-                     ordered=settings.deterministic and tree_ordered(settings.op.name, dtype), lowering=lowering,
-                     engines=engines)
-    choice = routes.choose(site, dense_candidates(site, settings), p2p + routes.proposals(site, routes.P2P))
+    site = call_site(workers, ranks.places, levels, model, nbytes, settings, ordered=ordered(settings, dtype),
+                     lowering=lowering, engines=engines)
+    searched = ranks.search  # the glance's search, re-priced here (with the engine's candidates), not made again
+    tasks = searched.plans if searched is not None and searched.made_for(site) else dense_candidates(site, settings)
+    choice = routes.choose(site, tasks, p2p + routes.proposals(site, routes.P2P))
     if settings.op.exact and not routes.gathers(choice):
         raise _Ungathered(choice.plan.algorithm)
     return routed_job(site, choice)
@@ -857,7 +903,7 @@ def p2p_site(client: Client | None, ranks: Ranks, settings: Settings) -> tuple[r
     lowering = routes.Lowering(inputs, tuple(f.key for f in inputs), math.prod(held.shape), tuple(held.shape), dtype,
                                settings.op)
     site = call_site(ranks.workers, ranks.places, [], engines.model, math.prod(held.shape) * dtype.itemsize,
-                     settings, ordered=settings.deterministic and tree_ordered(settings.op.name, dtype),
+                     settings, ordered=ordered(settings, dtype),
                      lowering=lowering, engines=engines)
     return site, plans + routes.proposals(site, routes.P2P)
 

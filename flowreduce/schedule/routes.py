@@ -34,6 +34,7 @@ from flowreduce.algorithms.hierarchical import DIRECT as DIRECT_INNER
 from flowreduce.algorithms.hierarchical import direct_lowered
 from flowreduce.algorithms.ir import CostCard, Plan
 from flowreduce.cost import CostModel, Groups, tune
+from flowreduce.cost import Lowered as Priced
 from flowreduce.lower import shm_direct, shm_edges, shm_hierarchical
 from flowreduce.lower.direct import build_direct
 from flowreduce.lower.graph import Graph, build_graph, gathers_every_rank
@@ -191,9 +192,10 @@ class ShmDirect(_Described):
         return plan.algorithm == SHM_DIRECT and plan.chunks == 1 and site.one_host
 
     def price(self, plan: Plan, site: Site) -> float:
-        if _priced_as_collective(plan, site):
+        hosts = site.hosts
+        if hosts is None or len(hosts) < 2:
             return site.model.shm_direct_time(plan, site.nbytes)
-        return site.model.predict(plan, site.nbytes, site.hosts)  # topology= split the host: its card, as before
+        return site.model.predict(plan, site.nbytes, hosts)  # topology= split the host: its card, as before
 
     def proposals(self, site: Site) -> tuple[Plan, ...]:
         return (shm_direct_plan(len(site.workers), site.workers),) if site.one_host else ()
@@ -225,8 +227,8 @@ class ShmHierarchical(_Described):
     def price(self, plan: Plan, site: Site) -> float:
         return site.model.predict(plan, site.nbytes, site.hosts, lowered_card)
 
-    def proposals(self, site: Site) -> tuple[Plan, ...]:
-        if len(site.levels) != 1 or not hosts_share_memory(site.levels[0], site.domains):
+    def proposals(self, site: Site) -> tuple[Plan, ...]:  # only what it runs (not under deterministic=True)
+        if len(site.levels) != 1 or not hosts_share_memory(site.levels[0], site.domains) or site.ordered:
             return ()
         return (shm_hierarchical_plan(site),)
 
@@ -290,11 +292,10 @@ class DaskGraph(_Described):
         return True
 
     def price(self, plan: Plan, site: Site) -> float:
-        # prices this route does not earn, kept so that choices stay as they were: see _priced_as_collective
-        # and lowered_card
-        if _priced_as_collective(plan, site):
-            return site.model.shm_direct_time(plan, site.nbytes)
-        return site.model.predict(plan, site.nbytes, site.hosts, lowered_card)
+        """The model over the plan's own card: the graph has its nodes' tasks (a task per node and chunk)
+        and levels, whatever the plan (``shm-direct`` and ``hierarchical`` with ``shm-direct`` inside,
+        run here when their own routes do not apply, too)."""
+        return site.model.predict(plan, site.nbytes, site.hosts)
 
     def lower(self, plan: Plan, site: Site) -> Lowered:
         low = site.built()
@@ -464,14 +465,16 @@ def shm_hierarchical_plan(site: Site, **options: Any) -> Plan:
     p, hosts = len(site.workers), site.levels[0]
     groups = shm_direct.worker_groups(site.workers)
     extra = {"workers": groups} if len(groups) < p else {}
-    return tune("hierarchical", p, site.nbytes, model=site.model, chunks=1, hosts=hosts, lowered=lowered_card,
+    return tune("hierarchical", p, site.nbytes, model=site.model, chunks=1, hosts=hosts, lowered=cards(site),
                 **{**options, "groups": [list(g) for g in hosts], "inner": DIRECT_INNER, **extra})
 
 
 def inside_hosts(site: Site, options: dict) -> bool:
     """Whether a named ``hierarchical`` call runs ``shm-direct`` inside each host: one level of hosts
-    whose workers share memory, and the call leaves the inner algorithm and the groups open."""
-    return (len(site.levels) == 1 and hosts_share_memory(site.levels[0], site.domains)
+    whose workers share memory, the call leaves the inner algorithm and the groups open, and
+    :data:`SHM_HIERARCHICAL` can run it (not under ``deterministic=True``, whose Dask graph runs the
+    inner algorithm the search prices lowest there)."""
+    return (len(site.levels) == 1 and hosts_share_memory(site.levels[0], site.domains) and not site.ordered
             and not {"inner", "groups", "group_size", "levels", "workers"} & set(options))
 
 
@@ -480,28 +483,23 @@ def lowered_card(plan: Plan, card: CostCard) -> tuple[CostCard, bool]:
     (a :data:`flowreduce.cost.Lowered`): ``hierarchical`` with ``shm-direct``
     inside, one chunk, fuses its views and sums into a task per worker
     (``card``'s tasks and levels are the graph's) and moves the bytes
-    inside hosts through shared memory. Plans are priced so wherever their
-    plan search runs (:func:`~flowreduce.cost.tune`) and on the Dask graph
-    too (under ``deterministic=True``, or named with ``transport="dask"``),
-    as the cost model priced them before the routes, so that choices stay
-    as they were; pricing that graph by its own card is left to do (#25, item 2)."""
+    inside hosts through shared memory. Only for plans that route runs
+    (:func:`cards`): on the Dask graph the same plan is a task per node."""
     if not (plan.algorithm == "hierarchical" and plan.options.get("inner") == DIRECT_INNER and plan.chunks == 1):
         return card, False
     tasks, steps = direct_lowered(plan)
     return replace(card, tasks=tasks, steps=steps), True
 
 
-def _priced_as_collective(plan: Plan, site: Site) -> bool:
-    """Whether a one-chunk ``shm-direct`` plan is priced as the collective
-    over segments (:meth:`~flowreduce.cost.CostModel.shm_direct_time`):
-    whenever its ranks are one group of hosts, as the cost model priced it
-    before the routes, whatever it is lowered to. The Dask graph also takes
-    that price for it (``transport="dask"``, or workers of one group that
-    share no memory), so that ``method="auto"``'s choice between tasks and
-    the engine stays as it was; pricing that graph by its card is left to
-    do (#25, item 2)."""
-    hosts = site.hosts
-    return plan.algorithm == SHM_DIRECT and plan.chunks == 1 and (hosts is None or len(hosts) < 2)
+def cards(site: Site) -> Priced:
+    """How the task routes at ``site`` change a plan's card while the plan search prices its variants
+    (:func:`~flowreduce.cost.tune`'s ``lowered``): :data:`SHM_HIERARCHICAL`'s fused graph
+    (:func:`lowered_card`) for the plans it runs there, every other plan's own card (the Dask graph,
+    a task per node and chunk). The variants are priced as the route that will run them prices them."""
+
+    def lowered(plan: Plan, card: CostCard) -> tuple[CostCard, bool]:
+        return lowered_card(plan, card) if SHM_HIERARCHICAL.applies(plan, site) else (card, False)
+    return lowered
 
 
 def engine_spec(plan: Plan, site: Site) -> Spec:

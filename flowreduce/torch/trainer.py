@@ -62,6 +62,7 @@ from dask.task_spec import List, Task, TaskRef
 
 import flowreduce
 from flowreduce import config, keys
+from flowreduce.cost import DEFAULT_MODEL
 from flowreduce.errors import OptionError, WorkerLostError
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.schedule import hosts, routes, transport
@@ -260,17 +261,30 @@ class Trainer:
 
     def _direct_layout(self) -> direct.Flat | None:
         """The shared-memory step's layout, when it applies: every rank on
-        its own worker of one host (as the transport layer decides), one
-        gradient dtype, and an ``algorithm`` that lets flowreduce choose
-        (``auto``: the step graph is one or two task levels, every plan
-        through ``flowreduce.allreduce`` more)."""
+        its own worker, one gradient dtype, an ``algorithm`` that lets
+        flowreduce choose (``auto``: the step graph is one or two task
+        levels, every plan through ``flowreduce.allreduce`` more), and the
+        ``shm-direct`` route applying to the ranks' workers
+        (:data:`flowreduce.schedule.routes.SHM_DIRECT_ROUTE`, the registry's
+        check: one host, or one process).
+
+        The step is that route's collective fused into the training step's
+        tasks (each rank averages its gradients in the task that computed
+        them), not a graph :func:`flowreduce.schedule.routes.choose` could
+        price against others: the gradients never exist as futures (a
+        route's ``Lowering`` starts from them), and the alternative, a
+        pytree ``flowreduce.allreduce`` per step, is bucketed and chooses a
+        plan per bucket, not a route. So ``auto`` takes this step wherever
+        the route applies."""
         how = self.options.get("transport", "auto")
         transport.check(how)
         if self.algorithm not in ("auto", routes.SHM_DIRECT) or len(set(self._ws)) < self._p:
             return None
         specs = [*self.template["grads"].values(), self.template["used"]]
         domains = transport.memory_domains(self._ws, hosts.worker_places(self.client, self._ws), how)
-        if not transport.one_host(self._ws, domains) or not direct.supports(specs):
+        site = routes.Site(tuple(self._ws), tuple(domains), [], DEFAULT_MODEL, 0)
+        shared = routes.shm_direct_plan(self._p, self._ws)
+        if not routes.SHM_DIRECT_ROUTE.applies(shared, site) or not direct.supports(specs):
             return None
         share = self._p > 1 and domains[0] != transport.IN_PROCESS
         if share:
