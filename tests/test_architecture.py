@@ -89,7 +89,8 @@ def start_mypy(config) -> subprocess.Popen:
     def reap() -> None:  # the session ended before test_types read it (-x, ^C)
         if child.poll() is None:
             child.kill()
-        child.communicate()
+            child.wait()
+        child.stdout.close()
 
     config.add_cleanup(reap)  # runs before the cache's removal above (cleanups run last in, first out)
     return child
