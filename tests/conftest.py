@@ -6,6 +6,7 @@ waiting, placing ranks...) are in utils.py."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import re
@@ -150,9 +151,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Start mypy's run for ``test_architecture.py::test_types`` as the tests
+    """Two things for the suite's time, once every test module is imported.
+
+    The objects alive now (numpy, torch, distributed, every test module and
+    its parameters: 340,000 objects) go to the garbage collector's permanent
+    generation (``gc.freeze``): the fixtures' and tests' ``gc.collect()``
+    (hundreds of calls, to drop the futures of reference cycles before a
+    check that no key is left: once per test in several modules' fixtures)
+    and Python's own full collections then scan only what the tests made,
+    not them, every time (0.15-0.35 s a call saved). What the tests create is
+    collected as before; only a reference cycle among the frozen objects
+    that became garbage later would stay (memory, no future: none exists yet).
+
+    And start mypy's run for ``test_architecture.py::test_types`` as the tests
     start, when it is among them: 30 s of a core in a fresh clone, spent while
     the tests before it wait on their clusters (the test reads its result)."""
+    gc.collect()  # the collection's own garbage first: frozen objects are never collected
+    gc.freeze()
     for item in session.items:
         if isinstance(item, pytest.Function) and item.name == "test_types" \
                 and Path(str(item.path)).name == "test_architecture.py":
