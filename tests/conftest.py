@@ -39,6 +39,18 @@ def proc_client():
             yield client
 
 
+@pytest.fixture(scope="session")
+def gloo_ddp_results(tmp_path_factory):
+    """Final parameters and buffers of real DDP over gloo, 4 processes
+    (tests/ddp_reference.py), per run and rank: the reference both
+    tests/test_torch.py and tests/test_torch_backend.py compare with, run once
+    (8 s of 4 processes; the tests only read it)."""
+    pytest.importorskip("torch", reason="torch tests need the extra: pip install -e '.[torch]'")
+    import ddp_reference
+
+    return ddp_reference.gloo_runs(str(tmp_path_factory.mktemp("ddp-gloo")))
+
+
 @pytest.fixture
 def method_tasks():
     """Calls run as a task per plan node and chunk (``method="tasks"``): for the modules that test that
