@@ -97,3 +97,19 @@ def ddp_rank(rank, port, runs, out_dir):
         dist.destroy_process_group()
 
 
+def gloo_runs(out_dir: str) -> dict:
+    """Every run of :data:`RUNS` with :func:`ddp_rank` on :data:`RANKS`
+    processes (``torch.multiprocessing.spawn``, 127.0.0.1): ``{(model,
+    micro-batches): [final state_dict of rank r]}``. tests/conftest.py's
+    ``gloo_ddp_results`` runs it once a session for the modules comparing with it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(ddp_rank, args=(port, RUNS, out_dir), nprocs=RANKS, join=True)
+    return {(name, micro): [torch.load(os.path.join(out_dir, f"{name}-micro{micro}-rank{r}.pt"), weights_only=True)
+                            for r in range(RANKS)] for name, micro in RUNS}
+

@@ -6,8 +6,10 @@ types (mypy, ``[tool.mypy]``). Imports inside functions count as imports."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import grimp
@@ -65,17 +67,42 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join((*c, c[0])) for c in sorted(cycles))
 
 
-def test_types(request, tmp_path):
-    """mypy over flowreduce/ with pyproject's [tool.mypy]; its cache lives in
-    pytest's cache directory, so a second run takes a second, not a minute.
-    In a child process: mypy raises the garbage collector's thresholds for
-    its own speed, which would leave the futures of later tests' reference
-    cycles (and so their keys on the scheduler) uncollected."""
-    cache = request.config.cache.mkdir("mypy") if getattr(request.config, "cache", None) else tmp_path
-    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(PYPROJECT), "--cache-dir", str(cache),
-                          "--no-error-summary", str(ROOT / "flowreduce")], cwd=ROOT, env=_this_checkout(),
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+def start_mypy(config) -> subprocess.Popen:
+    """mypy over flowreduce/ with pyproject's [tool.mypy], started in a child
+    process (tests/conftest.py starts it as the session's tests start, when
+    ``test_types`` is among them: a cold run, 30 s of a core, then overlaps
+    the tests that wait on clusters instead of adding to the suite's time).
+    Its cache lives in pytest's cache directory, so a second run takes a
+    second, not a minute. In a child process: mypy raises the garbage
+    collector's thresholds for its own speed, which would leave the futures
+    of later tests' reference cycles (and so their keys on the scheduler)
+    uncollected."""
+    if getattr(config, "cache", None):
+        cache = str(config.cache.mkdir("mypy"))
+    else:  # -p no:cacheprovider: a cold run's 60 MB, removed after the session
+        cache = tempfile.mkdtemp(prefix="flowreduce-mypy-")
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    child = subprocess.Popen([sys.executable, "-m", "mypy", "--config-file", str(PYPROJECT), "--cache-dir", cache,
+                              "--no-error-summary", str(ROOT / "flowreduce")], cwd=ROOT, env=_this_checkout(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def reap() -> None:  # the session ended before test_types read it (-x, ^C)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+
+    config.add_cleanup(reap)  # runs before the cache's removal above (cleanups run last in, first out)
+    return child
+
+
+def test_types(request):
+    """mypy finds no error in flowreduce/ (the run :func:`start_mypy` started,
+    or one started here when this module's tests run without the conftest's
+    hook)."""
+    child = getattr(request.config, "_flowreduce_mypy", None) or start_mypy(request.config)
+    out, _ = child.communicate(timeout=600)
+    assert child.returncode == 0, out
 
 
 def _private_names_reached(source: str) -> list[str]:

@@ -11,7 +11,6 @@ import dataclasses
 import gc
 import os
 import re
-import socket
 
 import dask
 import numpy as np
@@ -22,8 +21,7 @@ import flowreduce
 
 torch = pytest.importorskip("torch", reason="torch tests need the extra: pip install -e '.[torch]'")
 
-import ddp_reference  # noqa: E402  (after the importorskip; beside this file)
-from ddp_reference import MODELS, RANKS, RUNS, STEPS, Net, make_optimizer, shard, shard_accumulating  # noqa: E402
+from ddp_reference import MODELS, RANKS, STEPS, Net, make_optimizer, shard, shard_accumulating  # noqa: E402
 
 from flowreduce.torch import Trainer  # noqa: E402
 
@@ -202,22 +200,11 @@ def test_ranks_disagreeing_on_dtype_or_device_are_named(inproc_client):
 
 # -- the trainer against DistributedDataParallel -------------------------------------------
 @pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory):
+def ddp_results(gloo_ddp_results):
     """Final parameters and buffers of real DDP over gloo: 4 processes on
     127.0.0.1, one run per model and micro-batch count (the processes import
-    only torch and ddp_reference)."""
-    import torch.multiprocessing as mp
-
-    d = str(tmp_path_factory.mktemp("ddp"))
-    mp.spawn(ddp_reference.ddp_rank, args=(free_port(), RUNS, d), nprocs=RANKS, join=True)
-    return {(name, micro): [torch.load(os.path.join(d, f"{name}-micro{micro}-rank{r}.pt"), weights_only=True)
-                            for r in range(RANKS)] for name, micro in RUNS}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    only torch and ddp_reference; run once a session, tests/conftest.py)."""
+    return gloo_ddp_results
 
 
 def _init_params():

@@ -29,7 +29,6 @@ import flowreduce
 
 torch = pytest.importorskip("torch", reason="torch tests need the extra: pip install -e '.[torch]'")
 
-import ddp_reference  # noqa: E402  (after the importorskip; beside this file)
 from ddp_reference import MODELS, RANKS, RUNS, STEPS, make_optimizer, shard  # noqa: E402
 
 dist = torch.distributed
@@ -50,14 +49,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def gloo_results(tmp_path_factory):
-    """Final state of real DDP over gloo, 4 processes (tests/ddp_reference.py), per run and rank."""
-    import torch.multiprocessing as mp
-
-    d = str(tmp_path_factory.mktemp("ddp-gloo"))
-    mp.spawn(ddp_reference.ddp_rank, args=(_free_port(), RUNS, d), nprocs=RANKS, join=True)
-    return {(name, micro): [torch.load(os.path.join(d, f"{name}-micro{micro}-rank{r}.pt"), weights_only=True)
-                            for r in range(RANKS)] for name, micro in RUNS}
+def gloo_results(gloo_ddp_results):
+    """Final state of real DDP over gloo, 4 processes (tests/ddp_reference.py), per run and rank
+    (run once a session, tests/conftest.py: tests/test_torch.py compares with the same runs)."""
+    return gloo_ddp_results
 
 
 #: Ranks that share a worker process share torch's default generator: each seeds and builds its
