@@ -453,9 +453,14 @@ def test_worker_lost_mid_call_gives_the_reference_bits(nanny_client, algorithm, 
     assert wait_until(lambda: all(w.status.name == "running" for w in cluster.workers.values()), 60)
     cluster.scale(4)
     client.wait_for_workers(4, timeout=60)
-    assert wait_until(lambda: len(client.nthreads()) == 4, 60)
     assert_clean(client, timeout=60)
-    ws = sorted(client.nthreads())
+    ws: list[str] = []
+
+    def four_workers() -> bool:  # read once per look: a restarted worker may still be replacing its old self
+        ws[:] = sorted(client.nthreads())
+        return len(ws) == 4
+
+    assert wait_until(four_workers, 60), ws
     parts = [client.submit(rank_input, r, workers=[ws[r]], allow_other_workers=True, pure=False) for r in range(4)]
     wait(parts)
     faults.fail_at(client, rank=1, step=step, action="kill")
