@@ -280,24 +280,29 @@ class Trainer:
         transport.check(how)
         if self.algorithm not in ("auto", routes.SHM_DIRECT) or len(set(self._ws)) < self._p:
             return None
-        specs = [*self.template["grads"].values(), self.template["used"]]
         domains = transport.memory_domains(self._ws, hosts.worker_places(self.client, self._ws), how)
         site = routes.Site(tuple(self._ws), tuple(domains), [], DEFAULT_MODEL, 0)
         shared = routes.shm_direct_plan(self._p, self._ws)
-        if not routes.SHM_DIRECT_ROUTE.applies(shared, site) or not direct.supports(specs):
+        if not routes.SHM_DIRECT_ROUTE.applies(shared, site) or not direct.supports(self._specs):
             return None
         share = self._p > 1 and domains[0] != transport.IN_PROCESS
         if share:
             # the pool; and the active memory manager must not drop a shared-memory block from its own worker,
             # where its lease lives, and keep a peer's copy (a handle): the guard's policy keeps it there
             ensure_extension(self.client)
-        return direct.Flat.of(specs, self.bucket_bytes, self._p, share, self._mode is True, self._mode == "exact")
+        return self._flat_of(share)
+
+    @property
+    def _specs(self) -> list:
+        """Every gradient's spec, then the ``used`` flags': what a step averages."""
+        return [*self.template["grads"].values(), self.template["used"]]
+
+    def _flat_of(self, share: bool) -> direct.Flat:
+        return direct.Flat.of(self._specs, self.bucket_bytes, self._p, share, self._mode is True,
+                              self._mode == "exact")
 
     def _packing_of(self) -> direct.Flat | None:
-        specs = [*self.template["grads"].values(), self.template["used"]]
-        if not direct.supports(specs):
-            return None
-        return direct.Flat.of(specs, self.bucket_bytes, self._p, False, self._mode is True, self._mode == "exact")
+        return self._flat_of(False) if direct.supports(self._specs) else None
 
     @property
     def latest_tasks(self) -> list[Any]:
