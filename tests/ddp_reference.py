@@ -49,9 +49,24 @@ class BatchNormNet(Net):
         return super().forward_from(self.bn(self.conv(x)), use)
 
 
-MODELS = {"net": Net, "bn": BatchNormNet}
+class MixedNet(Net):
+    """Net whose head computes in float64: gradients of two dtypes, which DDP buckets apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = self.head.double()
+
+    def forward_from(self, c, use):
+        h = torch.relu(self.norm(c.flatten(1)))
+        h = torch.relu(self.hidden(h))
+        if use:
+            h = h + torch.tanh(self.sometimes(h))
+        return self.head(h.double())
+
+
+MODELS = {"net": Net, "bn": BatchNormNet, "mixed": MixedNet}
 #: The DDP runs: (model, micro-batches per step)
-RUNS = (("net", 1), ("net", 3), ("bn", 1))
+RUNS = (("net", 1), ("net", 3), ("bn", 1), ("mixed", 1))
 
 
 def make_optimizer(params):

@@ -224,7 +224,10 @@ CASES_DDP = {"butterfly": ("net", "butterfly", 1, STEPS), "ring": ("net", "ring"
              "batchnorm-auto": ("bn", "auto", 1, STEPS, 1), "batchnorm-auto-fused": ("bn", "auto", 1, STEPS),
              "batchnorm-ring": ("bn", "ring", 1, 9, 1), "batchnorm-ring-fused": ("bn", "ring", 1, 9),
              # 4 and 3 steps to a task, blocks cut short at each train() call's end
-             "auto-fused4": ("net", "auto", 1, 7, 4), "auto-accumulate3-fused3": ("net", "auto", 3, 5, 3)}
+             "auto-fused4": ("net", "auto", 1, 7, 4), "auto-accumulate3-fused3": ("net", "auto", 3, 5, 3),
+             # float32 and float64 gradients: fused, one collective per dtype and step; one step per task,
+             # a pytree flowreduce.allreduce
+             "mixed-dtypes-fused": ("mixed", "auto", 1, STEPS), "mixed-dtypes": ("mixed", "auto", 1, 9, 1)}
 
 
 def _set_min_bytes(n):
@@ -258,12 +261,12 @@ def test_trainer_matches_ddp(proc_client, ddp_results, shm_for_small_values, mon
                       workers=ws[:RANKS], accumulate=micro, algorithm=algorithm, bucket_bytes=4096, threads=1,
                       steps_per_task=fused[0] if fused else None)
     graph = trainer.step_graph
-    if algorithm == "auto":
+    if algorithm == "auto" and name != "mixed":
         assert graph["all-reduce"] == "shared memory" and len(graph["levels"]) > 1
         assert set(graph["levels"]) == ({1, 2} if case == "auto-mixed-levels" else {1})
     else:
         assert graph["all-reduce"] == "flowreduce.allreduce" and graph["levels"] is None
-    assert graph["steps_per_task"] == (fused[0] if fused else 10)  # every case's gradients are one dtype
+    assert graph["steps_per_task"] == (fused[0] if fused else 10)  # float32 and float64 gradients fuse alike
     timings = []
     while len(timings) < STEPS:
         timings += trainer.train(min(per_call, STEPS - len(timings)))

@@ -117,8 +117,16 @@ class Flat:
 
 def supports(specs: Sequence[TensorSpec]) -> bool:
     """Whether gradients of these specs can share one flat dtype."""
-    return bool(specs) and len({s.dtype for s in specs}) == 1 and \
-        np.dtype(specs[0].dtype) in {np.dtype(torch.empty(0, dtype=d).numpy().dtype) for d in DTYPES}
+    return bool(specs) and len({s.dtype for s in specs}) == 1 and packs(specs)
+
+
+def packs(specs: Sequence[TensorSpec]) -> bool:
+    """Whether gradients of these specs can be packed into flat numpy vectors, one per dtype
+    (:func:`pack`): every dtype one of :data:`DTYPES` (bfloat16 has no numpy dtype)."""
+    return bool(specs) and {np.dtype(s.dtype) for s in specs} <= _NUMPY_DTYPES
+
+
+_NUMPY_DTYPES = {np.dtype(torch.empty(0, dtype=d).numpy().dtype) for d in DTYPES}
 
 
 def _lease(nbytes: int, owner: str) -> shm_kernels.Lease | None:
@@ -166,24 +174,35 @@ def _unpack(flat: Flat, bucket: Bucket, vec: np.ndarray, out: list) -> None:
         out[i] = t[at:at + spec.size].view(spec.shape)
 
 
-def pack(flat: Flat, grads: Sequence[torch.Tensor | None]) -> np.ndarray:
+def _dtypes(flat: Flat) -> list[str]:
+    """The buckets' dtypes in the order their first bucket fills."""
+    return list(dict.fromkeys(b.dtype for b in flat.buckets))
+
+
+def pack(flat: Flat, grads: Sequence[torch.Tensor | None]) -> list[np.ndarray]:
     """Every bucket's gradients (``grads`` holds the ``used`` flags last; zeros for a None), one
-    bucket after the other in a new flat vector: what a fused step averages in one all-reduce."""
-    out = np.empty(sum(b.size for b in flat.buckets), np.dtype(flat.dtype))
-    at = 0
-    for bucket in flat.buckets:
-        _pack(flat, bucket, grads, out[at:at + bucket.size])
-        at += bucket.size
+    bucket after the other in new flat vectors, one per dtype (one for a model of one dtype): what
+    a fused step averages, one all-reduce per vector."""
+    out = []
+    for dtype in _dtypes(flat):
+        buckets = [b for b in flat.buckets if b.dtype == dtype]
+        vec = np.empty(sum(b.size for b in buckets), np.dtype(dtype))
+        at = 0
+        for bucket in buckets:
+            _pack(flat, bucket, grads, vec[at:at + bucket.size])
+            at += bucket.size
+        out.append(vec)
     return out
 
 
-def unpack(flat: Flat, vector: np.ndarray) -> list[torch.Tensor]:
-    """Every tensor (the ``used`` flags last) as a view of the averaged :func:`pack` vector."""
+def unpack(flat: Flat, vectors: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """Every tensor (the ``used`` flags last) as a view of the averaged :func:`pack` vectors."""
     out: list[Any] = [None] * len(flat.specs)
-    at = 0
-    for bucket in flat.buckets:
-        _unpack(flat, bucket, vector[at:at + bucket.size], out)
-        at += bucket.size
+    for dtype, vec in zip(_dtypes(flat), vectors):
+        at = 0
+        for bucket in (b for b in flat.buckets if b.dtype == dtype):
+            _unpack(flat, bucket, vec[at:at + bucket.size], out)
+            at += bucket.size
     return out
 
 

@@ -250,7 +250,8 @@ def steps_fused(comm: Any, replica: Replica, after: Any, written: list | None, s
     """``count`` whole optimizer steps in one task (the trainer's ``steps_per_task``), a rank of an
     SPMD job (``comm``: its :class:`~flowreduce.spmd.comm.Communicator`): a pending update first
     (as :func:`update_direct`), then per step ``micro`` micro-batches, the gradients (every bucket,
-    the ``used`` flags in the first, in one vector: one collective per step) averaged over the ranks
+    the ``used`` flags in the first, in one vector per dtype: one collective per step for a model of
+    one dtype) averaged over the ranks
     by ``comm.allreduce`` (op mean, the trainer's ``deterministic``: elementwise, so the bits of
     :func:`direct.average`; ``algorithm``: the plan between hosts) and applied; with ``broadcast``,
     rank 0's module buffers broadcast into every rank's before each step's first forward (DDP's
@@ -263,8 +264,8 @@ def steps_fused(comm: Any, replica: Replica, after: Any, written: list | None, s
         _micro_batches(replica, micro)
         params = replica.params()
         grads = [p.grad for p in params] + [_used(params, [p.grad is not None for p in params])]
-        tensors = direct.unpack(flat, comm.allreduce(direct.pack(flat, grads), op="mean", algorithm=algorithm,
-                                                     deterministic=deterministic))
+        tensors = direct.unpack(flat, [comm.allreduce(v, op="mean", algorithm=algorithm, deterministic=deterministic)
+                                       for v in direct.pack(flat, grads)])
         _apply(replica, tensors[:-1], tensors[-1], time.time())
     return len(replica.log)
 

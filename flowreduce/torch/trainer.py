@@ -30,9 +30,9 @@ allow. Step ``k`` submits, without waiting:
      (placement, any algorithm, any cluster) between the step tasks.
 
 :meth:`train` submits one task per rank for every ``steps_per_task=K``
-steps instead (default 10; gradients of one dtype): the ranks of an SPMD job
-(:mod:`flowreduce.spmd`), whose tasks average each step's gradient buckets
-with the job's communicator (one ``comm.allreduce`` per step: shared memory
+steps instead (default 10; gradients of float16, float32 or float64): the ranks
+of an SPMD job (:mod:`flowreduce.spmd`), whose tasks average each step's gradient
+buckets with the job's communicator (one ``comm.allreduce`` per step and dtype: shared memory
 inside a host, ``algorithm``'s plan between hosts) and broadcast rank 0's
 module buffers before each step's forward, with no scheduler between the
 steps. ``steps_per_task=1`` (and :meth:`step`) submits the graph above.
@@ -196,8 +196,8 @@ class Trainer:
         leaders, ``deterministic`` as given) and broadcasting rank 0's
         module buffers (:meth:`~flowreduce.spmd.comm.Communicator.broadcast`),
         with no scheduler round trip between the steps. Default:
-        :data:`STEPS_PER_TASK` where steps can be fused (gradients of one
-        dtype), else 1; ``1``: every step a task of its own on Dask's task
+        :data:`STEPS_PER_TASK` where steps can be fused (gradients of
+        float16, float32 or float64, mixed or not), else 1; ``1``: every step a task of its own on Dask's task
         stream, through the step graph above. :attr:`step_graph` says what runs.
     """
 
@@ -253,7 +253,7 @@ class Trainer:
         self._broadcasts = nbuffers > 0 and self._p > 1
         self._flat = self._direct_layout()
         #: how a fused step packs its gradients into the one vector its communicator averages: the
-        #: shared-memory step's layout, else the same packing with no shared memory (None: mixed dtypes)
+        #: shared-memory step's layout, else the same packing with no shared memory (None: a dtype numpy lacks, bfloat16)
         self._packing = self._flat or self._packing_of()
         self._reduced: list | None = None  # the last submitted step's all-reduce, not applied yet
         self._buffers: Any = None  # rank 0's module buffers after its last forward
@@ -302,7 +302,7 @@ class Trainer:
                               self._mode == "exact")
 
     def _packing_of(self) -> direct.Flat | None:
-        return self._flat_of(False) if direct.supports(self._specs) else None
+        return self._flat_of(False) if direct.packs(self._specs) else None
 
     @property
     def latest_tasks(self) -> list[Any]:
@@ -323,8 +323,8 @@ class Trainer:
                 "steps_per_task": fused}
 
     def _can_fuse(self) -> bool:
-        """Whether steps can be fused into SPMD jobs: the gradients pack into one flat vector (one
-        dtype; :attr:`_packing`). Any algorithm, placement and module buffers: the job's communicator
+        """Whether steps can be fused into SPMD jobs: the gradients pack into flat numpy vectors, one
+        per dtype (:attr:`_packing`). Any algorithm, placement and module buffers: the job's communicator
         averages each step's vector and broadcasts rank 0's buffers."""
         return self._packing is not None
 
