@@ -303,27 +303,38 @@ def _steps_tasks(dask_scheduler):
     return [m["key"] for m in ext.buffer if "torch-steps-" in str(m["key"])] if ext else []
 
 
-def test_fused_steps_are_the_same_bits_in_fewer_tasks(proc_client):
-    """``steps_per_task``: 9 steps as blocks of 4, 4 and 1 tasks per rank
-    (across two train() calls and a step() graph step between them) end
-    with every rank holding the very bits of 9 steps one task each."""
+@pytest.mark.parametrize("name", ["net", "bn"])
+def test_fused_steps_are_the_same_bits_in_fewer_tasks(proc_client, name):
+    """``steps_per_task``: 10 steps as blocks of 4, 4 and 1 tasks per rank
+    (across two train() calls, a step() graph step between them and one
+    after) end with every rank holding the very bits of 10 steps one task
+    each; with BatchNorm, a step() after a fused block broadcasts rank 0's
+    buffers as the block left them, and every rank's buffers end the same."""
     ws = workers_of(proc_client)
-    out = {}
+    out, bufs = {}, {}
     with flowreduce.trace(proc_client) as tr:
         for fused in (1, 4):
-            with Trainer(proc_client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+            with Trainer(proc_client, model=MODELS[name], optimizer=make_optimizer,
+                         loss=torch.nn.functional.cross_entropy,
                          data=shard, workers=ws, bucket_bytes=4096, threads=1, steps_per_task=fused) as trainer:
                 assert trainer.step_graph["steps_per_task"] == fused
                 timings = trainer.train(5)
                 trainer.step()  # one step of its own in between: its update is applied by the next block
                 timings += trainer.train(3)
+                trainer.step()  # after a block: rank 0's buffers as the block left them reach every rank
+                trainer.finish()
                 out[fused] = [trainer.parameters(r) for r in range(4)]
+                bufs[fused] = [trainer.buffers(r) for r in range(4)]
                 assert [t.step for t in timings] == [0, 1, 2, 3, 4, 6, 7, 8]
                 assert all(t.seconds > 0 and t.compute > 0 for t in timings)
                 token, buckets = trainer.token, len(trainer.step_graph["levels"])
     for r in range(4):
         for n in out[1][0]:
             assert torch.equal(out[4][r][n], out[1][0][n]), (r, n)
+        assert set(bufs[4][r]) == set(bufs[1][r]) == ({"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+                                                      if name == "bn" else set())
+        for n in bufs[1][r]:
+            assert torch.equal(bufs[4][r][n], bufs[1][r][n]), (r, n)
     steps = {e.key for e in tr.events if f"torch-steps-{token}" in str(e.key)}
     assert len(steps) == 4 * 3, sorted(steps)  # blocks of 4 and 1, then 3: three tasks per rank for 8 steps
     # each fused step's buckets (several at 4 kB) averaged in one all-reduce of the ranks' SPMD communicator,
