@@ -577,6 +577,74 @@ def test_messages_between_workers_go_over_one_stream_per_peer(client):
         assert not any(dead for _, dead in after[w].values())
 
 
+def _spy_deliveries(dask_worker):
+    """Record, per message of :data:`~flowreduce.schedule.spmd_mailbox.DELIVER` this worker is handed on a stream,
+    whether its value came inside the message (``inline``) or as Dask-serialised frames (``value``)."""
+    from flowreduce.schedule.spmd_mailbox import DELIVER
+
+    handlers = dask_worker.stream_handlers
+    seen = dask_worker.flowreduce_test_deliveries = []
+    handler = dask_worker.flowreduce_test_handler = handlers[DELIVER]
+
+    def spy(**msg):
+        seen.append("inline" if msg.get("inline") is not None else "value")
+        return handler(**msg)
+
+    handlers[DELIVER] = spy
+    return DELIVER
+
+
+def _unspy_deliveries(dask_worker):
+    from flowreduce.schedule.spmd_mailbox import DELIVER
+
+    dask_worker.stream_handlers[DELIVER] = dask_worker.__dict__.pop("flowreduce_test_handler")
+    return dask_worker.__dict__.pop("flowreduce_test_deliveries")
+
+
+def _mixed_values(comm, n, dtypes):
+    out = {}
+    for dtype in dtypes:
+        x = (np.arange(n) % 7 + comm.rank).astype(dtype)
+        out["allreduce", dtype] = comm.allreduce(x, algorithm="butterfly")
+        out["allgather", dtype] = comm.allgather(x.reshape(-1, 1) if n else x)
+        out["broadcast", dtype] = comm.broadcast(x if comm.rank == 1 else None, root=1)
+        for got in (out["allgather", dtype][0], out["broadcast", dtype]):
+            got[...] = got  # a received value is the rank's own to change, as Dask's deserialisation gives it
+    comm.barrier()
+    return out
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 200_000])
+def test_small_values_travel_inside_the_message_and_large_ones_as_frames(client, n):
+    """Every rank alone (over Dask's comm): a value of a few kB (numpy arrays of every kind of number, 0-d to
+    2-d, a list of them for the all-gather, the barrier's int) goes inside the message, one of 1.6 MB as
+    Dask-serialised frames; either way the results are numpy's, of the input's dtype and shape, writable."""
+    dtypes = ("float64", "float32", "int8", "uint16", "bool", "complex64") if n <= 1000 else ("float64",)
+    client.gather(flowreduce.spmd(client, _many_small, ranks=2, rounds=1))  # flowreduce's extension on every worker
+    client.run(_spy_deliveries)
+    try:
+        with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+            results = client.gather(flowreduce.spmd(client, _mixed_values, ranks=4, n=n, dtypes=dtypes, timeout=60))
+    finally:
+        seen = client.run(_unspy_deliveries)
+    xs = {d: [(np.arange(n) % 7 + r).astype(d) for r in range(4)] for d in dtypes}
+    for rank, got in enumerate(results):
+        for d in dtypes:
+            want = np.sum(xs[d], axis=0, dtype=np.result_type(d, np.int64) if d == "bool" else None)
+            np.testing.assert_array_equal(got["allreduce", d], want.astype(got["allreduce", d].dtype))
+            for r, part in enumerate(got["allgather", d]):
+                assert part.dtype == np.dtype(d) and part.shape == ((n, 1) if n else (0,)), (rank, d, r, part.shape)
+                np.testing.assert_array_equal(part.ravel(), xs[d][r])
+            assert got["broadcast", d].dtype == np.dtype(d)
+            np.testing.assert_array_equal(got["broadcast", d], xs[d][1])
+    kinds = Counter(k for per_worker in seen.values() for k in per_worker)
+    assert kinds, "no message between the workers was seen"
+    if n <= 1000:
+        assert kinds == Counter(inline=kinds["inline"]), f"small values went as frames: {dict(kinds)}"
+    else:
+        assert kinds["value"] > 0, f"1.6 MB values went inline: {dict(kinds)}"
+
+
 # -- deterministic all-reduces ---------------------------------------------------------------------------------------
 
 #: route -> the algorithm between hosts it asks for (the bits must not depend on either)

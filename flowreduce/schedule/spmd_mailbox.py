@@ -44,10 +44,13 @@ BEGUN = 10_000
 #: Messages queued together for one peer go in one write up to this many bytes (a larger one goes alone).
 BATCH_BYTES = 64 << 10
 #: A numpy array of numbers up to this many bytes (or a list of them, or an int) goes inside the message
-#: itself, as msgpack bytes, rather than through Dask's serialisation (its frames cost a fixed ~60 us a
-#: message each way, the copy in and out of msgpack ~0.1 us per kB: even at 200 kB the message is cheaper
-#: inline; at 1 MB the frames, which are not copied, are)
-INLINE_BYTES = 256 << 10
+#: itself, as msgpack bytes, rather than through Dask's serialisation, whose frames cost a fixed ~40-60 us a
+#: message each way. Inline, the bytes are copied twice on each side (into msgpack and out, then into an
+#: array of the receiver's own), and a copy over glibc's mmap threshold (128 kB: Dask's nanny sets
+#: MALLOC_TRIM_THRESHOLD_, which keeps it there) takes fresh pages each time: on 4 emulated hosts at 1 Gbit/s,
+#: 1e4 float64 (80 kB messages) took 3.9 ms inline against 5.5 as frames, but 1e6 in a ring of 8 chunks
+#: (250 kB messages) 141 ms inline against 116 as frames (2026-11-28)
+INLINE_BYTES = 96 << 10
 
 
 class Mailbox:
