@@ -577,6 +577,36 @@ def test_messages_between_workers_go_over_one_stream_per_peer(client):
         assert not any(dead for _, dead in after[w].values())
 
 
+def _reduces_over_received(comm, algorithms, lengths):
+    out = {}
+    for algorithm in algorithms:
+        for n in lengths:
+            x = _input(comm.rank, n)
+            keep = x.copy()
+            out[algorithm, n] = [comm.allreduce(x, algorithm=algorithm) for _ in range(2)]
+            assert np.array_equal(x, keep), "an all-reduce changed its input"
+    return out
+
+
+@pytest.mark.parametrize("ranks", [3, 8])
+def test_a_reduce_writes_over_what_it_received_never_over_a_value_shared_in_the_worker(client, ranks):
+    """Every rank alone (over Dask's comm), ranks sharing 2 workers: a plan's reduce may write its sum over a
+    value it received (its own copy), but a value another rank of the same worker hands over is the sender's
+    too and stays as it was: every rank's sums are numpy's, for plans whose reduces read received values first
+    (butterfly, recursive doubling) and second (ring)."""
+    algorithms = ("ring", "butterfly", "recursive-doubling")
+    lengths = (1000, 40_000)
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        results = client.gather(flowreduce.spmd(client, _reduces_over_received, ranks=ranks, algorithms=algorithms,
+                                                lengths=lengths, timeout=60))
+    for n in lengths:
+        want = np.sum([_input(r, n) for r in range(ranks)], axis=0)
+        for rank, got in enumerate(results):
+            for algorithm in algorithms:
+                for i, y in enumerate(got[algorithm, n]):
+                    np.testing.assert_array_equal(y, want, err_msg=f"rank {rank} {algorithm} n={n} call {i}")
+
+
 def _spy_deliveries(dask_worker):
     """Record, per message of :data:`~flowreduce.schedule.spmd_mailbox.DELIVER` this worker is handed on a stream,
     whether its value came inside the message (``inline``) or as Dask-serialised frames (``value``)."""

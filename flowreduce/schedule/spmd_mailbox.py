@@ -396,7 +396,7 @@ def _inline_array(a: Any) -> list[Any] | None:
     if (type(a) is not np.ndarray or a.dtype.kind not in "biufc" or a.dtype.fields is not None
             or not a.flags.c_contiguous):
         return None
-    return [a.dtype.str, list(a.shape), memoryview(a).cast("B") if a.nbytes else b""]
+    return [a.dtype.str, list(a.shape), a.data.cast("B") if a.nbytes else b""]
 
 
 def _inline(value: Any) -> list[Any] | None:

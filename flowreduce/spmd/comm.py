@@ -57,7 +57,7 @@ from flowreduce.shm.host_group import Aborted, HostGroup
 from flowreduce.shm.result_buffers import buffers
 from flowreduce.spmd import linkprobe
 from flowreduce.spmd.layout import Layout
-from flowreduce.spmd.planrun import Send, Walk, plan_walk, walk, walk_async
+from flowreduce.spmd.planrun import Send, Walk, plan_walk, shared, walk, walk_async
 
 #: Events a communicator keeps (the newest).
 EVENTS = 10_000
@@ -245,13 +245,17 @@ class Communicator:
                   deadline: float | None) -> tuple[np.ndarray, int, int]:
         """This leader's part of ``plan`` over ``x`` (:func:`~flowreduce.spmd.planrun.run_plan`'s walk) into
         ``out``, where :meth:`_between` runs it."""
-        leaders, members = self.leaders, self.members
+        leaders, members, workers = self.leaders, self.members, self.layout.workers
+        here = [workers[leaders[d]] == workers[self.rank] for d in range(len(leaders))]
 
         def who(r: int) -> int:
             return members[leaders[r]]
 
-        return self._between(lambda send: plan_walk(plan, self.me, x, op, send, who, out), f"a{self.seq}.", what,
-                             deadline)
+        def steps(send: Send) -> Walk:  # a value for a leader on this worker goes read-only: the walk writes over its own
+            return plan_walk(plan, self.me, x, op, lambda d, k, v: send(d, k, shared(v) if here[d] else v), who, out,
+                             write_received=True)
+
+        return self._between(steps, f"a{self.seq}.", what, deadline)
 
     def _between(self, steps: Callable[[Send], Walk], tag: str, what: str, deadline: float | None) -> Any:
         """Run a walk between the host groups' leaders (:func:`~flowreduce.spmd.planrun.walk`: ``steps(send)``
