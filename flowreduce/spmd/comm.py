@@ -130,7 +130,11 @@ def _auto(leaders: int, nbytes: int, model: CostModel) -> Plan:
 #: Bytes of a vector per chunk of a plan between hosts, and the most chunks (:func:`_auto`).
 PIPELINE_BYTES, MAX_PIPELINE = 2 << 20, 16
 #: How much slower than the best plan the model may price the ring in chunks and still have it (:func:`_auto`).
-RING_MARGIN = 1.15
+#: 4 hosts price the ring 1.07x radix-4 butterfly at 1e6 on a link of alpha 2 ms, 1.21x at 6 ms, 1.27x at 8 ms
+#: (what the probe measures under load 4-10), yet the ring was ahead in every comparison by hand: 1e6 in 3-4
+#: chunks 110-115 ms against 126-131 (2026-11-28, loads 1-8). At 1.15 a loaded job's probe (alpha > 4.2 ms)
+#: flipped auto to butterfly from run to run; 8 hosts still take butterfly from alpha ~3 ms at 8 MB, 16 hosts always.
+RING_MARGIN = 1.3
 
 
 class Communicator:
