@@ -577,6 +577,22 @@ def test_messages_between_workers_go_over_one_stream_per_peer(client):
         assert not any(dead for _, dead in after[w].values())
 
 
+def test_a_malformed_inline_value_is_refused_not_raised():
+    """A message whose inline value is not one of a mailbox's (a peer of another version, garbage) is logged
+    and dropped by the stream handler (raising there would close the peer's stream); a well-formed one is put."""
+    from flowreduce.schedule.spmd_mailbox import Mailbox
+
+    box = Mailbox(object())
+    for bad in ([], ["z", 1], ["a", "O", [1], b"x"], ["a", "<f8", [3], b"12"], ["l", 5], "text", 7, None):
+        box.delivered(run="r", key=f"k{bad!r}", inline=bad)
+    with pytest.raises(AllreduceTimeoutError):
+        box.take("r", "k[]", deadline=time.monotonic(), what="test", rank=0, source=1)
+    box.delivered(run="r", key="good", inline=["a", "<f8", [2], np.arange(2.0).tobytes()])
+    got = box.take("r", "good", deadline=time.monotonic() + 5, what="test", rank=0, source=1)
+    np.testing.assert_array_equal(got, [0.0, 1.0])
+    assert got.flags.writeable
+
+
 def _reduces_over_received(comm, algorithms, lengths):
     out = {}
     for algorithm in algorithms:

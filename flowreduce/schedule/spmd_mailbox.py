@@ -284,7 +284,7 @@ class Mailbox:
                                     f"other arguments {sorted(map(str, other))[:10]}")
         try:
             self._put(run, key, value if inline is None else _from_inline(inline))
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # not one of _inline's: refused, not raised (raising would close the stream)
             return refused(DELIVER, f"an SPMD message's inline value is not one: {e}")
         return {"status": "OK"}
 
@@ -300,7 +300,7 @@ class Mailbox:
             return
         try:
             got = value if inline is None else _from_inline(inline)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # not one of _inline's: refused, not raised (raising would close the stream)
             refused(DELIVER, f"an SPMD message's inline value is not one: {e}")
             return
         self._put(run, key, got)
