@@ -577,6 +577,120 @@ def test_messages_between_workers_go_over_one_stream_per_peer(client):
         assert not any(dead for _, dead in after[w].values())
 
 
+def test_a_malformed_inline_value_is_refused_not_raised():
+    """A message whose inline value is not one of a mailbox's (a peer of another version, garbage) is logged
+    and dropped by the stream handler (raising there would close the peer's stream); a well-formed one is put."""
+    from flowreduce.schedule.spmd_mailbox import Mailbox
+
+    box = Mailbox(object())
+    for bad in ([], ["z", 1], ["a", "O", [1], b"x"], ["a", "<f8", [3], b"12"], ["l", 5], "text", 7, None):
+        box.delivered(run="r", key=f"k{bad!r}", inline=bad)
+    with pytest.raises(AllreduceTimeoutError):
+        box.take("r", "k[]", deadline=time.monotonic(), what="test", rank=0, source=1)
+    box.delivered(run="r", key="good", inline=["a", "<f8", [2], np.arange(2.0).tobytes()])
+    got = box.take("r", "good", deadline=time.monotonic() + 5, what="test", rank=0, source=1)
+    np.testing.assert_array_equal(got, [0.0, 1.0])
+    assert got.flags.writeable
+
+
+def _reduces_over_received(comm, algorithms, lengths):
+    out = {}
+    for algorithm in algorithms:
+        for n in lengths:
+            x = _input(comm.rank, n)
+            keep = x.copy()
+            out[algorithm, n] = [comm.allreduce(x, algorithm=algorithm) for _ in range(2)]
+            assert np.array_equal(x, keep), "an all-reduce changed its input"
+    return out
+
+
+@pytest.mark.parametrize("ranks", [3, 8])
+def test_a_reduce_writes_over_what_it_received_never_over_a_value_shared_in_the_worker(client, ranks):
+    """Every rank alone (over Dask's comm), ranks sharing 2 workers: a plan's reduce may write its sum over a
+    value it received (its own copy), but a value another rank of the same worker hands over is the sender's
+    too and stays as it was: every rank's sums are numpy's, for plans whose reduces read received values first
+    (butterfly, recursive doubling) and second (ring)."""
+    algorithms = ("ring", "butterfly", "recursive-doubling")
+    lengths = (1000, 40_000)
+    with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+        results = client.gather(flowreduce.spmd(client, _reduces_over_received, ranks=ranks, algorithms=algorithms,
+                                                lengths=lengths, timeout=60))
+    for n in lengths:
+        want = np.sum([_input(r, n) for r in range(ranks)], axis=0)
+        for rank, got in enumerate(results):
+            for algorithm in algorithms:
+                for i, y in enumerate(got[algorithm, n]):
+                    np.testing.assert_array_equal(y, want, err_msg=f"rank {rank} {algorithm} n={n} call {i}")
+
+
+def _spy_deliveries(dask_worker):
+    """Record, per message of :data:`~flowreduce.schedule.spmd_mailbox.DELIVER` this worker is handed on a stream,
+    whether its value came inside the message (``inline``) or as Dask-serialised frames (``value``)."""
+    from flowreduce.schedule.spmd_mailbox import DELIVER
+
+    handlers = dask_worker.stream_handlers
+    seen = dask_worker.flowreduce_test_deliveries = []
+    handler = dask_worker.flowreduce_test_handler = handlers[DELIVER]
+
+    def spy(**msg):
+        seen.append("inline" if msg.get("inline") is not None else "value")
+        return handler(**msg)
+
+    handlers[DELIVER] = spy
+    return DELIVER
+
+
+def _unspy_deliveries(dask_worker):
+    from flowreduce.schedule.spmd_mailbox import DELIVER
+
+    dask_worker.stream_handlers[DELIVER] = dask_worker.__dict__.pop("flowreduce_test_handler")
+    return dask_worker.__dict__.pop("flowreduce_test_deliveries")
+
+
+def _mixed_values(comm, n, dtypes):
+    out = {}
+    for dtype in dtypes:
+        x = (np.arange(n) % 7 + comm.rank).astype(dtype)
+        out["allreduce", dtype] = comm.allreduce(x, algorithm="butterfly")
+        out["allgather", dtype] = comm.allgather(x.reshape(-1, 1) if n else x)
+        out["broadcast", dtype] = comm.broadcast(x if comm.rank == 1 else None, root=1)
+        for got in (out["allgather", dtype][0], out["broadcast", dtype]):
+            got[...] = got  # a received value is the rank's own to change, as Dask's deserialisation gives it
+    comm.barrier()
+    return out
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 200_000])
+def test_small_values_travel_inside_the_message_and_large_ones_as_frames(client, n):
+    """Every rank alone (over Dask's comm): a value of a few kB (numpy arrays of every kind of number, 0-d to
+    2-d, a list of them for the all-gather, the barrier's int) goes inside the message, one of 1.6 MB as
+    Dask-serialised frames; either way the results are numpy's, of the input's dtype and shape, writable."""
+    dtypes = ("float64", "float32", "int8", "uint16", "bool", "complex64") if n <= 1000 else ("float64",)
+    client.gather(flowreduce.spmd(client, _many_small, ranks=2, rounds=1))  # flowreduce's extension on every worker
+    client.run(_spy_deliveries)
+    try:
+        with dask.config.set({"flowreduce.spmd.transport": "dask"}):
+            results = client.gather(flowreduce.spmd(client, _mixed_values, ranks=4, n=n, dtypes=dtypes, timeout=60))
+    finally:
+        seen = client.run(_unspy_deliveries)
+    xs = {d: [(np.arange(n) % 7 + r).astype(d) for r in range(4)] for d in dtypes}
+    for rank, got in enumerate(results):
+        for d in dtypes:
+            want = np.sum(xs[d], axis=0, dtype=np.result_type(d, np.int64) if d == "bool" else None)
+            np.testing.assert_array_equal(got["allreduce", d], want.astype(got["allreduce", d].dtype))
+            for r, part in enumerate(got["allgather", d]):
+                assert part.dtype == np.dtype(d) and part.shape == ((n, 1) if n else (0,)), (rank, d, r, part.shape)
+                np.testing.assert_array_equal(part.ravel(), xs[d][r])
+            assert got["broadcast", d].dtype == np.dtype(d)
+            np.testing.assert_array_equal(got["broadcast", d], xs[d][1])
+    kinds = Counter(k for per_worker in seen.values() for k in per_worker)
+    assert kinds, "no message between the workers was seen"
+    if n <= 1000:
+        assert kinds == Counter(inline=kinds["inline"]), f"small values went as frames: {dict(kinds)}"
+    else:
+        assert kinds["value"] > 0, f"1.6 MB values went inline: {dict(kinds)}"
+
+
 # -- deterministic all-reduces ---------------------------------------------------------------------------------------
 
 #: route -> the algorithm between hosts it asks for (the bits must not depend on either)
@@ -650,6 +764,24 @@ def test_auto_between_hosts_prices_the_hosts_links():
     # in chunks, a ring: one flow into each host per step (faster than butterfly's three, 2026-11-28)
     big = comm.plan_for("auto", 80_000_000)
     assert big.chunks > 1 and big.algorithm == "ring"
+
+
+def test_auto_keeps_the_ring_in_chunks_between_4_hosts_on_a_slow_link(tmp_path):
+    """Between 4 hosts, ``auto`` cuts 8 MB into chunks and runs them as a ring even on a link whose latency a
+    loaded machine's probe measures at 6 ms a step (where the model prices the ring 1.2x radix-4 butterfly, which
+    was 12-15% slower in every comparison on the emulated network, 2026-11-28); between 16 hosts it does not."""
+    from flowreduce.spmd.comm import Communicator
+    from flowreduce.spmd.layout import Layout
+
+    path = str(tmp_path / "model.json")
+    dataclasses.replace(flowreduce.cost.CostModel(), inter=flowreduce.cost.Link(alpha=6e-3, beta=1 / 120e6)).to_file(path)
+    with dask.config.set({"flowreduce.cost-model": path}):
+        plans = {}
+        for hosts in (4, 16):
+            layout = Layout("auto-test", 0, tuple(f"tcp://10.0.0.{i}:1234" for i in range(hosts)), tuple(range(hosts)))
+            plans[hosts] = Communicator(layout, 0, _Unused()).plan_for("auto", 8_000_000)
+    assert plans[4].chunks > 1 and plans[4].algorithm == "ring", plans[4]
+    assert plans[16].algorithm != "ring", plans[16]
 
 
 def _learns_the_link(comm, n):

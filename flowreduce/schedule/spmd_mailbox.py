@@ -24,6 +24,7 @@ from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
+import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
@@ -42,6 +43,14 @@ KEPT = 1024
 BEGUN = 10_000
 #: Messages queued together for one peer go in one write up to this many bytes (a larger one goes alone).
 BATCH_BYTES = 64 << 10
+#: A numpy array of numbers up to this many bytes (or a list of them, or an int) goes inside the message
+#: itself, as msgpack bytes, rather than through Dask's serialisation, whose frames cost a fixed ~40-60 us a
+#: message each way. Inline, the bytes are copied twice on each side (into msgpack and out, then into an
+#: array of the receiver's own), and a copy over glibc's mmap threshold (128 kB: Dask's nanny sets
+#: MALLOC_TRIM_THRESHOLD_, which keeps it there) takes fresh pages each time: on 4 emulated hosts at 1 Gbit/s,
+#: 1e4 float64 (80 kB messages) took 3.9 ms inline against 5.5 as frames, but 1e6 in a ring of 8 chunks
+#: (250 kB messages) 141 ms inline against 116 as frames (2026-11-28)
+INLINE_BYTES = 96 << 10
 
 
 class Mailbox:
@@ -268,24 +277,33 @@ class Mailbox:
         _settle(wait[0], value)
 
     # -- handlers -----------------------------------------------------------------
-    async def deliver(self, run: Any = None, key: Any = None, value: Any = None, **other: Any) -> dict[str, Any]:
+    async def deliver(self, run: Any = None, key: Any = None, value: Any = None, inline: Any = None,
+                      **other: Any) -> dict[str, Any]:
         if other or not isinstance(run, str) or not isinstance(key, str):
             return refused(DELIVER, f"not an SPMD message: run {type(run).__name__}, key {type(key).__name__}, "
                                     f"other arguments {sorted(map(str, other))[:10]}")
-        self._put(run, key, value)
+        try:
+            self._put(run, key, value if inline is None else _from_inline(inline))
+        except Exception as e:  # not one of _inline's: refused, not raised (raising would close the stream)
+            return refused(DELIVER, f"an SPMD message's inline value is not one: {e}")
         return {"status": "OK"}
 
     async def _write_batch(self, comm: Any, batch: list[tuple[str, str, Any]]) -> None:
-        await comm.write([{"op": DELIVER, "run": run, "key": key, "value": to_serialize(value)}
-                          for run, key, value in batch])
+        await comm.write([_message(run, key, value) for run, key, value in batch])
 
-    def delivered(self, run: Any = None, key: Any = None, value: Any = None, **other: Any) -> None:
+    def delivered(self, run: Any = None, key: Any = None, value: Any = None, inline: Any = None,
+                  **other: Any) -> None:
         """Stream handler (:data:`DELIVER` on a peer's stream, :meth:`_write`): as :meth:`deliver`; a
         message that is not one is logged and dropped (raising would close the stream)."""
         if other or not isinstance(run, str) or not isinstance(key, str):
             refused(DELIVER, f"not an SPMD message on a stream: run {type(run).__name__}, key {type(key).__name__}")
             return
-        self._put(run, key, value)
+        try:
+            got = value if inline is None else _from_inline(inline)
+        except Exception as e:  # not one of _inline's: refused, not raised (raising would close the stream)
+            refused(DELIVER, f"an SPMD message's inline value is not one: {e}")
+            return
+        self._put(run, key, got)
 
     def stop(self) -> None:
         """The worker closes: its streams end (their pool closes the connections too)."""
@@ -364,6 +382,60 @@ def _settle(future: asyncio.Future[Any], value: Any = None, error: BaseException
         settle()
     else:
         loop.call_soon_threadsafe(settle)
+
+
+def _message(run: str, key: str, value: Any) -> dict[str, Any]:
+    """The :data:`DELIVER` message of ``value``: inline (:func:`_inline`) if it can be, else Dask-serialised."""
+    inline = _inline(value)
+    if inline is None:
+        return {"op": DELIVER, "run": run, "key": key, "value": to_serialize(value)}
+    return {"op": DELIVER, "run": run, "key": key, "inline": inline}
+
+
+def _inline_array(a: Any) -> list[Any] | None:
+    if (type(a) is not np.ndarray or a.dtype.kind not in "biufc" or a.dtype.fields is not None
+            or not a.flags.c_contiguous):
+        return None
+    return [a.dtype.str, list(a.shape), a.data.cast("B") if a.nbytes else b""]
+
+
+def _inline(value: Any) -> list[Any] | None:
+    """``value`` as msgpack can write it (``["a", dtype, shape, bytes]``, ``["l", [array, ...]]``,
+    ``["i", int]``), or None: it is not a numpy array of numbers (C-contiguous) of at most
+    :data:`INLINE_BYTES`, nor a list of such arrays of at most that many bytes in all, nor an int of 64 bits."""
+    if type(value) is np.ndarray:
+        if value.nbytes > INLINE_BYTES:
+            return None
+        a = _inline_array(value)
+        return None if a is None else ["a", *a]
+    if type(value) is list and all(type(v) is np.ndarray for v in value):
+        if sum(v.nbytes for v in value) > INLINE_BYTES:
+            return None
+        parts = [_inline_array(v) for v in value]
+        return None if any(p is None for p in parts) else ["l", parts]
+    if type(value) is int and -(1 << 63) <= value < (1 << 63):
+        return ["i", value]
+    return None
+
+
+def _array_of(dtype: Any, shape: Any, data: Any) -> np.ndarray:
+    """An array of :func:`_inline_array`'s (its own, writable, as Dask's deserialisation gives)."""
+    kind = np.dtype(dtype)
+    if kind.kind not in "biufc":
+        raise TypeError(f"dtype {dtype!r}")
+    return np.frombuffer(data, kind).reshape([int(d) for d in shape]).copy()
+
+
+def _from_inline(inline: Any) -> Any:
+    """The value of :func:`_inline`'s ``inline``."""
+    tag = inline[0]
+    if tag == "a":
+        return _array_of(*inline[1:])
+    if tag == "l":
+        return [_array_of(*a) for a in inline[1]]
+    if tag == "i":
+        return int(inline[1])
+    raise ValueError(f"unknown inline kind {tag!r}")
 
 
 def _nbytes(value: Any) -> int:

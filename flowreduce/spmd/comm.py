@@ -57,7 +57,7 @@ from flowreduce.shm.host_group import Aborted, HostGroup
 from flowreduce.shm.result_buffers import buffers
 from flowreduce.spmd import linkprobe
 from flowreduce.spmd.layout import Layout
-from flowreduce.spmd.planrun import Send, Walk, plan_walk, walk, walk_async
+from flowreduce.spmd.planrun import Send, Walk, plan_walk, shared, walk, walk_async
 
 #: Events a communicator keeps (the newest).
 EVENTS = 10_000
@@ -130,7 +130,11 @@ def _auto(leaders: int, nbytes: int, model: CostModel) -> Plan:
 #: Bytes of a vector per chunk of a plan between hosts, and the most chunks (:func:`_auto`).
 PIPELINE_BYTES, MAX_PIPELINE = 2 << 20, 16
 #: How much slower than the best plan the model may price the ring in chunks and still have it (:func:`_auto`).
-RING_MARGIN = 1.15
+#: 4 hosts price the ring 1.07x radix-4 butterfly at 1e6 on a link of alpha 2 ms, 1.21x at 6 ms, 1.27x at 8 ms
+#: (what the probe measures under load 4-10), yet the ring was ahead in every comparison by hand: 1e6 in 3-4
+#: chunks 110-115 ms against 126-131 (2026-11-28, loads 1-8). At 1.15 a loaded job's probe (alpha > 4.2 ms)
+#: flipped auto to butterfly from run to run; 8 hosts still take butterfly from alpha ~3 ms at 8 MB, 16 hosts always.
+RING_MARGIN = 1.3
 
 
 class Communicator:
@@ -245,13 +249,17 @@ class Communicator:
                   deadline: float | None) -> tuple[np.ndarray, int, int]:
         """This leader's part of ``plan`` over ``x`` (:func:`~flowreduce.spmd.planrun.run_plan`'s walk) into
         ``out``, where :meth:`_between` runs it."""
-        leaders, members = self.leaders, self.members
+        leaders, members, workers = self.leaders, self.members, self.layout.workers
+        here = [workers[leaders[d]] == workers[self.rank] for d in range(len(leaders))]
 
         def who(r: int) -> int:
             return members[leaders[r]]
 
-        return self._between(lambda send: plan_walk(plan, self.me, x, op, send, who, out), f"a{self.seq}.", what,
-                             deadline)
+        def steps(send: Send) -> Walk:  # a value for a leader on this worker goes read-only: the walk writes over its own
+            return plan_walk(plan, self.me, x, op, lambda d, k, v: send(d, k, shared(v) if here[d] else v), who, out,
+                             write_received=True)
+
+        return self._between(steps, f"a{self.seq}.", what, deadline)
 
     def _between(self, steps: Callable[[Send], Walk], tag: str, what: str, deadline: float | None) -> Any:
         """Run a walk between the host groups' leaders (:func:`~flowreduce.spmd.planrun.walk`: ``steps(send)``

@@ -110,10 +110,16 @@ def _step(steps: Walk, value: Any) -> tuple[bool, Any]:
 
 
 def plan_walk(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, who: Callable[[int], int],
-              out: np.ndarray | None) -> Generator[tuple[int, Hashable], np.ndarray, tuple[np.ndarray, int, int]]:
-    """The walk of :func:`run_plan`: yields the (plan rank, key) of each value it waits for, and is sent the value."""
+              out: np.ndarray | None, write_received: bool = False
+              ) -> Generator[tuple[int, Hashable], np.ndarray, tuple[np.ndarray, int, int]]:
+    """The walk of :func:`run_plan`: yields the (plan rank, key) of each value it waits for, and is sent the value.
+    ``write_received``: every writable value received is this rank's own (a transport that gives each
+    receiver a copy; a value it shares is read-only, :func:`shared`), so a reduce may write over one (:func:`_node`);
+    else (:func:`run_plan`'s contract) a received value is only read."""
     n, chunks, nodes, final = x.size, plan.chunks, plan.nodes, plan.finals[me]
     consumers = plan.consumers()
+    #: how many nodes of this rank read each node's value (a value received for one only is the reduce's to write)
+    uses = {i: sum(nodes[c].rank == me for c in cs) for i, cs in consumers.items()} if write_received else None
     cuts = [n * c // chunks for c in range(chunks + 1)]
     values: list[dict[int, np.ndarray]] = [{} for _ in range(chunks)]
     sent = received = 0
@@ -127,7 +133,7 @@ def plan_walk(plan: Plan, me: int, x: np.ndarray, op: Op, send: Send, who: Calla
             key = _key(node.id, c, chunks)
             into = out[cuts[c]:cuts[c + 1]] if node.id == final else None
             value, got = yield from _node(plan, me, node, x[cuts[c]:cuts[c + 1]], op, values[c], chunks, c, who,
-                                          into)
+                                          into, uses)
             received += got
             values[c][node.id] = value
             if dests and (into is not None or np.may_share_memory(value, x)):
@@ -144,13 +150,17 @@ def _key(node: int, c: int, chunks: int) -> Hashable:
 
 
 def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[int, np.ndarray], chunks: int,
-          c: int, who: Callable[[int], int], into: np.ndarray | None = None
+          c: int, who: Callable[[int], int], into: np.ndarray | None = None, uses: dict[int, int] | None = None
           ) -> Generator[tuple[int, Hashable], np.ndarray, tuple[np.ndarray, int]]:
     """Node ``node``'s value on chunk ``x`` (``values``: the chunk's values here so far), and the
     bytes received for it; ``into``: where the value goes (the final node's part of the result),
-    else a new array or a view."""
+    else a new array, a view, or (a reduce of two inputs by a ufunc) the one of its inputs received
+    for it alone, written over (``uses``: how many nodes of this rank read each node; a received
+    value is this rank's own, unless it is read-only: a value handed over in the worker, see
+    :func:`shared`)."""
     n, segs, nodes = x.size, plan.segments, plan.nodes
     received = 0
+    owned: list[np.ndarray] = []  # whole values received for this node alone, writable
 
     def edge(k: int) -> int:
         return n * k // segs
@@ -174,10 +184,19 @@ def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[in
                     f"rank {who(src.rank)} sent {got.size} elements of {got.dtype.str!r} where rank {who(me)}, "
                     f"with {n} of {x.dtype.str!r} in chunk {c}, expects {edge(src.hi) - edge(src.lo)} of "
                     f"{x.dtype.str!r}: every rank must give the same shape and dtype")
+            if uses is not None and uses.get(i) == 1 and got.flags.writeable and got.flags.c_contiguous:
+                owned.append(got)
         lo, hi = max(src.lo, node.lo), min(src.hi, node.hi)
         if lo < hi or node.kind == REDUCE:
             parts.append(got[edge(lo) - edge(src.lo):edge(hi) - edge(src.lo)])
     if node.kind == REDUCE:
+        if into is None and op.in_place and len(parts) == 2 and parts[0].dtype == parts[1].dtype == x.dtype:
+            # a received input, whole, read by this node only: the sum is written over it (one ufunc call,
+            # the bits of fold_into's), not into fresh memory (over 128 kB, fresh pages each time)
+            mine = next((p for p in parts if any(p.size == g.size and np.may_share_memory(p, g) for g in owned)), None)
+            if mine is not None:
+                op.func(parts[0], parts[1], out=mine)
+                return mine, received
         value = np.empty(parts[0].size, x.dtype) if into is None else _fits(into, parts[0])
         if op.in_place:  # the first combine writes the new value: no copy of parts[0]
             return fold_into(op, parts, value), received
@@ -191,6 +210,15 @@ def _node(plan: Plan, me: int, node: Any, x: np.ndarray, op: Op, values: dict[in
             return into, received
         return (parts[0] if len(parts) == 1 else np.concatenate(parts)), received
     raise ValueError(f"unknown node kind {node.kind!r}")
+
+
+def shared(v: Any) -> Any:
+    """``v`` as handed to a rank on the same worker, which does not serialise it: a read-only view of an
+    array (the sender may still read it; a receiver writes only over values of its own, :func:`_node`)."""
+    if isinstance(v, np.ndarray) and v.flags.writeable:
+        v = v.view()
+        v.flags.writeable = False
+    return v
 
 
 def _fits(into: np.ndarray, like: np.ndarray | int) -> np.ndarray:
