@@ -173,8 +173,10 @@ class CallLayer(MaterializedLayer):
 
     def cull(self, keys: set[Any], all_hlg_keys: Any) -> tuple[Any, Any]:
         asked = keys & set(self.outputs)
-        if not asked or len(asked) == len(self.outputs):
+        if not asked:
             return super().cull(keys, all_hlg_keys)
+        if len(asked) == len(self.outputs):  # itself: culled again later, for some results, it culls as here
+            return self, {k: set(t.dependencies) for k, t in self.mapping.items()}
         graph = _p2p.lower_arrivals([TaskRef(k) for k in self.inputs], self.algorithm, self.decide,
                                     output_keys=self.outputs, token=self.token)
         return MaterializedLayer(cast(Any, graph.tasks), annotations=self.annotations).cull(keys, all_hlg_keys)
