@@ -425,6 +425,28 @@ def test_a_worker_killed_mid_call_runs_it_again(client, cluster):
     client.wait_for_workers(4, timeout=HANG)
 
 
+def test_a_delayed_result_lost_with_its_worker_is_computed_again(client, cluster):
+    """Dask collections computed together (their inputs kept too): the
+    worker holding rank 2's result is SIGKILLed after the call; Dask asks
+    for the result again, and the call runs again for it."""
+    ws = sorted(client.nthreads())
+    parts = []
+    for r in range(4):
+        with dask.annotate(workers=[ws[r]], allow_other_workers=True):
+            parts.append(dask.delayed(rank_input)(r, 10**5, dask_key_name=f"part-{uuid.uuid4().hex}"))
+    out = flowreduce.allreduce(client, parts, algorithm="ring")
+    held = client.compute([*parts, *out])
+    wait(held, timeout=HANG)
+    victim = client.who_has(held[4 + 2])[held[4 + 2].key][0]
+    os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+    assert wait_until(lambda: victim not in client.nthreads(), HANG)
+    for r, f in enumerate(held[4:]):
+        np.testing.assert_array_equal(f.result(timeout=HANG), _expected(4, 10**5), err_msg=f"rank {r}")
+    del out, held
+    cluster.scale(4)
+    client.wait_for_workers(4, timeout=HANG)
+
+
 def _tensor(name: str, r: int):
     import torch
 

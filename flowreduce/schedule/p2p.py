@@ -1396,7 +1396,8 @@ class P2PSchedulerPlugin(SchedulerPlugin):
     def _check_collection(self, token: str, outputs: tuple[Hashable, ...]) -> None:
         """Every rank of call ``token`` on collections, just registered, will
         arrive: its result is to be computed (it arrives its input when it runs,
-        if the worker plugin did not first). A rank whose result is not (only
+        if the worker plugin did not first), or its input is (or is in memory:
+        a result lost with a worker, computed again). A rank neither is (only
         some asked for with Dask's optimisation off, or a graph of the same
         keys culled for some results that came while this one's tasks were
         still there: Dask kept those) arrives through the arrive tasks and
@@ -1406,8 +1407,14 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         if self.pending.get(token, (None, None))[1] is not outputs or token in self.started:
             return
         found = self.arrivals.get(token, {})
-        missing = [r for r, k in enumerate(outputs) if r not in found and (
-            k not in s.tasks or s.tasks[k].state not in ("waiting", "processing", "queued", "no-worker"))]
+        computing = ("waiting", "processing", "queued", "no-worker")
+
+        def coming(k: Hashable) -> bool:  # computed (it arrives its input), or its input is (awaited)
+            ts = s.tasks.get(k)
+            return ts is not None and (ts.state in computing or (len(ts.dependencies) == 1 and next(
+                iter(ts.dependencies)).state in (*computing, "memory")))
+
+        missing = [r for r, k in enumerate(outputs) if r not in found and not coming(k)]
         if not missing:
             return
         gate = _barrier_of(outputs[0])
