@@ -22,7 +22,7 @@ from distributed import Client, Event, LocalCluster, wait
 from utils import assert_clean, wait_until
 
 import flowreduce
-from flowreduce.errors import InputError, InputTypeError, OptionError
+from flowreduce.errors import InputError, InputStateError, InputTypeError, OptionError
 from flowreduce.schedule import p2p as engine
 
 HANG = 60  # s: past this a wait counts as a hang; nothing here is timed
@@ -326,6 +326,55 @@ def test_delayed_in_delayed_out_composes_with_the_users_graph(client):
     del persisted, out
 
 
+def _ran(client, token: str) -> set[str]:
+    """Every key of call ``token`` the scheduler saw."""
+    def seen(dask_scheduler=None):
+        return sorted({str(key) for key, *_ in dask_scheduler.transition_log if token in str(key)})
+
+    return set(client.run_on_scheduler(seen))
+
+
+def test_collections_computed_together_get_the_graph_of_a_call_on_futures(client):
+    """A list of ``Delayed`` and a dask array whose every result is computed
+    together: per rank one task, depending on that rank's input alone (no
+    arrive task, no barrier: the inputs are kept as they reach memory and the
+    scheduler begins the call), and nothing else of the call runs."""
+    parts = [dask.delayed(rank_input)(r) for r in range(4)]
+    out = flowreduce.allreduce(client, parts)
+    token = out[0].key[0].rpartition("-")[2]
+    graph = dict(out[0].__dask_graph__())
+    ours = {k: v for k, v in graph.items() if token in str(k)}
+    assert set(ours) == {o.key for o in out}, sorted(map(str, ours))
+    for r, o in enumerate(out):
+        assert set(ours[o.key].dependencies) == {parts[r].key}, f"rank {r}'s result depends on {ours[o.key].dependencies}"
+    for x in dask.compute(*out):
+        np.testing.assert_array_equal(x, _expected(4))
+    assert _ran(client, token) == {str(o.key) for o in out}
+    x = da.from_array(np.arange(4 * 6, dtype=np.int64).reshape(4, 6), chunks=(1, 6))
+    summed = flowreduce.allreduce(client, x, axis=0)
+    np.testing.assert_array_equal(summed.compute(), np.tile(np.arange(24).reshape(4, 6).sum(0), (4, 1)))
+    assert _ran(client, summed.name.rpartition("-")[2]) == {str(k) for k in flatten_keys(summed)}
+    del out, summed
+
+
+def flatten_keys(x: da.Array) -> list:
+    return [k for row in x.__dask_keys__() for k in row]
+
+
+def test_some_results_alone_compute_every_rank_or_say_which_are_missing(client):
+    """Dask's optimisation culls the others' results: the culled graph still
+    computes every rank's input (an arrive task per rank). With it off, the
+    results left out fail the ones asked for, naming their ranks."""
+    parts = [dask.delayed(rank_input)(r) for r in range(3)]
+    out = flowreduce.allreduce(client, parts)
+    np.testing.assert_array_equal(client.compute(out[1]).result(timeout=HANG), _expected(3))
+    alone = client.compute(flowreduce.allreduce(client, parts)[1], optimize_graph=False)
+    wait(alone, timeout=HANG)
+    e = alone.exception()
+    assert isinstance(e, InputStateError) and "ranks [0, 2]" in str(e), repr(e)
+    del out, alone, e
+
+
 def test_a_dask_array_with_a_block_per_rank(client):
     x = da.from_array(np.arange(4 * 6 * 3, dtype=np.int64).reshape(4 * 6, 3), chunks=(6, 3))
     out = flowreduce.allreduce(client, x, axis=0)
@@ -372,6 +421,28 @@ def test_a_worker_killed_mid_call_runs_it_again(client, cluster):
         np.testing.assert_array_equal(f.result(timeout=HANG), _expected(4, 10**5), err_msg=f"rank {r}")
     del out, inputs
     client.cluster.scale(4) if hasattr(client, "cluster") and client.cluster else None
+    cluster.scale(4)
+    client.wait_for_workers(4, timeout=HANG)
+
+
+def test_a_delayed_result_lost_with_its_worker_is_computed_again(client, cluster):
+    """Dask collections computed together (their inputs kept too): the
+    worker holding rank 2's result is SIGKILLed after the call; Dask asks
+    for the result again, and the call runs again for it."""
+    ws = sorted(client.nthreads())
+    parts = []
+    for r in range(4):
+        with dask.annotate(workers=[ws[r]], allow_other_workers=True):
+            parts.append(dask.delayed(rank_input)(r, 10**5, dask_key_name=f"part-{uuid.uuid4().hex}"))
+    out = flowreduce.allreduce(client, parts, algorithm="ring")
+    held = client.compute([*parts, *out])
+    wait(held, timeout=HANG)
+    victim = client.who_has(held[4 + 2])[held[4 + 2].key][0]
+    os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+    assert wait_until(lambda: victim not in client.nthreads(), HANG)
+    for r, f in enumerate(held[4:]):
+        np.testing.assert_array_equal(f.result(timeout=HANG), _expected(4, 10**5), err_msg=f"rank {r}")
+    del out, held
     cluster.scale(4)
     client.wait_for_workers(4, timeout=HANG)
 

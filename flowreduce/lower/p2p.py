@@ -22,11 +22,14 @@ A call that does not wait for its inputs (:func:`lower_arrivals`) learns
 where its ranks are when their inputs arrive. On futures, it is an output
 per rank, depending on its input alone, and a barrier depending on nothing
 that carries the call's decision; the worker plugin keeps each input in its
-worker's engine as it goes to memory. On a Dask collection, whose results
-may be computed one at a time, each rank has an *arrive* task too (it runs
-next to its input and keeps it in that worker's engine), the barrier
-depends on every arrival and every output on the barrier. Either way the
-plan is chosen, and the outputs pinned, once the last rank arrived.
+worker's engine as it goes to memory. On a Dask collection whose results are
+computed together (:func:`lower_collection`), it is an output per rank on
+its input alone too, each carrying the decision (no barrier). When only
+some of a collection's results are computed (Dask culls the others), each
+rank has an *arrive* task too (it runs next to its input and keeps it in
+that worker's engine), the barrier depends on every arrival and every
+output on the barrier, so that every rank's input is computed. Either way
+the plan is chosen, and the outputs pinned, once the last rank arrived.
 """
 
 from __future__ import annotations
@@ -340,6 +343,24 @@ def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive:
     tasks[gate] = EngineTask(gate, begin, token, decide, Named(tuple(outputs)), *arrived)
     for r, key in enumerate(outputs):
         tasks[key] = EngineTask(key, take_out, arrived[r], token, r, Named((key,)), TaskRef(gate))
+    return Graph(tasks, outputs, {}, token)
+
+
+def lower_collection(inputs: Sequence[Any], *, algorithm: str, token: str, take_out: Callable[..., Any],
+                     decide: Any, output_keys: Sequence[Hashable] | None = None) -> Graph:
+    """The graph of a p2p call on Dask collections whose every result is
+    computed together, as on futures (:func:`lower_on_futures`): per rank
+    ``take_out(x, token, rank, key, decide, outputs)``, depending on its
+    input alone, and no barrier: each result carries the call's decision
+    (``decide``, the results' keys ``outputs``), which the scheduler plugin
+    takes as the first of them waits to run. ``ranks`` tasks;
+    ``output_keys`` as for :func:`lower_arrivals`."""
+    outputs = list(output_keys) if output_keys is not None else [keys.output_key(algorithm, token, r)
+                                                                  for r in range(len(inputs))]
+    every = Named(tuple(outputs))
+    tasks: dict[Hashable, Task] = {}
+    for r, (x, key) in enumerate(zip(inputs, outputs)):
+        tasks[key] = EngineTask(key, take_out, x, token, r, Named((key,)), decide, every)
     return Graph(tasks, outputs, {}, token)
 
 

@@ -5,15 +5,18 @@ Used when the caller cannot know the inputs without waiting: futures still
 computing, and Dask collections (a list of ``Delayed``, a dask array with one
 block per rank along an axis, a list of dask arrays). The graph is the p2p
 engine's placed-on-arrival form: on futures
-(:func:`flowreduce.schedule.p2p.lower_on_futures`) each rank's result
+(:func:`flowreduce.schedule.p2p.lower_on_futures`), and on collections whose
+every result is computed together
+(:func:`flowreduce.schedule.p2p.lower_collection`), each rank's result
 depends on its input alone and the worker plugin keeps the input in the
-engine as it goes to memory; on collections
-(:func:`flowreduce.schedule.p2p.lower_arrivals`) each rank's *arrive* task
-does that, next to its input. When the last rank has arrived, the
+engine as it goes to memory; on collections culled for some of their
+results (:class:`CallLayer`, :func:`flowreduce.schedule.p2p.lower_arrivals`)
+each rank's *arrive* task does that, next to its input, so that every
+rank's input is computed still. When the last rank has arrived, the
 scheduler checks what the ranks hold (errors name the ranks, on the
 results) and chooses the plan from where they arrived (``decide``, made by
 the front door with the call's settings and the cost model, carried by the
-barrier task) and pins each rank's result to its rank's worker. Nothing is asked of the scheduler or the workers while the
+barrier task, or by each result of a collection computed together) and pins each rank's result to its rank's worker. Nothing is asked of the scheduler or the workers while the
 call is made: the futures' graph is sent with one stream message, and a
 collection's graph waits for the user's compute.
 
@@ -36,7 +39,7 @@ from dask.task_spec import Task, TaskRef
 from flowreduce import keys
 from flowreduce.errors import InputError, InputTypeError
 from flowreduce.lower.graph import named_graph
-from flowreduce.phases import ARRIVE, OUTPUT
+from flowreduce.phases import OUTPUT
 from flowreduce.schedule import guard, records
 from flowreduce.schedule import p2p as _p2p
 from flowreduce.schedule.extension import ensure_extension
@@ -114,8 +117,8 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
         block = [(x.name, *(r if a == axis else 0 for a in range(x.ndim))) for r in range(p)]
         name = keys.name(algorithm, OUTPUT, token)
         out_keys = [(name, *(r if a == axis else 0 for a in range(x.ndim))) for r in range(p)]
-        graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, output_keys=out_keys, token=token)
-        hlg = HighLevelGraph.from_collections(name, cast(Any, graph.tasks), dependencies=[cast(Any, x)])
+        hlg = HighLevelGraph.from_collections(name, CallLayer(block, algorithm, decide, token, out_keys),
+                                              dependencies=[cast(Any, x)])
         return da.Array(hlg, name, x.chunks, meta=x._meta)
     items = list(inputs)
     bad = [r for r, v in enumerate(items) if not dask.is_dask_collection(v)]
@@ -132,20 +135,51 @@ def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide
         block = [v.key for v in items]
         if any(len(v.__dask_keys__()) != 1 for v in items):
             raise InputTypeError("each rank's Delayed must be one object (one key)")
-    graph = _p2p.lower_arrivals([TaskRef(k) for k in block], algorithm, decide, token=token)
-    layer = keys.name(algorithm, ARRIVE, token)
-    hlg = HighLevelGraph.from_collections(layer, cast(Any, graph.tasks), dependencies=items)
+    call = CallLayer(block, algorithm, decide, token)
+    layer = keys.name(algorithm, OUTPUT, token)
+    hlg = HighLevelGraph.from_collections(layer, call, dependencies=items)
     if all(arrays):
         out = []
         for r, v in enumerate(items):  # each rank's result: a one-block array of its own name
             name = f"allreduced-{token}-{r}"
             key = (name, *(0,) * v.ndim)
-            alias = {key: Task(key, _same, TaskRef(cast(Any, graph.outputs[r])))}  # a task, not an Alias: Dask renames those
+            alias = {key: Task(key, _same, TaskRef(cast(Any, call.outputs[r])))}  # a task, not an Alias: Dask renames those
             both = HighLevelGraph({**hlg.layers, name: MaterializedLayer(alias)},
                                   {**hlg.dependencies, name: {layer}})
             out.append(da.Array(both, name, tuple((n,) for n in v.shape), meta=v._meta))
         return out
-    return [Delayed(k, hlg, layer=layer) for k in graph.outputs]
+    return [Delayed(k, hlg, layer=layer) for k in call.outputs]
+
+
+class CallLayer(MaterializedLayer):
+    """The graph layer of a call on Dask collections. As built (and as Dask
+    runs it when it does not optimise the graph), an output per rank on its
+    input alone, each carrying the call's decision, the call on futures'
+    graph (:func:`flowreduce.schedule.p2p.lower_collection`): the inputs are
+    kept in the engines as they go to memory, the scheduler begins the call
+    when the last rank arrived. Culled for only some of its results (Dask
+    optimising a graph that asks for those: ``out[1].compute()``), the layer
+    becomes the graph with an arrive task per rank and a barrier
+    (:func:`flowreduce.schedule.p2p.lower_arrivals`), on which every asked
+    result depends, so that every rank's input is computed still."""
+
+    def __init__(self, inputs: Sequence[Any], algorithm: str, decide: Decide, token: str,
+                 output_keys: Sequence[Any] | None = None):
+        graph = _p2p.lower_collection([TaskRef(k) for k in inputs], algorithm, decide, output_keys=output_keys,
+                                      token=token)
+        super().__init__(cast(Any, graph.tasks))
+        self.inputs, self.algorithm, self.decide, self.token = list(inputs), algorithm, decide, token
+        self.outputs = list(graph.outputs)
+
+    def cull(self, keys: set[Any], all_hlg_keys: Any) -> tuple[Any, Any]:
+        asked = keys & set(self.outputs)
+        if not asked:
+            return super().cull(keys, all_hlg_keys)
+        if len(asked) == len(self.outputs):  # itself: culled again later, for some results, it culls as here
+            return self, {k: set(t.dependencies) for k, t in self.mapping.items()}
+        graph = _p2p.lower_arrivals([TaskRef(k) for k in self.inputs], self.algorithm, self.decide,
+                                    output_keys=self.outputs, token=self.token)
+        return MaterializedLayer(cast(Any, graph.tasks), annotations=self.annotations).cull(keys, all_hlg_keys)
 
 
 def _same(x: Any) -> Any:

@@ -50,7 +50,7 @@ from flowreduce.algorithms.ir import REDUCE
 from flowreduce.algorithms.shm_direct import NAME as SHM_DIRECT
 from flowreduce.dashboard.record import EXTENSION
 from flowreduce.dashboard.store import store_of
-from flowreduce.errors import InputError, InputTypeError, WorkerLostError, refused
+from flowreduce.errors import InputError, InputStateError, InputTypeError, WorkerLostError, refused
 from flowreduce.kernels import dense as _kernels
 from flowreduce.keys import barrier_key, new_token, parse
 from flowreduce.lower import p2p as _lower
@@ -1277,6 +1277,10 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             elif not ts.dependencies and isinstance(ts.run_spec, Task) and ts.run_spec.func is hold_decision:
                 self._keep_decision(token, ts.run_spec)
             return
+        if finish == "waiting" and token not in self.pending and token not in self.doomed and f"-{OUTPUT}-" in key[0]:
+            spec = self.scheduler.tasks[key].run_spec
+            if isinstance(spec, Task) and spec.func is take_out_arrived and len(spec.args) == 6:
+                self._keep_collection(token, spec.args[4], spec.args[5].keys)  # a collection's, computed together
         if f"-{ARRIVE}-" in key[0]:
             if finish == "memory" and token in self.doomed:  # its result, sent there next, raises the error
                 bs = self.scheduler.stream_comms.get(next(iter(self.scheduler.tasks[key].who_has)).address)
@@ -1373,6 +1377,57 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                 its.who_wants.add(forgotten)
                 forgotten.wants_what.add(its)
         self._await(token, range(len(named.keys)))
+
+    def _keep_collection(self, token: str, decide: Any, outputs: tuple[Hashable, ...]) -> None:
+        """The graph of call ``token`` on Dask collections, every result
+        computed together (:func:`lower_collection`), came in (a result is
+        waiting): it is followed as a call on futures is, its decision taken
+        from the result (each carries it). The workers that compute each
+        input (the result's only dependency) are told to keep it in their
+        engine as it goes to memory. Results the graph left out (only some
+        computed, with Dask's optimisation off: the others' inputs are not
+        computed either) fail every result, naming their ranks."""
+        self.pending[token] = (decide, outputs)
+        self.keeping.add(token)
+        self._await(token, range(len(outputs)))
+        # once the graph's every task has had its transition (the other results are waiting, or not asked for)
+        asyncio.get_running_loop().call_soon(self._check_collection, token, outputs)
+
+    def _check_collection(self, token: str, outputs: tuple[Hashable, ...]) -> None:
+        """Every rank of call ``token`` on collections, just registered, will
+        arrive: its result is to be computed (it arrives its input when it runs,
+        if the worker plugin did not first), or its input is (or is in memory:
+        a result lost with a worker, computed again). A rank neither is (only
+        some asked for with Dask's optimisation off, or a graph of the same
+        keys culled for some results that came while this one's tasks were
+        still there: Dask kept those) arrives through the arrive tasks and
+        barrier of the culled graph, if they came, made wanted here; else the
+        call fails, its results naming the ranks."""
+        s = self.scheduler
+        if self.pending.get(token, (None, None))[1] is not outputs or token in self.started:
+            return
+        found = self.arrivals.get(token, {})
+        computing = ("waiting", "processing", "queued", "no-worker")
+
+        def coming(k: Hashable) -> bool:  # computed (it arrives its input), or its input is (awaited)
+            ts = s.tasks.get(k)
+            return ts is not None and (ts.state in computing or (len(ts.dependencies) == 1 and next(
+                iter(ts.dependencies)).state in (*computing, "memory")))
+
+        missing = [r for r, k in enumerate(outputs) if r not in found and not coming(k)]
+        if not missing:
+            return
+        gate = _barrier_of(outputs[0])
+        ts = s.tasks.get(gate)
+        if ts is not None and isinstance(ts.run_spec, Task) and ts.run_spec.func is hold_decision and ts.dependencies:
+            s.client_desires_keys(keys=[gate], client="fire-and-forget")
+            if ts.state == "released":
+                s.transitions({gate: "waiting"}, stimulus_id=f"flowreduce-arrive-{token}-{_now()}")
+            return
+        self._doom(token, to_serialize(InputStateError(
+            f"all-reduce {token} on Dask collections: the results of ranks {missing[:20]} are not being computed, "
+            "and so neither are their inputs: compute every rank's result together, or let Dask optimise the "
+            "graph (it then computes every rank's input for the results asked for)")))
 
     def _await(self, token: str, ranks: Iterable[int]) -> None:
         """Tell the workers holding, computing or bound to the inputs of
@@ -2003,6 +2058,15 @@ def lower_arrivals(inputs: Sequence[Any], algorithm: str, decide: Decide,
                                  take_out=take_out_begun, decide=decide, output_keys=output_keys)
 
 
+def lower_collection(inputs: Sequence[Any], algorithm: str, decide: Decide,
+                     output_keys: Sequence[Hashable] | None = None, token: str | None = None) -> Graph:
+    """A new call's graph on Dask collections whose every result is computed together: an output per rank
+    depending on its input alone, each carrying the decision (the scheduler plugin registers the call from
+    the first to wait, as it does a call on futures from its barrier)."""
+    return _lower.lower_collection(inputs, algorithm=algorithm, token=token or new_token(),
+                                   take_out=take_out_arrived, decide=decide, output_keys=output_keys)
+
+
 def lower_on_futures(inputs: Sequence[Any], algorithm: str, decide: Decide, token: str | None = None) -> Graph:
     """A new call's graph on futures placed when their values arrive: a barrier, an output per rank
     depending on its input alone."""
@@ -2010,8 +2074,11 @@ def lower_on_futures(inputs: Sequence[Any], algorithm: str, decide: Decide, toke
                                    take_out=take_out_arrived, decide=decide)
 
 
-async def take_out_arrived(x: Any, token: str, rank: int, named: _lower.Named) -> Any:
-    """Task of a call on futures placed on arrival: rank's result, on the
+async def take_out_arrived(x: Any, token: str, rank: int, named: _lower.Named, decide: Any = None,
+                           outputs: Any = None) -> Any:
+    """Task of a call on futures (or on Dask collections computed together:
+    then ``decide`` and ``outputs``, the call's decision and results' keys,
+    are the scheduler plugin's) placed on arrival: rank's result, on the
     worker its input ``x`` is on (:func:`take_out_begun`). The worker plugin
     kept the input in the engine as it went to memory; if it did not (Dask
     runs this on a worker holding a copy, or the input was computed again
