@@ -315,6 +315,12 @@ def lower_p2p(spec: Spec, inputs: Sequence[Any], *, token: str, run: str,
     return Graph(tasks, outputs, placement, token)
 
 
+def _output_keys(algorithm: str, token: str, ranks: int, given: Sequence[Hashable] | None = None) -> list[Hashable]:
+    """The results' keys of a call placed on arrival: ``given`` (e.g. a dask array's block keys), else
+    :func:`keys.output_key`'s per rank."""
+    return list(given) if given is not None else [keys.output_key(algorithm, token, r) for r in range(ranks)]
+
+
 def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive: Callable[..., Any],
                    begin: Callable[..., Any], take_out: Callable[..., Any], decide: Any,
                    output_keys: Sequence[Hashable] | None = None) -> Graph:
@@ -337,8 +343,7 @@ def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive:
         key = keys.arrive_key(algorithm, token, r)
         tasks[key] = EngineTask(key, arrive, token, r, x)
         arrived.append(TaskRef(key))
-    outputs = list(output_keys) if output_keys is not None else [keys.output_key(algorithm, token, r)
-                                                                  for r in range(len(inputs))]
+    outputs = _output_keys(algorithm, token, len(inputs), output_keys)
     gate = keys.barrier_key(algorithm, token)
     tasks[gate] = EngineTask(gate, begin, token, decide, Named(tuple(outputs)), *arrived)
     for r, key in enumerate(outputs):
@@ -355,8 +360,7 @@ def lower_collection(inputs: Sequence[Any], *, algorithm: str, token: str, take_
     (``decide``, the results' keys ``outputs``), which the scheduler plugin
     takes as the first of them waits to run. ``ranks`` tasks;
     ``output_keys`` as for :func:`lower_arrivals`."""
-    outputs = list(output_keys) if output_keys is not None else [keys.output_key(algorithm, token, r)
-                                                                  for r in range(len(inputs))]
+    outputs = _output_keys(algorithm, token, len(inputs), output_keys)
     every = Named(tuple(outputs))
     tasks: dict[Hashable, Task] = {}
     for r, (x, key) in enumerate(zip(inputs, outputs)):
@@ -373,7 +377,7 @@ def lower_on_futures(inputs: Sequence[Any], *, algorithm: str, token: str, begin
     decision for the scheduler. The inputs are kept in the engines as they
     go to memory (the worker plugin), and the call begins on the scheduler
     when the last rank arrived. ``ranks + 1`` tasks."""
-    outputs = [keys.output_key(algorithm, token, r) for r in range(len(inputs))]
+    outputs = _output_keys(algorithm, token, len(inputs))
     gate = keys.barrier_key(algorithm, token)
     tasks: dict[Hashable, Task] = {gate: EngineTask(gate, begin, token, decide, Named(tuple(outputs)))}
     for r, (x, key) in enumerate(zip(inputs, outputs)):

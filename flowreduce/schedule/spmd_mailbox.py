@@ -283,9 +283,10 @@ class Mailbox:
             return refused(DELIVER, f"not an SPMD message: run {type(run).__name__}, key {type(key).__name__}, "
                                     f"other arguments {sorted(map(str, other))[:10]}")
         try:
-            self._put(run, key, value if inline is None else _from_inline(inline))
-        except Exception as e:  # not one of _inline's: refused, not raised (raising would close the stream)
-            return refused(DELIVER, f"an SPMD message's inline value is not one: {e}")
+            got = _value(value, inline)
+        except ValueError as e:
+            return refused(DELIVER, str(e))
+        self._put(run, key, got)
         return {"status": "OK"}
 
     async def _write_batch(self, comm: Any, batch: list[tuple[str, str, Any]]) -> None:
@@ -299,9 +300,9 @@ class Mailbox:
             refused(DELIVER, f"not an SPMD message on a stream: run {type(run).__name__}, key {type(key).__name__}")
             return
         try:
-            got = value if inline is None else _from_inline(inline)
-        except Exception as e:  # not one of _inline's: refused, not raised (raising would close the stream)
-            refused(DELIVER, f"an SPMD message's inline value is not one: {e}")
+            got = _value(value, inline)
+        except ValueError as e:  # refused, not raised: raising would close the stream
+            refused(DELIVER, str(e))
             return
         self._put(run, key, got)
 
@@ -424,6 +425,17 @@ def _array_of(dtype: Any, shape: Any, data: Any) -> np.ndarray:
     if kind.kind not in "biufc":
         raise TypeError(f"dtype {dtype!r}")
     return np.frombuffer(data, kind).reshape([int(d) for d in shape]).copy()
+
+
+def _value(value: Any, inline: Any) -> Any:
+    """A :data:`DELIVER` message's value: ``value`` (Dask's), or the one ``inline`` carries (ValueError, naming
+    the problem, if ``inline`` is not one of :func:`_inline`'s, whatever decoding it raised)."""
+    if inline is None:
+        return value
+    try:
+        return _from_inline(inline)
+    except Exception as e:
+        raise ValueError(f"an SPMD message's inline value is not one: {e}") from e
 
 
 def _from_inline(inline: Any) -> Any:

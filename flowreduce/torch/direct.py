@@ -174,9 +174,12 @@ def _unpack(flat: Flat, bucket: Bucket, vec: np.ndarray, out: list) -> None:
         out[i] = t[at:at + spec.size].view(spec.shape)
 
 
-def _dtypes(flat: Flat) -> list[str]:
-    """The buckets' dtypes in the order their first bucket fills."""
-    return list(dict.fromkeys(b.dtype for b in flat.buckets))
+def _by_dtype(flat: Flat) -> dict[str, list[Bucket]]:
+    """The buckets of each dtype, the dtypes in the order their first bucket fills."""
+    out: dict[str, list[Bucket]] = {}
+    for b in flat.buckets:
+        out.setdefault(b.dtype, []).append(b)
+    return out
 
 
 def pack(flat: Flat, grads: Sequence[torch.Tensor | None]) -> list[np.ndarray]:
@@ -184,8 +187,7 @@ def pack(flat: Flat, grads: Sequence[torch.Tensor | None]) -> list[np.ndarray]:
     bucket after the other in new flat vectors, one per dtype (one for a model of one dtype): what
     a fused step averages, one all-reduce per vector."""
     out = []
-    for dtype in _dtypes(flat):
-        buckets = [b for b in flat.buckets if b.dtype == dtype]
+    for dtype, buckets in _by_dtype(flat).items():
         vec = np.empty(sum(b.size for b in buckets), np.dtype(dtype))
         at = 0
         for bucket in buckets:
@@ -198,9 +200,9 @@ def pack(flat: Flat, grads: Sequence[torch.Tensor | None]) -> list[np.ndarray]:
 def unpack(flat: Flat, vectors: Sequence[np.ndarray]) -> list[torch.Tensor]:
     """Every tensor (the ``used`` flags last) as a view of the averaged :func:`pack` vectors."""
     out: list[Any] = [None] * len(flat.specs)
-    for dtype, vec in zip(_dtypes(flat), vectors):
+    for buckets, vec in zip(_by_dtype(flat).values(), vectors):
         at = 0
-        for bucket in (b for b in flat.buckets if b.dtype == dtype):
+        for bucket in buckets:
             _unpack(flat, bucket, vec[at:at + bucket.size], out)
             at += bucket.size
     return out
