@@ -354,7 +354,7 @@ def lower_arrivals(inputs: Sequence[Any], *, algorithm: str, token: str, arrive:
 def lower_collection(inputs: Sequence[Any], *, algorithm: str, token: str, take_out: Callable[..., Any],
                      decide: Any, output_keys: Sequence[Hashable] | None = None) -> Graph:
     """The graph of a p2p call on Dask collections whose every result is
-    computed together, as on futures (:func:`lower_on_futures`): per rank
+    computed together, and on futures: per rank
     ``take_out(x, token, rank, key, decide, outputs)``, depending on its
     input alone, and no barrier: each result carries the call's decision
     (``decide``, the results' keys ``outputs``), which the scheduler plugin
@@ -365,21 +365,4 @@ def lower_collection(inputs: Sequence[Any], *, algorithm: str, token: str, take_
     tasks: dict[Hashable, Task] = {}
     for r, (x, key) in enumerate(zip(inputs, outputs)):
         tasks[key] = EngineTask(key, take_out, x, token, r, Named((key,)), decide, every)
-    return Graph(tasks, outputs, {}, token)
-
-
-def lower_on_futures(inputs: Sequence[Any], *, algorithm: str, token: str, begin: Callable[..., Any],
-                     take_out: Callable[..., Any], decide: Any) -> Graph:
-    """The graph of a p2p call on futures, placed when its inputs arrive:
-    per rank ``take_out(x, token, rank, key)``, depending on its input
-    alone (Dask runs it where the input is), and a barrier ``begin(token,
-    decide, outputs)`` depending on nothing, which carries the call's
-    decision for the scheduler. The inputs are kept in the engines as they
-    go to memory (the worker plugin), and the call begins on the scheduler
-    when the last rank arrived. ``ranks + 1`` tasks."""
-    outputs = _output_keys(algorithm, token, len(inputs))
-    gate = keys.barrier_key(algorithm, token)
-    tasks: dict[Hashable, Task] = {gate: EngineTask(gate, begin, token, decide, Named(tuple(outputs)))}
-    for r, (x, key) in enumerate(zip(inputs, outputs)):
-        tasks[key] = EngineTask(key, take_out, x, token, r, Named((key,)))
     return Graph(tasks, outputs, {}, token)

@@ -4,19 +4,17 @@ state its inputs are in, and learns what it needs inside the graph.
 Used when the caller cannot know the inputs without waiting: futures still
 computing, and Dask collections (a list of ``Delayed``, a dask array with one
 block per rank along an axis, a list of dask arrays). The graph is the p2p
-engine's placed-on-arrival form: on futures
-(:func:`flowreduce.schedule.p2p.lower_on_futures`), and on collections whose
-every result is computed together
-(:func:`flowreduce.schedule.p2p.lower_collection`), each rank's result
-depends on its input alone and the worker plugin keeps the input in the
-engine as it goes to memory; on collections culled for some of their
+engine's placed-on-arrival form: on futures, and on collections whose every
+result is computed together (:func:`flowreduce.schedule.p2p.lower_collection`),
+each rank's result depends on its input alone, carries the call's decision,
+and the worker plugin keeps the input in the engine as it goes to memory; on collections culled for some of their
 results (:class:`CallLayer`, :func:`flowreduce.schedule.p2p.lower_arrivals`)
 each rank's *arrive* task does that, next to its input, so that every
 rank's input is computed still. When the last rank has arrived, the
 scheduler checks what the ranks hold (errors name the ranks, on the
 results) and chooses the plan from where they arrived (``decide``, made by
-the front door with the call's settings and the cost model, carried by the
-barrier task, or by each result of a collection computed together) and pins each rank's result to its rank's worker. Nothing is asked of the scheduler or the workers while the
+the front door with the call's settings and the cost model, carried by each
+result, or by the barrier task of a collection culled for some results) and pins each rank's result to its rank's worker. Nothing is asked of the scheduler or the workers while the
 call is made: the futures' graph is sent with one stream message, and a
 collection's graph waits for the user's compute.
 
@@ -81,15 +79,13 @@ def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: 
                    timeout: float | None) -> list[Any]:
     """Submit the call on ``futures`` (one per rank) without waiting for them;
     the guard watches it as every call (its ``timeout``, lost inputs)."""
-    graph = _p2p.lower_on_futures(futures, algorithm, decide, token=token)
+    graph = _p2p.lower_collection(futures, algorithm, decide, token=token)
     placed(token)
     # its record comes from the scheduler's extension once the call begins; big values between workers of a
     # host go through shared segments
     ensure_extension(client)
-    # the barrier is asked for only to reach the scheduler: its decision is taken there as it waits to run
-    # (P2PSchedulerPlugin), and it is let go here at once, after the graph on the same stream
-    *out, _ = client.get(named_graph(graph.tasks, token), [*graph.outputs, keys.barrier_key(algorithm, token)],
-                         sync=False)
+    # no barrier: each result carries the decision, which the scheduler plugin keeps as the first waits to run
+    out = client.get(named_graph(graph.tasks, token), list(graph.outputs), sync=False)
     guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
     return out
 

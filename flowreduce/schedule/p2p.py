@@ -1274,13 +1274,11 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                     where[w].append(rank)
             if where:  # else a call placed when its inputs arrive: it is followed from its begin
                 self.active[token] = (dict(where), {d.key for d in ts.dependents})
-            elif not ts.dependencies and isinstance(ts.run_spec, Task) and ts.run_spec.func is hold_decision:
-                self._keep_decision(token, ts.run_spec)
             return
         if finish == "waiting" and token not in self.pending and token not in self.doomed and f"-{OUTPUT}-" in key[0]:
             spec = self.scheduler.tasks[key].run_spec
             if isinstance(spec, Task) and spec.func is take_out_arrived and len(spec.args) == 6:
-                self._keep_collection(token, spec.args[4], spec.args[5].keys)  # a collection's, computed together
+                self._keep_collection(token, spec.args[4], spec.args[5].keys)  # on futures, or collections computed together
         if f"-{ARRIVE}-" in key[0]:
             if finish == "memory" and token in self.doomed:  # its result, sent there next, raises the error
                 bs = self.scheduler.stream_comms.get(next(iter(self.scheduler.tasks[key].who_has)).address)
@@ -1356,16 +1354,19 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         while len(self.arrivals) > 4096:
             self.arrivals.popitem(last=False)
 
-    def _keep_decision(self, token: str, spec: Task) -> None:
-        """The graph of call ``token`` on futures placed on arrival came in
-        (its barrier is waiting): its decision is kept here, every input still
-        being computed is wanted until it is (as ``fire_and_forget`` does:
-        every rank arrives even if some results are let go), and the workers
-        that hold or compute each input are told to keep it in their engine
-        when it goes to memory there (stream message ``AWAIT``; every worker
-        when that is not known yet)."""
-        _, decide, named, *_ = spec.args
-        self.pending[token] = (decide, named.keys)
+    def _keep_collection(self, token: str, decide: Any, outputs: tuple[Hashable, ...]) -> None:
+        """The graph of call ``token`` on futures, or on Dask collections
+        every result computed together (:func:`lower_collection`), came in (a
+        result is waiting): its decision, which each result carries, is kept
+        here until the last rank arrived. Every input of a call on futures
+        still being computed is wanted until it is (as ``fire_and_forget``
+        does: every rank arrives even if the caller lets go of some results
+        and of the inputs). The workers that hold or compute each input (the
+        result's only dependency) are told to keep it in their engine as it
+        goes to memory. Results the graph left out (only some computed, with
+        Dask's optimisation off: the others' inputs are not computed either)
+        fail every result, naming their ranks."""
+        self.pending[token] = (decide, outputs)
         self.keeping.add(token)  # the workers told to await its inputs let go of them when it ends
         s = self.scheduler
         forgotten = s.clients.get("fire-and-forget")
@@ -1376,19 +1377,6 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                     its.who_wants = set()
                 its.who_wants.add(forgotten)
                 forgotten.wants_what.add(its)
-        self._await(token, range(len(named.keys)))
-
-    def _keep_collection(self, token: str, decide: Any, outputs: tuple[Hashable, ...]) -> None:
-        """The graph of call ``token`` on Dask collections, every result
-        computed together (:func:`lower_collection`), came in (a result is
-        waiting): it is followed as a call on futures is, its decision taken
-        from the result (each carries it). The workers that compute each
-        input (the result's only dependency) are told to keep it in their
-        engine as it goes to memory. Results the graph left out (only some
-        computed, with Dask's optimisation off: the others' inputs are not
-        computed either) fail every result, naming their ranks."""
-        self.pending[token] = (decide, outputs)
-        self.keeping.add(token)
         self._await(token, range(len(outputs)))
         # once the graph's every task has had its transition (the other results are waiting, or not asked for)
         asyncio.get_running_loop().call_soon(self._check_collection, token, outputs)
@@ -1408,13 +1396,16 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             return
         found = self.arrivals.get(token, {})
         computing = ("waiting", "processing", "queued", "no-worker")
+        inputs = tuple(getattr(self.pending[token][0], "input_keys", ()))  # a call on futures': wanted here
 
-        def coming(k: Hashable) -> bool:  # computed (it arrives its input), or its input is (awaited)
+        def coming(r: int, k: Hashable) -> bool:  # computed (it arrives its input), or its input is (awaited)
             ts = s.tasks.get(k)
+            if r < len(inputs) and inputs[r] in s.tasks:
+                return s.tasks[inputs[r]].state in (*computing, "memory")
             return ts is not None and (ts.state in computing or (len(ts.dependencies) == 1 and next(
                 iter(ts.dependencies)).state in (*computing, "memory")))
 
-        missing = [r for r, k in enumerate(outputs) if r not in found and not coming(k)]
+        missing = [r for r, k in enumerate(outputs) if r not in found and not coming(r, k)]
         if not missing:
             return
         gate = _barrier_of(outputs[0])
@@ -1936,10 +1927,9 @@ def hold_decision(token: str, decide: Decide, outputs: _lower.Named, *arrivals: 
     """Task, the barrier of a call placed on arrival: it carries the call's
     decision (``decide``, with the results' keys) in its arguments, for the
     scheduler plugin, which begins the call when its last rank arrived
-    (:meth:`P2PSchedulerPlugin._begin_if_arrived`). On a collection it
-    depends on every rank's arrive task and keeps them wanted while any
-    result is; on futures it depends on nothing, and the plugin takes the
-    decision as it waits to run."""
+    (:meth:`P2PSchedulerPlugin._begin_if_arrived`). It depends on every
+    rank's arrive task of a collection culled for some results and keeps
+    them wanted while any result is."""
     return token
 
 
@@ -2065,13 +2055,6 @@ def lower_collection(inputs: Sequence[Any], algorithm: str, decide: Decide,
     the first to wait, as it does a call on futures from its barrier)."""
     return _lower.lower_collection(inputs, algorithm=algorithm, token=token or new_token(),
                                    take_out=take_out_arrived, decide=decide, output_keys=output_keys)
-
-
-def lower_on_futures(inputs: Sequence[Any], algorithm: str, decide: Decide, token: str | None = None) -> Graph:
-    """A new call's graph on futures placed when their values arrive: a barrier, an output per rank
-    depending on its input alone."""
-    return _lower.lower_on_futures(inputs, algorithm=algorithm, token=token or new_token(), begin=hold_decision,
-                                   take_out=take_out_arrived, decide=decide)
 
 
 async def take_out_arrived(x: Any, token: str, rank: int, named: _lower.Named, decide: Any = None,
