@@ -64,6 +64,24 @@ class MixedNet(Net):
         return self.head(h.double())
 
 
+class HalfNet(torch.nn.Module):
+    """A bfloat16 layer under a float32 head: gradients of two torch dtypes, which the trainer
+    averages in one float32 vector (bfloat16 widened, rounded back to nearest even)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 16).to(torch.bfloat16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x.to(torch.bfloat16))).float())
+
+
+def half_shard(rank, ranks):
+    g = torch.Generator().manual_seed(200 + rank)
+    return [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(STEPS)]
+
+
 MODELS = {"net": Net, "bn": BatchNormNet, "mixed": MixedNet}
 #: The DDP runs: (model, micro-batches per step)
 RUNS = (("net", 1), ("net", 3), ("bn", 1), ("mixed", 1))

@@ -21,7 +21,8 @@ import flowreduce
 
 torch = pytest.importorskip("torch", reason="torch tests need the extra: pip install -e '.[torch]'")
 
-from ddp_reference import MODELS, RANKS, STEPS, Net, make_optimizer, shard, shard_accumulating  # noqa: E402
+from ddp_reference import (  # noqa: E402
+    MODELS, RANKS, STEPS, HalfNet, Net, half_shard, make_optimizer, shard, shard_accumulating)
 
 from flowreduce.torch import Trainer  # noqa: E402
 
@@ -294,6 +295,57 @@ def test_trainer_matches_ddp(proc_client, ddp_results, shm_for_small_values, mon
     trainer.close()
     del trainer
     assert_clean(proc_client)
+    assert_trainer_gone(proc_client)
+
+
+def _half_reference(steps):
+    """:class:`HalfNet` trained data parallel in one process: each step every
+    rank's gradients, averaged in float32 (bfloat16 ones widened) and rounded
+    back to the parameter's dtype, then one optimizer step."""
+    torch.manual_seed(0)
+    model = HalfNet()
+    optimizer = make_optimizer(model.parameters())
+    data = [half_shard(r, RANKS) for r in range(RANKS)]
+    for step in range(steps):
+        grads = []
+        for r in range(RANKS):
+            model.zero_grad(set_to_none=True)
+            x, y = data[r][step]
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            grads.append([p.grad.float() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = (torch.stack(gs).sum(0) / RANKS).to(p.dtype)
+        optimizer.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("algorithm, fused, route", [("auto", None, "shared memory"), ("auto", 1, "shared memory"),
+                                                     ("ring", 1, "flowreduce.allreduce")],
+                         ids=["fused", "shared-memory-step", "allreduce-step"])
+def test_bfloat16_layers_train_in_each_step_graph(proc_client, algorithm, fused, route):
+    """A model with bfloat16 and float32 layers trains on every step graph
+    (10 steps to a task, the shared-memory step, a pytree all-reduce per
+    step): its gradients are averaged in float32 and rounded back, so the
+    parameters stay bfloat16, every rank holds the same bits, and they match
+    data parallelism in one process (to bfloat16 rounding: the order of the
+    float32 additions differs)."""
+    steps = 8
+    with Trainer(proc_client, model=HalfNet, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                 data=half_shard, workers=workers_of(proc_client)[:RANKS], algorithm=algorithm, threads=1,
+                 steps_per_task=fused) as trainer:
+        assert trainer.step_graph["all-reduce"] == route
+        assert trainer.step_graph["steps_per_task"] == (fused or 10)
+        trainer.train(steps)
+        ours = [trainer.parameters(r) for r in range(RANKS)]
+    expected = _half_reference(steps)
+    assert {n: t.dtype for n, t in ours[0].items()} == {n: t.dtype for n, t in expected.items()} == {
+        "body.weight": torch.bfloat16, "body.bias": torch.bfloat16, "head.weight": torch.float32,
+        "head.bias": torch.float32}
+    for r in range(1, RANKS):
+        for n in ours[0]:
+            assert torch.equal(ours[r][n], ours[0][n]), (r, n)
+    for n, t in expected.items():
+        torch.testing.assert_close(ours[0][n].float(), t.float(), rtol=2e-2, atol=2e-3, msg=n)
     assert_trainer_gone(proc_client)
 
 

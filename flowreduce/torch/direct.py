@@ -122,7 +122,8 @@ def supports(specs: Sequence[TensorSpec]) -> bool:
 
 def packs(specs: Sequence[TensorSpec]) -> bool:
     """Whether gradients of these specs can be packed into flat numpy vectors, one per dtype
-    (:func:`pack`): every dtype one of :data:`DTYPES` (bfloat16 has no numpy dtype)."""
+    (:func:`pack`): every dtype one of :data:`DTYPES` (a bfloat16 gradient's spec is float32, the dtype
+    it is averaged in: it packs with the float32 ones and is rounded back as it is unpacked)."""
     return bool(specs) and {np.dtype(s.dtype) for s in specs} <= _NUMPY_DTYPES
 
 
@@ -167,11 +168,16 @@ def _pack(flat: Flat, bucket: Bucket, grads: Sequence[torch.Tensor | None], dst:
 
 
 def _unpack(flat: Flat, bucket: Bucket, vec: np.ndarray, out: list) -> None:
-    """``out[i]``, for each tensor ``i`` of ``bucket``: its view of the averaged flat vector ``vec``."""
+    """``out[i]``, for each tensor ``i`` of ``bucket``: its view of the averaged flat vector ``vec``
+    (a copy rounded back to nearest even for a bfloat16 gradient, packed and averaged as float32)."""
     t = torch.from_numpy(vec)
     for i, at in zip(bucket.tensors, bucket.offsets):
         spec = flat.specs[i]
-        out[i] = t[at:at + spec.size].view(spec.shape)
+        view = t[at:at + spec.size].view(spec.shape)
+        native = spec.native
+        if native is not None and native.library == "torch" and native.dtype != str(view.dtype).removeprefix("torch."):
+            view = view.to(getattr(torch, native.dtype))
+        out[i] = view
 
 
 def _by_dtype(flat: Flat) -> dict[str, list[Bucket]]:
