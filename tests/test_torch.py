@@ -21,8 +21,17 @@ import flowreduce
 
 torch = pytest.importorskip("torch", reason="torch tests need the extra: pip install -e '.[torch]'")
 
-from ddp_reference import (  # noqa: E402
-    MODELS, RANKS, STEPS, HalfNet, Net, half_shard, make_optimizer, shard, shard_accumulating)
+from ddp_reference import (  # noqa: E402,E501
+    MODELS,
+    RANKS,
+    STEPS,
+    HalfNet,
+    Net,
+    half_shard,
+    make_optimizer,
+    shard,
+    shard_accumulating,
+)
 
 from flowreduce.torch import Trainer  # noqa: E402
 

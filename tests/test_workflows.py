@@ -98,7 +98,8 @@ def test_the_graph_on_futures_is_an_output_per_rank_on_its_input_alone(client):
         return {str(k): sorted(str(d.key) for d in dask_scheduler.tasks[k].dependencies)
                 if k in dask_scheduler.tasks else None for k in seen}
 
-    assert wait_until(lambda: len(client.run_on_scheduler(ours)) >= len(out), HANG)
+    ranks = len(out)
+    assert wait_until(lambda: len(client.run_on_scheduler(ours)) >= ranks, HANG)
     Event(name, client=client).set()
     assert flowreduce.describe(out).algorithm == "ring"
     for x in client.gather(out):
