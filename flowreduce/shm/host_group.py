@@ -19,8 +19,9 @@ mapping, sliced once per size and dtype, and folded row after row in place
 
 A collective is one or two *steps*. In a step every rank writes its region,
 then bumps its step counter; then it waits until every peer's counter
-reaches the step (yielding the CPU at every poll, then, after 50 ms, sleeping a
-little longer each time) and reads the peers' regions. Why no one
+reaches the step (yielding the CPU at every poll, then, after 1 ms, sleeping
+on the peer's counter, a futex it wakes as it bumps it: :mod:`flowreduce.shm.futex`)
+and reads the peers' regions. Why no one
 overwrites what a peer still reads: collectives alternate input regions,
 and passing a step's wait means every peer has finished every earlier
 collective (it bumped its counter for this one after). A rank whose data
@@ -61,6 +62,7 @@ import numpy as np
 
 from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, OptionError
 from flowreduce.ops import FOLD_BLOCK_BYTES, Op
+from flowreduce.shm import futex
 from flowreduce.shm import pool as shm_pool
 from flowreduce.shm.result_buffers import buffers
 
@@ -76,9 +78,10 @@ META = REGION - 32
 NAMED = 128  # a data segment: its size, its name's length, its name (one per generation parity)
 NAME_AT = 64 + 3 * REGION
 OUT = 2  # the output region's index
-#: How long a waiting rank keeps yielding its core (at every poll) before it sleeps: the ranks of a host
-#: often outnumber its free cores, so a rank that waits gives its core away at once.
-YIELD_SECONDS = 50e-3
+#: How long a waiting rank keeps yielding its core (at every poll) before it sleeps on the peer's stamp
+#: (:mod:`flowreduce.shm.futex`): the ranks of a host often outnumber its free cores, so a rank that
+#: waits gives its core away at once, and one that waits longer than a collective takes leaves it.
+YIELD_SECONDS = 1e-3 if futex.AVAILABLE else 50e-3
 #: Longest sleep between polls, and how often the external abort and the deadline are checked.
 MAX_SLEEP, CHECK_EVERY = 1e-3, 2e-3
 
@@ -271,6 +274,8 @@ class HostGroup:
         self.stamp_at = tuple((HEADER + SLOT * i) // 8 for i in range(self.n))
         self.peer_stamps = tuple(a for i, a in enumerate(self.stamp_at) if i != self.me)
         self.my_stamp = self.stamp_at[self.me]
+        #: the address of word 0 of the control segment here: a waiting rank sleeps on a peer's stamp
+        self.base_address = self.words.__array_interface__["data"][0]
         #: turn -> the word of each rank's record of its small slot (the input region's record)
         self.small_records = tuple(tuple(self._record(i, turn) for i in range(self.n)) for turn in (0, 1))
         #: (turn, bytes, dtype) -> (my small slot, the group's slots (rows, in group order), the word of
@@ -372,6 +377,8 @@ class HostGroup:
         self.step = target = self.step + 1
         q = self.q
         q[self.my_stamp] = target
+        if futex.AVAILABLE:  # a peer may sleep on my stamp
+            futex.wake(self.base_address + 8 * self.my_stamp)
         for at in self.peer_stamps:  # one peer at a time: one word read per poll
             if q[at] < target:
                 self._wait(at, target, what, deadline)
@@ -392,11 +399,14 @@ class HostGroup:
             self.mine.remove(name)
 
     def _wait(self, at: int, target: int, what: str, deadline: float | None) -> None:
-        """Until the stamp at word ``at`` reaches ``target``: yield the core at every poll, after
-        ``yield_seconds`` sleep between polls; check the abort word, the job and the deadline."""
+        """Until the stamp at word ``at`` reaches ``target``: yield the core at every poll for
+        ``yield_seconds``, then sleep on the stamp (a futex the peer wakes as it bumps it; where
+        there are none, sleep a little longer between polls each time); check the abort word, the
+        job and the deadline."""
         q, st = self.q, self.stamps
         spins, sleep = 0, 5e-5
         begun = checked = time.monotonic()
+        address = self.base_address + 8 * at
         while q[at] < target:
             if q[0]:
                 raise self._aborted(what)
@@ -407,6 +417,9 @@ class HostGroup:
             now = time.monotonic()
             if now - begun < self.yield_seconds:
                 os.sched_yield()
+            elif futex.AVAILABLE:
+                sleep = CHECK_EVERY
+                futex.wait(address, q[at], CHECK_EVERY)  # returns at once if the stamp moved since read
             else:
                 time.sleep(sleep)
                 sleep = min(sleep * 1.5, MAX_SLEEP)
@@ -442,6 +455,9 @@ class HostGroup:
         self.bytes[16:16 + len(msg)] = np.frombuffer(msg, np.uint8)
         self.words[1] = len(msg)
         self.words[0] = self.rank + 1
+        if futex.AVAILABLE:  # every rank sleeping on a stamp reads the abort word now
+            for at in self.stamp_at:
+                futex.wake(self.base_address + 8 * at)
 
     def _next_region(self) -> int:
         region, self.turn = self.turn, 1 - self.turn
