@@ -73,7 +73,9 @@ def _refill(cluster, client, n: int = 4) -> None:
     replace those."""
     wait_until(lambda: all(w.status.name in ("running", "closed") for w in cluster.workers.values()), HANG)
     closed = sum(w.status.name == "closed" for w in cluster.workers.values())  # retired: they never come back
-    if not wait_until(lambda: len(client.nthreads()) >= n - closed, 20):
+    # a nanny whose worker was retired but that is not closed yet waited out the whole 20 s here
+    # (21 s of the suite); slow or gone, it is closed after 5 s and replaced by scale() below
+    if not wait_until(lambda: len(client.nthreads()) >= n - closed, 5):
         alive = set(client.nthreads())
         for w in cluster.workers.values():
             if w.status.name == "running" and w.worker_address not in alive:
