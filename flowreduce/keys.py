@@ -10,6 +10,8 @@ algorithm and phase (``dask.utils.key_split`` drops the hex token).
 
 from __future__ import annotations
 
+import itertools
+import os
 import uuid
 
 from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, KEY_PHASES, OUTPUT, PACK, UNPACK
@@ -18,8 +20,24 @@ from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, KEY_PHASES, OUTPUT, PACK
 _BY_LENGTH = sorted(KEY_PHASES, key=len, reverse=True)
 
 
+def _reseed() -> None:
+    global _seed, _process, _count
+    seed = uuid.uuid4().int
+    _seed, _process, _count = seed >> 64, f"{seed & _MASK:016x}", itertools.count()
+
+
+_MASK = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15  # odd: n -> n * _MIX + seed is a bijection of 64-bit words
+_seed, _process, _count = 0, "", itertools.count()
+_reseed()
+os.register_at_fork(after_in_child=_reseed)  # a forked child names its calls apart from its parent's
+
+
 def new_token() -> str:
-    return uuid.uuid4().hex
+    """32 hex digits, unique to the call: its count in this process, mixed so that no two of its calls
+    share the first digits (the dashboard shows 8), then this process's random half (a uuid4 per call
+    read os.urandom each time: 0.18 ms of a 1.3 ms call on futures still computing)."""
+    return f"{(next(_count) * _MIX + _seed) & _MASK:016x}{_process}"
 
 
 def name(algorithm: str, phase: str, token: str) -> str:

@@ -229,6 +229,44 @@ def test_every_phase_a_planner_emits_is_known_to_keys_tracer_and_drawer():
         assert ph in draw.PHASE_COLOURS, f"the drawer has no colour for phase {ph!r}"
 
 
+#: a process that makes 1,000 tokens, forks, and prints 1,000 more of each side: parent's line, child's line
+_FORKING = """
+import os, sys
+from flowreduce import keys
+before = [keys.new_token() for _ in range(1000)]
+r, w = os.pipe()
+if os.fork() == 0:
+    os.write(w, " ".join(keys.new_token() for _ in range(1000)).encode())
+    os._exit(0)
+os.close(w)
+child = b"".join(iter(lambda: os.read(r, 1 << 16), b"")).decode()
+os.wait()
+print(" ".join(before + [keys.new_token() for _ in range(1000)]))
+print(child)
+"""
+
+
+def test_call_tokens_are_unique_in_a_process_its_fork_and_another_process_and_split_from_key_names():
+    """Tokens are 32 hex digits, none repeated among 100,000 of one process, nor between processes
+    (a parent and a child it forked making as many since the fork, another process); no two of one
+    process share their first 8 digits (what the dashboard shows); ``dask.utils.key_split`` drops them."""
+    import subprocess
+
+    from dask.utils import key_split
+
+    from flowreduce import keys
+
+    here = [keys.new_token() for _ in range(100_000)]
+    parent, child = (line.split() for line in subprocess.run(
+        [sys.executable, "-c", _FORKING], capture_output=True, text=True, check=True).stdout.splitlines())
+    assert len(parent) == 2000 and len(child) == 1000
+    every = here + parent + child
+    assert len(set(every)) == len(every)
+    assert all(len(t) == 32 and int(t, 16) >= 0 for t in every)
+    assert len({t[:8] for t in here}) == len(here)
+    assert key_split(keys.output_key("ring", here[0], 3)) == "flowreduce-ring-output"
+
+
 # -- fingerprints: proof that a refactoring changed no plan ------------------------------------------
 
 #: Hashes of every plan of :func:`fingerprint_cases` (nodes, finals, segments,
