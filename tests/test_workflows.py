@@ -325,6 +325,35 @@ def test_delayed_in_delayed_out_composes_with_the_users_graph(client):
     del persisted, out
 
 
+@pytest.mark.parametrize("kind", ["delayed", "array"])
+def test_one_result_of_a_collection_kept_alone_still_gets_every_rank(client, kind):
+    """``client.compute(out)[0]``: every rank's result computed together, all
+    but rank 0's let go before the inputs are computed (they wait on an
+    Event). Every rank still arrives (the scheduler keeps each result's input
+    wanted until it is computed), and rank 0's result is the sum."""
+    name = f"go-{uuid.uuid4().hex}"
+    if kind == "delayed":
+        out = flowreduce.allreduce(client, [dask.delayed(held_back, pure=False)(name, r) for r in range(3)])
+    else:
+        import dask.array as da
+
+        blocks = [da.from_delayed(dask.delayed(held_back, pure=False)(name, r), (1000,), np.int64) for r in range(3)]
+        out = flowreduce.allreduce(client, blocks)
+    first = client.compute(out)[0]  # the other results' futures are let go at once
+    del out
+    gc.collect()
+    token = first.key[0].rpartition("-")[2] if kind == "delayed" else None
+    if token is not None:  # the scheduler let go of the other results before any input was computed
+        def results(dask_scheduler=None):
+            return sorted(str(k) for k in dask_scheduler.tasks if f"output-{token}" in str(k))
+
+        kept = [str(first.key)]
+        assert wait_until(lambda: client.run_on_scheduler(results) == kept, HANG)
+    Event(name, client=client).set()
+    np.testing.assert_array_equal(first.result(timeout=HANG), _expected(3))
+    del first
+
+
 def _ran(client, token: str) -> set[str]:
     """Every key of call ``token`` the scheduler saw."""
     def seen(dask_scheduler=None):

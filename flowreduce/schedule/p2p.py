@@ -1243,9 +1243,11 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         #: calls placed on arrival that failed before they began (an input failed, or was refused): token ->
         #: the error their results raise, also those of ranks arriving later (the newest 4096 calls)
         self.doomed: OrderedDict[str, Any] = OrderedDict()
-        #: calls on futures placed on arrival, not ended: token -> their decision (``decide``, the results'
-        #: keys), taken from their barrier when their graph arrived (the barrier is gone once it ran)
+        #: calls on futures or collections placed on arrival, not ended: token -> their decision (``decide``,
+        #: the results' keys), taken from their results as the first waits to run
         self.pending: dict[str, tuple[Any, tuple[Hashable, ...]]] = {}
+        #: per call of ``pending``, each rank's input key (None: not known), kept wanted until computed
+        self.inputs: dict[str, tuple[Hashable | None, ...]] = {}
         #: results of such calls let go while their run goes on: token -> their keys (their workers drop the
         #: run when the others are in memory: those results are never taken there)
         self.let_go: dict[str, set[Hashable]] = {}
@@ -1358,10 +1360,11 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         """The graph of call ``token`` on futures, or on Dask collections
         every result computed together (:func:`lower_collection`), came in (a
         result is waiting): its decision, which each result carries, is kept
-        here until the last rank arrived. Every input of a call on futures
-        still being computed is wanted until it is (as ``fire_and_forget``
-        does: every rank arrives even if the caller lets go of some results
-        and of the inputs). The workers that hold or compute each input (the
+        here until the last rank arrived. Every input still being computed
+        (a call on futures', or the only dependency of each result of a
+        collection's) is wanted until it is (as ``fire_and_forget`` does:
+        every rank arrives even if the caller lets go of some results, and of
+        the inputs: ``client.compute(out)[0]``). The workers that hold or compute each input (the
         result's only dependency) are told to keep it in their engine as it
         goes to memory. Results the graph left out (only some computed, with
         Dask's optimisation off: the others' inputs are not computed either)
@@ -1369,10 +1372,16 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.pending[token] = (decide, outputs)
         self.keeping.add(token)  # the workers told to await its inputs let go of them when it ends
         s = self.scheduler
+        # a collection's inputs: each result's only dependency, there now for every result asked for
+        self.inputs[token] = inputs = tuple(getattr(decide, "input_keys", ())) or tuple(
+            next(iter(ts.dependencies)).key if ts is not None and len(ts.dependencies) == 1 else None
+            for ts in map(s.tasks.get, outputs))
         forgotten = s.clients.get("fire-and-forget")
-        for k in getattr(decide, "input_keys", ()):
-            its = s.tasks.get(k)
-            if forgotten is not None and its is not None and its.state not in (*SETTLED, "released", "forgotten"):
+        # a collection's inputs are still released as its first result waits (Dask makes them waiting next)
+        settled = (*SETTLED, "forgotten") if not getattr(decide, "input_keys", ()) else (*SETTLED, "released", "forgotten")
+        for k in inputs:
+            its = s.tasks.get(k) if k is not None else None
+            if forgotten is not None and its is not None and its.state not in settled:
                 if its.who_wants is None:
                     its.who_wants = set()
                 its.who_wants.add(forgotten)
@@ -1396,11 +1405,11 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             return
         found = self.arrivals.get(token, {})
         computing = ("waiting", "processing", "queued", "no-worker")
-        inputs = tuple(getattr(self.pending[token][0], "input_keys", ()))  # a call on futures': wanted here
+        inputs = self.inputs.get(token, ())  # wanted here until computed (_keep_collection)
 
         def coming(r: int, k: Hashable) -> bool:  # computed (it arrives its input), or its input is (awaited)
             ts = s.tasks.get(k)
-            if r < len(inputs) and inputs[r] in s.tasks:
+            if r < len(inputs) and inputs[r] is not None and inputs[r] in s.tasks:
                 return s.tasks[inputs[r]].state in (*computing, "memory")
             return ts is not None and (ts.state in computing or (len(ts.dependencies) == 1 and next(
                 iter(ts.dependencies)).state in (*computing, "memory")))
@@ -1676,6 +1685,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.restarting.discard(token)
         self.started.discard(token)
         self.pending.pop(token, None)
+        self.inputs.pop(token, None)
         self.let_go.pop(token, None)
         if token not in self.keeping:
             return
