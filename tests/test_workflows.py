@@ -22,7 +22,7 @@ from distributed import Client, Event, LocalCluster, wait
 from utils import assert_clean, wait_until
 
 import flowreduce
-from flowreduce.errors import InputError, InputStateError, InputTypeError, OptionError
+from flowreduce.errors import AllreduceTimeoutError, InputError, InputStateError, InputTypeError, OptionError
 from flowreduce.schedule import p2p as engine
 
 HANG = 60  # s: past this a wait counts as a hang; nothing here is timed
@@ -352,6 +352,31 @@ def test_one_result_of_a_collection_kept_alone_still_gets_every_rank(client, kin
     Event(name, client=client).set()
     np.testing.assert_array_equal(first.result(timeout=HANG), _expected(3))
     del first
+
+
+def _held_rank_1(name: str, r: int) -> np.ndarray:
+    return held_back(name, r) if r == 1 else rank_input(r)
+
+
+@pytest.mark.parametrize("kind", ["futures", "delayed"])
+def test_a_call_placed_on_arrival_times_out_naming_the_ranks_not_arrived(client, kind):
+    """``timeout=``: rank 1's input is never computed (until the test lets it go); the results fail
+    with AllreduceTimeoutError naming rank 1 as not arrived, on futures and on a list of ``Delayed``
+    (whose graph the user's compute sends: the scheduler watches it)."""
+    name = f"go-{uuid.uuid4().hex}"
+    if kind == "futures":
+        out = flowreduce.allreduce(client, [client.submit(_held_rank_1, name, r, pure=False) for r in range(3)],
+                                   timeout=2)
+    else:
+        out = client.compute(flowreduce.allreduce(
+            client, [dask.delayed(_held_rank_1, pure=False)(name, r) for r in range(3)], timeout=2))
+    try:
+        errors = [f.exception(timeout=HANG) for f in out]
+    finally:
+        Event(name, client=client).set()
+    del out
+    for e in errors:
+        assert isinstance(e, AllreduceTimeoutError) and "rank(s) [1] had not arrived" in str(e), e
 
 
 def _ran(client, token: str) -> set[str]:

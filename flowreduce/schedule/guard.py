@@ -269,8 +269,12 @@ class PinGuard(SchedulerPlugin):
         pending = [k for k in w.outputs if k in s.tasks and s.tasks[k].state not in ("memory", "erred")]
         if not pending:
             return
+        engine = getattr(s.plugins.get(EXTENSION), "p2p", None)  # the p2p engine's part of the extension
+        late = engine.not_arrived(token) if engine is not None else None
         exc = AllreduceTimeoutError(f"all-reduce {token} did not finish within {timeout:g} s "
                                     f"({len(pending)} of {len(w.outputs)} results pending); "
+                                    + (f"rank(s) {late[:20]} had not arrived (their inputs not computed yet: the "
+                                       "call begins when the last rank's is); " if late else "")
                                     + explain(s, pending, self.input_ranks, self.since))
         logger.warning("%s", exc)
         fail(s, pending, exc, f"flowreduce-timeout-{token}")

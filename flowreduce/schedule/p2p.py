@@ -1356,6 +1356,14 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         while len(self.arrivals) > 4096:
             self.arrivals.popitem(last=False)
 
+    def not_arrived(self, token: str) -> list[int] | None:
+        """The ranks of call ``token`` placed on arrival that have not arrived yet (None: it is not
+        waiting for its ranks: not such a call, or it began)."""
+        if token not in self.pending or (token in self.started and token not in self.restarting):
+            return None
+        found = self.arrivals.get(token, {})
+        return [r for r in range(len(self.pending[token][1])) if r not in found]
+
     def _keep_collection(self, token: str, decide: Any, outputs: tuple[Hashable, ...]) -> None:
         """The graph of call ``token`` on futures, or on Dask collections
         every result computed together (:func:`lower_collection`), came in (a
@@ -1376,6 +1384,13 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.inputs[token] = inputs = tuple(getattr(decide, "input_keys", ())) or tuple(
             next(iter(ts.dependencies)).key if ts is not None and len(ts.dependencies) == 1 else None
             for ts in map(s.tasks.get, outputs))
+        guard = getattr(s.plugins.get(EXTENSION), "guard", None)  # the extension's guard (not imported: a cycle)
+        if not getattr(decide, "input_keys", ()) and guard is not None:
+            # the user's compute sent a collection's graph, not flowreduce: its results are watched from here
+            # (the call's timeout, inputs lost), as the front door has a call on futures watched
+            timeout = getattr(getattr(decide, "settings", None), "timeout", None)
+            guard.watch(token=token, outputs=list(outputs), inputs=[[k] if k is not None else [] for k in inputs],
+                        timeout=timeout)
         forgotten = s.clients.get("fire-and-forget")
         # a collection's inputs are still released as its first result waits (Dask makes them waiting next)
         settled = (*SETTLED, "forgotten") if not getattr(decide, "input_keys", ()) else (*SETTLED, "released", "forgotten")
