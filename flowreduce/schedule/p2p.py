@@ -1364,6 +1364,16 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         found = self.arrivals.get(token, {})
         return [r for r in range(len(self.pending[token][1])) if r not in found]
 
+    def _input_keys(self, decide: Any, outputs: Sequence[Hashable]) -> tuple[Hashable | None, ...]:
+        """Each rank's input key: a call on futures' (its decision has them), else the rank's result's
+        only dependency (None while that result is not on the scheduler)."""
+        given = tuple(getattr(decide, "input_keys", ()))
+        if given:
+            return given
+        tasks = self.scheduler.tasks
+        return tuple(next(iter(ts.dependencies)).key if ts is not None and len(ts.dependencies) == 1 else None
+                     for ts in map(tasks.get, outputs))
+
     def _keep_collection(self, token: str, decide: Any, outputs: tuple[Hashable, ...]) -> None:
         """The graph of call ``token`` on futures, or on Dask collections
         every result computed together (:func:`lower_collection`), came in (a
@@ -1380,12 +1390,11 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         self.pending[token] = (decide, outputs)
         self.keeping.add(token)  # the workers told to await its inputs let go of them when it ends
         s = self.scheduler
+        on_futures = bool(getattr(decide, "input_keys", ()))
         # a collection's inputs: each result's only dependency, there now for every result asked for
-        self.inputs[token] = inputs = tuple(getattr(decide, "input_keys", ())) or tuple(
-            next(iter(ts.dependencies)).key if ts is not None and len(ts.dependencies) == 1 else None
-            for ts in map(s.tasks.get, outputs))
+        self.inputs[token] = inputs = self._input_keys(decide, outputs)
         guard = getattr(s.plugins.get(EXTENSION), "guard", None)  # the extension's guard (not imported: a cycle)
-        if not getattr(decide, "input_keys", ()) and guard is not None:
+        if not on_futures and guard is not None:
             # the user's compute sent a collection's graph, not flowreduce: its results are watched from here
             # (the call's timeout, inputs lost), as the front door has a call on futures watched
             timeout = getattr(getattr(decide, "settings", None), "timeout", None)
@@ -1393,7 +1402,7 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                         timeout=timeout)
         forgotten = s.clients.get("fire-and-forget")
         # a collection's inputs are still released as its first result waits (Dask makes them waiting next)
-        settled = (*SETTLED, "forgotten") if not getattr(decide, "input_keys", ()) else (*SETTLED, "released", "forgotten")
+        settled = (*SETTLED, "released", "forgotten") if on_futures else (*SETTLED, "forgotten")
         for k in inputs:
             its = s.tasks.get(k) if k is not None else None
             if forgotten is not None and its is not None and its.state not in settled:
@@ -1449,17 +1458,12 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         ``ranks`` of call ``token`` (every worker for an input that is none
         of these yet) to keep each in their engine as it goes to memory."""
         s = self.scheduler
-        decide, outputs = self.pending[token]
-        inputs = tuple(getattr(decide, "input_keys", ()))
+        inputs = self._input_keys(*self.pending[token])
         by_worker: dict[str, list[list[Any]]] = defaultdict(list)
         for r in ranks:
-            if r < len(inputs):
-                key = inputs[r]
-            else:  # the input is the result's only dependency
-                out = s.tasks.get(outputs[r])
-                if out is None or len(out.dependencies) != 1:
-                    continue
-                key = next(iter(out.dependencies)).key
+            key = inputs[r]
+            if key is None:
+                continue
             its = s.tasks.get(key)
             where: set[str] = set()
             if its is not None:
