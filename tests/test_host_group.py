@@ -14,6 +14,7 @@ from utils import wait_until
 
 from flowreduce.ops import resolve_op
 from flowreduce.shm import futex
+from flowreduce.shm import host_group
 from flowreduce.shm.host_group import HostGroup
 
 
@@ -23,8 +24,11 @@ def _in_syscall(tid: int) -> tuple[int, int] | None:
     return (int(fields[0]), int(fields[1], 16)) if fields and fields[0].isdigit() else None
 
 
-def test_a_rank_waiting_for_its_peer_sleeps_on_the_peers_stamp_and_is_woken(tmp_path):
+def test_a_rank_waiting_for_its_peer_sleeps_on_the_peers_stamp_and_is_woken(tmp_path, monkeypatch):
     assert futex.AVAILABLE  # Linux on x86-64 or aarch64, where the host groups run
+    # a sleep's own timeout (the periodic check of the abort word and deadline) longer than the test:
+    # only the peer's wake can end it
+    monkeypatch.setattr(host_group, "CHECK_EVERY", 600.0)
     groups = [HostGroup(str(tmp_path), "fr-test-g0", [0, 1], r, lambda: None) for r in (0, 1)]
     x = [np.arange(1000, dtype=np.int64), np.arange(1000, dtype=np.int64) * 3]
     got: dict[str, object] = {}

@@ -4,7 +4,10 @@ A rank of a host group waiting for its peers (:mod:`flowreduce.shm.host_group`)
 first gives its core away at every poll; if the wait goes on, it sleeps in
 the kernel on the peer's step counter (``FUTEX_WAIT``, shared: the word lies
 in a mapping of several processes) and the peer wakes it as it bumps the
-counter (``FUTEX_WAKE``). On a host whose ranks outnumber its cores, a rank
+counter (``FUTEX_WAKE``) if the sleeper asked to be woken (a word it sets
+before it sleeps: most steps have no sleeper, and then cost no system call;
+should a sleeper and a peer's bump cross so that neither sees the other's
+write, the sleep ends at its timeout, a few milliseconds). On a host whose ranks outnumber its cores, a rank
 that waits then takes no CPU from the peer it waits for. The counters are
 64-bit little-endian words; a futex is the 32-bit word at the same address,
 their low half, which changes at every step.

@@ -20,7 +20,9 @@ mapping, sliced once per size and dtype, and folded row after row in place
 A collective is one or two *steps*. In a step every rank writes its region,
 then bumps its step counter; then it waits until every peer's counter
 reaches the step (yielding the CPU at every poll, then, after 1 ms, sleeping
-on the peer's counter, a futex it wakes as it bumps it: :mod:`flowreduce.shm.futex`)
+on the peer's counter, a futex: :mod:`flowreduce.shm.futex`; the sleeper sets
+the word after the counter, and the peer, as it bumps its counter, wakes
+sleepers only if that word is set: no system call on a step nobody sleeps in)
 and reads the peers' regions. Why no one
 overwrites what a peer still reads: collectives alternate input regions,
 and passing a step's wait means every peer has finished every earlier
@@ -72,7 +74,7 @@ from flowreduce.shm.result_buffers import buffers
 #: to 256 KB either way by turns (2026-11-28; 64 KiB before).
 SPLIT_BYTES = 128 << 10
 HEADER = 1024  # abort word, message length, message
-SLOT = 768  # per rank: step counter (64 bytes), three regions' records, two data segments' names
+SLOT = 768  # per rank: step counter and its "wake me" word (64 bytes), three regions' records, two data segments' names
 REGION = 128  # generation, bytes, meta length, dtype code, meta (dtype and shape)
 META = REGION - 32
 NAMED = 128  # a data segment: its size, its name's length, its name (one per generation parity)
@@ -377,7 +379,8 @@ class HostGroup:
         self.step = target = self.step + 1
         q = self.q
         q[self.my_stamp] = target
-        if futex.AVAILABLE:  # a peer may sleep on my stamp
+        if q[self.my_stamp + 1]:  # a peer may sleep on my stamp: wake it (a syscall saved on every other step)
+            q[self.my_stamp + 1] = 0
             futex.wake(self.base_address + 8 * self.my_stamp)
         for at in self.peer_stamps:  # one peer at a time: one word read per poll
             if q[at] < target:
@@ -419,6 +422,7 @@ class HostGroup:
                 os.sched_yield()
             elif futex.AVAILABLE:
                 sleep = CHECK_EVERY
+                q[at + 1] = 1  # wake me: set before the stamp is read again (the peer clears it as it wakes us)
                 futex.wait(address, q[at], CHECK_EVERY)  # returns at once if the stamp moved since read
             else:
                 time.sleep(sleep)
