@@ -13,8 +13,7 @@ import numpy as np
 from utils import wait_until
 
 from flowreduce.ops import resolve_op
-from flowreduce.shm import futex
-from flowreduce.shm import host_group
+from flowreduce.shm import futex, host_group
 from flowreduce.shm.host_group import HostGroup
 
 

@@ -38,8 +38,8 @@ from flowreduce import keys
 from flowreduce.errors import InputError, InputTypeError
 from flowreduce.lower.graph import named_graph
 from flowreduce.phases import OUTPUT
-from flowreduce.schedule import guard, records
 from flowreduce.schedule import p2p as _p2p
+from flowreduce.schedule import records
 from flowreduce.schedule.extension import ensure_extension
 from flowreduce.schedule.records import CallRecord
 
@@ -75,19 +75,17 @@ def pending(futures: Sequence[Any]) -> bool:
     return "pending" in states and not states & {"error", "cancelled", "lost"}
 
 
-def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: Decide, token: str,
-                   timeout: float | None) -> list[Any]:
-    """Submit the call on ``futures`` (one per rank) without waiting for them;
-    the guard watches it as every call (its ``timeout``, lost inputs)."""
+def submit_futures(client: Any, futures: Sequence[Any], algorithm: str, decide: Decide, token: str) -> list[Any]:
+    """Submit the call on ``futures`` (one per rank) without waiting for them: its graph, the one
+    message it sends. The scheduler's extension watches it as its graph comes, as a call on
+    collections (the timeout its decision carries, lost inputs)."""
     graph = _p2p.lower_collection(futures, algorithm, decide, token=token)
     placed(token)
     # its record comes from the scheduler's extension once the call begins; big values between workers of a
     # host go through shared segments
     ensure_extension(client)
     # no barrier: each result carries the decision, which the scheduler plugin keeps as the first waits to run
-    out = client.get(named_graph(graph.tasks, token), list(graph.outputs), sync=False)
-    guard.watch(client, token, graph.outputs, [[f.key] for f in futures], timeout)
-    return out
+    return client.get(named_graph(graph.tasks, token), list(graph.outputs), sync=False)
 
 
 def lower_collection(client: Any, inputs: Any, axis: int, algorithm: str, decide_for: Callable[[str], Decide],

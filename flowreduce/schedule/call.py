@@ -313,8 +313,7 @@ def allreduce(
                 return _arrivals.lower_collection(client, inputs, axis, settings.algorithm,
                                                   lambda t: OnArrival(settings, t, ()), token)
             decide = OnArrival(settings, token, tuple(fs[0].key for fs in futures))
-            return _arrivals.submit_futures(client, [fs[0] for fs in futures], settings.algorithm, decide, token,
-                                            settings.timeout)
+            return _arrivals.submit_futures(client, [fs[0] for fs in futures], settings.algorithm, decide, token)
         if collection:
             raise OptionError("Dask collections are reduced on the p2p engine: one dense numpy array per rank, "
                               "an op by name, no like=, deterministic=, topology=, sparse algorithm or options "

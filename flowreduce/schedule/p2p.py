@@ -1394,9 +1394,9 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         # a collection's inputs: each result's only dependency, there now for every result asked for
         self.inputs[token] = inputs = self._input_keys(decide, outputs)
         guard = getattr(s.plugins.get(EXTENSION), "guard", None)  # the extension's guard (not imported: a cycle)
-        if not on_futures and guard is not None:
-            # the user's compute sent a collection's graph, not flowreduce: its results are watched from here
-            # (the call's timeout, inputs lost), as the front door has a call on futures watched
+        if guard is not None:
+            # its results are watched from here (the call's timeout, inputs lost) as its graph comes: a
+            # collection's graph is the user's compute, and a call on futures sends nothing but its graph
             timeout = getattr(getattr(decide, "settings", None), "timeout", None)
             guard.watch(token=token, outputs=list(outputs), inputs=[[k] if k is not None else [] for k in inputs],
                         timeout=timeout)
