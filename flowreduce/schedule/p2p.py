@@ -514,7 +514,7 @@ def publish(token: str, x: Any) -> str | None:
     a numeric array of 1 to :data:`PUBLISH_BYTES` bytes or shared memory is off or full."""
     if not (isinstance(x, np.ndarray) and x.dtype.kind in "biufc" and 0 < x.nbytes <= PUBLISH_BYTES):
         return None
-    if not _shm_pool.config()["enabled"]:
+    if not _shm_pool.enabled():
         return None
     try:
         seg = _shm_pool.pool().lease(x.nbytes, owner=published_owner(token))
@@ -556,7 +556,7 @@ def host_group_route(algorithm: str, domains: Sequence[Any], ordered: bool) -> b
     ``deterministic=True`` (``ordered``; the group folds the workers in order, as the plan does).
     The client prices the route by it, and each worker runs it by it."""
     return (algorithm == SHM_DIRECT and len(domains) > 1 and None not in domains and len(set(domains)) == 1
-            and not ordered and bool(_shm_pool.config()["enabled"]) and stores_ordered())
+            and not ordered and _shm_pool.enabled() and stores_ordered())
 
 
 async def _in_thread(fn: Callable[[], Any], name: str) -> Any:

@@ -93,6 +93,14 @@ def config() -> dict:
     return got
 
 
+def enabled() -> bool:
+    """Whether shared memory is on (``flowreduce.shm.enabled``): :func:`config`'s one key, read alone
+    where every call asks it (the scheduler's decision, each published input)."""
+    from flowreduce import config as settings
+
+    return bool(settings.get("shm.enabled"))
+
+
 def settings_refusal(settings: object) -> str | None:
     """Why ``settings`` (``flowreduce.shm`` keys to values, as a client sends
     them to its workers in :class:`~flowreduce.schedule.shm_plugin.SharedMemoryPlugin`)
