@@ -242,9 +242,15 @@ class CostModel:
         workers = plan.ranks
         card = self.card(plan, nbytes)
         loads = self.loads(plan, groups, nbytes)
+        return self._p2p_tasks(workers, ranks, nbytes) + self.engine()._time(workers, plan.chunks, card, loads, nbytes)
+
+    def engine(self) -> CostModel:
+        """This model as the workers' engines run a plan: a message (``message``, or the inter-host
+        α) per dependent step, no task and no call. :meth:`p2p_time` prices the exchange with it, and
+        the engine's plan search ranks its variants (algorithm, radix, chunks) with it: with no task
+        per chunk and step, the engine pipelines more chunks than a task graph would."""
         intra = Link(self.message, (self.intra or Link(self.level, 1.0 / self.bandwidth)).beta)
-        engine = replace(self, level=self.message, task=0.0, call=0.0, intra=intra)
-        return self._p2p_tasks(workers, ranks, nbytes) + engine._time(workers, plan.chunks, card, loads, nbytes)
+        return replace(self, level=self.message, task=0.0, call=0.0, intra=intra)
 
     def _p2p_tasks(self, workers: int, ranks: int, nbytes: float) -> float:
         """What every p2p run costs besides the engine's exchange: the call, three task levels of a

@@ -318,3 +318,28 @@ def test_calls_through_the_front_door_search_their_plans_once(proc_client, monke
             np.testing.assert_array_equal(o, np.full(n, 6.0))
         assert seen["dense_candidates"] == 1 and seen["p2p_candidates"] <= 1, (n, kw, seen)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("p, hosts_", [(4, 2), (8, 2), (8, 4), (16, 4)])
+@pytest.mark.parametrize("n", [10**3, 10**5, 10**6, 10**7])
+def test_the_engines_plan_is_the_variant_the_engine_runs_fastest(p, hosts_, n):
+    """Between hosts (no host group), ``auto``'s engine candidate is, of every algorithm and chunk
+    count ``auto`` considers, the one ``p2p_time`` (what the engine's route is priced by) prices
+    lowest: the engine's variants are ranked with a message per step and no task, not by the task
+    graph's formula (which would pick fewer chunks and other algorithms at 1e6 and 1e7)."""
+    from flowreduce.cost import candidates, chunk_choices
+
+    workers = [f"tcp://10.0.0.{1 + r * hosts_ // p}:{9000 + r}" for r in range(p)]
+    places = _places(workers)
+    model = CostModel()
+    settings = call.Settings.check("sum", "auto", None, None, model, None, None, {}, None, "auto")
+    ranks = call.Ranks(LEAF, tuple((Stand(("input", r)),) for r in range(p)), tuple(workers), places,
+                       ArrayMeta(shape=(n,), dtype=np.dtype("f8").str))
+    _, plans = call.p2p_candidates(None, ranks, settings)
+    groups = hosts.rank_levels(None, workers, places, None)[0]
+    assert len(groups) == hosts_
+    priced = [(model.p2p_time(plan, n * 8, p, groups), plan)
+              for name, options in candidates(p, groups) for c in chunk_choices(n * 8)
+              for plan in [flowreduce.plan(name, p, chunks=c, **options)]]
+    best = min(priced, key=lambda tp: tp[0])
+    assert model.p2p_time(plans[0], n * 8, p, groups) == pytest.approx(best[0], rel=1e-9), (plans[0], best[1])

@@ -879,8 +879,10 @@ def p2p_refusal(ranks: Ranks, settings: Settings, converts: bool = False) -> str
 
 def p2p_candidates(client: Client | None, ranks: Ranks, settings: Settings) -> tuple[routes.Engines, list[Plan]]:
     """The call as the p2p engine runs it (its distinct workers, their memory domains and hosts, the
-    model) and the engine's plan search: :func:`choose_plan` over the ranks' distinct workers (as for
-    tasks). The engine's routes propose the rest once the site holds these (a host group's ``shm-direct``)."""
+    model) and the engine's plan search: :func:`choose_plan` over the ranks' distinct workers, its
+    variants ranked as the engine runs them (:meth:`~flowreduce.cost.CostModel.engine`: a message per
+    step, no task). The engine's routes propose the rest once the site holds these (a host group's
+    ``shm-direct``)."""
     held = cast(ArrayMeta, ranks.held)
     engines = engine_workers(list(ranks.workers))  # the plan runs over these: a worker's ranks are combined there
     model = pricing(model_for(settings.model, hosts.shared_cores(engines, ranks.places)), settings, held.dtype)
@@ -889,7 +891,7 @@ def p2p_candidates(client: Client | None, ranks: Ranks, settings: Settings) -> t
     domains = _transport.through_segments(_transport.memory_domains(list(engines), ranks.places, settings.transport))
     asked = settings.algorithm in ("auto", routes.SHM_DIRECT) and not settings.chunks_for(nbytes)
     found = routes.Engines(tuple(engines), domains, levels[0], model, asked, ranks.in_place, held.native)
-    return found, [choose_plan(len(engines), nbytes, levels, model, settings)]
+    return found, [choose_plan(len(engines), nbytes, levels, model.engine(), settings)]
 
 
 def p2p_site(client: Client | None, ranks: Ranks, settings: Settings) -> tuple[routes.Site, list[Plan]]:
