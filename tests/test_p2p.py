@@ -20,7 +20,7 @@ import faults
 import numpy as np
 import pytest
 from distributed import Client, Event, LocalCluster, SchedulerPlugin, wait
-from utils import assert_clean, scatter_ranks, wait_until, workers_of
+from utils import asleep_until_woken, assert_clean, scatter_ranks, wait_until, workers_of
 
 import flowreduce
 from flowreduce.algorithms import plan as make_plan
@@ -734,6 +734,7 @@ def test_a_worker_killed_inside_a_host_group_run_restarts_it_on_the_survivors(ki
                                allow_other_workers=True, pure=False) for r in range(p)]
     ensure_extension(killable)
     killable.run(_die_in_host_group, workers=[workers[1]])
+    killable.run(asleep_until_woken, workers=[workers[0], workers[2]])  # their wait ends as the run fails there
     wait(futures)
     out = flowreduce.allreduce(killable, futures, method="p2p")
     want = np.arange(n * p).reshape(p, n).sum(0)

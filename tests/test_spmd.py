@@ -23,7 +23,7 @@ import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
-from utils import wait_until
+from utils import asleep_until_woken, wait_until
 
 import flowreduce
 from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError, OptionError, WorkerLostError
@@ -939,6 +939,7 @@ def test_a_failure_between_hosts_fails_every_rank_in_any_collective(client, coll
 
 def test_a_killed_worker_fails_every_rank(fresh_client):
     client = fresh_client
+    client.run(asleep_until_woken)  # ranks 1 and 3, asleep in their step, wake as their worker is told
     futures = flowreduce.spmd(client, _forever, ranks=4, fault="kill", at=50)  # ranks 0, 2 share a worker
     errors, took = _errors(client, futures, 30)
     assert all(isinstance(e, Exception) for e in errors), errors

@@ -146,3 +146,11 @@ def error_of(call) -> BaseException | None:
     e = first.exception(timeout=60)
     del out, first
     return e
+
+
+def asleep_until_woken(dask_worker=None) -> None:
+    """On a worker (``client.run``): a host-group rank asleep in a step sleeps an hour between its own
+    checks of the job's failure, so only a wake (a peer's bump, an abort) can end its sleep in a test."""
+    from flowreduce.shm import host_group
+
+    host_group.ASLEEP_SECONDS = 3600.0

@@ -141,6 +141,8 @@ class Run:
         self.written: dict[tuple[tuple[int, int], ...], Written] = {}
         #: the run is one collective of the host group of its workers (:func:`through_host`), no message
         self.through_host = through_host(spec)
+        #: that collective's host group while a thread here waits in it (a failure aborts it: :meth:`fail`)
+        self.group: HostGroup | None = None
 
     # -- data in --------------------------------------------------------------
     async def hand_in(self, index: int, xs: Sequence[Any]) -> None:
@@ -205,8 +207,8 @@ class Run:
             return None if exc is None else f"{type(exc).__name__}: {exc}"
 
         def collective() -> np.ndarray:
-            group = HostGroup(directory, base, range(len(spec.addresses)), index, failed, HOST_GROUP_YIELD,
-                              Pooled(directory, self.id))
+            group = self.group = HostGroup(directory, base, range(len(spec.addresses)), index, failed,
+                                           HOST_GROUP_YIELD, Pooled(directory, self.id))
             try:
                 out = group.allreduce(flat, prog.op, acc, what, None)
                 if group.mine:  # peers may still read my segment: the pool leases it again once they are done
@@ -215,6 +217,8 @@ class Run:
                 group.abort(f"{what} failed on {self.engine.address}: {type(e).__name__}: {e}")
                 group.close(failed=True)
                 raise
+            finally:
+                self.group = None
             group.close(failed=False)
             return out
 
@@ -478,6 +482,9 @@ class Run:
             self.engine.ended(self)
 
     def fail(self, exc: BaseException) -> None:
+        group = self.group
+        if group is not None:  # its ranks asleep in a step wake at once
+            group.abort(f"run {self.id} failed: {type(exc).__name__}: {exc}")
         _fail_all(self.results, exc)
         self.values.clear()
         self.inputs.clear()

@@ -262,8 +262,14 @@ class Mailbox:
             self.cond.notify_all()
             ended = [k for k, (_, _, _, runs) in self.waiting.items() if run in runs]
             waits = [self.waiting.pop(k) for k in ended]
+            # the host groups of the job's ranks here (a subgroup's too): their abort word wakes every rank
+            # of the host asleep in a step at once
+            hosts = [c.host for comms in self.ranks.values() for c in comms.values()
+                     if run in getattr(c, "runs", ()) and getattr(c, "host", None) is not None]
         for future, what, rank, _ in waits:
             _settle(future, error=Aborted(f"{what} on rank {rank}: {why}"))
+        for host in hosts:
+            host.abort(why)
 
     def _put(self, run: str, key: str, value: Any) -> None:
         with self.cond:

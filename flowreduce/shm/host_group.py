@@ -84,8 +84,13 @@ OUT = 2  # the output region's index
 #: (:mod:`flowreduce.shm.futex`): the ranks of a host often outnumber its free cores, so a rank that
 #: waits gives its core away at once, and one that waits longer than a collective takes leaves it.
 YIELD_SECONDS = 1e-3 if futex.AVAILABLE else 50e-3
-#: Longest sleep between polls, and how often the external abort and the deadline are checked.
+#: Longest sleep between polls where there are no futexes, and how often the external abort and the
+#: deadline are checked while yielding.
 MAX_SLEEP, CHECK_EVERY = 1e-3, 2e-3
+#: Longest sleep on a peer's stamp (then the external abort and the deadline are checked again): what
+#: ends a sleep is the peer's wake, the abort word's (a rank of the host, or the job's failure said
+#: elsewhere: the communicator's mailbox, the engine's run, abort the group), or the deadline.
+ASLEEP_SECONDS = 0.1
 
 
 class Aborted(FlowreduceError, RuntimeError):
@@ -403,9 +408,10 @@ class HostGroup:
 
     def _wait(self, at: int, target: int, what: str, deadline: float | None) -> None:
         """Until the stamp at word ``at`` reaches ``target``: yield the core at every poll for
-        ``yield_seconds``, then sleep on the stamp (a futex the peer wakes as it bumps it; where
-        there are none, sleep a little longer between polls each time); check the abort word, the
-        job and the deadline."""
+        ``yield_seconds``, then sleep on the stamp (a futex the peer wakes as it bumps it, and an
+        abort as it is set, up to :data:`ASLEEP_SECONDS` or the deadline at a time; where there are
+        none, sleep a little longer between polls each time); check the abort word, the job and the
+        deadline."""
         q, st = self.q, self.stamps
         spins, sleep = 0, 5e-5
         begun = checked = time.monotonic()
@@ -423,7 +429,8 @@ class HostGroup:
             elif futex.AVAILABLE:
                 sleep = CHECK_EVERY
                 q[at + 1] = 1  # wake me: set before the stamp is read again (the peer clears it as it wakes us)
-                futex.wait(address, q[at], CHECK_EVERY)  # returns at once if the stamp moved since read
+                nap = ASLEEP_SECONDS if deadline is None else min(ASLEEP_SECONDS, max(deadline - now, 0.0) + 1e-4)
+                futex.wait(address, q[at], nap)  # returns at once if the stamp moved since read
             else:
                 time.sleep(sleep)
                 sleep = min(sleep * 1.5, MAX_SLEEP)
