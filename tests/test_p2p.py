@@ -293,6 +293,33 @@ def test_the_handler_refuses_what_no_run_sends(inproc_client):
     assert inproc_client.run(engine.runs_held) == {w: [] for w in inproc_client.nthreads()}
 
 
+def _early_ready(dask_worker=None):
+    return len(engine.engine_of(dask_worker).early_ready)
+
+
+def test_the_ready_handler_refuses_what_no_peer_sends(inproc_client):
+    """READY (a peer ready for a step of a run's paced values): bad arguments refused with the
+    reason; a word for a run not started here kept for it, the newest FAILED_KEPT runs' only."""
+    address = sorted(inproc_client.nthreads())[0]
+    ensure_extension(inproc_client)
+
+    async def ask(dask_worker, **message):
+        return dask_worker.handlers[engine.READY](**message)
+
+    def reply(**message):
+        return inproc_client.run(ask, workers=[address], **message)[address]
+
+    for bad in ({"run": 7, "step": 1, "peer": "tcp://a:1"}, {"run": "r.0", "step": -1, "peer": "tcp://a:1"},
+                {"run": "r.0", "step": "1", "peer": "tcp://a:1"}, {"run": "r.0", "step": 1, "peer": 3},
+                {"run": "r.0", "step": 1, "peer": "tcp://a:1", "bogus": 1}, {"run": "x" * 101, "step": 1, "peer": "p"}):
+        answer = reply(**bad)
+        assert answer["status"] == "error" and "bad arguments" in answer["message"], (bad, answer)
+    before = inproc_client.run(_early_ready, workers=[address])[address]
+    for _ in range(engine.FAILED_KEPT + 10):
+        assert reply(run=f"early-{uuid.uuid4().hex}.0", step=2, peer="tcp://a:1") == {"status": "OK"}
+    assert before <= inproc_client.run(_early_ready, workers=[address])[address] == engine.FAILED_KEPT
+
+
 def _send_awaits(dask_worker=None):
     """Hostile await messages (the scheduler's stream): none may raise (that would drop the worker's
     stream) or leave anything awaited."""
@@ -866,3 +893,60 @@ def test_a_new_scheduler_on_a_port_used_before_gets_the_engine():
             del out
             gc.collect()
             assert_clean(client)
+
+
+@pytest.fixture
+def four_hosts():
+    """Four in-process workers listening on four loopback addresses: four hosts, as their addresses say."""
+    from distributed import Scheduler, SpecCluster, Worker
+
+    workers = {f"h{i}": {"cls": Worker, "options": {"host": f"127.0.0.{i + 1}", "nthreads": 1}} for i in range(4)}
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}}
+    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
+        client.wait_for_workers(4, timeout=60)
+        yield cluster, client
+
+
+def test_a_step_between_hosts_goes_once_its_receiver_has_the_steps_before(four_hosts):
+    """Paced values (engine.PACED_BYTES): a radix-2 butterfly over 4 hosts with 2-4 MB values and no
+    shared memory. The first host's step-0 value is held up 0.5 s as it arrives there; its partner
+    of step 1, done with step 0 at once, sends its step-1 value only once the first host has its
+    step-0 value (pushed at once, it would come meanwhile and share the link with it). Every rank's
+    result is right."""
+    cluster, client = four_hosts
+    ensure_extension(client)
+    workers = sorted(client.nthreads())
+    plan = make_plan("butterfly", 4, radix=2)
+    first = next(w for w in cluster.workers.values() if w.address == workers[0])
+    calls: list[tuple[float, float, list[int]]] = []
+    real = first.handlers[engine.RECEIVE]
+
+    async def slow_step_0(**message):
+        import asyncio
+        import time
+
+        items = message.get("items")
+        steps = sorted({plan.nodes[n].step for _, n, _ in (items.data if hasattr(items, "data") else items or [])})
+        t0 = time.monotonic()
+        if steps == [0]:
+            await asyncio.sleep(0.5)
+        try:
+            return await real(**message)
+        finally:
+            calls.append((t0, time.monotonic(), steps))
+
+    first.handlers[engine.RECEIVE] = slow_step_0
+    n = 1 << 19  # float64: 4 MiB a rank; a radix-2 butterfly's values between hosts are 2 and 1 MiB
+    xs = [client.submit(np.arange, r * n, (r + 1) * n, dtype=np.float64, workers=[w], pure=False)
+          for r, w in enumerate(workers)]
+    out = flowreduce.allreduce(client, xs, algorithm="butterfly", method="p2p", transport="dask", chunks=1)
+    want = np.arange(4 * n, dtype=np.float64).reshape(4, n).sum(0)
+    for f in out:
+        np.testing.assert_array_equal(f.result(timeout=60), want)
+    assert flowreduce.describe(out).plan.algorithm == "butterfly"
+    first.handlers[engine.RECEIVE] = real
+    step0 = [c for c in calls if c[2] == [0]]
+    step1 = [c for c in calls if c[2] and c[2][0] == 1]
+    assert step0 and step1, calls
+    assert min(c[0] for c in step1) >= max(c[1] for c in step0), calls  # step 1 came after step 0 was in
+    assert sum(engine.engine_of(w).ready_heard for w in cluster.workers.values()) > 0  # the receivers said so

@@ -41,6 +41,7 @@ from typing import Any, cast
 import numpy as np
 from dask.task_spec import Task
 from distributed import get_worker
+from distributed.comm.addressing import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.exceptions import Reschedule
 from distributed.protocol import to_serialize
@@ -55,7 +56,7 @@ from flowreduce.kernels import dense as _kernels
 from flowreduce.keys import barrier_key, new_token, parse
 from flowreduce.lower import p2p as _lower
 from flowreduce.lower.graph import Graph
-from flowreduce.lower.p2p import Program, Spec, lower_p2p, program
+from flowreduce.lower.p2p import Program, Spec, lower_p2p, program, roles
 from flowreduce.ops import resolve_op
 from flowreduce.phases import ARRIVE, BARRIER, HAND_IN, OUTPUT
 from flowreduce.pytree import flatten, leaves_as, unflatten
@@ -74,6 +75,8 @@ RECEIVE = "flowreduce_p2p_receive"
 FAIL = "flowreduce_p2p_fail"
 #: Worker handler: a GatherRun's values for its first worker, or its result from there.
 OBJECTS = "flowreduce_p2p_objects"
+#: Worker handler: a peer of a run has every paced value it receives of the plan's steps before ``step``.
+READY = "flowreduce_p2p_ready"
 #: Stream message from an arrive task to the scheduler: where its rank arrived and what it holds.
 ARRIVED = "flowreduce-p2p-arrived"
 #: Stream message from the scheduler: a call placed on arrival begins as a run (the scheduler chose its plan
@@ -98,6 +101,13 @@ OFFLOAD_BYTES = 256 << 10
 FAILED_KEPT = 256
 #: Most items one message may carry (a plan's nodes times its chunks is far less).
 MAX_ITEMS = 1 << 20
+#: *Paced* values: in a one-chunk run, a value of at least this many bytes for a worker of another host
+#: goes once that worker has every paced value it receives of the plan's earlier steps (it says so:
+#: :data:`READY`; its first paced step's values go at once). Pushed as soon as made, a step's bytes
+#: would share the receiver's link with the previous step's still coming from another peer: a radix-2
+#: butterfly on 8 hosts at 100 Mbit/s had a step's 10 MB take 1.6-1.8 s instead of 0.8 (docs/p2p.md).
+#: A task graph orders its transfers so by itself: a task's inputs are fetched once they all exist.
+PACED_BYTES = 1 << 20
 #: Values smaller than this travel packed with the others of their message in one buffer: Dask's comm
 #: makes each array a frame of its own (~40 µs to read each, measured), and a butterfly over 256 ranks
 #: sends thousands of values of a few elements; bigger values keep their own frames (no copy).
@@ -143,6 +153,15 @@ class Run:
         self.through_host = through_host(spec)
         #: that collective's host group while a thread here waits in it (a failure aborts it: :meth:`fail`)
         self.group: HostGroup | None = None
+        #: paced values (:data:`PACED_BYTES`): a worker -> the nodes it receives paced, and their steps in order
+        self._paced: dict[str, tuple[frozenset[int], tuple[int, ...]]] = {}
+        #: a peer -> my values for it that wait for it to be ready for their step, with that step
+        self.held: dict[str, list[tuple[int, Item]]] = defaultdict(list)
+        #: a peer -> the highest step it said it is ready for (it may say so before the run starts here)
+        self.cleared: dict[str, int] = engine.early_ready.pop(run, {})
+        #: my paced steps' values still to come (step -> count), and which of my paced steps I receive now
+        self.expected: dict[int, int] | None = None
+        self.receiving = 0
 
     # -- data in --------------------------------------------------------------
     async def hand_in(self, index: int, xs: Sequence[Any]) -> None:
@@ -295,9 +314,15 @@ class Run:
         if here:
             self.left -= 1
             for dest in prog.sends[n]:
+                step = self._held_until(dest, n)
+                if step is not None:
+                    self.held[dest].append((step, (c, n, tuple(value))))
+                    continue
                 self.outbox[dest].append((c, n, tuple(value)))
                 if dest not in self.sending:
                     self.sending[dest] = asyncio.ensure_future(self._send(dest))
+        elif n in self.paced(self.engine.address)[0]:
+            self._received_paced(n)
         rank = prog.final_of.get(n)
         if rank is not None:
             self.finals[rank][c] = value
@@ -314,6 +339,77 @@ class Run:
             if left == 0:
                 del self.missing[k]
                 self.ready.append(k)
+
+    # -- paced values ---------------------------------------------------------
+    def paced(self, address: str) -> tuple[frozenset[int], tuple[int, ...]]:
+        """The nodes worker ``address`` receives paced (:data:`PACED_BYTES`: one chunk, at least that many
+        bytes, from another host's worker), and their plan steps in order; the same on every worker."""
+        found = self._paced.get(address)
+        if found is None:
+            nodes: frozenset[int] = frozenset()
+            if self.spec.chunks == 1 and self.spec.size * self.prog.itemsize >= PACED_BYTES:  # else none is
+                spec, plan = self.spec, self.prog.plan
+                there = roles(spec.algorithm, spec.options, spec.addresses, spec.in_place, address, spec.ordered)
+                nodes = frozenset(i for i in there.received
+                                  if not self._one_host(address, spec.addresses[plan.nodes[i].rank])
+                                  and (self.prog.site(0, i).stop - self.prog.site(0, i).start) * self.prog.itemsize
+                                  >= PACED_BYTES)
+            found = self._paced[address] = (nodes, tuple(sorted({self.prog.plan.nodes[i].step for i in nodes})))
+        return found
+
+    def _one_host(self, a: str, b: str) -> bool:
+        """Whether workers ``a`` and ``b`` are on one host: they share a memory domain, or (no shared
+        memory in this run) their addresses name one host."""
+        domains, addresses = self.spec.domains, self.spec.addresses
+        if domains:
+            da = domains[addresses.index(a)]
+            if da is not None and da == domains[addresses.index(b)]:
+                return True
+        return _host_of(a) == _host_of(b)
+
+    def _held_until(self, dest: str, n: int) -> int | None:
+        """The step ``dest`` must be ready for before my node ``n``'s value goes to it (None: it goes now)."""
+        nodes, steps = self.paced(dest)
+        if n not in nodes:
+            return None
+        step = self.prog.plan.nodes[n].step
+        return None if step == steps[0] or self.cleared.get(dest, -1) >= step else step
+
+    def _received_paced(self, n: int) -> None:
+        """A paced value for this worker came: once every one of the step it belongs to is here, the
+        workers sending the next paced step's values are told they may (:data:`READY`)."""
+        nodes, steps = self.paced(self.engine.address)
+        plan = self.prog.plan
+        if self.expected is None:
+            self.expected = defaultdict(int)
+            for i in nodes:
+                self.expected[plan.nodes[i].step] += 1
+        self.expected[plan.nodes[n].step] -= 1
+        while self.receiving < len(steps) and not self.expected[steps[self.receiving]]:
+            self.receiving += 1
+            if self.receiving < len(steps):
+                step = steps[self.receiving]
+                for peer in sorted({self.spec.addresses[plan.nodes[i].rank] for i in nodes if plan.nodes[i].step == step}):
+                    asyncio.ensure_future(self._ready(peer, step))
+
+    async def _ready(self, peer: str, step: int) -> None:
+        try:
+            await self.engine.worker.rpc(peer).flowreduce_p2p_ready(run=self.id, step=step, peer=self.engine.address)
+        except Exception as e:  # gone: the run fails as the scheduler says the worker left
+            logger.debug("flowreduce: run %s could not tell %s it is ready for step %d: %r", self.id, peer, step, e)
+
+    def clear(self, peer: str, step: int) -> None:
+        """``peer`` is ready for ``step``: my values for it of that step and before go."""
+        self.cleared[peer] = max(step, self.cleared.get(peer, -1))
+        held = self.held.get(peer)
+        if not held:
+            return
+        go = [item for s, item in held if s <= self.cleared[peer]]
+        self.held[peer] = [(s, item) for s, item in held if s > self.cleared[peer]]
+        if go:
+            self.outbox[peer].extend(go)
+            if peer not in self.sending:
+                self.sending[peer] = asyncio.ensure_future(self._send(peer))
 
     def _drain(self) -> None:
         """Compute every node whose inputs are here (a queue, not recursion: a
@@ -478,7 +574,8 @@ class Run:
 
     def _maybe_done(self) -> None:
         """Drop the run here once its outputs are taken, its nodes computed and its messages sent."""
-        if len(self.taken) == len(self.results) and not self.left and not self.offloaded and not self.sending:
+        if (len(self.taken) == len(self.results) and not self.left and not self.offloaded and not self.sending
+                and not any(self.held.values())):
             self.engine.ended(self)
 
     def fail(self, exc: BaseException) -> None:
@@ -490,6 +587,7 @@ class Run:
         self.inputs.clear()
         self.handed.clear()
         self.outbox.clear()
+        self.held.clear()
 
 
 #: The start of the names of a run's host group segments (with the run's id).
@@ -704,6 +802,14 @@ class GatherRun:
         self.values.clear()
 
 
+def _host_of(address: str) -> str:
+    """The host an address names (an in-process worker's: its process's, as distributed says)."""
+    try:
+        return str(get_address_host(address))
+    except ValueError:  # an in-process address of another process: not this host's to say
+        return address
+
+
 def _check_reply(reply: Any, address: str, run: str) -> None:
     if isinstance(reply, dict) and isinstance(reply.get("error"), BaseException):
         raise _Failed(reply["error"])
@@ -840,11 +946,14 @@ class Engine:
         self.failed: OrderedDict[str, BaseException] = OrderedDict()
         #: runs that ended here (FAILED_KEPT at most): a task of one that Dask runs again does nothing
         self.done: OrderedDict[str, None] = OrderedDict()
+        #: run -> peer -> the step it is ready for, said before the run started here (:meth:`ready`)
+        self.early_ready: OrderedDict[str, dict[str, int]] = OrderedDict()
         #: values for a worker of this host at least this big go through a shared segment
         self.shm_min_bytes = int(_shm_pool.config()["min-bytes"])
         self.shared_sends = 0  # messages whose big values went through a segment (tests read it)
         self.host_runs = 0  # runs done here as one collective of a host group (tests read it)
         self.published_runs = 0  # of those, runs that folded their ranks' published inputs (tests read it)
+        self.ready_heard = 0  # peers' word that they are ready for a step (paced values: tests read it)
         #: call token -> rank -> its input, kept from its arrive task until the scheduler says the call ended
         self.arrived: dict[str, dict[int, np.ndarray]] = {}
         #: call token -> its latest run here, for its results waiting since their rank arrived
@@ -1132,6 +1241,28 @@ class Engine:
             return await asyncio.get_running_loop().run_in_executor(self.executor, copy)
         return copy()
 
+    def ready(self, run: Any = None, step: Any = None, peer: Any = None, **other: Any) -> dict[str, str]:
+        """Handler: worker ``peer`` of ``run`` has every paced value it receives of the steps before
+        ``step`` (:data:`PACED_BYTES`): my values for it of that step go. Said before the run started
+        here, it is kept until it does."""
+        if (other or not isinstance(run, str) or len(run) > 100 or type(step) is not int or step < 0
+                or not isinstance(peer, str) or len(peer) > 300):
+            why = (f"bad arguments: run {type(run).__name__}, step {type(step).__name__}, peer {type(peer).__name__}, "
+                   f"others {sorted(map(str, other))[:5]}")
+            return refused(READY, why)
+        self.ready_heard += 1
+        if run in self.failed or run in self.done:
+            return {"status": "OK"}
+        found = self.runs.get(run)
+        if isinstance(found, Run):
+            found.clear(peer, step)
+        elif found is None:
+            early = self.early_ready.setdefault(run, {})
+            early[peer] = max(step, early.get(peer, -1))
+            while len(self.early_ready) > FAILED_KEPT:
+                self.early_ready.popitem(last=False)
+        return {"status": "OK"}
+
     def failed_elsewhere(self, run: Any = None, error: Any = None, **other: Any) -> dict[str, str]:
         """A peer (or the scheduler) says ``run`` failed: fail it here too."""
         if other or not isinstance(run, str) or not isinstance(error, BaseException):
@@ -1196,7 +1327,7 @@ class P2PWorkerPlugin(WorkerPlugin):
     def handlers(self) -> dict[str, Callable[..., Any]]:
         engine = self.engine
         assert engine is not None  # set up
-        return {RECEIVE: engine.receive, FAIL: engine.failed_elsewhere, OBJECTS: engine.objects}
+        return {RECEIVE: engine.receive, FAIL: engine.failed_elsewhere, OBJECTS: engine.objects, READY: engine.ready}
 
     def stream_handlers(self) -> dict[str, Callable[..., Any]]:
         engine = self.engine
