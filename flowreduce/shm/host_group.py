@@ -428,6 +428,10 @@ class HostGroup:
                 os.sched_yield()
             elif futex.AVAILABLE:
                 sleep = CHECK_EVERY
+                # a failure said before this group existed aborted nothing: seen here, not after a sleep
+                failure = self._failure(what)
+                if failure is not None:
+                    raise failure
                 q[at + 1] = 1  # wake me: set before the stamp is read again (the peer clears it as it wakes us)
                 nap = ASLEEP_SECONDS if deadline is None else min(ASLEEP_SECONDS, max(deadline - now, 0.0) + 1e-4)
                 futex.wait(address, q[at], nap)  # returns at once if the stamp moved since read
