@@ -347,25 +347,19 @@ class Run:
         found = self._paced.get(address)
         if found is None:
             nodes: frozenset[int] = frozenset()
-            if self.spec.chunks == 1 and self.spec.size * self.prog.itemsize >= PACED_BYTES:  # else none is
-                spec, plan = self.spec, self.prog.plan
+            spec, prog = self.spec, self.prog
+            if spec.chunks == 1 and spec.size * prog.itemsize >= PACED_BYTES:  # else none is
                 there = roles(spec.algorithm, spec.options, spec.addresses, spec.in_place, address, spec.ordered)
                 nodes = frozenset(i for i in there.received
-                                  if not self._one_host(address, spec.addresses[plan.nodes[i].rank])
-                                  and (self.prog.site(0, i).stop - self.prog.site(0, i).start) * self.prog.itemsize
-                                  >= PACED_BYTES)
-            found = self._paced[address] = (nodes, tuple(sorted({self.prog.plan.nodes[i].step for i in nodes})))
+                                  if not self._one_host(address, spec.addresses[prog.plan.nodes[i].rank])
+                                  and prog.expected(0, i) * prog.itemsize >= PACED_BYTES)
+            found = self._paced[address] = (nodes, tuple(sorted({prog.plan.nodes[i].step for i in nodes})))
         return found
 
     def _one_host(self, a: str, b: str) -> bool:
         """Whether workers ``a`` and ``b`` are on one host: they share a memory domain, or (no shared
         memory in this run) their addresses name one host."""
-        domains, addresses = self.spec.domains, self.spec.addresses
-        if domains:
-            da = domains[addresses.index(a)]
-            if da is not None and da == domains[addresses.index(b)]:
-                return True
-        return _host_of(a) == _host_of(b)
+        return self._share_memory(a, b) or _host_of(a) == _host_of(b)
 
     def _held_until(self, dest: str, n: int) -> int | None:
         """The step ``dest`` must be ready for before my node ``n``'s value goes to it (None: it goes now)."""
@@ -498,11 +492,15 @@ class Run:
 
     def _same_host(self, dest: str) -> bool:
         """Whether values for ``dest`` go through a shared segment: it shares this worker's memory domain."""
-        domains = self.spec.domains
+        return self._share_memory(self.engine.address, dest)
+
+    def _share_memory(self, a: str, b: str) -> bool:
+        """Whether workers ``a`` and ``b`` share a memory domain in this run."""
+        domains, addresses = self.spec.domains, self.spec.addresses
         if not domains:
             return False
-        mine = domains[self.spec.addresses.index(self.engine.address)]
-        return mine is not None and mine == domains[self.spec.addresses.index(dest)]
+        da = domains[addresses.index(a)]
+        return da is not None and da == domains[addresses.index(b)]
 
     async def _into_segment(self, items: list[Item]) -> tuple[Written | None, dict[str, Any] | None, list[Item]]:
         """The values of at least ``flowreduce.shm.min-bytes`` written into one leased segment of

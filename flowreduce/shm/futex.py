@@ -7,7 +7,8 @@ in a mapping of several processes) and the peer wakes it as it bumps the
 counter (``FUTEX_WAKE``) if the sleeper asked to be woken (a word it sets
 before it sleeps: most steps have no sleeper, and then cost no system call;
 should a sleeper and a peer's bump cross so that neither sees the other's
-write, the sleep ends at its timeout, a few milliseconds). On a host whose ranks outnumber its cores, a rank
+write, the sleep ends at its timeout: :data:`~flowreduce.shm.host_group.ASLEEP_SECONDS`, 100 ms, or
+the deadline if sooner). On a host whose ranks outnumber its cores, a rank
 that waits then takes no CPU from the peer it waits for. The counters are
 64-bit little-endian words; a futex is the 32-bit word at the same address,
 their low half, which changes at every step.
