@@ -415,6 +415,35 @@ def test_one_host_sums_on_either_side_of_the_split(client):
             assert got_floats[i].tobytes() == want.tobytes(), (n, rank)
 
 
+def _layouts(n):
+    """Inputs of every memory layout a caller may hand in: strided, 2-d in C and Fortran order,
+    transposed, 0-d (rank ``r`` adds ``r * 7``)."""
+    def of(rank):
+        full = np.arange(4 * n, dtype=np.int64) + rank * 7
+        return {"strided": full[::4], "c": full.reshape(4, n), "fortran": np.asfortranarray(full.reshape(4, n)),
+                "transposed": full.reshape(n, 4).T, "0-d": np.array(rank * 7, dtype=np.int64)}
+    return of
+
+
+def _sum_layouts(comm, lengths):
+    return {(n, k): comm.allreduce(x) for n in lengths for k, x in _layouts(n)(comm.rank).items()}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_inputs_of_any_memory_layout_sum_as_numpy(client, route):
+    """Strided, Fortran-ordered, transposed and 0-d inputs, under and over SPLIT_BYTES: numpy's sum
+    over the ranks, of the input's shape."""
+    lengths = [1000, SPLIT_BYTES // 8]  # the strided input alone is over the split at the second
+    with dask.config.set({"flowreduce.spmd.transport": ROUTES[route]}):
+        results = client.gather(flowreduce.spmd(client, _sum_layouts, ranks=3, lengths=lengths, timeout=30))
+    for n in lengths:
+        for k in _layouts(n)(0):
+            want = np.sum([_layouts(n)(r)[k] for r in range(3)], axis=0)
+            for rank, got in enumerate(results):
+                assert got[n, k].shape == want.shape, (n, k, rank)
+                np.testing.assert_array_equal(got[n, k], want, err_msg=f"{k} n={n} rank {rank}")
+
+
 def _subgroups(comm):
     evens = comm.subgroup(range(0, comm.size, 2))
     x = np.array([comm.rank])

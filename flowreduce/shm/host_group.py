@@ -286,9 +286,9 @@ class HostGroup:
         #: turn -> the word of each rank's record of its small slot (the input region's record)
         self.small_records = tuple(tuple(self._record(i, turn) for i in range(self.n)) for turn in (0, 1))
         #: (turn, bytes, dtype) -> (my small slot, the group's slots (rows, in group order), the word of
-        #: my slot's record, (index, word) of every peer's record), sliced once
+        #: my slot's record, the dtype's code, (index, word) of every peer's record), sliced once
         self.small_views: dict[tuple[int, int, np.dtype],
-                               tuple[np.ndarray, tuple[np.ndarray, ...], int, tuple[tuple[int, int], ...]]] = {}
+                               tuple[np.ndarray, tuple[np.ndarray, ...], int, int, tuple[tuple[int, int], ...]]] = {}
         #: (peer, region) -> (generation, bytes, dtype code, its bytes): a region read again is not sliced again
         self.views: dict[tuple[int, int], tuple[int, int, int, np.ndarray]] = {}
         self.step = 0
@@ -481,14 +481,14 @@ class HostGroup:
     # -- collectives ------------------------------------------------------------
     def allreduce(self, x: np.ndarray, op: Op, acc: np.dtype, what: str, deadline: float | None,
                   fold: Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray] | None = None) -> np.ndarray:
-        """``op`` over the group's ``x`` (1-d, C-contiguous, same dtype and size everywhere),
+        """``op`` over the group's ``x`` (1-d, same dtype and size everywhere),
         in ``acc``; unfinished (a mean is not divided here). ``fold(parts, out)``: how the group's
         arrays (in group order, read in place) are combined into ``out`` instead of left to right
         with ``op`` (elementwise: each rank may fold a slice)."""
+        if x.nbytes < SPLIT_BYTES:
+            return self._small_allreduce(x, op, acc, what, deadline, fold)
         size = x.size
         code = _code(x.dtype)
-        if x.nbytes < SPLIT_BYTES:
-            return self._small_allreduce(x, op, acc, code, what, deadline, fold)
         part = -(-size // self.n) * acc.itemsize
         self._ensure(max(x.nbytes, part))
         region = self._next_region()
@@ -513,8 +513,7 @@ class HostGroup:
             out[a:b] = buf.view(acc)[:b - a]
         return out
 
-    def _small_allreduce(self, x: np.ndarray, op: Op, acc: np.dtype, code: int, what: str,
-                         deadline: float | None,
+    def _small_allreduce(self, x: np.ndarray, op: Op, acc: np.dtype, what: str, deadline: float | None,
                          fold: Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray] | None) -> np.ndarray:
         """One step through the turn's small slots (``x`` under :data:`SPLIT_BYTES`). Every rank folds
         every slot; at 1e3 the Python around the step is most of a call's time (every line here runs
@@ -527,9 +526,10 @@ class HostGroup:
         if found is None:
             block = self.small[turn, :, :nbytes].view(x.dtype)  # (ranks, size): the group's inputs, in order
             words = self.small_records[turn]
-            found = self.small_views[turn, nbytes, x.dtype] = (block[self.me], tuple(block), words[self.me],
-                                                               tuple((i, w) for i, w in enumerate(words) if i != self.me))
-        mine, rows, w, records = found
+            found = self.small_views[turn, nbytes, x.dtype] = (
+                block[self.me], tuple(block), words[self.me], _code(x.dtype),
+                tuple((i, w) for i, w in enumerate(words) if i != self.me))
+        mine, rows, w, code, records = found
         np.copyto(mine, x)
         q = self.q
         q[w + 1] = nbytes

@@ -157,6 +157,7 @@ class Communicator:
 
     def __init__(self, layout: Layout, rank: int, mailbox: Mailbox, parents: Sequence[Communicator] = ()):
         self.layout, self.rank, self.size = layout, rank, layout.size
+        self.timeout = layout.timeout
         self.attempt = layout.attempt
         self.mailbox = mailbox
         self.run = layout.run
@@ -168,6 +169,8 @@ class Communicator:
         self.leader = self.group[0] == rank
         self.leaders = layout.leaders
         self.me = layout.group_of[rank]
+        #: one host, several ranks: an all-reduce is the host group's alone
+        self.one_host = len(self.leaders) == 1 and len(self.group) > 1
         self.host: HostGroup | None = None
         self.seq = 0
         #: the record of this rank's newest collective (None before the first), in its worker's log
@@ -179,8 +182,7 @@ class Communicator:
         #: it (:mod:`flowreduce.spmd.linkprobe`); None before, on one host, or when the configured cost
         #: model names its own inter-host link
         self.link: Link | None = None
-        self._ops: dict[Any, Op] = {}
-        self._accs: dict[tuple[str, bool, np.dtype], np.dtype] = {}
+        self._resolved: dict[tuple[Any, np.dtype], tuple[Op, np.dtype]] = {}
         self._subs: dict[tuple[int, ...], itertools.count] = {}
         self._children: list[Communicator] = []
         mailbox.open(self.run, (layout.directory, layout.prefix()), rank, self)
@@ -204,18 +206,22 @@ class Communicator:
         return self.host
 
     def _begin(self, name: str) -> tuple[str, float | None, float]:
-        if self.closed:
-            raise FlowreduceError(f"{name} on rank {self.rank}: the communicator of job {self.run} is closed "
-                                  "(its rank's function returned)")
-        if self.mailbox.failed:  # some job failed on this worker: this one?
-            why = self._why()
-            if why is not None:
-                raise Aborted(f"{name} #{self.seq + 1} on rank {self.rank}: {why}")
+        if self.closed or self.mailbox.failed:  # (some job failed on this worker: this one?)
+            self._refuse(name)
         self.seq = seq = self.seq + 1
-        timeout = self.layout.timeout
+        timeout = self.timeout
         # the first collective also waits for every rank's task to start, which Dask may delay on a busy worker
         deadline = None if timeout is None else time.monotonic() + (max(timeout, STARTUP_SECONDS) if seq <= 1 else timeout)
         return f"{name} #{seq} of job {self.run}", deadline, time.time()
+
+    def _refuse(self, name: str) -> None:
+        """Raise if this communicator is closed, or its job failed."""
+        if self.closed:
+            raise FlowreduceError(f"{name} on rank {self.rank}: the communicator of job {self.run} is closed "
+                                  "(its rank's function returned)")
+        why = self._why()
+        if why is not None:
+            raise Aborted(f"{name} #{self.seq + 1} on rank {self.rank}: {why}")
 
     def _fail(self, why: str) -> None:
         """Fail the job: every rank's pending and next collective raises ``why``."""
@@ -337,20 +343,17 @@ class Communicator:
             peers += tuple(r for r in self.leaders if r != self.rank)
         return tuple(self.members[r] for r in peers), path.lstrip("+") or "local", self.members[self.rank]
 
-    def _op(self, op: Any) -> Op:
-        found = self._ops.get(op) if isinstance(op, (str, np.ufunc)) else None
+    def _resolve(self, op: Any, dtype: np.dtype) -> tuple[Op, np.dtype]:
+        """``op`` resolved, and the dtype it accumulates ``dtype`` in: remembered for an op named by a
+        string or a ufunc (one lookup per call: at 1e3 a call's own Python is most of its time)."""
+        key = (op, dtype) if type(op) is str or isinstance(op, np.ufunc) else None
+        found = self._resolved.get(key) if key is not None else None
         if found is None:
             with raised_as(OptionError):
-                found = resolve_op(op)
-            if isinstance(op, (str, np.ufunc)):
-                self._ops[op] = found
-        return found
-
-    def _accumulator(self, op: Op, dtype: np.dtype) -> np.dtype:
-        key = (op.name, op.mean, dtype)  # what the accumulator depends on (hashing the Op is slower)
-        found = self._accs.get(key)
-        if found is None:
-            found = self._accs[key] = op.accumulator(dtype) or dtype
+                resolved = resolve_op(op)
+            found = (resolved, resolved.accumulator(dtype) or dtype)
+            if key is not None:
+                self._resolved[key] = found
         return found
 
     def plan_for(self, algorithm: str, nbytes: int) -> Plan | None:
@@ -434,19 +437,17 @@ class Communicator:
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             self.plan_for(algorithm, 0)  # raises
         a, back = (x, None) if type(x) is np.ndarray else as_numpy(x)
-        resolved = self._op(op)
-        flat = a if a.ndim == 1 and a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
-        acc = self._accumulator(resolved, flat.dtype)
-        fold = self._ordered_op(resolved, mode, flat.dtype, x) if mode else None
-        what, deadline, start = self._begin("allreduce")
-        if fold is None and len(self.leaders) == 1 and len(self.group) > 1:
+        resolved, acc = self._resolve(op, a.dtype)
+        fold = self._ordered_op(resolved, mode, a.dtype, x) if mode else None
+        if fold is None and self.one_host:
+            what, deadline, start = self._begin("allreduce")
             # one host, several ranks: the host group's all-reduce is the whole collective, and no more
             # Python than it needs around it (at 1e3 the Python on each rank, four ranks on two cores,
             # is most of a call's time)
             host = self.host or self._shm()
             assert host is not None
             try:
-                part = host.allreduce(flat, resolved, acc, what, deadline)  # always a new array, in acc
+                part = host.allreduce(a if a.ndim == 1 else a.reshape(-1), resolved, acc, what, deadline)  # new, in acc
             except Exception as e:
                 self._raised(what, e)
                 raise
@@ -454,6 +455,8 @@ class Communicator:
             self._record("allreduce", start, a.nbytes, 0, 0)
             out = out if a.ndim == 1 else out.reshape(a.shape)
             return out if back is None else back(out)
+        flat = a if a.ndim == 1 and a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
+        what, deadline, start = self._begin("allreduce")
         nbytes = flat.size * acc.itemsize
         plan = self.plan_for(algorithm, nbytes) if fold is None else None
 
