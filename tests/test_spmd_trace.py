@@ -185,7 +185,10 @@ def _subgroups_then_late(comm, gate):
     sub.allgather(np.ones(3))
     if comm.rank == 1:
         assert Event(gate).wait(timeout=120), "the test never opened the gate"
-        time.sleep(0.2)  # the others are in the barrier by now: rank 1 enters it last
+        # the others are in the barrier by now: rank 1 enters it last, later than any rank entered a collective
+        # before (with 4 ranks on 3 workers one rank's task starts when its worker's first rank waits: under a
+        # loaded CI rank 2 once entered its subgroup's all-reduce 0.2 s late and was taken for the straggler)
+        time.sleep(1.0)
     comm.barrier()
     return float(total.sum())
 
