@@ -157,7 +157,6 @@ class Communicator:
 
     def __init__(self, layout: Layout, rank: int, mailbox: Mailbox, parents: Sequence[Communicator] = ()):
         self.layout, self.rank, self.size = layout, rank, layout.size
-        self.timeout = layout.timeout
         self.attempt = layout.attempt
         self.mailbox = mailbox
         self.run = layout.run
@@ -209,7 +208,7 @@ class Communicator:
         if self.closed or self.mailbox.failed:  # (some job failed on this worker: this one?)
             self._refuse(name)
         self.seq = seq = self.seq + 1
-        timeout = self.timeout
+        timeout = self.layout.timeout
         # the first collective also waits for every rank's task to start, which Dask may delay on a busy worker
         deadline = None if timeout is None else time.monotonic() + (max(timeout, STARTUP_SECONDS) if seq <= 1 else timeout)
         return f"{name} #{seq} of job {self.run}", deadline, time.time()
@@ -439,8 +438,8 @@ class Communicator:
         a, back = (x, None) if type(x) is np.ndarray else as_numpy(x)
         resolved, acc = self._resolve(op, a.dtype)
         fold = self._ordered_op(resolved, mode, a.dtype, x) if mode else None
+        what, deadline, start = self._begin("allreduce")
         if fold is None and self.one_host:
-            what, deadline, start = self._begin("allreduce")
             # one host, several ranks: the host group's all-reduce is the whole collective, and no more
             # Python than it needs around it (at 1e3 the Python on each rank, four ranks on two cores,
             # is most of a call's time)
@@ -456,7 +455,6 @@ class Communicator:
             out = out if a.ndim == 1 else out.reshape(a.shape)
             return out if back is None else back(out)
         flat = a if a.ndim == 1 and a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
-        what, deadline, start = self._begin("allreduce")
         nbytes = flat.size * acc.itemsize
         plan = self.plan_for(algorithm, nbytes) if fold is None else None
 
