@@ -275,19 +275,23 @@ def test_the_handler_refuses_what_no_run_sends(inproc_client):
                                items=[], spec=spec)["message"]
     # a shared segment's handle: only a flowreduce segment of this user, of the generation sent, read within it
     assert "segment handle" in reply(run="r.0", items=[], spec=spec, shared={"name": "x"})["message"]
-    handle = {"name": "../../etc/passwd", "size": 4096, "generation": 1, "values": []}
-    assert "not a flowreduce segment" in reply(run="r.0", items=[], spec=spec, shared=handle)["message"]
+    outside = {"handle": ["../../etc/passwd", 4096, 1, []], "values": []}
+    assert "not a flowreduce segment" in reply(run="r.0", items=[], spec=spec, shared=outside)["message"]
+    assert "not [name, size, generation, pieces]" in reply(run="r.0", items=[], spec=spec,
+                                                           shared={"handle": ["x"], "values": []})["message"]
     from flowreduce.shm import pool as shm_pool
 
     seg = shm_pool.pool().lease(64)
     try:
-        handle = {"name": seg.name, "size": seg.size, "generation": seg.generation + 1, "values": []}
-        assert "another lease" in reply(run="r.0", items=[], spec=spec, shared=handle)["message"]
-        handle["generation"] = seg.generation
-        for piece, why in ([["<i8", 1, seg.size], "overruns"], [["|O", 1, 0], "not numeric"],
-                           [["<i8", -1, 0], "not [dtype, size, offset]"]):
-            handle["values"] = [[0, received, [piece]]]
-            assert why in reply(run="r.0", items=[], spec=spec, shared=handle)["message"], why
+        stale = {"handle": [seg.name, seg.size, seg.generation + 1, []], "values": []}
+        assert "another lease" in reply(run="r.0", items=[], spec=spec, shared=stale)["message"]
+        for piece, why in ([["<i8", seg.size, 1], "does not lie inside"], [["|O", 0, 1], "not (dtype"],
+                           [["<i8", 0, -1], "does not lie inside"], [["<U4", 0, 1], "not numeric"]):
+            shared = {"handle": [seg.name, seg.size, seg.generation, [piece]], "values": [[0, received, 1]]}
+            assert why in reply(run="r.0", items=[], spec=spec, shared=shared)["message"], why
+        for count, why in ((2, "name more than its 1 pieces"), (0, "do not name its 1 pieces")):
+            counted = {"handle": [seg.name, seg.size, seg.generation, [["<i8", 0, 1]]], "values": [[0, received, count]]}
+            assert why in reply(run="r.0", items=[], spec=spec, shared=counted)["message"], why
     finally:
         shm_pool.pool().discard(seg)  # unlinked: this process's pool is never closed
     assert inproc_client.run(engine.runs_held) == {w: [] for w in inproc_client.nthreads()}

@@ -14,11 +14,9 @@ Two uses:
   the one-level intra-host collective (:mod:`flowreduce.lower.shm_direct`):
   readers read peers' segments in place.
 
-A lease lives as long as the values that reference it on its worker (Dask
-drops a key's value once every dependent has run, wherever it runs); then the
-segment goes back to the pool for the next call. Every handle carries the
-lease's generation and a reader checks it after reading, so a payload
-overwritten by a later lease is an error, never a silently wrong sum.
+Values are the data plane's leases and handles (:mod:`flowreduce.shm.lease`): a lease lives as
+long as the values that reference it on its worker (Dask drops a key's value once every dependent
+has run, wherever it runs), and a reader checks a handle's generation after reading.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +37,7 @@ from flowreduce.kernels import dense as kernels
 from flowreduce.ops import Op
 from flowreduce.shm import pool as shm_pool
 from flowreduce.shm import result_buffers
+from flowreduce.shm.lease import Handle, Lease, layout
 
 #: Copies through shared memory in this process, for traces: (seq, start,
 #: stop, bytes, direction "write"/"read", the segment owner's pid, repr of
@@ -59,78 +57,10 @@ def owner_pid(segment_name: str) -> int:
         return 0
 
 
-class Lease:
-    """A leased segment, given back to the pool when the last value holding
-    this object is dropped."""
-
-    __slots__ = ("segment", "generation", "__weakref__")
-
-    def __init__(self, pool: shm_pool.Pool, segment: shm_pool.Segment):
-        self.segment, self.generation = segment, segment.generation
-        weakref.finalize(self, pool.give_back, segment, segment.generation)
-
-
-def _lease(nbytes: int, owner: str = "") -> Lease | None:
-    """A lease for the call ``owner`` (its key token: the worker plugin gives
-    back what a call still holds once its keys are gone from the worker)."""
-    pool = shm_pool.pool()
-    try:
-        return Lease(pool, pool.lease(nbytes, owner))
-    except shm_pool.Unavailable:  # logged once by the pool: Dask's comm carries the data
-        return None
-
-
-@dataclass(frozen=True)
-class Handle:
-    """Where a payload sits: a segment, its lease generation, and the pieces
-    ``(dtype, byte offset, count)`` in it. What crosses the wire."""
-
-    name: str
-    size: int
-    generation: int
-    pieces: tuple[tuple[str, int, int], ...]
-    key: str = ""  # the producing task's key (repr), for traces
-
-    def segment(self) -> shm_pool.Segment:
-        return shm_pool.pool().attach(self.name, self.size)
-
-    def arrays(self, seg: shm_pool.Segment) -> list[np.ndarray]:
-        """Views of the pieces; a handle from a peer whose pieces are not plain
-        dtypes lying inside the segment is :class:`~flowreduce.shm.pool.Refused` (logged)."""
-        out = []
-        for piece in self.pieces:
-            try:
-                dt, offset, count = piece
-                dtype = np.dtype(dt) if isinstance(dt, str) and type(offset) is int and type(count) is int else None
-            except (TypeError, ValueError):
-                dtype = None
-            if dtype is None or dtype.hasobject:
-                shm_pool.refuse(f"shared-memory handle of {self.name}", f"piece {piece!r} is not (dtype, offset, count)")
-            if not 0 <= offset <= offset + count * dtype.itemsize <= seg.size - shm_pool.HEADER:
-                shm_pool.refuse(f"shared-memory handle of {self.name}",
-                                f"piece {piece!r} does not lie inside its {seg.size} bytes")
-            out.append(seg.view(dtype, count, offset))
-        return out
-
-    def check(self, seg: shm_pool.Segment) -> None:
-        if seg.stamped() != self.generation:
-            raise RuntimeError(f"shared-memory segment {self.name} was leased again before its reader "
-                               f"copied it (generation {seg.stamped()}, expected {self.generation}); "
-                               "was the value spilled to disk?")
-
-
-def _handle(lease: Lease, pieces: Sequence[tuple[np.dtype, int, int]], key: str = "") -> Handle:
-    seg = lease.segment
-    return Handle(seg.name, seg.size, lease.generation, tuple((np.dtype(dt).str, o, c) for dt, o, c in pieces), key)
-
-
-def _layout(arrays: Sequence[np.ndarray]) -> tuple[list[tuple[np.dtype, int, int]], int]:
-    """Each array's (dtype, offset, count) packed one after another (8-byte aligned)."""
-    out, offset = [], 0
-    for a in arrays:
-        out.append((a.dtype, offset, a.size))
-        offset += -(-a.nbytes // 8) * 8
-    return out, offset
+def value_lease(nbytes: int, owner: str = "") -> Lease | None:
+    """A lease for the call ``owner``, given back once no value references it (None: no segment)."""
+    lease = Lease.taken(nbytes, owner)
+    return None if lease is None else lease.until_dropped()
 
 
 # -- any plan node: publish for same-host readers ------------------------------
@@ -172,14 +102,14 @@ class Publish:
         value = self.func(*args)
         if not isinstance(value, tuple) or not all(isinstance(a, np.ndarray) for a in value):
             return value
-        layout, nbytes = _layout(value)
+        pieces, nbytes = layout(value)
         if nbytes < shm_pool.pool().min_bytes:
             return value
         t0 = time.time()
-        lease = _lease(nbytes, self.owner)
+        lease = value_lease(nbytes, self.owner)
         if lease is None:
             return value
-        handle = _handle(lease, layout, self.key)
+        handle = lease.handle(pieces, self.key)
         for a, dst in zip(value, handle.arrays(lease.segment)):
             np.copyto(dst, a.reshape(-1))
         log_copy("write", self.key, os.getpid(), nbytes, t0)
@@ -203,7 +133,7 @@ class Block:
         return self.lease.segment.view(self.dtype, self.count)
 
     def handle(self) -> Handle:
-        return _handle(self.lease, [(self.dtype, 0, self.count)])
+        return self.lease.handle([(self.dtype, 0, self.count)])
 
     def __reduce__(self) -> tuple[type[Remote], tuple[Handle, int, int]]:
         return (Remote, (self.handle(), self.lo, self.hi))
@@ -253,7 +183,7 @@ def write(op: Op, dtype: npt.DTypeLike, inputs: Sequence, share: bool = True, ke
     count = flat[0].size
     # a small vector is cheaper sent by Dask than leased, mapped and read by every peer
     share = share and count * dtype.itemsize >= shm_pool.pool().min_bytes
-    lease = _lease(count * dtype.itemsize, owner) if share else None
+    lease = value_lease(count * dtype.itemsize, owner) if share else None
     dst = lease.segment.view(dtype, count) if lease is not None else np.empty(count, dtype)
     np.copyto(dst, flat[0], casting="unsafe")
     for x in flat[1:]:
@@ -380,7 +310,7 @@ def reduce_published(op: Op, ranks: int, finish: bool, shape: Any, inputs: Seque
     dtype = np.result_type(*arrays)
     count = arrays[0].size
     fits = op.in_place and len(arrays) > 1 and (not finish or finishes_in_place(op, dtype))
-    lease = _lease(count * dtype.itemsize, owner) if fits and count * dtype.itemsize >= shm_pool.pool().min_bytes \
+    lease = value_lease(count * dtype.itemsize, owner) if fits and count * dtype.itemsize >= shm_pool.pool().min_bytes \
         else None
     if lease is None:
         acc = kernels.reduce(op, ranks, finish, None, inputs, picks, owned)[0]  # pieces: shape is None
@@ -406,7 +336,7 @@ def publish_slice(inputs: Sequence[tuple[np.ndarray, ...]], picks: Sequence[Sequ
     count = sum(x.size for x in parts)
     nbytes = count * dtype.itemsize
     t0 = time.time()
-    lease = _lease(nbytes, owner) if nbytes >= shm_pool.pool().min_bytes else None
+    lease = value_lease(nbytes, owner) if nbytes >= shm_pool.pool().min_bytes else None
     out = lease.segment.view(dtype, count) if lease is not None else np.empty(count, dtype)
     at = 0
     for x in parts:

@@ -51,6 +51,7 @@ from flowreduce.kernels import dense as _kernels
 from flowreduce.lower.graph import Graph, chunk_bounds, contributions, owned_inputs, piece_layout, tree_nodes
 from flowreduce.ops import Op, resolve_op
 from flowreduce.reproducible import TreeNode, tree_root
+from flowreduce.shm.lease import Handle
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,10 @@ class Spec:
     #: the library the ranks' inputs came in (an :class:`~flowreduce.arrays.ArrayKind`; None: numpy), and
     #: so the results go out in: calls placed on arrival take torch tensors and array API arrays
     native: Any = None
-    #: per call rank, the shared segment its input was copied into when it arrived (None: not every
-    #: rank's was): each worker then folds every rank's input from there, in rank order, with no
-    #: message and no wait for its peers (:meth:`flowreduce.schedule.p2p.Run.read_published`)
-    published: tuple[str, ...] | None = None
+    #: per call rank, where its input was copied into a shared segment when it arrived (None: not
+    #: every rank's was): each worker then folds every rank's input from there, in rank order, with
+    #: no message and no wait for its peers (:meth:`flowreduce.schedule.p2p.Run.read_published`)
+    published: tuple[Handle, ...] | None = None
 
     @classmethod
     def of(cls, plan: Plan, op: Op, dtype: np.dtype, shape: tuple[int, ...], workers: Sequence[str],

@@ -67,6 +67,7 @@ from flowreduce.schedule.inputs import ArrayMeta, OtherMeta, meta_of
 from flowreduce.schedule.peer_reads import leave_slot
 from flowreduce.shm import pool as _shm_pool
 from flowreduce.shm.host_group import HostGroup, Pooled, fold_into, stores_ordered
+from flowreduce.shm.lease import Handle, Lease, layout
 from flowreduce.shm.result_buffers import buffers
 
 logger = logging.getLogger("flowreduce")
@@ -114,7 +115,6 @@ PACED_BYTES = 1 << 20
 PACK_BYTES = 64 << 10
 
 Item = tuple[int, int, tuple[np.ndarray, ...]]  # (chunk, node, pieces)
-Lease = tuple[Any, Any, int]  # (pool, segment, generation) of a message's values on this host
 
 
 def run_id(token: str, attempt: int = 0) -> str:
@@ -265,9 +265,12 @@ class Run:
         assert spec.published is not None
 
         def fold() -> np.ndarray:
-            parts = [mine[r].reshape(-1) if r in mine else _published_view(name, dtype, size)
-                     for r, name in enumerate(spec.published or ())]
-            return fold_into(prog.op, parts, buffers().empty(size, prog.accumulate or dtype))
+            read = {r: _published_view(h, dtype, size) for r, h in enumerate(spec.published or ()) if r not in mine}
+            parts = [mine[r].reshape(-1) if r in mine else read[r][0] for r in range(len(spec.published or ()))]
+            out = fold_into(prog.op, parts, buffers().empty(size, prog.accumulate or dtype))
+            for _, handle, seg in read.values():
+                handle.check(seg)
+            return out
 
         t0 = _now()
         try:
@@ -529,34 +532,28 @@ class Run:
         return written, written.handle, rest
 
     async def _write(self, big: list[Item]) -> tuple[Lease | None, dict[str, Any] | None]:
-        """``big`` written into one leased segment, and its handle (None, None: no segment to be had)."""
-        layout: list[list[Any]] = []
-        at = 0
-        for c, n, pieces in big:
-            entry: list[list[Any]] = []
-            for a in pieces:
-                entry.append([a.dtype.str, int(a.size), at])
-                at += -(-a.nbytes // 64) * 64  # each piece 64-byte aligned
-            layout.append([c, n, entry])
+        """``big`` written into one leased segment, and what a peer reads them by: the segment's
+        :class:`~flowreduce.shm.lease.Handle` (its pieces 64-byte aligned) and each value's
+        ``[chunk, node, pieces]`` (None, None: no segment to be had)."""
+        pieces = [a for _, _, values in big for a in values]
+        where, at = layout(pieces, align=64)
         try:
-            pool = _shm_pool.pool()
-            seg = pool.lease(at, owner=self.id)
+            lease = Lease.take(at, owner=self.id)
         except _shm_pool.Unavailable:
             return None, None
-        generation = seg.generation
+        handle = lease.handle(where)
+        views = handle.arrays(lease.segment)
 
         def write() -> None:
-            for (_, _, pieces), (_, _, places) in zip(big, layout):
-                for a, (_, count, offset) in zip(pieces, places):
-                    seg.view(a.dtype, count, offset)[:] = a.reshape(-1)
+            for a, view in zip(pieces, views):
+                view[:] = a.reshape(-1)
 
         if at >= OFFLOAD_BYTES:
             await asyncio.get_running_loop().run_in_executor(self.engine.executor, write)
         else:
             write()
         self.engine.shared_sends += 1
-        handle = {"name": seg.name, "size": seg.size, "generation": generation, "values": layout}
-        return (pool, seg, generation), handle
+        return lease, {"handle": handle.wire(), "values": [[c, n, len(values)] for c, n, values in big]}
 
     def _finish(self, index: int) -> None:
         """The plan rank ``index`` has its result: each member rank gets its own array."""
@@ -611,20 +608,21 @@ PUBLISH_BYTES = 2 << 20
 FOLD_INLINE_BYTES = 4 << 20
 
 
-def publish(token: str, x: Any) -> str | None:
+def publish(token: str, x: Any) -> Handle | None:
     """Call ``token``'s input ``x`` here copied into a segment of this worker's pool (leased by the
-    call until it ends, :meth:`Engine.drop_arrived`); the segment's name, or None when ``x`` is not
-    a numeric array of 1 to :data:`PUBLISH_BYTES` bytes or shared memory is off or full."""
+    call until it ends: :meth:`Engine.drop_arrived` gives back its owner's leases); its handle, or
+    None when ``x`` is not a numeric array of 1 to :data:`PUBLISH_BYTES` bytes or shared memory is
+    off or full."""
     if not (isinstance(x, np.ndarray) and x.dtype.kind in "biufc" and 0 < x.nbytes <= PUBLISH_BYTES):
         return None
     if not _shm_pool.enabled():
         return None
     try:
-        seg = _shm_pool.pool().lease(x.nbytes, owner=published_owner(token))
+        lease = Lease.take(x.nbytes, owner=published_owner(token))
     except _shm_pool.Unavailable:
         return None
-    np.copyto(seg.view(x.dtype, x.size).reshape(x.shape), x)
-    return seg.name
+    np.copyto(lease.view(x.dtype, x.size).reshape(x.shape), x)
+    return lease.handle([(x.dtype, 0, x.size)])
 
 
 def published_owner(token: str) -> str:
@@ -632,23 +630,26 @@ def published_owner(token: str) -> str:
     return f"arrived-{token}"
 
 
-def with_published(spec: Spec, handles: Sequence[str | None]) -> Spec:
+def with_published(spec: Spec, handles: Sequence[Handle | None]) -> Spec:
     """``spec`` reading its ranks' published inputs (``handles``, per rank: :func:`publish`) when it
     is one all-reduce of a host group (:func:`through_host`) and every rank's input was published."""
     if not through_host(spec) or any(h is None for h in handles) or len(handles) != spec.ranks:
         return spec
-    return replace(spec, published=tuple(cast(str, h) for h in handles))
+    return replace(spec, published=tuple(cast(Handle, h) for h in handles))
 
 
-def _published_view(name: str, dtype: np.dtype, size: int) -> np.ndarray:
-    """A published input (:func:`publish`) of ``size`` items of ``dtype``, read in place. Its segment
-    gone means its worker died: the run restarts (WorkerLostError)."""
-    pool, need = _shm_pool.pool(), _shm_pool.HEADER + size * dtype.itemsize
+def _published_view(handle: Handle, dtype: np.dtype, size: int) -> tuple[np.ndarray, Handle, _shm_pool.Segment]:
+    """A published input (:func:`publish`) of ``size`` items of ``dtype``, read in place, with its
+    handle and segment to check once read. Its segment gone means its worker died: the run restarts
+    (WorkerLostError)."""
     try:
-        seg = pool.attach(name, need)
+        seg = handle.segment()
     except RuntimeError as e:
         raise WorkerLostError(f"a rank's published input is gone: {e}") from None
-    return seg.view(dtype, size)
+    view = handle.arrays(seg)[0]
+    if view.dtype != dtype or view.size != size:
+        raise ValueError(f"a rank's published input is {view.size} items of {view.dtype}, not {size} of {dtype}")
+    return view, handle, seg
 
 
 def host_group_route(algorithm: str, domains: Sequence[Any], ordered: bool) -> bool:
@@ -709,9 +710,8 @@ class Written:
             return
         if self.run.written.get(self.which) is self:
             del self.run.written[self.which]
-        if self.lease is not None:
-            pool, seg, generation = self.lease
-            (pool.discard if self.failed else pool.give_back)(seg, generation)
+        if self.lease is not None:  # the lease's one holder: the messages that carry its handle
+            self.lease.release(self.failed)
 
 
 @dataclass(frozen=True)
@@ -1202,39 +1202,33 @@ class Engine:
     async def _from_segment(self, shared: Any) -> list[Item] | str:
         """Private copies of the values a peer wrote into its segment (:meth:`Run._into_segment`),
         or why the handle is refused."""
-        if not (isinstance(shared, dict) and set(shared) == {"name", "size", "generation", "values"}
-                and type(shared["generation"]) is int and isinstance(shared["values"], (list, tuple))
-                and len(shared["values"]) <= MAX_ITEMS):
-            return "shared must be a segment handle {name, size, generation, values}"
+        if not (isinstance(shared, dict) and set(shared) == {"handle", "values"}
+                and isinstance(shared["values"], (list, tuple)) and len(shared["values"]) <= MAX_ITEMS):
+            return "shared must be a segment handle and its values {handle, values}"
         try:
-            seg = _shm_pool.pool().attach(shared["name"], shared["size"])
+            handle = Handle.from_wire(shared["handle"])
+            seg = handle.segment()
+            if not handle.current(seg):
+                return f"segment {seg.name} holds another lease than the one sent"
+            views = handle.arrays(seg, kinds="biufc")
         except (_shm_pool.Refused, _shm_pool.Unavailable, RuntimeError) as e:
-            return f"segment {str(shared['name'])[:80]!r}: {e}"[:300]
-        if seg.stamped() != shared["generation"]:
-            return f"segment {seg.name} holds another lease than the one sent"
-        where: list[tuple[int, int, list[tuple[np.dtype, int, int]]]] = []
+            return f"segment {str(shared['handle'])[:80]}: {e}"[:300]
+        where: list[tuple[int, int, list[np.ndarray]]] = []
         for entry in shared["values"]:
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and type(entry[0]) is int
-                    and type(entry[1]) is int and isinstance(entry[2], (list, tuple))):
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and all(type(e) is int for e in entry)
+                    and entry[2] >= 0):
                 return "a shared value is not [chunk, node, pieces]"
-            pieces = []
-            for piece in entry[2]:
-                if not (isinstance(piece, (list, tuple)) and len(piece) == 3 and isinstance(piece[0], str)
-                        and len(piece[0]) <= 8 and type(piece[1]) is int and type(piece[2]) is int
-                        and piece[1] >= 0 and piece[2] >= 0):
-                    return "a shared piece is not [dtype, size, offset]"
-                dtype = _numeric(piece[0])
-                if isinstance(dtype, str):
-                    return dtype
-                if _shm_pool.HEADER + piece[2] + dtype.itemsize * piece[1] > seg.size:
-                    return f"a shared piece overruns segment {seg.name}"
-                pieces.append((dtype, piece[1], piece[2]))
-            where.append((entry[0], entry[1], pieces))
+            at = sum(len(v) for _, _, v in where)
+            if at + entry[2] > len(views):
+                return f"the values of segment {seg.name} name more than its {len(views)} pieces"
+            where.append((entry[0], entry[1], views[at:at + entry[2]]))
+        if sum(len(v) for _, _, v in where) != len(views):
+            return f"the values of segment {seg.name} do not name its {len(views)} pieces"
 
         def copy() -> list[Item]:
-            return [(c, n, tuple(np.array(seg.view(d, k, o)) for d, k, o in pieces)) for c, n, pieces in where]
+            return [(c, n, tuple(np.array(v) for v in pieces)) for c, n, pieces in where]
 
-        nbytes = sum(d.itemsize * k for _, _, pieces in where for d, k, _ in pieces)
+        nbytes = sum(v.nbytes for v in views)
         if nbytes >= OFFLOAD_BYTES:
             return await asyncio.get_running_loop().run_in_executor(self.executor, copy)
         return copy()
@@ -2046,8 +2040,8 @@ async def barrier(run: str, hand_ins: _lower.Named, handed: list[Any]) -> str:
     return run
 
 
-#: (worker, its Place as a tuple, what the rank holds: a Meta, the segment its input was published in or None)
-Arrival = tuple[str, tuple[Any, ...], Any, "str | None"]
+#: (worker, its Place as a tuple, what the rank holds: a Meta, where its input was published or None)
+Arrival = tuple[str, tuple[Any, ...], Any, "Handle | None"]
 
 
 async def arrive(token: str, rank: int, x: Any) -> Arrival:

@@ -66,6 +66,7 @@ from flowreduce.errors import AllreduceTimeoutError, FlowreduceError, InputError
 from flowreduce.ops import FOLD_BLOCK_BYTES, Op
 from flowreduce.shm import futex
 from flowreduce.shm import pool as shm_pool
+from flowreduce.shm.lease import Lease
 from flowreduce.shm.result_buffers import buffers
 
 #: From this many bytes an all-reduce is a reduce-scatter and an all-gather (two steps, the work split).
@@ -215,14 +216,15 @@ class Pooled(Files):
     def __init__(self, directory: str, owner: str):
         super().__init__(directory)
         self.owner = owner  # the lease's owner: the run
-        self.leases: dict[str, tuple[shm_pool.Segment, int]] = {}
+        self.leases: dict[str, Lease] = {}
 
     def create(self, name: str, size: int) -> tuple[str, np.ndarray]:
         try:
-            seg = shm_pool.pool().lease(size, owner=self.owner)
+            lease = Lease.take(size, owner=self.owner)
         except shm_pool.Unavailable:
             return super().create(name, size)
-        self.leases[seg.name] = (seg, seg.generation)
+        seg = lease.segment
+        self.leases[seg.name] = lease
         return seg.name, seg.buf[shm_pool.HEADER:shm_pool.HEADER + size]
 
     def open(self, name: str, size: int) -> np.ndarray:
@@ -236,11 +238,10 @@ class Pooled(Files):
         return seg.buf[shm_pool.HEADER:need]
 
     def retire(self, name: str, failed: bool) -> None:
-        found = self.leases.pop(name, None)
-        if found is None:
+        lease = self.leases.pop(name, None)
+        if lease is None:
             return super().retire(name, failed)
-        seg, generation = found  # reused by the next lease, unless peers may still read it
-        (shm_pool.pool().discard if failed else shm_pool.pool().give_back)(seg, generation)
+        lease.release(failed)  # reused by the next lease, unless peers may still read it
 
 
 class HostGroup:

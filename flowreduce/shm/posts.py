@@ -3,16 +3,17 @@ on the host can compute, and they read it in place. What the one-level
 ``direct`` collective's tasks exchange (:func:`flowreduce.schedule.peer_reads.reading`):
 no message, no request, no socket between two workers of one host.
 
-A post is a leased segment of the worker's pool (warm: reused across
-calls, so nobody page-faults) and a symbolic link next to it named after
-the call and the poster's first rank (:func:`name`), pointing at the
-segment, its lease generation and where the value sits. Peers wait for
+A post is a lease of the worker's pool (:mod:`flowreduce.shm.lease`: warm,
+reused across calls, so nobody page-faults) and a symbolic link next to it
+named after the call and the poster's first rank (:func:`name`), pointing at
+the segment, its lease generation and where the value sits. Peers wait for
 the link, map the segment once (the pool keeps peers' mappings for the
 next call), check the generation, and read the value where it lies. Each
 reader then sets its byte in the post's acknowledgements; the poster takes
-the link down and gives the segment back to its pool once every reader has
-(:meth:`Post.read_by_all`), or unlinks it if one never does, so a segment is
-never reused under a reader.
+the link down and lets the lease go once every reader has
+(:meth:`Post.read_by_all`): back to its pool, or, if one never does, discarded,
+so a segment is never reused under a reader (the lease's one rule). A reader
+reads the value through its :class:`~flowreduce.shm.lease.Handle`.
 
 The segment holds, after the pool's header: one acknowledgement byte per
 worker of the host group, what the value is (its dtype, shape and, for a
@@ -22,7 +23,7 @@ numbers, or ranks that do not agree) is posted as :data:`UNFIT`, a link
 with nothing behind it, so readers ask for it over Dask's comm at once
 instead of waiting.
 
-Pure: os, pickle, numpy and the pool.
+Pure: os, pickle, numpy, the pool and its leases.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowreduce.shm import pool as shm_pool
+from flowreduce.shm.lease import Handle, Lease
 
 logger = logging.getLogger("flowreduce")
 #: A post with nothing behind it: its readers read the value over Dask's comm.
@@ -66,33 +68,37 @@ class Overwritten(RuntimeError):
 
 @dataclass
 class Post:
-    """A value this worker put up: its segment (None for :data:`UNFIT`), the
-    lease generation, and the host group's slots that must acknowledge it."""
+    """A value this worker put up: its lease (None for :data:`UNFIT`) and
+    the host group's slots that must acknowledge it."""
 
     link: str
     target: str  # what the link points at: it is taken down only if it still does
-    segment: shm_pool.Segment | None
-    generation: int
+    lease: Lease | None
     readers: tuple[int, ...]  # the acknowledgement slots of the groups that will read it
     value: np.ndarray | None = None  # what was posted (read-only)
     metas: tuple | None = None
 
+    @property
+    def segment(self) -> shm_pool.Segment | None:
+        return None if self.lease is None else self.lease.segment
+
+    @property
+    def generation(self) -> int:
+        return 0 if self.lease is None else self.lease.generation
+
     def read_by_all(self) -> bool:
-        if self.segment is None:
+        if self.lease is None:
             return True
-        acks = self.segment.buf[shm_pool.HEADER:shm_pool.HEADER + (max(self.readers) + 1 if self.readers else 0)]
+        acks = self.lease.segment.buf[shm_pool.HEADER:shm_pool.HEADER + (max(self.readers) + 1 if self.readers else 0)]
         return all(acks[i] for i in self.readers)
 
     def withdraw(self, pool: shm_pool.Pool, *, reuse: bool) -> None:
-        """Take the link down, then give the segment back for reuse (every
-        reader is done with it) or unlink it (one may still read it). A link
+        """Take the link down, then let the lease go: back for reuse (every
+        reader is done with it) or discarded (one may still read it). A link
         that a later post of the same name replaced (its task run again) stays."""
         pool.unlink_link(self.link, self.target)
-        if self.segment is not None:
-            if reuse:
-                pool.give_back(self.segment, self.generation)
-            else:
-                pool.discard(self.segment, self.generation)
+        if self.lease is not None:
+            self.lease.release(failed=not reuse)
 
 
 def post(pool: shm_pool.Pool, link: str, dtype: np.dtype, shape: tuple[int, ...], metas: tuple | None,
@@ -108,23 +114,23 @@ def post(pool: shm_pool.Pool, link: str, dtype: np.dtype, shape: tuple[int, ...]
     at = _align(acks + about)
     count = int(np.prod(shape, dtype=np.int64))
     try:
-        seg = pool.lease(at + count * dtype.itemsize)
+        lease = Lease.take(at + count * dtype.itemsize, pool=pool)
     except shm_pool.Unavailable:
         return unfit(pool, link)
-    generation = seg.generation
+    seg = lease.segment
     try:
         head = seg.buf[shm_pool.HEADER:]
         head[:acks] = 0
         head[acks:acks + about] = np.frombuffer(described, np.uint8)
-        value = seg.view(dtype, count, at).reshape(shape)
+        value = lease.view(dtype, count, at).reshape(shape)
         fill(value)
         value.flags.writeable = False
-        target = f"{seg.name}:{seg.size}:{generation}:{acks}:{about}"
+        target = f"{seg.name}:{seg.size}:{lease.generation}:{acks}:{about}"
         pool.link(link, target)
     except BaseException:
-        pool.discard(seg, generation)
+        lease.release(failed=True)
         raise
-    return Post(link, target, seg, generation, tuple(readers), value, metas)
+    return Post(link, target, lease, tuple(readers), value, metas)
 
 
 def unfit(pool: shm_pool.Pool, link: str) -> Post:
@@ -136,29 +142,29 @@ def unfit(pool: shm_pool.Pool, link: str) -> Post:
         pool.link(link, target)
     except OSError as e:
         logger.debug("flowreduce: cannot link %s (%r)", link, e)
-    return Post(link, target, None, 0, ())
+    return Post(link, target, None, ())
 
 
 @dataclass
 class Found:
     """A peer's post as read: the value (a read-only view of its segment),
-    what its ranks held (None: one rank, the value itself), and the
-    segment to acknowledge in."""
+    what its ranks held (None: one rank, the value itself), the segment to
+    acknowledge in and the handle of the value in it."""
 
     value: np.ndarray
     metas: tuple | None
     segment: shm_pool.Segment
-    generation: int
+    handle: Handle
 
     def acknowledge(self, slot: int, check: bool = True) -> None:
         """Say this reader (the host group's ``slot``) is done with it. The
         generation must not have changed under the read (``check``): the
         poster reuses a segment only once every reader has acknowledged it."""
-        if self.segment.stamped() != self.generation:
+        if not self.handle.current(self.segment):
             if not check:
                 return
             raise Overwritten(f"shared-memory post {self.segment.name} was overwritten while it was read "
-                               f"(generation {self.generation}, now {self.segment.stamped()})")
+                               f"(generation {self.handle.generation}, now {self.segment.stamped()})")
         self.segment.buf[shm_pool.HEADER + slot] = 1
 
 
@@ -188,18 +194,17 @@ def find(pool: shm_pool.Pool, token: str, rank: int) -> Found | str | None:
         return None
     if seg.stamped() != generation:  # given back and leased again: this link is stale
         return None
+    at = _align(acks + about)
     try:  # a file of this user (checked by attach): the description is the poster's own pickle
-        if not (0 <= acks and 0 < about and _align(acks + about) <= size - shm_pool.HEADER):
+        if not (0 <= acks and 0 < about and at <= size - shm_pool.HEADER):
             raise ValueError(f"description at {acks}+{about} outside {size} bytes")
         head = seg.buf[shm_pool.HEADER:]
         dtype, shape, metas = pickle.loads(head[acks:acks + about].tobytes())
         dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        if dtype.hasobject or count < 0 or _align(acks + about) + count * dtype.itemsize > size - shm_pool.HEADER:
-            raise ValueError(f"{count} items of {dtype} do not fit its {size} bytes")
-        value = seg.view(dtype, count, _align(acks + about)).reshape(shape)
+        handle = Handle(seg_name, size, generation, ((dtype.str, at, int(np.prod(shape, dtype=np.int64))),))
+        value = handle.arrays(seg)[0].reshape(shape)  # refused unless a plain dtype inside the segment
     except Exception as e:
         logger.error("flowreduce: refused shared-memory post %s: %r", name(token, rank), e)
         return UNFIT
     value.flags.writeable = False
-    return Found(value, metas, seg, generation)
+    return Found(value, metas, seg, handle)

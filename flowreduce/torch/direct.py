@@ -57,6 +57,7 @@ from flowreduce.lower.graph import chunk_bounds
 from flowreduce.ops import Op, resolve_op
 from flowreduce.pytree import TensorSpec
 from flowreduce.shm import pool as shm_pool
+from flowreduce.shm.lease import Lease
 
 #: What the trainer computes: DDP's average of the ranks' gradients.
 MEAN: Op = resolve_op("mean")
@@ -130,14 +131,10 @@ def packs(specs: Sequence[TensorSpec]) -> bool:
 _NUMPY_DTYPES = {np.dtype(torch.empty(0, dtype=d).numpy().dtype) for d in DTYPES}
 
 
-def _lease(nbytes: int, owner: str) -> shm_kernels.Lease | None:
-    pool = shm_pool.pool()
-    if nbytes < pool.min_bytes:  # cheaper sent by Dask than leased, mapped and read by every peer
+def _lease(nbytes: int, owner: str) -> Lease | None:
+    if nbytes < shm_pool.pool().min_bytes:  # cheaper sent by Dask than leased, mapped and read by every peer
         return None
-    try:
-        return shm_kernels.Lease(pool, pool.lease(nbytes, owner))
-    except shm_pool.Unavailable:  # logged once by the pool: Dask's comm carries the data
-        return None
+    return shm_kernels.value_lease(nbytes, owner)
 
 
 def write(flat: Flat, grads: Sequence[torch.Tensor | None], tokens: Sequence[str]) -> list:
