@@ -232,6 +232,44 @@ def test_what_p2p_does_not_take_yet_is_refused(inproc_client):
         flowreduce.allreduce(inproc_client, trees, method="p2p")
 
 
+def test_torch_pytrees_and_sparse_in_memory_run_on_the_engine_as_calls_placed_on_arrival(inproc_client):
+    """What the engine takes only on arrival (torch tensors converted there, a pytree or a scipy.sparse
+    matrix per future gathered and reduced on one worker) runs with method='p2p' on inputs already in
+    memory too, instead of being refused, and equals the reference."""
+    import scipy.sparse as sp
+    import torch
+
+    c = inproc_client
+    ws = workers_of(c)
+    rng = np.random.default_rng(5)
+    trees = [{"w": rng.integers(-50, 50, (3, 4)), "b": (rng.integers(-50, 50, 5),)} for _ in range(5)]
+    futures = [c.submit(lambda t: t, t, workers=[ws[r % len(ws)]], pure=False) for r, t in enumerate(trees)]
+    wait(futures)
+    out = flowreduce.allreduce(c, futures, method="p2p")
+    assert flowreduce.describe(out).method == "p2p"
+    for f in out:
+        got = f.result()
+        np.testing.assert_array_equal(got["w"], sum(t["w"] for t in trees))
+        np.testing.assert_array_equal(got["b"][0], sum(t["b"][0] for t in trees))
+    mats = [sp.random(20, 30, density=0.1, random_state=r, format="csr", dtype=np.float64) for r in range(4)]
+    mats = [sp.csr_matrix(np.round(m.toarray() * 100)) for m in mats]  # integers: exact in any order
+    held = [c.scatter(m, workers=[ws[r % len(ws)]]) for r, m in enumerate(mats)]
+    out = flowreduce.allreduce(c, held, method="p2p")
+    assert flowreduce.describe(out).method == "p2p"
+    for f in out:
+        got = f.result()
+        assert sp.issparse(got)
+        np.testing.assert_array_equal(got.toarray(), sum(m.toarray() for m in mats))
+    tensors = [torch.tensor(rng.integers(-50, 50, 7)) for _ in range(4)]
+    held = [c.scatter(t, workers=[ws[r % len(ws)]]) for r, t in enumerate(tensors)]
+    out = flowreduce.allreduce(c, held, op="max", method="p2p")
+    assert flowreduce.describe(out).method == "p2p"
+    for f in out:
+        got = f.result()
+        assert isinstance(got, torch.Tensor)
+        torch.testing.assert_close(got, torch.stack(tensors).amax(0), rtol=0, atol=0)
+
+
 def test_inputs_that_disagree_are_refused_naming_the_ranks(inproc_client):
     arrays = _inputs(4, 10, "sum")
     arrays[2] = np.zeros(11, np.int64)

@@ -321,6 +321,10 @@ def allreduce(
     try:
         if how == "p2p":  # the ranks described as for a dense call, then the engine
             ranks = describe_inputs(client, outer, futures, None, replace(settings, algorithm="p2p"))
+            if _converted_on_arrival(ranks, settings) and _on_arrival(outer, like, settings, exact, how):
+                token = new_token()  # torch, pytrees, sparse: what a call placed on arrival converts or gathers
+                decide = OnArrival(settings, token, tuple(fs[0].key for fs in futures))
+                return _arrivals.submit_futures(client, [fs[0] for fs in futures], settings.algorithm, decide, token)
             return submit(client, lower_p2p(client, ranks, settings), ranks, settings.timeout)  # refuses what it cannot
         ranks = describe_inputs(client, outer, futures, like, replace(settings, algorithm="exact") if exact else settings)
     except (InputError, InputTypeError, InputStateError) as e:  # what the ranks hold: told on the results, as always
@@ -875,6 +879,17 @@ def p2p_refusal(ranks: Ranks, settings: Settings, converts: bool = False) -> str
         return (f"method='p2p' plans over the ranks' workers, and options {named} name ranks, several of which "
                 "share a worker")
     return None
+
+
+def _converted_on_arrival(ranks: Ranks, settings: Settings) -> bool:
+    """Whether ``method="p2p"`` takes these ranks only as a call placed on arrival does: torch or
+    array API arrays (converted to numpy and back there), pytrees or scipy.sparse matrices (gathered
+    and reduced on one worker: :class:`~flowreduce.schedule.p2p.GatherSpec`), while
+    :func:`lower_p2p` takes one dense numpy array per rank."""
+    held = ranks.held
+    return p2p_refusal(ranks, settings) is not None and (
+        isinstance(held, (SparseInputs, Layout)) or (isinstance(held, ArrayMeta) and held.native is not None
+                                                     and p2p_refusal(ranks, settings, converts=True) is None))
 
 
 def p2p_candidates(client: Client | None, ranks: Ranks, settings: Settings) -> tuple[routes.Engines, list[Plan]]:
