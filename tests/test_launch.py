@@ -429,7 +429,9 @@ def test_an_interrupt_dropped_in_a_gc_callback_is_sent_again(tmp_path, signum, s
     """))
     out = _python(str(script), timeout=30, preexec_fn=terminal_signals)
     assert "Exception ignored in" in out.stderr, out.stderr  # the interrupt was dropped once
-    assert out.stdout.splitlines() == ["dropped", "unwound"], out.stdout + out.stderr
+    # sent again 50 ms later: usually once gc.collect() returned; on a loaded machine while it still runs,
+    # where it unwinds the block all the same (2026-11-29, CI beside other runs)
+    assert out.stdout.splitlines() in (["dropped", "unwound"], ["unwound"]), out.stdout + out.stderr
     assert out.returncode == status, out.stdout + out.stderr
 
 

@@ -2144,6 +2144,12 @@ async def take_out_begun(arrival: Any, token: str, rank: int, named: _lower.Name
             if isinstance(engine.failed[run], WorkerLostError):
                 continue
             raise engine.failed[run].with_traceback(None)
+        found = engine.runs.get(run)
+        if found is not None and rank not in found.results and found.spec.worker(rank) != engine.address:
+            # this task reached this worker before the call began and pinned it where its rank arrived
+            # (Dask places a task that waits on a busy worker's input elsewhere, or moves it while it
+            # is queued): the scheduler runs it again there, where the run has its result
+            raise Reschedule()
         try:
             return await _result(engine, run, rank)
         except WorkerLostError:
