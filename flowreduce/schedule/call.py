@@ -887,9 +887,8 @@ def _converted_on_arrival(ranks: Ranks, settings: Settings) -> bool:
     and reduced on one worker: :class:`~flowreduce.schedule.p2p.GatherSpec`), while
     :func:`lower_p2p` takes one dense numpy array per rank."""
     held = ranks.held
-    return p2p_refusal(ranks, settings) is not None and (
-        isinstance(held, (SparseInputs, Layout)) or (isinstance(held, ArrayMeta) and held.native is not None
-                                                     and p2p_refusal(ranks, settings, converts=True) is None))
+    return isinstance(held, (SparseInputs, Layout)) or (
+        isinstance(held, ArrayMeta) and held.native is not None and p2p_refusal(ranks, settings, converts=True) is None)
 
 
 def p2p_candidates(client: Client | None, ranks: Ranks, settings: Settings) -> tuple[routes.Engines, list[Plan]]:

@@ -1214,15 +1214,16 @@ class Engine:
         except (_shm_pool.Refused, _shm_pool.Unavailable, RuntimeError) as e:
             return f"segment {str(shared['handle'])[:80]}: {e}"[:300]
         where: list[tuple[int, int, list[np.ndarray]]] = []
+        at = 0  # the first piece of the next value
         for entry in shared["values"]:
             if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and all(type(e) is int for e in entry)
                     and entry[2] >= 0):
                 return "a shared value is not [chunk, node, pieces]"
-            at = sum(len(v) for _, _, v in where)
             if at + entry[2] > len(views):
                 return f"the values of segment {seg.name} name more than its {len(views)} pieces"
             where.append((entry[0], entry[1], views[at:at + entry[2]]))
-        if sum(len(v) for _, _, v in where) != len(views):
+            at += entry[2]
+        if at != len(views):
             return f"the values of segment {seg.name} do not name its {len(views)} pieces"
 
         def copy() -> list[Item]:
