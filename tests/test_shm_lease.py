@@ -40,6 +40,15 @@ def test_a_lease_goes_back_once_its_last_holder_lets_go(pool):
     assert again.segment.name == lease.segment.name and again.generation == lease.generation + 1
 
 
+def test_a_lease_released_more_often_than_held_says_so_and_leaves_the_next_lease_alone(pool):
+    lease = Lease.take(1000, pool=pool)
+    lease.release()
+    again = Lease.take(1000, pool=pool)  # the same segment, leased again
+    with pytest.raises(RuntimeError, match=f"{lease.segment.name} released more often than held"):
+        lease.release()
+    assert again.segment.name == lease.segment.name and pool.stats()["leased"] == 1  # still the new holder's
+
+
 def test_a_lease_let_go_after_a_failure_is_never_reused(pool):
     lease = Lease.take(1000, pool=pool)
     lease.hold()

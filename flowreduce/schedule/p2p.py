@@ -507,53 +507,52 @@ class Run:
 
     async def _into_segment(self, items: list[Item]) -> tuple[Written | None, dict[str, Any] | None, list[Item]]:
         """The values of at least ``flowreduce.shm.min-bytes`` written into one leased segment of
-        this worker's pool, and the handle a peer maps to read them; the rest stay as they are
-        (all of them when no segment can be had: shared memory off, full or at its bound). Values
-        already written for another peer that is still reading them are not written again."""
+        this worker's pool, and the message a peer reads them by; the rest stay as they are (all of
+        them when no segment can be had: shared memory off, full or at its bound). Values already
+        written for another peer that is still reading them are not written again: that peer's
+        send holds the same lease."""
         big = [it for it in items if sum(a.nbytes for a in it[2]) >= self.engine.shm_min_bytes]
         if not big:
             return None, None, items
         rest = [it for it in items if sum(a.nbytes for a in it[2]) < self.engine.shm_min_bytes]
         which = tuple((c, n) for c, n, _ in big)
         written = self.written.get(which)
+        writer = written is None
         if written is None:
-            written = self.written[which] = Written(self, which)
-            try:
-                await written.write(big)
-            except BaseException:
-                written.ready.set()
-                raise
+            written = self._lease(which, big)
+            if written is None:
+                return None, None, items
+            self.written[which] = written
         else:
-            written.readers += 1
-            await written.ready.wait()
-        if written.lease is None:  # no segment could be had
-            written.release(failed=False)
+            written.lease.hold()
+        try:
+            if writer:
+                try:
+                    await written.copy(big, self.engine.executor)
+                finally:
+                    written.copied.set()
+            else:
+                await written.copied.wait()
+        except BaseException:  # this send ends here: it lets go of the lease
+            written.release(failed=True)
+            raise
+        if not written.complete:  # the copy was cut short: its bytes are not the values
+            written.release(failed=True)
             return None, None, items
-        return written, written.handle, rest
+        return written, written.message, rest
 
-    async def _write(self, big: list[Item]) -> tuple[Lease | None, dict[str, Any] | None]:
-        """``big`` written into one leased segment, and what a peer reads them by: the segment's
-        :class:`~flowreduce.shm.lease.Handle` (its pieces 64-byte aligned) and each value's
-        ``[chunk, node, pieces]`` (None, None: no segment to be had)."""
-        pieces = [a for _, _, values in big for a in values]
-        where, at = layout(pieces, align=64)
+    def _lease(self, which: tuple[tuple[int, int], ...], big: list[Item]) -> Written | None:
+        """A lease for ``big``'s values (each 64-byte aligned) and the message naming them: the
+        segment's :class:`~flowreduce.shm.lease.Handle` and each value's ``[chunk, node, pieces]``
+        (None: no segment to be had)."""
+        where, at = layout([a for _, _, values in big for a in values], align=64)
         try:
             lease = Lease.take(at, owner=self.id)
         except _shm_pool.Unavailable:
-            return None, None
-        handle = lease.handle(where)
-        views = handle.arrays(lease.segment)
-
-        def write() -> None:
-            for a, view in zip(pieces, views):
-                view[:] = a.reshape(-1)
-
-        if at >= OFFLOAD_BYTES:
-            await asyncio.get_running_loop().run_in_executor(self.engine.executor, write)
-        else:
-            write()
+            return None
         self.engine.shared_sends += 1
-        return lease, {"handle": handle.wire(), "values": [[c, n, len(values)] for c, n, values in big]}
+        handle = lease.handle(where)
+        return Written(self, which, lease, handle, {"handle": handle.wire(), "values": [[c, n, len(values)] for c, n, values in big]})
 
     def _finish(self, index: int) -> None:
         """The plan rank ``index`` has its result: each member rank gets its own array."""
@@ -687,31 +686,37 @@ async def _in_thread(fn: Callable[[], Any], name: str) -> Any:
 
 
 class Written:
-    """A message's big values in one leased segment, read by one peer of the
-    host or, when several are sent the same values, by each of them: the
-    segment goes back to the pool when the last has copied them out, and
-    is discarded (never reused) if a send failed while a peer may read it."""
+    """A message's big values in one leased segment, read by one peer of the host or, when several
+    are sent the same values (a broadcast), by each of them: every such send holds the lease, so
+    the segment goes back to the pool once the last peer has copied the values out, and is
+    discarded (never reused) if a send failed while a peer may read it."""
 
-    def __init__(self, run: Run, which: tuple[tuple[int, int], ...]):
-        self.run, self.which = run, which
-        self.readers, self.failed = 1, False
-        self.lease: Lease | None = None
-        self.handle: dict[str, Any] | None = None
-        self.ready = asyncio.Event()
+    def __init__(self, run: Run, which: tuple[tuple[int, int], ...], lease: Lease, handle: Handle,
+                 message: dict[str, Any]):
+        self.run, self.which, self.lease, self.handle, self.message = run, which, lease, handle, message
+        self.copied = asyncio.Event()  # set once the copy ended, whether or not it completed
+        self.complete = False
 
-    async def write(self, big: list[Item]) -> None:
-        self.lease, self.handle = await self.run._write(big)
-        self.ready.set()
+    async def copy(self, big: list[Item], executor: Any) -> None:
+        """``big``'s values into the segment (off the event loop when large)."""
+        pieces = [a for _, _, values in big for a in values]
+        views = self.handle.arrays(self.lease.segment)
+
+        def write() -> None:
+            for a, view in zip(pieces, views):
+                view[:] = a.reshape(-1)
+
+        if sum(a.nbytes for a in pieces) >= OFFLOAD_BYTES:
+            await asyncio.get_running_loop().run_in_executor(executor, write)
+        else:
+            write()
+        self.complete = True
 
     def release(self, failed: bool) -> None:
-        self.readers -= 1
-        self.failed |= failed
-        if self.readers:
-            return
-        if self.run.written.get(self.which) is self:
+        """One send is done with the values (``failed``: the peer may still be reading them)."""
+        self.lease.release(failed)
+        if not self.lease.holders and self.run.written.get(self.which) is self:
             del self.run.written[self.which]
-        if self.lease is not None:  # the lease's one holder: the messages that carry its handle
-            self.lease.release(self.failed)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,8 @@ class Lease:
 
     def release(self, failed: bool = False) -> None:
         """A holder lets go (``failed``: after a failure, while a reader may still read it)."""
+        if self.holders <= 0:  # a holder's count gone wrong would give a segment back while read
+            raise RuntimeError(f"lease of shared-memory segment {self.segment.name} released more often than held")
         self.holders -= 1
         self.failed |= failed
         if self.holders == 0:
