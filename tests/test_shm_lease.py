@@ -40,12 +40,14 @@ def test_a_lease_goes_back_once_its_last_holder_lets_go(pool):
     assert again.segment.name == lease.segment.name and again.generation == lease.generation + 1
 
 
-def test_a_lease_released_more_often_than_held_says_so_and_leaves_the_next_lease_alone(pool):
+def test_a_lease_released_more_often_than_held_or_held_after_says_so_and_leaves_the_next_lease_alone(pool):
     lease = Lease.take(1000, pool=pool)
     lease.release()
     again = Lease.take(1000, pool=pool)  # the same segment, leased again
     with pytest.raises(RuntimeError, match=f"{lease.segment.name} released more often than held"):
         lease.release()
+    with pytest.raises(RuntimeError, match=f"{lease.segment.name} held after it was given back"):
+        lease.hold()
     assert again.segment.name == lease.segment.name and pool.stats()["leased"] == 1  # still the new holder's
 
 

@@ -552,7 +552,8 @@ class Run:
             return None
         self.engine.shared_sends += 1
         handle = lease.handle(where)
-        return Written(self, which, lease, handle, {"handle": handle.wire(), "values": [[c, n, len(values)] for c, n, values in big]})
+        return Written(self, which, lease, handle, at,
+                       {"handle": handle.wire(), "values": [[c, n, len(values)] for c, n, values in big]})
 
     def _finish(self, index: int) -> None:
         """The plan rank ``index`` has its result: each member rank gets its own array."""
@@ -691,9 +692,10 @@ class Written:
     the segment goes back to the pool once the last peer has copied the values out, and is
     discarded (never reused) if a send failed while a peer may read it."""
 
-    def __init__(self, run: Run, which: tuple[tuple[int, int], ...], lease: Lease, handle: Handle,
+    def __init__(self, run: Run, which: tuple[tuple[int, int], ...], lease: Lease, handle: Handle, nbytes: int,
                  message: dict[str, Any]):
         self.run, self.which, self.lease, self.handle, self.message = run, which, lease, handle, message
+        self.nbytes = nbytes  # the values' bytes as laid out in the segment
         self.copied = asyncio.Event()  # set once the copy ended, whether or not it completed
         self.complete = False
 
@@ -706,7 +708,7 @@ class Written:
             for a, view in zip(pieces, views):
                 view[:] = a.reshape(-1)
 
-        if sum(a.nbytes for a in pieces) >= OFFLOAD_BYTES:
+        if self.nbytes >= OFFLOAD_BYTES:
             await asyncio.get_running_loop().run_in_executor(executor, write)
         else:
             write()
@@ -714,9 +716,9 @@ class Written:
 
     def release(self, failed: bool) -> None:
         """One send is done with the values (``failed``: the peer may still be reading them)."""
+        if self.lease.holders == 1 and self.run.written.get(self.which) is self:
+            del self.run.written[self.which]  # first: no later send may hold a lease given back
         self.lease.release(failed)
-        if not self.lease.holders and self.run.written.get(self.which) is self:
-            del self.run.written[self.which]
 
 
 @dataclass(frozen=True)

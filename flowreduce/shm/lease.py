@@ -61,6 +61,8 @@ class Lease:
 
     def hold(self) -> None:
         """One more holder (a second reader of the same values)."""
+        if self.holders <= 0:  # given back already: the pool may have leased it again
+            raise RuntimeError(f"lease of shared-memory segment {self.segment.name} held after it was given back")
         self.holders += 1
 
     def release(self, failed: bool = False) -> None:
