@@ -316,7 +316,7 @@ def _elastic_then_smaller(client, mode, tmp_path):
     from flowreduce.torch import ElasticTrainer
 
     KILL, data = 2, ScaledSamples()
-    # a restarted worker imports torch again: over 60 s once on 2 busy cores (fresh-clone CI, 2026-11-29)
+    # the killed worker's restart took over 60 s once in a fresh-clone CI on 2 busy cores (2026-11-29)
     client.wait_for_workers(4, timeout=180)
     ws = workers_of(client)
     saved = tmp_path / f"{mode}-at-step-{KILL}.pt"
@@ -343,7 +343,7 @@ def _elastic_then_smaller(client, mode, tmp_path):
         _same(states[0], st, "elastic ranks")
 
     # 3 ranks from the start of step KILL: other workers (the killed one's restarted process among them)
-    # a restarted worker imports torch again: over 60 s once on 2 busy cores (fresh-clone CI, 2026-11-29)
+    # the killed worker's restart took over 60 s once in a fresh-clone CI on 2 busy cores (2026-11-29)
     client.wait_for_workers(4, timeout=180)
     smaller = Trainer(client, model=tiny, optimizer=_sgd, loss=torch.nn.functional.mse_loss,
                       data=Resumed(data, after[0].offset, len(after)), workers=workers_of(client)[1:], threads=1,
