@@ -526,13 +526,7 @@ class Run:
         else:
             written.lease.hold()
         try:
-            if writer:
-                try:
-                    await written.copy(big, self.engine.executor)
-                finally:
-                    written.copied.set()
-            else:
-                await written.copied.wait()
+            await (written.copy(big) if writer else written.copied.wait())
         except BaseException:  # this send ends here: it lets go of the lease
             written.release(failed=True)
             raise
@@ -550,7 +544,6 @@ class Run:
             lease = Lease.take(at, owner=self.id)
         except _shm_pool.Unavailable:
             return None
-        self.engine.shared_sends += 1
         handle = lease.handle(where)
         return Written(self, which, lease, handle, at,
                        {"handle": handle.wire(), "values": [[c, n, len(values)] for c, n, values in big]})
@@ -699,20 +692,25 @@ class Written:
         self.copied = asyncio.Event()  # set once the copy ended, whether or not it completed
         self.complete = False
 
-    async def copy(self, big: list[Item], executor: Any) -> None:
-        """``big``'s values into the segment (off the event loop when large)."""
+    async def copy(self, big: list[Item]) -> None:
+        """``big``'s values into the segment (off the event loop when large); the sends waiting for
+        them go on once it ends, whether or not it completed."""
         pieces = [a for _, _, values in big for a in values]
-        views = self.handle.arrays(self.lease.segment)
 
         def write() -> None:
-            for a, view in zip(pieces, views):
+            for a, view in zip(pieces, self.handle.arrays(self.lease.segment)):
                 view[:] = a.reshape(-1)
 
-        if self.nbytes >= OFFLOAD_BYTES:
-            await asyncio.get_running_loop().run_in_executor(executor, write)
-        else:
-            write()
-        self.complete = True
+        engine = self.run.engine
+        try:
+            if self.nbytes >= OFFLOAD_BYTES:
+                await asyncio.get_running_loop().run_in_executor(engine.executor, write)
+            else:
+                write()
+            self.complete = True
+            engine.shared_sends += 1
+        finally:
+            self.copied.set()
 
     def release(self, failed: bool) -> None:
         """One send is done with the values (``failed``: the peer may still be reading them)."""
