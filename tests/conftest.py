@@ -147,6 +147,9 @@ def pytest_collection_modifyitems(config, items):
         if not isinstance(item, pytest.Function):
             continue
         where = Path(str(item.path)).resolve()
+        # pytest-xdist (-n, pyproject's addopts) hands a group's tests to one process: a module's, so its
+        # module-scoped clusters start once; tests/hpc's together, so two processes never queue on one SLURM.
+        item.add_marker(pytest.mark.xdist_group("hpc" if _TESTS / "hpc" in where.parents else where.name))
         if _TESTS / "hpc" in where.parents:
             item.add_marker(pytest.mark.hpc)
             item.add_marker(pytest.mark.slow)
@@ -180,8 +183,8 @@ def pytest_collection_finish(session):
     the tests before it wait on their clusters (the test reads its result)."""
     gc.collect()  # the collection's own garbage first: frozen objects are never collected
     gc.freeze()
-    if session.config.option.collectonly:
-        return
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under xdist every process collects every test: test_types starts mypy where it runs
     for item in session.items:
         if isinstance(item, pytest.Function) and item.name == "test_types" \
                 and Path(str(item.path)).name == "test_architecture.py":
