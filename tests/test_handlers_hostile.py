@@ -59,6 +59,16 @@ def client(cluster, shm_dir, tmp_path):
 
 #: Where a path traversal from the pool's directory (/dev/shm/<dir>/../../tmp/...) would land.
 EVIL = f"/tmp/flowreduce-evil-{uuid.uuid4().hex[:8]}"
+
+
+def stable_id(value) -> str:
+    """A test id without EVIL's random part or an object's address: pytest-xdist's processes each collect
+    the tests and must name them alike."""
+    if callable(value):
+        return getattr(value, "__name__", type(value).__name__)
+    return repr(value).replace(os.path.basename(EVIL), "flowreduce-evil")
+
+
 TRAVERSALS = [f"../../tmp/{os.path.basename(EVIL)}", EVIL, "flowreduce-shm-1-2-3/../../../tmp/evil",
               "flowreduce-shm-1-2-3\x00evil", "..", "", None, ["flowreduce-shm-1-2-3"], {"name": "x"}]
 
@@ -311,7 +321,7 @@ def test_reduce_held_takes_an_op_by_name_never_a_pickled_callable(client, tmp_pa
 
 # -- names of segments and links that peers hand over ---------------------------------------------------
 
-@pytest.mark.parametrize("name", TRAVERSALS, ids=repr)
+@pytest.mark.parametrize("name", TRAVERSALS, ids=stable_id)
 def test_a_handle_naming_anything_but_a_pool_segment_is_refused(client, name):
     """A handle is what a peer's value is, pickled: the reader maps the segment it names."""
     ws = workers_of(client)
@@ -436,7 +446,7 @@ def test_post_links_are_named_from_a_plain_token_and_rank(token, rank):
 
 
 @pytest.mark.parametrize("link", [f"../{os.path.basename(EVIL)}", EVIL, "flowreduce-shm-post-a/../../b-0",
-                                  "flowreduce-shm-post-a-0\x00", "flowreduce-shm-1-2-3", None], ids=repr)
+                                  "flowreduce-shm-post-a-0\x00", "flowreduce-shm-1-2-3", None], ids=stable_id)
 def test_the_pool_makes_and_removes_links_only_under_post_names(shm_dir, link):
     pool = shm_pool.Pool(shm_dir)
     with pytest.raises(shm_pool.Refused, match="not a flowreduce link name"):
@@ -451,7 +461,7 @@ def maximum(a, b):  # a user's callable that shares a ufunc's name
 
 
 @pytest.mark.parametrize("op,name", [("sum", "sum"), ("mean", "mean"), (np.maximum, "maximum"), ("logaddexp", "logaddexp"),
-                                     (maximum, None), (lambda a, b: a + b, None)], ids=repr)
+                                     (maximum, None), (lambda a, b: a + b, None)], ids=stable_id)
 def test_readers_ask_peers_for_a_reduction_by_name_only(op, name):
     """A user's callable is never sent to a peer (it would have to be pickled):
     the reader reads that peer's values and reduces them itself."""
