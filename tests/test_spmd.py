@@ -1084,10 +1084,13 @@ def test_closing_the_cluster_under_a_running_job_leaves_no_segment(shm_dir):
         with Client(cluster) as c:
             # past the small slots (SPLIT_BYTES), so that every rank has a data segment
             futures = flowreduce.spmd(c, _forever, ranks=4, fault=None, at=-1, size=SPLIT_BYTES // 8 + 1000)
+            def data_segments():  # one per rank ("<group>-r<rank>-g<generation>"), beside the group's "-ctl"
+                return [n for n in _segments(shm_dir) if re.search(r"-r\d+-g\d+$", n)]
+
             deadline = time.monotonic() + 30
-            while len(_segments(shm_dir)) < 4 and time.monotonic() < deadline:  # every rank's data segment
+            while len(data_segments()) < 4 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert len(_segments(shm_dir)) == 4
+            assert len(data_segments()) == 4, _segments(shm_dir)
     assert _segments(shm_dir) == []  # the workers swept them as they closed
     del futures
 
