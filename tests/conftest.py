@@ -147,10 +147,11 @@ def pytest_collection_modifyitems(config, items):
         if not isinstance(item, pytest.Function):
             continue
         where = Path(str(item.path)).resolve()
+        hpc = _TESTS / "hpc" in where.parents
         # pytest-xdist (-n, pyproject's addopts) hands a group's tests to one process: a module's, so its
         # module-scoped clusters start once; tests/hpc's together, so two processes never queue on one SLURM.
-        item.add_marker(pytest.mark.xdist_group("hpc" if _TESTS / "hpc" in where.parents else where.name))
-        if _TESTS / "hpc" in where.parents:
+        item.add_marker(pytest.mark.xdist_group("hpc" if hpc else where.name))
+        if hpc:
             item.add_marker(pytest.mark.hpc)
             item.add_marker(pytest.mark.slow)
         if where.name == "test_netem_harness.py":  # dask schedulers and workers in namespaces

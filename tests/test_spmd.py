@@ -1087,9 +1087,7 @@ def test_closing_the_cluster_under_a_running_job_leaves_no_segment(shm_dir):
             def data_segments():  # one per rank ("<group>-r<rank>-g<generation>"), beside the group's "-ctl"
                 return [n for n in _segments(shm_dir) if re.search(r"-r\d+-g\d+$", n)]
 
-            deadline = time.monotonic() + 30
-            while len(data_segments()) < 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: len(data_segments()) >= 4, 30, step=0.05)
             assert len(data_segments()) == 4, _segments(shm_dir)
     assert _segments(shm_dir) == []  # the workers swept them as they closed
     del futures
