@@ -510,6 +510,65 @@ def test_fused_steps_fail_when_a_rank_dies():
         trainer.close()
 
 
+def _shard_waiting_on_rank_1(rank, ranks):
+    """``shard``, except that rank 1 first waits for an event nobody sets (its replica is never built)."""
+    if rank == 1:
+        from distributed import Event
+
+        Event("rank-1-never").wait()
+    return shard(rank, ranks)
+
+
+def _processing(client, worker, prefix):
+    return any(prefix in str(k) for k in client.processing().get(worker, ()))
+
+
+def test_making_a_trainer_raises_when_a_rank_worker_leaves():
+    """A rank's worker killed while the trainer builds its replica: making the trainer raises
+    WorkerLostError naming that worker, rather than waiting forever for a task pinned to a worker that is gone
+    (Dask keeps it in no-worker; a fresh-clone CI hung there once, 2026-11-29)."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed import Client, LocalCluster
+
+    from flowreduce import WorkerLostError
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client, ThreadPoolExecutor(1) as pool:
+        ws = workers_of(client)
+        pids = client.run(_pid)
+        making = pool.submit(Trainer, client, model=Net, optimizer=make_optimizer,
+                             loss=torch.nn.functional.cross_entropy, data=_shard_waiting_on_rank_1, workers=ws,
+                             threads=1)
+        assert wait_until(lambda: _processing(client, ws[1], "torch-build"), 60)
+        os.kill(pids[ws[1]], signal.SIGKILL)
+        with pytest.raises(WorkerLostError, match=re.escape(f"worker {ws[1]} left the cluster")):
+            making.result(timeout=120)
+
+
+def test_steps_raise_when_a_rank_worker_leaves():
+    """One task per step (no fused block whose peers notice): a rank's worker killed while a step runs makes
+    finish() raise WorkerLostError naming the rank and its worker, not wait for the rank's pinned update."""
+    import signal
+
+    from distributed import Client, LocalCluster
+
+    from flowreduce import WorkerLostError
+
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        ws = workers_of(client)
+        pids = client.run(_pid)
+        with Trainer(client, model=Net, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy,
+                     data=shard, workers=ws, threads=1, steps_per_task=1) as trainer:
+            trainer.train(1)
+            os.kill(pids[ws[2]], signal.SIGKILL)
+            with pytest.raises(WorkerLostError, match=re.escape(f"rank 2 of the trainer died during its steps "
+                                                                f"(worker {ws[2]} left the cluster)")):
+                trainer.train(2)
+
+
 def _torch_keys(dask_scheduler):
     return [k for k in dask_scheduler.tasks if "torch-" in str(k)]
 

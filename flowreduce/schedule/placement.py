@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from flowreduce.errors import InputStateError
+from flowreduce.errors import InputStateError, WorkerLostError
 from flowreduce.grouping import GroupKey
 from flowreduce.schedule import hosts
 from flowreduce.schedule.inputs import Meta, meta_of
@@ -48,6 +48,44 @@ def wait_on(client: Any, futures: Sequence[Any], return_when: str = "ALL_COMPLET
 
     with client.as_current():
         return wait(list(futures), return_when=return_when, timeout=timeout)
+
+
+#: A worker in one of these states runs no new task: a task pinned to it (``allow_other_workers=False``) never runs
+LEAVING = ("closing", "closing_gracefully", "closed", "failed")
+
+
+def worker_statuses(client: Any) -> dict[str, str]:
+    """Address -> status name of every worker the scheduler has (one scheduler call)."""
+    return client.run_on_scheduler(_statuses)
+
+
+def _statuses(dask_scheduler: Any = None) -> dict[str, str]:
+    return {w: ws.status.name for w, ws in dask_scheduler.workers.items()}
+
+
+def gather_pinned(client: Any, futures: Sequence[Any], workers: Sequence[str], what: str, poll: float = 1.0
+                  ) -> list[Any]:
+    """The results of ``futures``, each pinned to the worker at its position
+    in ``workers`` (``allow_other_workers=False``): what
+    ``client.gather`` gives, except that a worker leaving before its task
+    finished raises :class:`~flowreduce.errors.WorkerLostError` naming
+    ``what``, the task and the worker, where ``gather`` would wait forever
+    (Dask keeps a task whose only allowed worker is gone in ``no-worker``).
+    The workers are checked once per ``poll`` seconds of waiting."""
+    futures = list(futures)
+    while True:
+        try:
+            wait_on(client, futures, timeout=poll)
+            return client.gather(futures)
+        except TimeoutError:  # distributed.wait's timeout
+            pass
+        statuses = worker_statuses(client)
+        gone = [(f, w) for f, w in zip(futures, workers)
+                if f.status == "pending" and statuses.get(w, "closed") in LEAVING]
+        if gone:
+            f, w = gone[0]
+            raise WorkerLostError(f"{what}: worker {w} left the cluster before task {f.key!r}, which only it may "
+                                  f"run, finished ({len(gone)} such task(s))")
 
 
 def check_status(ranks: Sequence[Sequence[Any]]) -> None:

@@ -57,6 +57,7 @@ from flowreduce import config
 from flowreduce.errors import OptionError
 from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.schedule import reproducible as _reproducible
+from flowreduce.schedule.placement import gather_pinned
 from flowreduce.torch import replica as _replica
 from flowreduce.torch.trainer import exact_refused, on_ranks, rank_workers
 from flowreduce.train import elastic
@@ -159,7 +160,8 @@ class ElasticTrainer:
         first = self.client.submit(_replica.build_elastic, self.model, self.optimizer, self.loss, self.seed,
                                    self.threads, workers=[w0], allow_other_workers=False, pure=False,
                                    key=f"torch-build-{self.token}")
-        self.template, nbuffers = self.client.submit(_replica.describe, first, workers=[w0], pure=False).result()
+        described = self.client.submit(_replica.describe, first, workers=[w0], allow_other_workers=False, pure=False)
+        [(self.template, nbuffers)] = gather_pinned(self.client, [described], [w0], "building rank 0's replica")
         if self._mode == "exact" and (refused := exact_refused(self.template)) is not None:
             raise OptionError(f"deterministic='exact' averages float32 and float64 gradients; got {refused} "
                               "(float16 and bfloat16 sums would be rounded twice)")
@@ -261,22 +263,24 @@ class ElasticTrainer:
     def committed_steps(self) -> int:
         return sum(not s.failed for s in self.steps)
 
-    def _on(self, rank: int, fn: Callable, *args: Any) -> Any:
+    def _on(self, ranks: list[int], fn: Callable, *args: Any) -> list[Any]:
+        """``fn(replica, *args)`` on each of ``ranks``' workers; the results (a rank's worker leaving raises)."""
         ws = self.workers or []
-        return self.client.submit(fn, self.replicas[rank], *args, workers=[ws[rank]], allow_other_workers=False,
-                                  pure=False)
+        futures = [self.client.submit(fn, self.replicas[r], *args, workers=[ws[r]], allow_other_workers=False,
+                                      pure=False) for r in ranks]
+        return gather_pinned(self.client, futures, [ws[r] for r in ranks], f"{fn.__name__} on ranks {ranks}")
 
     def evaluate(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(model)`` on rank 0's committed model in eval mode without gradients; its result."""
-        return self._on(0, _replica.evaluate, fn).result()
+        return self._on([0], _replica.evaluate, fn)[0]
 
     def state_dicts(self) -> list[dict]:
         """Every rank's ``{"model": state_dict, "optimizer": state_dict}`` (copies, brought to the client)."""
-        return self.client.gather([self._on(r, _replica.state_dicts) for r in range(len(self.replicas))])
+        return self._on(list(range(len(self.replicas))), _replica.state_dicts)
 
     def save(self, path: str) -> str:
         """``torch.save`` rank 0's model and optimizer ``state_dict()`` (see :meth:`flowreduce.torch.Trainer.save`)."""
-        return self._on(0, _replica.save, path, self.committed_steps).result()
+        return self._on([0], _replica.save, path, self.committed_steps)[0]
 
     def close(self) -> None:
         """Drop every future the run holds (replicas, data), so their keys leave the scheduler."""

@@ -68,7 +68,7 @@ from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.schedule import hosts, routes, transport
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule.extension import ensure_extension
-from flowreduce.schedule.placement import wait_on
+from flowreduce.schedule.placement import LEAVING, gather_pinned, wait_on, worker_statuses
 from flowreduce.schedule.spmd_watch import rank_key
 from flowreduce.shm.host_group import Aborted, stores_ordered
 from flowreduce.spmd.job import configured_timeout, directory, layout_of, run_rank
@@ -81,6 +81,9 @@ from flowreduce.torch import replica as _replica
 STEPS_PER_TASK = 10
 #: Seconds to let the other ranks' fused tasks stop after one failed, to tell the failure from theirs.
 ORIGIN_SECONDS = 10.0
+#: Seconds of waiting on steps with nothing finishing after which the ranks' workers are checked (a rank whose
+#: worker left never finishes: Dask keeps its pinned task in ``no-worker``).
+LOST_POLL_SECONDS = 2.0
 #: Seconds a fused step's collective waits for its peers when ``flowreduce.timeout`` is not set.
 WAIT_SECONDS = 600.0
 #: Key prefixes of the trainer's tasks: ``("torch-<phase>-<token>", step, rank)``.
@@ -240,8 +243,14 @@ class Trainer:
         # the last task of each rank: the next one depends on it, so tasks on a replica never overlap
         self._last = [submit(_replica.load_state, rep, state0, workers=[w], allow_other_workers=False, pure=False)
                       for rep, w in zip(self.replicas, self._ws)]
-        self.template, nbuffers = submit(_after, _replica.describe, self.replicas[0], self._last[0],
-                                         workers=[self._ws[0]], pure=False).result()
+        described = submit(_after, _replica.describe, self.replicas[0], self._last[0], workers=[self._ws[0]],
+                           allow_other_workers=False, pure=False)
+        try:  # every rank's replica is built (a rank's worker leaving raises, naming it, rather than waiting forever)
+            [(self.template, nbuffers), *_] = gather_pinned(self.client, [described, *self._last],
+                                                            [self._ws[0], *self._ws], "building the trainer's replicas")
+        except BaseException:
+            self.close()
+            raise
         if self._mode == "exact":
             refused = exact_refused(self.template)
             if refused is not None:
@@ -496,10 +505,15 @@ class Trainer:
         and a rank whose worker left as :class:`~flowreduce.errors.WorkerLostError`."""
         pending = list(futures)
         while pending:
-            done = wait_on(self.client, pending, return_when="FIRST_COMPLETED").done
-            if any(f.status == "error" for f in done):
-                alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
-                lost = [r for r, w in enumerate(self._ws) if w not in alive]
+            try:
+                done = wait_on(self.client, pending, return_when="FIRST_COMPLETED", timeout=LOST_POLL_SECONDS).done
+            except TimeoutError:  # nothing ended for a while: a rank's worker may have left, its task never will
+                done = set()
+            if not done or any(f.status == "error" for f in done):
+                statuses = worker_statuses(self.client)
+                lost = [r for r, w in enumerate(self._ws) if statuses.get(w, "closed") in LEAVING]
+                if not done and not lost:
+                    continue
                 if not lost:  # fused ranks stop within moments of a failing peer: raise the failure, not theirs
                     with contextlib.suppress(Exception):
                         wait_on(self.client, futures, timeout=ORIGIN_SECONDS)
@@ -507,10 +521,11 @@ class Trainer:
                 origin = next((f for f in failed if not isinstance(f.exception(), Aborted)), None)
                 if origin is not None:
                     origin.result()
-                if lost:  # a lost rank's task never ends (its replica went with its worker): its peers tell
+                if lost:  # a lost rank's task never ends (its replica went with its worker)
+                    stopped = f"; the other ranks stopped: {failed[0].exception()}" if failed else ""
                     raise WorkerLostError(
-                        f"rank {', '.join(map(str, lost))} of the trainer died during fused steps (its worker "
-                        f"left the cluster); the other ranks stopped: {failed[0].exception()}")
+                        f"rank {', '.join(map(str, lost))} of the trainer died during its steps (worker "
+                        f"{', '.join(self._ws[r] for r in lost)} left the cluster){stopped}")
                 failed[0].result()
             pending = [f for f in pending if f not in done]
 
@@ -539,7 +554,7 @@ class Trainer:
     def timings(self) -> list[StepTiming]:
         """:class:`StepTiming` of every finished step (one gather of each rank's log of small tuples)."""
         logs = [self._run(r, _replica.log, wait=False) for r in range(self._p)]
-        per_step = list(zip(*self.client.gather(logs)))
+        per_step = list(zip(*gather_pinned(self.client, logs, self._ws, "the trainer's step logs")))
         out, prev = [], None
         for s, ranks in enumerate(per_step):
             bw = [u["backward"] for u in ranks]
@@ -560,7 +575,7 @@ class Trainer:
         self.finish()
         f = self.client.submit(_after, fn, self.replicas[rank], self._last[rank], *args,
                                workers=[self._ws[rank]], allow_other_workers=False, pure=False)
-        return f.result() if wait else f
+        return gather_pinned(self.client, [f], [self._ws[rank]], f"rank {rank} of the trainer")[0] if wait else f
 
     def evaluate(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(model)`` on rank 0's model in eval mode without gradients

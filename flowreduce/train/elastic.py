@@ -41,6 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from flowreduce.schedule.placement import worker_statuses
+
 logger = logging.getLogger("flowreduce")
 
 
@@ -103,7 +105,7 @@ class Membership:
 
     def running(self) -> dict[str, str]:
         """Address -> status of every worker the scheduler knows."""
-        return self.client.run_on_scheduler(_statuses)
+        return worker_statuses(self.client)
 
     def lost(self) -> list[str]:
         """Ranks' workers the scheduler no longer has (died, retired) or that are leaving."""
@@ -164,10 +166,6 @@ class Membership:
                 raise RuntimeError(f"{bad[0].key!r} is {bad[0].status}")
             if all(f.status == "finished" for f in futures):
                 return
-
-
-def _statuses(dask_scheduler: Any = None) -> dict[str, str]:
-    return {w: ws.status.name for w, ws in dask_scheduler.workers.items()}
 
 
 @dataclass

@@ -32,7 +32,7 @@ from dask.task_spec import List, Task, TaskRef
 
 import flowreduce
 from flowreduce.pytree import spec
-from flowreduce.schedule.placement import wait_on
+from flowreduce.schedule.placement import gather_pinned, wait_on
 from flowreduce.train import data, elastic, mlp
 from flowreduce.train.config import TrainConfig
 from flowreduce.train.reference import CLASSES, INPUTS
@@ -228,13 +228,15 @@ class DataParallel:
 
     def evaluate(self) -> dict[str, float]:
         """Loss and accuracy on the training and test sets, from rank 0's weights."""
-        return self.client.submit(eval_step, self.state[0], self.eval_sets, workers=[self.workers[0]],
-                                  pure=False, key=f"train-eval-{self.token}-{len(self.steps)}").result()
+        f = self.client.submit(eval_step, self.state[0], self.eval_sets, workers=[self.workers[0]],
+                               allow_other_workers=False, pure=False, key=f"train-eval-{self.token}-{len(self.steps)}")
+        return gather_pinned(self.client, [f], [self.workers[0]], "evaluating rank 0's weights")[0]
 
     def weights(self, rank: int = 0) -> list[dict]:
         """Rank ``rank``'s current parameters (brought to the client)."""
-        return self.client.submit(lambda s: s["params"], self.state[rank], workers=[self.workers[rank]],
-                                  pure=False).result()
+        f = self.client.submit(lambda s: s["params"], self.state[rank], workers=[self.workers[rank]],
+                               allow_other_workers=False, pure=False)
+        return gather_pinned(self.client, [f], [self.workers[rank]], f"rank {rank}'s weights")[0]
 
 
 def elastic_forward_step(state: dict, train: tuple, seed: int, epoch: int, offset: int, rank: int,
