@@ -334,8 +334,8 @@ def test_a_handle_naming_anything_but_a_pool_segment_is_refused(client, name):
 @pytest.mark.parametrize("size,pieces,why", [
     (-1, (("<f8", 0, 8),), "size must be an int"), (10**15, (("<f8", 0, 8),), "size must be an int"),
     ("64", (("<f8", 0, 8),), "size must be an int"), (1 << 20, (("<f8", -64, 8),), "does not lie inside"),
-    (1 << 20, (("<f8", 0, 1 << 20),), "does not lie inside"), (1 << 20, (("O", 0, 8),), "is not .dtype"),
-    (1 << 20, ((None, 0, 8),), "is not .dtype"), (1 << 30, (("<f8", 0, 8),), "the file has")],
+    (1 << 20, (("<f8", 0, 1 << 20),), "does not lie inside"), (1 << 20, (("O", 0, 8),), "is not a plain dtype"),
+    (1 << 20, ((None, 0, 8),), "is not a plain dtype"), (1 << 30, (("<f8", 0, 8),), "the file has")],
                          ids=["negative-size", "huge-size", "string-size", "negative-offset", "past-the-end",
                               "object-dtype", "no-dtype", "larger-than-the-file"])
 def test_a_handle_with_sizes_outside_its_segment_is_refused(client, shm_dir, size, pieces, why):

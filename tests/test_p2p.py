@@ -306,8 +306,12 @@ def test_the_handler_refuses_what_no_run_sends(inproc_client):
                               spec=spec)["message"]
     assert "longer" in reply(run="r.0", index=[[0, received, [["<i8", 1]]]], packed=packed, items=[],
                              spec=spec)["message"]
-    assert "not numeric" in reply(run="r.0", index=[[0, received, [["|O", 1]]]], packed=packed, items=[],
+    assert "not a plain dtype" in reply(run="r.0", index=[[0, received, [["|O", 1]]]], packed=packed, items=[],
+                                        spec=spec)["message"]
+    assert "not numeric" in reply(run="r.0", index=[[0, received, [["<U2", 1]]]], packed=packed, items=[],
                                   spec=spec)["message"]
+    assert "not a plain dtype" in reply(run="r.0", index=[[0, received, [["bogus", 1]]]], packed=packed, items=[],
+                                        spec=spec)["message"]
     wrong = engine.program(spec, address).expected(0, received) + 1
     assert "elements" in reply(run="r.0", index=[[0, received, [["<i8", wrong]]]], packed=np.zeros(8 * wrong, np.uint8),
                                items=[], spec=spec)["message"]
@@ -323,7 +327,7 @@ def test_the_handler_refuses_what_no_run_sends(inproc_client):
     try:
         stale = {"handle": [seg.name, seg.size, seg.generation + 1, []], "values": []}
         assert "another lease" in reply(run="r.0", items=[], spec=spec, shared=stale)["message"]
-        for piece, why in ([["<i8", seg.size, 1], "does not lie inside"], [["|O", 0, 1], "not (dtype"],
+        for piece, why in ([["<i8", seg.size, 1], "does not lie inside"], [["|O", 0, 1], "not a plain dtype"],
                            [["<i8", 0, -1], "does not lie inside"], [["<U4", 0, 1], "not numeric"]):
             shared = {"handle": [seg.name, seg.size, seg.generation, [piece]], "values": [[0, received, 1]]}
             assert why in reply(run="r.0", items=[], spec=spec, shared=shared)["message"], why

@@ -67,7 +67,7 @@ from flowreduce.schedule.inputs import ArrayMeta, OtherMeta, meta_of
 from flowreduce.schedule.peer_reads import leave_slot
 from flowreduce.shm import pool as _shm_pool
 from flowreduce.shm.host_group import HostGroup, Pooled, fold_into, stores_ordered
-from flowreduce.shm.lease import Handle, Lease, layout
+from flowreduce.shm.lease import NUMERIC, Handle, Lease, layout, peer_dtype
 from flowreduce.shm.result_buffers import buffers
 
 logger = logging.getLogger("flowreduce")
@@ -876,15 +876,6 @@ def _pack(items: list[Item]) -> tuple[list[Any], np.ndarray, list[Item]]:
     return index, (np.concatenate(small) if small else np.empty(0, np.uint8)), large
 
 
-def _numeric(name: str) -> np.dtype | str:
-    """The numeric dtype a peer named, or why it is refused."""
-    try:
-        dtype = np.dtype(name)
-    except TypeError:
-        return f"unknown dtype {name!r}"
-    return dtype if dtype.kind in "biufc" else f"dtype {name!r} is not numeric"
-
-
 def _unpack(index: Any, packed: Any) -> list[Item] | str:
     """The small values of a message, views of its buffer; or why it is not one :func:`_pack` makes."""
     if not isinstance(index, (list, tuple)) or len(index) > MAX_ITEMS:
@@ -902,7 +893,7 @@ def _unpack(index: Any, packed: Any) -> list[Item] | str:
             if not (isinstance(piece, (list, tuple)) and len(piece) == 2 and isinstance(piece[0], str)
                     and len(piece[0]) <= 8 and type(piece[1]) is int and piece[1] >= 0):
                 return "a piece is not [dtype, size]"
-            dtype = _numeric(piece[0])
+            dtype = peer_dtype(piece[0])
             if isinstance(dtype, str):
                 return dtype
             nbytes = dtype.itemsize * piece[1]
@@ -1215,7 +1206,7 @@ class Engine:
             seg = handle.segment()
             if not handle.current(seg):
                 return f"segment {seg.name} holds another lease than the one sent"
-            views = handle.arrays(seg, kinds="biufc")
+            views = handle.arrays(seg, kinds=NUMERIC)
         except (_shm_pool.Refused, _shm_pool.Unavailable, RuntimeError) as e:
             return f"segment {str(shared['handle'])[:80]}: {e}"[:300]
         where: list[tuple[int, int, list[np.ndarray]]] = []

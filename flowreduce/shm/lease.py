@@ -100,6 +100,24 @@ def layout(arrays: Sequence[np.ndarray], align: int = 8) -> tuple[list[tuple[np.
     return out, offset
 
 
+#: The dtype kinds a reduction combines: booleans, integers, floats, complex
+NUMERIC = "biufc"
+
+
+def peer_dtype(name: Any, kinds: str | None = NUMERIC) -> np.dtype | str:
+    """The plain dtype a peer named (of ``kinds``, when given), or why it is refused: what any message or
+    handle from another process says its bytes are is checked here before they are viewed."""
+    try:
+        dtype = np.dtype(name) if isinstance(name, str) else None
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.hasobject:
+        return f"{str(name)[:40]!r} is not a plain dtype"
+    if kinds is not None and dtype.kind not in kinds:
+        return f"dtype {name!r} is not numeric"
+    return dtype
+
+
 @dataclass(frozen=True)
 class Handle:
     """Where a payload sits: a segment, its lease generation, and the pieces
@@ -134,18 +152,15 @@ class Handle:
 
     def arrays(self, seg: shm_pool.Segment, kinds: str | None = None) -> list[np.ndarray]:
         """Views of the pieces in ``seg``; a handle whose pieces are not plain dtypes (of ``kinds``,
-        when given) lying inside the segment is :class:`~flowreduce.shm.pool.Refused` (logged)."""
+        when given: :func:`peer_dtype`) lying inside the segment is :class:`~flowreduce.shm.pool.Refused` (logged)."""
         out = []
         for piece in self.pieces:
-            try:
-                dt, offset, count = piece
-                dtype = np.dtype(dt) if isinstance(dt, str) and type(offset) is int and type(count) is int else None
-            except (TypeError, ValueError):
-                dtype = None
-            if dtype is None or dtype.hasobject:
+            dt, offset, count = piece
+            if not (type(offset) is int and type(count) is int):
                 shm_pool.refuse(f"shared-memory handle of {self.name}", f"piece {piece!r} is not (dtype, offset, count)")
-            if kinds is not None and dtype.kind not in kinds:
-                shm_pool.refuse(f"shared-memory handle of {self.name}", f"piece {piece!r}: dtype {dt!r} is not numeric")
+            dtype = peer_dtype(dt, kinds)
+            if isinstance(dtype, str):
+                shm_pool.refuse(f"shared-memory handle of {self.name}", f"piece {piece!r}: {dtype}")
             if not 0 <= offset <= offset + count * dtype.itemsize <= seg.size - shm_pool.HEADER:
                 shm_pool.refuse(f"shared-memory handle of {self.name}",
                                 f"piece {piece!r} does not lie inside its {seg.size} bytes")
