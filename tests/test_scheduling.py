@@ -252,3 +252,38 @@ def test_one_bounded_record_per_call_read_by_describe_and_the_tracer(inproc_clie
     del tree, dense
     gc.collect()  # the KeyError's traceback held the futures in a cycle
     assert_clean(client)
+
+
+def _slow(x):
+    import time
+
+    time.sleep(1.0)  # outlasts several of the waits below, so they time out
+    return x
+
+
+def _keys(dask_scheduler):
+    return [k for k in dask_scheduler.tasks if str(k).startswith("pinned-slow-")]
+
+
+@pytest.mark.parametrize("how", ["gather_pinned", "wait_for_a_while"])
+def test_waits_that_time_out_let_go_of_the_futures(inproc_client, how):
+    """A wait that timed out keeps no reference to the futures it waited on: distributed's timeout
+    exception sits in a reference cycle with the waiting frames, and before these waits cleared it a
+    closed trainer's replicas kept their keys on the scheduler until the garbage collector ran."""
+    from utils import wait_until
+
+    from flowreduce.schedule.placement import gather_pinned, wait_for_a_while
+
+    client, w = inproc_client, workers_of(inproc_client)[0]
+    gc.collect()
+    gc.disable()  # the cycle would otherwise be collected at some moment: the test must see it deterministically
+    try:
+        f = client.submit(_slow, 7, workers=[w], key=f"pinned-slow-{how}")
+        if how == "gather_pinned":
+            assert gather_pinned(client, [f], [w], "a test", poll=0.05) == [7]
+        else:
+            assert wait_for_a_while(client, [f], 0.05) is None
+        del f
+        assert wait_until(lambda: not client.run_on_scheduler(_keys), 10)
+    finally:
+        gc.enable()

@@ -28,6 +28,7 @@ All check the futures' status with :func:`check_status` and wait with
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -63,6 +64,24 @@ def _statuses(dask_scheduler: Any = None) -> dict[str, str]:
     return {w: ws.status.name for w, ws in dask_scheduler.workers.items()}
 
 
+def wait_for_a_while(client: Any, futures: Sequence[Any], seconds: float, return_when: str = "ALL_COMPLETED"
+                     ) -> Any:
+    """:func:`wait_on` for at most ``seconds``: its result, or None when
+    the time ran out. The timeout's exception is dropped with its frames
+    cleared: distributed keeps it in a reference cycle with the waiting
+    frames, whose locals hold the futures, and those would keep their keys
+    on the scheduler until the garbage collector ran (a closed trainer's
+    replicas stayed there)."""
+    try:
+        return wait_on(client, futures, return_when=return_when, timeout=seconds)
+    except TimeoutError as e:  # distributed.wait's timeout
+        chained: BaseException | None = e
+        while chained is not None:
+            traceback.clear_frames(chained.__traceback__)
+            chained.__traceback__, chained = None, chained.__context__
+        return None
+
+
 def gather_pinned(client: Any, futures: Sequence[Any], workers: Sequence[str], what: str, poll: float = 1.0
                   ) -> list[Any]:
     """The results of ``futures``, each pinned to the worker at its position
@@ -74,11 +93,8 @@ def gather_pinned(client: Any, futures: Sequence[Any], workers: Sequence[str], w
     The workers are checked once per ``poll`` seconds of waiting."""
     futures = list(futures)
     while True:
-        try:
-            wait_on(client, futures, timeout=poll)
+        if wait_for_a_while(client, futures, poll) is not None:
             return client.gather(futures)
-        except TimeoutError:  # distributed.wait's timeout
-            pass
         statuses = worker_statuses(client)
         gone = [(f, w) for f, w in zip(futures, workers)
                 if f.status == "pending" and statuses.get(w, "closed") in LEAVING]

@@ -68,7 +68,7 @@ from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.schedule import hosts, routes, transport
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule.extension import ensure_extension
-from flowreduce.schedule.placement import LEAVING, gather_pinned, wait_on, worker_statuses
+from flowreduce.schedule.placement import LEAVING, gather_pinned, wait_for_a_while, wait_on, worker_statuses
 from flowreduce.schedule.spmd_watch import rank_key
 from flowreduce.shm.host_group import Aborted, stores_ordered
 from flowreduce.spmd.job import configured_timeout, directory, layout_of, run_rank
@@ -505,10 +505,9 @@ class Trainer:
         and a rank whose worker left as :class:`~flowreduce.errors.WorkerLostError`."""
         pending = list(futures)
         while pending:
-            try:
-                done = wait_on(self.client, pending, return_when="FIRST_COMPLETED", timeout=LOST_POLL_SECONDS).done
-            except TimeoutError:  # nothing ended for a while: a rank's worker may have left, its task never will
-                done = set()
+            waited = wait_for_a_while(self.client, pending, LOST_POLL_SECONDS, return_when="FIRST_COMPLETED")
+            # nothing ended for a while: a rank's worker may have left, its task never will
+            done = set() if waited is None else waited.done
             if not done or any(f.status == "error" for f in done):
                 statuses = worker_statuses(self.client)
                 lost = [r for r, w in enumerate(self._ws) if statuses.get(w, "closed") in LEAVING]

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from flowreduce.schedule.placement import worker_statuses
+from flowreduce.schedule.placement import wait_for_a_while, worker_statuses
 
 logger = logging.getLogger("flowreduce")
 
@@ -148,15 +148,9 @@ class Membership:
             A future failed while every rank's worker is still there (a real
             error, not a membership change): re-raised as is.
         """
-        from distributed import wait
-
         futures = list(futures)
         while True:
-            with self.client.as_current():
-                try:
-                    wait(futures, timeout=poll)
-                except TimeoutError:
-                    pass
+            wait_for_a_while(self.client, futures, poll)
             lost = self.lost()
             if lost:
                 raise StepLost(lost)
