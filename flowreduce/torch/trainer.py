@@ -51,7 +51,6 @@ steps overlap their submission.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -514,8 +513,7 @@ class Trainer:
                 if not done and not lost:
                     continue
                 if not lost:  # fused ranks stop within moments of a failing peer: raise the failure, not theirs
-                    with contextlib.suppress(Exception):
-                        wait_on(self.client, futures, timeout=ORIGIN_SECONDS)
+                    wait_for_a_while(self.client, futures, ORIGIN_SECONDS)
                 failed = [f for f in futures if f.status == "error"]
                 origin = next((f for f in failed if not isinstance(f.exception(), Aborted)), None)
                 if origin is not None:
