@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from dask.delayed import Delayed
 from distributed import Client, Event, LocalCluster, wait
-from utils import assert_clean, wait_until
+from utils import assert_clean, flowreduce_keys, wait_until
 
 import flowreduce
 from flowreduce.errors import AllreduceTimeoutError, InputError, InputStateError, InputTypeError, OptionError
@@ -323,6 +323,29 @@ def test_delayed_in_delayed_out_composes_with_the_users_graph(client):
     np.testing.assert_array_equal(persisted[2].compute(), _expected(5, 1001))
     assert flowreduce.describe(out).workers  # what ran, once it ran
     del persisted, out
+
+
+@pytest.mark.parametrize("again", ["persist", "compute"])
+def test_a_collection_computed_again_while_one_rank_result_is_still_held(client, again):
+    """A future of an earlier compute still holds rank 3's result; the
+    others and every input were let go. Computing every rank's result again
+    needs rank 3's input too (the others' sums include it): it is computed
+    again, every rank's result is the sum, and nothing is left behind."""
+    parts = [dask.delayed(rank_input)(r, 1001) for r in range(5)]
+    out = flowreduce.allreduce(client, parts)
+    first = client.compute(out)
+    wait(first, timeout=HANG)
+    held, kept = first[3], [first[3].key]
+    del first
+    assert wait_until(lambda: flowreduce_keys(client) == kept, 10), flowreduce_keys(client)
+    if again == "persist":
+        got = [f.compute() for f in dask.persist(*out)]
+    else:
+        got = list(dask.compute(*out))
+    for r, x in enumerate(got):
+        np.testing.assert_array_equal(x, _expected(5, 1001), err_msg=f"rank {r}")
+    np.testing.assert_array_equal(held.result(), _expected(5, 1001))
+    del held, out, got
 
 
 @pytest.mark.parametrize("kind", ["delayed", "array"])

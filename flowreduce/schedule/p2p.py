@@ -1566,6 +1566,8 @@ class P2PSchedulerPlugin(SchedulerPlugin):
                 iter(ts.dependencies)).state in (*computing, "memory")))
 
         missing = [r for r, k in enumerate(outputs) if r not in found and not coming(r, k)]
+        kept = [r for r in missing if self._compute_input_again(token, outputs[r], inputs[r] if r < len(inputs) else None)]
+        missing = [r for r in missing if r not in kept]
         if not missing:
             return
         gate = _barrier_of(outputs[0])
@@ -1579,6 +1581,22 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             f"all-reduce {token} on Dask collections: the results of ranks {missing[:20]} are not being computed, "
             "and so neither are their inputs: compute every rank's result together, or let Dask optimise the "
             "graph (it then computes every rank's input for the results asked for)")))
+
+    def _compute_input_again(self, token: str, output: Hashable, key: Hashable | None) -> bool:
+        """A rank's result is still in memory (a future of an earlier compute
+        of the same keys holds it) but its input was let go: the other ranks'
+        results, computed again, need that input. Whether it is wanted
+        (until computed) and computed again here, where it arrives as any
+        input does; the run leaves the kept result as it is."""
+        s = self.scheduler
+        out, its = s.tasks.get(output), s.tasks.get(key) if key is not None else None
+        forgotten = s.clients.get("fire-and-forget")
+        if out is None or out.state != "memory" or its is None or its.state != "released" or its.run_spec is None \
+                or forgotten is None:
+            return False
+        s.client_desires_keys(keys=[key], client="fire-and-forget")
+        s.transitions({key: "waiting"}, stimulus_id=f"flowreduce-input-again-{token}-{_now()}")
+        return True
 
     def _await(self, token: str, ranks: Iterable[int]) -> None:
         """Tell the workers holding, computing or bound to the inputs of
