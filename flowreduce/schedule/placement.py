@@ -64,6 +64,13 @@ def _statuses(dask_scheduler: Any = None) -> dict[str, str]:
     return {w: ws.status.name for w, ws in dask_scheduler.workers.items()}
 
 
+def departed(client: Any, workers: Sequence[str]) -> set[str]:
+    """Those of ``workers`` the scheduler no longer has or that are leaving (:data:`LEAVING`): a task
+    pinned to one of them never runs (one scheduler call)."""
+    statuses = worker_statuses(client)
+    return {w for w in workers if statuses.get(w, "closed") in LEAVING}
+
+
 def wait_for_a_while(client: Any, futures: Sequence[Any], seconds: float, return_when: str = "ALL_COMPLETED"
                      ) -> Any:
     """:func:`wait_on` for at most ``seconds``: its result, or None when
@@ -95,9 +102,8 @@ def gather_pinned(client: Any, futures: Sequence[Any], workers: Sequence[str], w
     while True:
         if wait_for_a_while(client, futures, poll) is not None:
             return client.gather(futures)
-        statuses = worker_statuses(client)
-        gone = [(f, w) for f, w in zip(futures, workers)
-                if f.status == "pending" and statuses.get(w, "closed") in LEAVING]
+        left = departed(client, workers)
+        gone = [(f, w) for f, w in zip(futures, workers) if f.status == "pending" and w in left]
         if gone:
             f, w = gone[0]
             raise WorkerLostError(f"{what}: worker {w} left the cluster before task {f.key!r}, which only it may "

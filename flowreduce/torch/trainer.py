@@ -67,7 +67,7 @@ from flowreduce.fusion import DEFAULT_BUCKET_BYTES
 from flowreduce.schedule import hosts, routes, transport
 from flowreduce.schedule import reproducible as _reproducible
 from flowreduce.schedule.extension import ensure_extension
-from flowreduce.schedule.placement import LEAVING, gather_pinned, wait_for_a_while, wait_on, worker_statuses
+from flowreduce.schedule.placement import departed, gather_pinned, wait_for_a_while, wait_on
 from flowreduce.schedule.spmd_watch import rank_key
 from flowreduce.shm.host_group import Aborted, stores_ordered
 from flowreduce.spmd.job import configured_timeout, directory, layout_of, run_rank
@@ -508,8 +508,8 @@ class Trainer:
             # nothing ended for a while: a rank's worker may have left, its task never will
             done = set() if waited is None else waited.done
             if not done or any(f.status == "error" for f in done):
-                statuses = worker_statuses(self.client)
-                lost = [r for r, w in enumerate(self._ws) if statuses.get(w, "closed") in LEAVING]
+                left = departed(self.client, self._ws)
+                lost = [r for r, w in enumerate(self._ws) if w in left]
                 if not done and not lost:
                     continue
                 if not lost:  # fused ranks stop within moments of a failing peer: raise the failure, not theirs
