@@ -1565,17 +1565,14 @@ class P2PSchedulerPlugin(SchedulerPlugin):
             return ts is not None and (ts.state in computing or (len(ts.dependencies) == 1 and next(
                 iter(ts.dependencies)).state in (*computing, "memory")))
 
-        missing = [r for r, k in enumerate(outputs) if r not in found and not coming(r, k)]
-        kept = [r for r in missing if self._compute_input_again(token, outputs[r], inputs[r] if r < len(inputs) else None)]
-        missing = [r for r in missing if r not in kept]
+        missing = [r for r, k in enumerate(outputs) if r not in found and not coming(r, k)
+                   and not self._compute_input_again(token, k, inputs[r] if r < len(inputs) else None)]
         if not missing:
             return
         gate = _barrier_of(outputs[0])
         ts = s.tasks.get(gate)
         if ts is not None and isinstance(ts.run_spec, Task) and ts.run_spec.func is hold_decision and ts.dependencies:
-            s.client_desires_keys(keys=[gate], client="fire-and-forget")
-            if ts.state == "released":
-                s.transitions({gate: "waiting"}, stimulus_id=f"flowreduce-arrive-{token}-{_now()}")
+            self._compute_for_the_call(gate, f"flowreduce-arrive-{token}-{_now()}")
             return
         self._doom(token, to_serialize(InputStateError(
             f"all-reduce {token} on Dask collections: the results of ranks {missing[:20]} are not being computed, "
@@ -1594,9 +1591,16 @@ class P2PSchedulerPlugin(SchedulerPlugin):
         if out is None or out.state != "memory" or its is None or its.state != "released" or its.run_spec is None \
                 or forgotten is None:
             return False
-        s.client_desires_keys(keys=[key], client="fire-and-forget")
-        s.transitions({key: "waiting"}, stimulus_id=f"flowreduce-input-again-{token}-{_now()}")
+        self._compute_for_the_call(key, f"flowreduce-input-again-{token}-{_now()}")
         return True
+
+    def _compute_for_the_call(self, key: Hashable, stimulus_id: str) -> None:
+        """Task ``key`` is computed for a call whether or not a caller wants it: Dask's
+        fire-and-forget client wants it until it is, and it starts now if it was released."""
+        s = self.scheduler
+        s.client_desires_keys(keys=[key], client="fire-and-forget")
+        if s.tasks[key].state == "released":
+            s.transitions({key: "waiting"}, stimulus_id=stimulus_id)
 
     def _await(self, token: str, ranks: Iterable[int]) -> None:
         """Tell the workers holding, computing or bound to the inputs of
